@@ -1,0 +1,124 @@
+"""mpx's multi-rank testing, for every package's tests.
+
+One way, used everywhere: tests marked ``@pytest.mark.mpi`` are written in
+mpi4py's manner (they never assume a world size) and nox runs them as::
+
+    mpxrun -n 1|2|3 --timeout T -- python -m pytest -m mpi packages/
+
+every rank running the same tests in the same order. Two things keep one
+rank's failure from hanging the others:
+
+* After every mpi test, the ranks agree on its outcome with a non-blocking
+  allgather on a private communicator, polled against a deadline::
+
+      rank 0:  test A ──┐            ┌── test B ...
+      rank 1:  test A ──┼─ agree(A) ─┼── test B ...     failed anywhere -> the
+      rank 2:  test A ──┘            └── test B ...     teardown fails on all ranks
+
+  A rank whose peers do not arrive in time (they are stuck in a collective
+  that this rank left by raising) exits; ``mpxrun`` then stops the job and
+  names the rank.
+* pytest-timeout's thread method ends a test that hangs by itself.
+
+GPU tests (``@pytest.mark.gpu``) are skipped without CUDA, unless
+``MPX_REQUIRE_GPU=1`` (set by ``nox -s tests-gpu``) turns that into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+AGREE_TIMEOUT_S = float(os.environ.get("MPX_TEST_AGREE_TIMEOUT", "120"))
+_FAILED_KEY = pytest.StashKey[bool]()
+_agree_comm: Any = None
+
+
+def _world() -> Any:
+    """A private duplicate of COMM_WORLD, or None outside a multi-rank run."""
+    global _agree_comm
+    if _agree_comm is None:
+        if not any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPX_JOB_ID")):
+            return None
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() == 1:
+            return None
+        _agree_comm = MPI.COMM_WORLD.Dup()
+    return _agree_comm
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    comm = _world()
+    if comm is not None and comm.Get_rank() != 0:
+        # The other ranks report failures and their summary line only.
+        config.option.verbose = -1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("gpu" in item.keywords for item in items):
+        return
+    try:
+        import torch
+
+        has_cuda = bool(torch.cuda.is_available())
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    if os.environ.get("MPX_REQUIRE_GPU") == "1":
+        raise pytest.UsageError("MPX_REQUIRE_GPU=1 but torch sees no CUDA device")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (nox -s tests-gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _agree(comm: Any, failed: bool, nodeid: str) -> list[int]:
+    """Ranks on which the test failed; exits if the peers never arrive."""
+    import numpy as np
+    from mpi4py import MPI
+
+    mine = np.array([int(failed)], dtype=np.int32)
+    every = np.zeros(comm.Get_size(), dtype=np.int32)
+    request = comm.Iallgather([mine, MPI.INT], [every, MPI.INT])
+    deadline = time.monotonic() + AGREE_TIMEOUT_S
+    while not request.Test():
+        if time.monotonic() > deadline:
+            sys.stderr.write(
+                f"\nrank {comm.Get_rank()}: peers did not finish {nodeid} within "
+                f"{AGREE_TIMEOUT_S:g} s (a rank failed or hangs inside a collective); "
+                "ending this rank so that mpxrun stops the job\n"
+            )
+            sys.stderr.flush()
+            os._exit(3)
+        time.sleep(0.0005)
+    return [rank for rank, flag in enumerate(every.tolist()) if flag]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if "mpi" not in item.keywords:
+        return
+    comm = _world()
+    if comm is None:
+        return
+    if report.failed:
+        item.stash[_FAILED_KEY] = True
+    if call.when != "teardown":
+        return
+    # Teardown runs for every test on every rank, whatever failed before it,
+    # so it is the one place where all ranks are sure to meet.
+    failed_on = _agree(comm, item.stash.get(_FAILED_KEY, False), item.nodeid)
+    if failed_on and not item.stash.get(_FAILED_KEY, False):
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} failed on rank(s) {failed_on} (see their output)"

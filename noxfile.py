@@ -1,0 +1,134 @@
+"""Sessions for the mpx monorepo.
+
+    nox -s tests       unit tests, then the mpi tests under mpxrun -n 1, 2, 3
+    nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
+    nox -s lint        ruff and mypy
+    nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
+    nox -s demo        the main job: distributed training on scikit-learn's digits
+
+Every session installs from constraints.txt (torch pinned to the CPU build).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = str(ROOT / "constraints.txt")
+# Bottom layers first, so that pip sees each sibling before it is needed.
+PACKAGES = ["launch", "collectives", "quantize", "mgrit", "pipeline", "dataparallel"]
+RANK_COUNTS = (1, 2, 3)
+TEST_DEPS = ["torch", "numpy", "mpi4py", "mpich", "pytest", "pytest-timeout", "scikit-learn"]
+# Wall-clock limit of one multi-rank pytest run; each test has its own (300 s).
+MPI_RUN_TIMEOUT_S = "1200"
+HAS_GPU = shutil.which("nvidia-smi") is not None
+
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+
+
+def _install(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
+    session.install("-c", CONSTRAINTS, *TEST_DEPS, *extra)
+    session.install(
+        "-c",
+        CONSTRAINTS,
+        *[str(ROOT / "packages" / name) for name in PACKAGES],
+        env={"MPX_QUANTIZE_CUDA": cuda},
+    )
+
+
+def _timed(session: nox.Session, label: str, *args: str, **kwargs: object) -> None:
+    start = time.monotonic()
+    session.run(*args, **kwargs)  # type: ignore[arg-type]
+    session.log(f"{label}: {time.monotonic() - start:.1f} s")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit tests of all packages, then the mpi tests under 1, 2 and 3 ranks."""
+    _install(session)
+    paths = [f"packages/{name}/tests" for name in PACKAGES]
+    # pytest exits 5 when it collects nothing: session.run fails on it, as it should.
+    _timed(session, "unit tests", "python", "-m", "pytest", *paths, "-m", "not mpi and not gpu",
+           *session.posargs)
+    for nprocs in RANK_COUNTS:
+        _timed(
+            session, f"mpi tests on {nprocs} rank(s)",
+            "mpxrun", "-n", str(nprocs), "--timeout", MPI_RUN_TIMEOUT_S, "--",
+            "python", "-m", "pytest", *paths, "-m", "mpi and not gpu", *session.posargs,
+        )
+
+
+@nox.session(name="tests-gpu", default=HAS_GPU)
+def tests_gpu(session: nox.Session) -> None:
+    """CUDA build ON; the gpu-marked tests, single- and multi-rank."""
+    _install(session, cuda="ON")
+    env = {"MPX_REQUIRE_GPU": "1"}
+    paths = [f"packages/{name}/tests" for name in PACKAGES]
+    _timed(session, "gpu unit tests", "python", "-m", "pytest", *paths, "-m", "gpu and not mpi",
+           *session.posargs, env=env, success_codes=[0, 5])
+    for nprocs in RANK_COUNTS:
+        _timed(
+            session, f"gpu mpi tests on {nprocs} rank(s)",
+            "mpxrun", "-n", str(nprocs), "--timeout", MPI_RUN_TIMEOUT_S, "--",
+            "python", "-m", "pytest", *paths, "-m", "gpu and mpi", *session.posargs,
+            env=env, success_codes=[0, 5],
+        )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format check) and mypy (strict) over every package."""
+    _install(session, "ruff", "mypy", "matplotlib")
+    targets = ["packages", "examples", "noxfile.py", "conftest.py"]
+    session.run("ruff", "check", *targets)
+    session.run("ruff", "format", "--check", *targets)
+    sources = [f"packages/{name}/src/mpx/{name}" for name in PACKAGES]
+    session.run("mypy", *sources, "examples")
+
+
+BENCH_BEGIN = "<!-- bench:{name} begin -->"
+BENCH_END = "<!-- bench:{name} end -->"
+
+
+def _update_benchmarks_md(name: str, table: str) -> None:
+    path = ROOT / "BENCHMARKS.md"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    begin, end = BENCH_BEGIN.format(name=name), BENCH_END.format(name=name)
+    block = f"{begin}\n{table.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else f"{text.rstrip()}\n\n{block}\n"
+    path.write_text(text)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Runs every packages/*/benchmarks/*.py; each prints a markdown section.
+
+    ``nox -s bench -- NAME`` runs only the benchmarks whose path contains NAME.
+    """
+    _install(session, "matplotlib")
+    for script in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
+        name = f"{script.parent.parent.name}/{script.stem}"
+        if session.posargs and not any(arg in name for arg in session.posargs):
+            continue
+        output = session.run("python", str(script), silent=True)
+        assert isinstance(output, str)
+        print(output)
+        _update_benchmarks_md(name, output)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: `mpxrun -n 2` data-parallel training on scikit-learn's digits."""
+    _install(session, "matplotlib")
+    args = session.posargs or []
+    nprocs = os.environ.get("MPX_DEMO_RANKS", "2")
+    session.run("mpxrun", "-n", nprocs, "--timeout", "900", "--", "python",
+                "examples/train_digits.py", *args)

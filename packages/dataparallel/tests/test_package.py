@@ -1,0 +1,33 @@
+"""mpx-dataparallel installs, imports, and depends only on the layers below it."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from importlib import metadata
+
+import mpx.dataparallel
+
+# The mpx packages this layer may require (extras excluded): DESIGN.md's layers.
+ALLOWED_MPX_DEPENDENCIES: set[str] = {"mpx-collectives"}
+
+
+def _hard_requirements() -> list[str]:
+    return [r for r in metadata.requires("mpx-dataparallel") or [] if "extra ==" not in r]
+
+
+def test_version_matches_the_distribution() -> None:
+    assert mpx.dataparallel.__version__ == metadata.version("mpx-dataparallel")
+
+
+def test_is_a_pep_420_namespace_package() -> None:
+    # No src/mpx/__init__.py anywhere: every mpx package shares the namespace.
+    assert getattr(importlib.import_module("mpx"), "__file__", None) is None
+
+
+def test_requires_only_lower_layers() -> None:
+    names = {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in _hard_requirements()}
+    assert {n for n in names if n.startswith("mpx-")} == ALLOWED_MPX_DEPENDENCIES
+    for requirement in _hard_requirements():
+        if requirement.startswith("mpx-"):
+            assert ">=0.1" in requirement and "<0.2" in requirement, requirement

@@ -1,0 +1,28 @@
+"""mpx-launch: start MPI jobs with ``mpxrun`` and find your place in them.
+
+Example::
+
+    from mpx.launch import environment, init_torch_env
+    env = init_torch_env()          # RANK, WORLD_SIZE, MASTER_ADDR, ... for torch
+    print(env.rank, env.world_size)
+"""
+
+from mpx.launch.environment import Environment, environment, free_port, init_torch_env
+from mpx.launch.errors import LaunchEnvironmentError, LaunchError, LauncherNotFound, UsageError
+from mpx.launch.launchers import Launcher, find_launcher
+
+__all__ = [
+    "Environment",
+    "environment",
+    "init_torch_env",
+    "free_port",
+    "Launcher",
+    "find_launcher",
+    "LaunchError",
+    "LaunchEnvironmentError",
+    "LauncherNotFound",
+    "UsageError",
+    "__version__",
+]
+
+__version__ = "0.1.0"

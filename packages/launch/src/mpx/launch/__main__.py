@@ -1,0 +1,5 @@
+"""``python -m mpx.launch`` is ``mpxrun``."""
+
+from mpx.launch.cli import run
+
+run()

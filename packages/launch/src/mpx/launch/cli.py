@@ -1,0 +1,314 @@
+"""``mpxrun``: start N ranks through the installed MPI launcher, and stop them all.
+
+::
+
+    mpxrun -n N [--hostfile F] [--bind none|core|numa] [--gpus auto|none]
+           [--timeout S] [--tag-output] [--launcher auto|mpich|openmpi|slurm|PATH]
+           [--] prog args…
+
+The job runs as a process tree in its own session::
+
+    mpxrun ─(watches stderr for status lines, the clock, Ctrl-C)
+      └── launcher (mpiexec / mpirun / srun), new session
+            └── per rank: python -m mpx.launch.rank -- prog args…
+
+When a rank fails, its supervisor prints a status line; ``mpxrun`` gives the
+launcher a moment to tear the job down by itself, then signals the whole
+session (SIGTERM, then SIGKILL). The exit code is the failed rank's (128+N for
+a signal), 124 for ``--timeout``, 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import IO, NoReturn, Sequence
+
+from mpx.launch.environment import free_port
+from mpx.launch.errors import LaunchError, UsageError
+from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS, Launcher, find_launcher
+from mpx.launch.rank import die_with_parent, parse_status
+
+__all__ = ["main", "build_parser", "Job", "RankFailure"]
+
+# After the first failure the launcher gets this long to stop the other ranks
+# itself (Hydra and mpirun do) before mpxrun signals them.
+LAUNCHER_GRACE_S = 1.0
+# Between SIGTERM and SIGKILL.
+TERM_GRACE_S = 2.0
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, exit 2: what to fix, not a usage dump.
+        self.exit(EXIT_USAGE, f"mpxrun: {message} (see mpxrun --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-n must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"-n must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``mpxrun``."""
+    parser = _Parser(
+        prog="mpxrun",
+        description="Start N ranks of a program through the installed MPI launcher; "
+        "if one fails, stop them all and say which.",
+    )
+    parser.add_argument("-n", "-np", "--nprocs", type=_positive_int, default=1, dest="nprocs",
+                        help="number of ranks (default 1)")
+    parser.add_argument("--hostfile", help="file of hosts, one per line ('host' or 'host:slots')")
+    parser.add_argument("--bind", choices=BIND_CHOICES, default="none",
+                        help="bind each rank to a core or a NUMA domain (default none)")
+    parser.add_argument("--gpus", choices=("auto", "none"), default="auto",
+                        help="auto: one GPU per local rank, round robin; none: hide GPUs")
+    parser.add_argument("--timeout", type=_positive_float, default=None,
+                        help="stop the job after this many seconds (exit 124)")
+    parser.add_argument("--tag-output", action="store_true", help="prefix output lines with the rank")
+    parser.add_argument("--launcher", default="auto",
+                        help=f"auto, {', '.join(LAUNCHER_KINDS)}, or a path to mpiexec/mpirun")
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return parser
+
+
+def _resolve_program(program: Sequence[str]) -> list[str]:
+    args = list(program)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        raise UsageError("no program given; usage: mpxrun -n N [options] [--] prog args...")
+    prog = args[0]
+    if prog.endswith(".py"):
+        if not os.path.isfile(prog):
+            raise UsageError(f"program {prog!r} not found (no such file)")
+        return [sys.executable, os.path.abspath(prog), *args[1:]]
+    if os.sep in prog:
+        if not (os.path.isfile(prog) and os.access(prog, os.X_OK)):
+            raise UsageError(f"program {prog!r} not found or not executable")
+        return [os.path.abspath(prog), *args[1:]]
+    found = shutil.which(prog)
+    if found is None:
+        raise UsageError(f"program {prog!r} not found on PATH")
+    return [found, *args[1:]]
+
+
+def _hosts_in(hostfile: str) -> list[str]:
+    try:
+        with open(hostfile) as fh:
+            lines = [ln.split("#")[0].strip() for ln in fh]
+    except OSError as exc:
+        raise UsageError(f"cannot read hostfile {hostfile!r}: {exc.strerror}") from None
+    hosts = [ln.split()[0].split(":")[0] for ln in lines if ln]
+    if not hosts:
+        raise UsageError(f"hostfile {hostfile!r} names no hosts")
+    return hosts
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@dataclass
+class RankFailure:
+    """A rank that exited non-zero or was killed."""
+
+    rank: int
+    code: int
+    tail: list[str]
+
+    def describe(self) -> str:
+        if self.code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-self.code).name}"
+            except ValueError:
+                how = f"was killed by signal {-self.code}"
+        else:
+            how = f"exited with code {self.code}"
+        return f"rank {self.rank} {how}"
+
+    @property
+    def exit_code(self) -> int:
+        return self.code if self.code > 0 else 128 - self.code
+
+
+@dataclass
+class Job:
+    """A running launcher process and what its ranks reported.
+
+    Example::
+
+        job = Job(["mpiexec", "-n", "2", "python", "-m", "mpx.launch.rank", "--", "hostname"])
+        code = job.run(timeout=60)
+        print(job.failures)
+    """
+
+    command: list[str]
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    stderr: IO[bytes] = field(default_factory=lambda: sys.stderr.buffer)
+    failures: list[RankFailure] = field(default_factory=list)
+    timed_out: bool = False
+    _failed: threading.Event = field(default_factory=threading.Event)
+
+    def _pump(self, source: IO[bytes]) -> None:
+        for raw in iter(source.readline, b""):
+            status = parse_status(raw.decode(errors="replace"))
+            if status is None:
+                self.stderr.write(raw)
+                self.stderr.flush()
+            else:
+                self.failures.append(RankFailure(*status))
+                self._failed.set()
+        source.close()
+
+    def _signal_all(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _stop(self, proc: subprocess.Popen[bytes]) -> None:
+        self._signal_all(proc, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._signal_all(proc, signal.SIGKILL)
+
+    def run(self, timeout: float | None = None) -> int:
+        """Runs the job to its end; returns the launcher's exit code."""
+        proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            # If mpxrun itself is SIGKILLed, the launcher still gets a SIGTERM.
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+        )
+        assert proc.stderr is not None
+        pump = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
+        pump.start()
+        start = time.monotonic()
+        failed_at: float | None = None
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if timeout is not None and now - start > timeout:
+                    self.timed_out = True
+                    self._stop(proc)
+                    break
+                if self._failed.is_set():
+                    failed_at = now if failed_at is None else failed_at
+                    if now - failed_at > LAUNCHER_GRACE_S:
+                        self._stop(proc)
+                        break
+                time.sleep(0.02)
+        except KeyboardInterrupt:
+            self._stop(proc)
+            proc.wait()
+            raise
+        code = proc.wait()
+        # Whatever the launcher left in its session (a proxy, a stray rank) goes too.
+        self._signal_all(proc, signal.SIGKILL)
+        pump.join(timeout=5.0)
+        return code
+
+
+def _job_environment(
+    launcher: Launcher, nprocs: int, hostfile: str | None, gpus: str
+) -> dict[str, str]:
+    local = hostfile is None and launcher.kind != "slurm"
+    hosts = _hosts_in(hostfile) if hostfile else []
+    oversubscribed = local and nprocs > _cores()
+    env = dict(os.environ)
+    for key, value in launcher.environment(nprocs, oversubscribed=oversubscribed, local=local).items():
+        env.setdefault(key, value)
+    # A rendezvous point for torch.distributed's env:// (see init_torch_env).
+    master = "127.0.0.1" if local else (hosts[0] if hosts else os.uname().nodename)
+    env.setdefault("MPX_MASTER_ADDR", master)
+    env.setdefault("MPX_MASTER_PORT", str(free_port()))
+    env["MPX_JOB_ID"] = uuid.uuid4().hex[:12]
+    env["MPX_GPUS"] = gpus
+    return env
+
+
+def _report(job: Job, code: int, timeout: float | None) -> int:
+    if job.timed_out:
+        print(f"mpxrun: the job ran past --timeout {timeout:g} s and was stopped", file=sys.stderr)
+        return EXIT_TIMEOUT
+    if job.failures:
+        first = job.failures[0]
+        others = sorted({f.rank for f in job.failures[1:]} - {first.rank})
+        lines = [f"mpxrun: {first.describe()}; all ranks were stopped."]
+        if others:
+            lines.append(f"mpxrun: also failed: rank(s) {', '.join(map(str, others))}")
+        if first.tail:
+            lines.append(f"mpxrun: last lines of rank {first.rank}'s stderr:")
+            lines.extend(f"    {line}" for line in first.tail)
+        print("\n".join(lines), file=sys.stderr)
+        return first.exit_code
+    if code != 0:
+        print(f"mpxrun: the launcher exited with code {code}", file=sys.stderr)
+        return code if code > 0 else 128 - code
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mpxrun``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        program = _resolve_program(args.program)
+        launcher = find_launcher(args.launcher)
+        env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus)
+        supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
+        exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
+        command = launcher.command(
+            args.nprocs, supervised, hostfile=args.hostfile, bind=args.bind,
+            tag_output=args.tag_output, export=exported,
+        )
+    except LaunchError as exc:
+        print(f"mpxrun: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    job = Job(command, env=env)
+    # SIGTERM/SIGHUP (a batch system, `timeout`, a closed terminal) stop the
+    # job the way Ctrl-C does, instead of orphaning it in its own session.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.default_int_handler)
+    try:
+        code = job.run(timeout=args.timeout)
+    except KeyboardInterrupt:
+        print("mpxrun: interrupted; all ranks were stopped", file=sys.stderr)
+        return 130
+    return _report(job, code, args.timeout)
+
+
+def run() -> NoReturn:
+    """Console-script entry point."""
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Where am I in the job? Rank and sizes from whatever launcher started us.
+
+Every MPI launcher announces a process's place in the job through environment
+variables, each in its own dialect::
+
+    launcher            rank                   size                  local rank / local size
+    ------------------  ---------------------  --------------------  -------------------------------------------
+    Open MPI (mpirun)   OMPI_COMM_WORLD_RANK   OMPI_COMM_WORLD_SIZE  OMPI_COMM_WORLD_LOCAL_RANK / _LOCAL_SIZE
+    MPICH / Hydra       PMI_RANK               PMI_SIZE              MPI_LOCALRANKID / MPI_LOCALNRANKS
+    Slurm (srun)        SLURM_PROCID           SLURM_NTASKS          SLURM_LOCALID / SLURM_TASKS_PER_NODE
+    torchrun            RANK                   WORLD_SIZE            LOCAL_RANK / LOCAL_WORLD_SIZE
+
+:func:`environment` reads them without importing MPI (so it is cheap and works
+before ``MPI_Init``), and :func:`init_torch_env` translates them into the
+variables ``torch.distributed``'s ``env://`` rendezvous expects.
+
+The MPI variables win over Slurm's and torchrun's: ``mpiexec`` inside a Slurm
+allocation inherits ``SLURM_PROCID=0`` from the batch script, and
+:func:`init_torch_env` itself writes ``RANK``/``WORLD_SIZE``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+from mpx.launch.errors import LaunchEnvironmentError
+
+__all__ = ["Environment", "environment", "init_torch_env", "free_port"]
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A process's place in a distributed job.
+
+    Attributes:
+        rank: global rank, ``0 <= rank < world_size``.
+        local_rank: rank among the processes on this node.
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node, ``0 <= node_rank < world_size``.
+        launcher: which launcher's variables were read: ``"openmpi"``,
+            ``"mpich"``, ``"slurm"``, ``"torchrun"`` or ``"single"``.
+
+    Example::
+
+        env = environment()
+        if env.rank == 0:
+            print(f"{env.world_size} ranks, started by {env.launcher}")
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    launcher: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise LaunchEnvironmentError(
+                f"rank {self.rank} is outside [0, {self.world_size}) "
+                f"(read from {self.launcher}'s variables)"
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise LaunchEnvironmentError(
+                f"local rank {self.local_rank} is outside [0, {self.local_world_size}) "
+                f"(read from {self.launcher}'s variables)"
+            )
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchEnvironmentError(
+            f"{name}={value!r} is not an integer; unset it or fix the launcher"
+        ) from None
+
+
+def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Expands Slurm's compressed ``SLURM_TASKS_PER_NODE`` ("2(x3),1") for one node."""
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if match is None:
+            raise LaunchEnvironmentError(
+                f"SLURM_TASKS_PER_NODE={tasks_per_node!r} is not in Slurm's 'N(xM),K' form"
+            )
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    if not 0 <= node_id < len(counts):
+        raise LaunchEnvironmentError(
+            f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE={tasks_per_node!r} "
+            f"describes {len(counts)} nodes"
+        )
+    return counts[node_id]
+
+
+def _node_rank_by_blocks(rank: int, local_rank: int, local_size: int) -> int:
+    # Launchers place ranks on nodes in blocks by default (by-slot mapping):
+    # the first local_size ranks on node 0, and so on.
+    return (rank - local_rank) // max(local_size, 1)
+
+
+def environment(env: Mapping[str, str] | None = None) -> Environment:
+    """Reads this process's rank and sizes from the launcher's variables.
+
+    Args:
+        env: the variables to read; ``os.environ`` by default.
+
+    Returns:
+        The :class:`Environment`; rank 0 of 1 (``launcher="single"``) when no
+        launcher's variables are present.
+
+    Raises:
+        LaunchEnvironmentError: a variable is present but malformed.
+    """
+    env = os.environ if env is None else env
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        rank = _int(env, "OMPI_COMM_WORLD_RANK")
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+        return Environment(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=_int(env, "OMPI_COMM_WORLD_SIZE"),
+            local_world_size=local_size,
+            node_rank=_node_rank_by_blocks(rank, local_rank, local_size),
+            launcher="openmpi",
+        )
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        rank = _int(env, "PMI_RANK")
+        size = _int(env, "PMI_SIZE")
+        local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else rank
+        local_size = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else size
+        return Environment(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=size,
+            local_world_size=local_size,
+            node_rank=_node_rank_by_blocks(rank, local_rank, local_size),
+            launcher="mpich",
+        )
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        node_id = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+        size = _int(env, "SLURM_NTASKS") if "SLURM_NTASKS" in env else _int(env, "SLURM_NPROCS")
+        tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        local_size = _slurm_tasks_on_node(tasks_per_node, node_id) if tasks_per_node else size
+        return Environment(
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            world_size=size,
+            local_world_size=local_size,
+            node_rank=node_id,
+            launcher="slurm",
+        )
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:
+        rank = _int(env, "RANK")
+        size = _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK")
+        local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size
+        node = (
+            _int(env, "GROUP_RANK")
+            if "GROUP_RANK" in env
+            else _node_rank_by_blocks(rank, local_rank, local_size)
+        )
+        return Environment(rank, local_rank, size, local_size, node, "torchrun")
+    return Environment(0, 0, 1, 1, 0, "single")
+
+
+def free_port(host: str = "") -> int:
+    """Returns a TCP port that is free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _agree_on_master(env: Environment) -> tuple[str, str]:
+    """Finds MASTER_ADDR/MASTER_PORT every rank agrees on.
+
+    ``mpxrun`` exports ``MPX_MASTER_ADDR``/``MPX_MASTER_PORT``. Under a bare
+    ``mpiexec`` rank 0 picks a free port and broadcasts it with mpi4py.
+    """
+    if "MPX_MASTER_ADDR" in os.environ and "MPX_MASTER_PORT" in os.environ:
+        return os.environ["MPX_MASTER_ADDR"], os.environ["MPX_MASTER_PORT"]
+    if env.world_size == 1:
+        return "127.0.0.1", str(free_port("127.0.0.1"))
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise LaunchEnvironmentError(
+            f"rank {env.rank} of {env.world_size}: cannot agree on MASTER_ADDR/MASTER_PORT; "
+            "start the job with mpxrun, set MASTER_ADDR and MASTER_PORT, or pip install mpi4py"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != env.world_size:
+        raise LaunchEnvironmentError(
+            f"MPI.COMM_WORLD has {comm.Get_size()} ranks but the launcher says {env.world_size}"
+        )
+    choice = None
+    if comm.Get_rank() == 0:
+        choice = (socket.gethostname(), str(free_port()))
+    addr, port = comm.bcast(choice, root=0)
+    return str(addr), str(port)
+
+
+def init_torch_env(env: Environment | None = None) -> Environment:
+    """Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+
+    Variables already set are kept, so a user's MASTER_ADDR wins. After this,
+    ``torch.distributed.init_process_group("gloo")`` (``env://``) works under
+    ``mpxrun``, ``mpiexec``, ``srun`` or as a single process.
+
+    Args:
+        env: the job description; :func:`environment` by default.
+
+    Returns:
+        The :class:`Environment` that was exported.
+
+    Example::
+
+        env = init_torch_env()
+        torch.distributed.init_process_group("gloo")
+        assert torch.distributed.get_rank() == env.rank
+    """
+    env = environment() if env is None else env
+    os.environ["RANK"] = str(env.rank)
+    os.environ["WORLD_SIZE"] = str(env.world_size)
+    os.environ["LOCAL_RANK"] = str(env.local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
+    os.environ["GROUP_RANK"] = str(env.node_rank)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        addr, port = _agree_on_master(env)
+        os.environ.setdefault("MASTER_ADDR", addr)
+        os.environ.setdefault("MASTER_PORT", port)
+    return env

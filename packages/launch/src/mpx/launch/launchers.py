@@ -1,0 +1,229 @@
+"""Finding the installed MPI launcher and speaking its dialect.
+
+``mpxrun`` translates one set of options into the command line and the
+environment of whichever launcher is there::
+
+    mpxrun option      MPICH (Hydra)      Open MPI (mpirun)     Slurm (srun)
+    -----------------  -----------------  --------------------  ------------------
+    -n N               -n N               -n N                  -n N
+    --hostfile F       -f F               --hostfile F          (the allocation)
+    --bind core|numa   -bind-to core|numa --bind-to core|numa   --cpu-bind=cores|ldoms
+    --tag-output       -prepend-rank      --tag-output          --label
+    environment        inherited          -x NAME for each      inherited
+
+Oversubscription (more ranks than cores) makes MPICH busy-poll and Open MPI
+refuse to start; the defaults below make both yield instead. A variable the
+user has already set is never overridden.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from mpx.launch.errors import LauncherNotFound, UsageError
+
+__all__ = ["Launcher", "find_launcher", "LAUNCHER_KINDS", "BIND_CHOICES"]
+
+LAUNCHER_KINDS = ("mpich", "openmpi", "slurm")
+BIND_CHOICES = ("none", "core", "numa")
+
+# MPICH's settings for oversubscribed nodes, as mpi4py's own CI uses them:
+# poll once, then yield the core to another rank.
+_MPICH_YIELD = {
+    "MPIR_CVAR_POLLS_BEFORE_YIELD": "1",
+    "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
+    "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1",
+}
+# Below this much free /dev/shm MPICH dies with bus errors; NOLOCAL routes
+# intra-node traffic through the network module instead.
+_MIN_DEV_SHM_BYTES = 256 << 20
+
+_SLURM_BIND = {"none": "none", "core": "cores", "numa": "ldoms"}
+
+_INSTALL_HINT = "pip install mpi4py mpich (or load your cluster's MPI module)"
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """An MPI launcher found on this machine.
+
+    Attributes:
+        kind: ``"mpich"``, ``"openmpi"`` or ``"slurm"``.
+        path: the executable (``mpiexec``, ``mpirun`` or ``srun``).
+
+    Example::
+
+        launcher = find_launcher()
+        cmd = launcher.command(2, ["python", "train.py"])
+        env = launcher.environment(2, oversubscribed=True)
+    """
+
+    kind: str
+    path: str
+
+    def command(
+        self,
+        nprocs: int,
+        program: Sequence[str],
+        *,
+        hostfile: str | None = None,
+        bind: str = "none",
+        tag_output: bool = False,
+        export: Sequence[str] = (),
+    ) -> list[str]:
+        """The command line that starts ``nprocs`` copies of ``program``.
+
+        Args:
+            nprocs: number of ranks.
+            program: the program and its arguments.
+            hostfile: a file of hosts, one per line (``host`` or ``host:slots``).
+            bind: ``"none"``, ``"core"`` or ``"numa"``.
+            tag_output: prefix each output line with its rank.
+            export: names of variables to pass to the ranks explicitly (Open
+                MPI does not forward the environment by default).
+        """
+        if bind not in BIND_CHOICES:
+            raise UsageError(f"--bind must be one of {', '.join(BIND_CHOICES)}, got {bind!r}")
+        cmd = [self.path, "-n", str(nprocs)]
+        if self.kind == "mpich":
+            if hostfile:
+                cmd += ["-f", hostfile]
+            if bind != "none":
+                cmd += ["-bind-to", bind]
+            if tag_output:
+                cmd += ["-prepend-rank"]
+        elif self.kind == "openmpi":
+            if hostfile:
+                cmd += ["--hostfile", hostfile]
+            cmd += ["--bind-to", bind]
+            if tag_output:
+                cmd += ["--tag-output"]
+            for name in export:
+                cmd += ["-x", name]
+        else:
+            if hostfile:
+                raise UsageError(
+                    "--hostfile cannot be used with srun: Slurm places ranks on the "
+                    "nodes of the allocation (use salloc/sbatch --nodes instead)"
+                )
+            cmd += [f"--cpu-bind={_SLURM_BIND[bind]}"]
+            if tag_output:
+                cmd += ["--label"]
+        return cmd + list(program)
+
+    def environment(
+        self, nprocs: int, *, oversubscribed: bool, local: bool = True
+    ) -> dict[str, str]:
+        """Variables this launcher needs for a sane run, user settings excluded.
+
+        Args:
+            nprocs: number of ranks.
+            oversubscribed: more ranks than cores on a node.
+            local: all ranks on this machine (no hostfile, no Slurm).
+        """
+        env: dict[str, str] = {}
+        if self.kind == "mpich":
+            if oversubscribed:
+                env.update(_MPICH_YIELD)
+            if local:
+                # Start local ranks by fork instead of through ssh.
+                env["HYDRA_LAUNCHER"] = "fork"
+                env["FI_PROVIDER"] = "tcp"
+            if _dev_shm_free() < _MIN_DEV_SHM_BYTES:
+                env["MPIR_CVAR_NOLOCAL"] = "1"
+        elif self.kind == "openmpi":
+            if oversubscribed:
+                env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+                env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
+                env["OMPI_MCA_rmaps_base_oversubscribe"] = "1"
+            if hasattr(os, "geteuid") and os.geteuid() == 0:
+                env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+                env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        return env
+
+
+def _dev_shm_free() -> int:
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return 1 << 62  # no /dev/shm to worry about
+    return stat.f_bavail * stat.f_frsize
+
+
+def _identify(path: str) -> str | None:
+    """Asks an ``mpiexec``/``mpirun`` which MPI it belongs to."""
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = out.stdout + out.stderr
+    if "HYDRA" in text or "MPICH" in text or "Intel(R) MPI" in text:
+        return "mpich"
+    if "Open MPI" in text or "OpenRTE" in text or "prte" in text.lower():
+        return "openmpi"
+    return None
+
+
+def _candidates(env: Mapping[str, str]) -> list[str]:
+    # The launcher next to this interpreter first: `pip install mpich` puts
+    # mpiexec into the environment's bin/, which need not be on PATH.
+    found: list[str] = []
+    here = Path(sys.executable).parent
+    search_path = env.get("PATH", os.defpath)
+    for name in ("mpiexec", "mpirun"):
+        beside = here / name
+        if beside.is_file() and os.access(beside, os.X_OK):
+            found.append(str(beside))
+        on_path = shutil.which(name, path=search_path)
+        if on_path:
+            found.append(on_path)
+    return list(dict.fromkeys(found))
+
+
+def find_launcher(kind: str = "auto", env: Mapping[str, str] | None = None) -> Launcher:
+    """Finds the MPI launcher to use.
+
+    Args:
+        kind: ``"auto"`` (``srun`` inside a Slurm allocation, else the
+            ``mpiexec`` beside this Python, else the first on ``PATH``), one of
+            ``"mpich"``, ``"openmpi"``, ``"slurm"``, or a path to a launcher.
+            ``MPX_LAUNCHER`` sets it too.
+        env: the environment to search; ``os.environ`` by default.
+
+    Raises:
+        LauncherNotFound: nothing suitable is installed.
+    """
+    env = os.environ if env is None else env
+    if kind == "auto":
+        kind = env.get("MPX_LAUNCHER", "auto") or "auto"
+    if kind not in ("auto", *LAUNCHER_KINDS):
+        identified = _identify(kind)
+        if identified is None:
+            raise LauncherNotFound(
+                f"launcher {kind!r} is not an MPICH or Open MPI mpiexec/mpirun; "
+                "pass --launcher auto|mpich|openmpi|slurm"
+            )
+        return Launcher(identified, kind)
+    if kind in ("auto", "slurm"):
+        srun = shutil.which("srun", path=env.get("PATH", os.defpath))
+        if srun and (kind == "slurm" or "SLURM_JOB_ID" in env):
+            return Launcher("slurm", srun)
+        if kind == "slurm":
+            raise LauncherNotFound("--launcher slurm, but srun is not on PATH")
+    for path in _candidates(env):
+        identified = _identify(path)
+        if identified is not None and kind in ("auto", identified):
+            return Launcher(identified, path)
+    wanted = "MPI launcher" if kind == "auto" else f"{kind} launcher"
+    raise LauncherNotFound(
+        f"no {wanted} found (looked for mpiexec and mpirun beside {sys.executable} "
+        f"and on PATH); {_INSTALL_HINT}"
+    )

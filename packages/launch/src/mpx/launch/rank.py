@@ -1,0 +1,214 @@
+"""The supervisor ``mpxrun`` puts around every rank.
+
+The MPI launcher starts ``python -m mpx.launch.rank -- prog args…`` once per
+rank; this module starts ``prog`` as its child and watches it::
+
+    mpxrun ── mpiexec ──┬── hydra proxy ── rank supervisor ── prog (rank 0)
+                        └── hydra proxy ── rank supervisor ── prog (rank 1)
+                                                │
+              stderr of prog ──tee──> stderr ───┘ (+ the last lines kept)
+
+If ``prog`` exits non-zero or is killed, the supervisor writes one status
+line (``MPXRUN-RANK-FAILED rank code tail``) to stderr. The launcher forwards
+stderr from every node, so ``mpxrun`` learns which rank failed and why even on
+a cluster, strips the line, stops the job and reports it.
+
+Nothing is left behind: the child dies with its supervisor (``PR_SET_PDEATHSIG``)
+and a supervisor that is told to stop (SIGTERM/SIGINT/SIGHUP) passes the
+signal on and kills the child after a grace period.
+
+Per rank it also sets ``OMP_NUM_THREADS`` (cores per local rank) and
+``CUDA_VISIBLE_DEVICES`` (one GPU per local rank, round robin) unless the user
+has set them.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import FrameType
+from typing import IO, Callable, Deque, Mapping, Sequence
+
+from mpx.launch.environment import Environment, environment
+
+__all__ = [
+    "STATUS_PATTERN",
+    "parse_status",
+    "format_status",
+    "rank_environment",
+    "die_with_parent",
+    "main",
+]
+
+STATUS_PATTERN = re.compile(r"MPXRUN-RANK-FAILED (\d+) (-?\d+) ([A-Za-z0-9+/=]*)")
+TAIL_LINES = 20
+KILL_GRACE_S = 2.0
+_PR_SET_PDEATHSIG = 1
+
+
+def format_status(rank: int, code: int, tail: Sequence[str]) -> str:
+    """The status line a failed rank's supervisor writes to stderr."""
+    payload = base64.b64encode(json.dumps(list(tail)).encode()).decode()
+    return f"MPXRUN-RANK-FAILED {rank} {code} {payload}"
+
+
+def parse_status(line: str) -> tuple[int, int, list[str]] | None:
+    """Reads a status line back: (rank, exit code, last stderr lines), or None."""
+    match = STATUS_PATTERN.search(line)
+    if match is None:
+        return None
+    try:
+        tail = json.loads(base64.b64decode(match.group(3)).decode())
+    except ValueError:
+        tail = []
+    return int(match.group(1)), int(match.group(2)), [str(x) for x in tail]
+
+
+def _gpu_count() -> int:
+    # The driver lists one directory per GPU; reading it costs nothing, unlike
+    # starting nvidia-smi or initialising CUDA in the supervisor.
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def rank_environment(
+    env: Environment, base: Mapping[str, str], gpus: str = "auto", gpu_count: int | None = None
+) -> dict[str, str]:
+    """The environment a rank's program runs with.
+
+    Args:
+        env: the rank's place in the job.
+        base: the inherited environment.
+        gpus: ``"auto"`` (one GPU per local rank, round robin) or ``"none"``
+            (hide GPUs).
+        gpu_count: GPUs on this node; read from the driver when None.
+    """
+    out = dict(base)
+    if "OMP_NUM_THREADS" not in out:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        out["OMP_NUM_THREADS"] = str(max(1, cores // max(env.local_world_size, 1)))
+    if gpus == "none":
+        out["CUDA_VISIBLE_DEVICES"] = ""
+    elif "CUDA_VISIBLE_DEVICES" in base:
+        visible = [d for d in base["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+        if len(visible) > 1:
+            out["CUDA_VISIBLE_DEVICES"] = visible[env.local_rank % len(visible)]
+    else:
+        count = _gpu_count() if gpu_count is None else gpu_count
+        if count > 0:
+            out["CUDA_VISIBLE_DEVICES"] = str(env.local_rank % count)
+    return out
+
+
+def die_with_parent(sig: int) -> None:
+    """Asks Linux to send ``sig`` to this process when its parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's cleanup has to do
+        pass
+
+
+def _tee(source: IO[bytes], sink: IO[bytes], tail: Deque[str]) -> None:
+    for line in iter(source.readline, b""):
+        sink.write(line)
+        sink.flush()
+        tail.append(line.decode(errors="replace").rstrip("\n"))
+    source.close()
+
+
+def _pass_fds() -> tuple[int, ...]:
+    # Hydra hands each rank its PMI connection as an inherited descriptor.
+    fd = os.environ.get("PMI_FD", "")
+    return (int(fd),) if fd.isdigit() else ()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one rank's program under supervision; returns its exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        print("mpx.launch.rank: no program given", file=sys.stderr)
+        return 2
+    die_with_parent(signal.SIGTERM)
+    env = environment()
+    child_env = rank_environment(env, os.environ, gpus=os.environ.get("MPX_GPUS", "auto"))
+    preexec: Callable[[], None] = lambda: die_with_parent(signal.SIGKILL)  # noqa: E731
+    try:
+        child = subprocess.Popen(
+            args,
+            env=child_env,
+            stderr=subprocess.PIPE,
+            pass_fds=_pass_fds(),
+            preexec_fn=preexec,
+        )
+    except OSError as exc:
+        message = f"rank {env.rank}: cannot start {args[0]!r}: {exc.strerror}"
+        print(message, file=sys.stderr)
+        print(format_status(env.rank, 127, [message]), file=sys.stderr, flush=True)
+        return 127
+
+    stopped_by: list[int] = []
+
+    def kill_child() -> None:
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        # Runs in the main thread while it sits in child.wait(), which holds
+        # Popen's wait lock: so signal by pid and let wait() see the end.
+        if not stopped_by:
+            stopped_by.append(signum)
+            timer = threading.Timer(KILL_GRACE_S, kill_child)
+            timer.daemon = True
+            timer.start()
+        try:
+            os.kill(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stop)
+
+    tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
+    assert child.stderr is not None
+    reader = threading.Thread(
+        target=_tee, args=(child.stderr, sys.stderr.buffer, tail), daemon=True
+    )
+    reader.start()
+    code = child.wait()
+    # A grandchild may still hold the pipe open; don't wait for it forever.
+    reader.join(timeout=2.0)
+    if stopped_by:
+        # Stopped from outside (mpxrun, the launcher, Ctrl-C): not this rank's fault.
+        return 128 + stopped_by[0]
+    if code != 0:
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            tail.append(f"(rank {env.rank} was killed by {name})")
+        print(format_status(env.rank, code, list(tail)), file=sys.stderr, flush=True)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

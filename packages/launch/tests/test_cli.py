@@ -1,0 +1,163 @@
+"""mpxrun end to end: real jobs of 1, 2 and 3 ranks, failures, timeouts, bad usage."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mpx.launch import cli
+
+MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
+
+# Every rank records its pid, so that the test can check nothing survives.
+PROGRAM = textwrap.dedent(
+    """
+    import os, sys, time
+    from mpx.launch import environment
+    env = environment()
+    out = sys.argv[1]
+    with open(os.path.join(out, f"pid.{env.rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    print(f"rank {env.rank} of {env.world_size} threads={os.environ['OMP_NUM_THREADS']}",
+          flush=True)
+    mode = sys.argv[2] if len(sys.argv) > 2 else "ok"
+    if mode == "mpi":
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
+    if env.rank == 1 and mode in ("raise", "mpi"):
+        print("rank 1 is about to fail", file=sys.stderr, flush=True)
+        raise ValueError("deliberate failure on rank 1")
+    if env.rank == 1 and mode == "sigkill":
+        os.kill(os.getpid(), 9)
+    if env.rank == 0 and mode == "exit7":
+        sys.exit(7)
+    if mode == "mpi":
+        MPI.COMM_WORLD.Barrier()  # rank 1 never arrives
+    if mode != "ok":
+        time.sleep(120)
+    """
+)
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [MPXRUN, *args[:-1], str(script), str(tmp_path), args[-1]],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    return proc, time.monotonic() - start
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return not any(line.startswith("State:\tZ") for line in fh)
+    except FileNotFoundError:
+        return False
+
+
+def _assert_no_survivors(tmp_path: Path) -> None:
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    assert pids, "the ranks never started"
+    time.sleep(0.5)
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_job_runs_every_rank(tmp_path: Path, nprocs: int) -> None:
+    proc, _ = _run(tmp_path, "-n", str(nprocs), "ok")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
+        f"rank {r} of {nprocs} threads={max(1, len(os.sched_getaffinity(0)) // nprocs)}"
+        for r in range(nprocs)
+    ]
+
+
+def test_exit_code_passes_through(tmp_path: Path) -> None:
+    proc, _ = _run(tmp_path, "-n", "2", "exit7")
+    assert proc.returncode == 7
+    assert "rank 0 exited with code 7" in proc.stderr
+    _assert_no_survivors(tmp_path)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_raising_rank_stops_the_job_and_is_named(tmp_path: Path, nprocs: int) -> None:
+    proc, took = _run(tmp_path, "-n", str(nprocs), "raise")
+    assert took < 10
+    assert proc.returncode == 1
+    assert "mpxrun: rank 1 exited with code 1; all ranks were stopped." in proc.stderr
+    assert "    ValueError: deliberate failure on rank 1" in proc.stderr
+    assert "MPXRUN-RANK-FAILED" not in proc.stderr + proc.stdout
+    _assert_no_survivors(tmp_path)
+
+
+def test_a_rank_raising_while_peers_wait_in_mpi_stops_the_job(tmp_path: Path) -> None:
+    # Without mpx's exit hook, rank 1 would hang in MPI_Finalize at exit.
+    proc, took = _run(tmp_path, "-n", "3", "mpi")
+    assert took < 10, proc.stderr
+    assert proc.returncode == 1
+    assert "rank 1 exited with code 1" in proc.stderr
+    _assert_no_survivors(tmp_path)
+
+
+def test_a_sigkilled_rank_stops_the_job(tmp_path: Path) -> None:
+    proc, took = _run(tmp_path, "-n", "3", "sigkill")
+    assert took < 10
+    assert proc.returncode == 137
+    assert "rank 1 was killed by SIGKILL" in proc.stderr
+    _assert_no_survivors(tmp_path)
+
+
+def test_timeout_stops_a_hung_job(tmp_path: Path) -> None:
+    proc, took = _run(tmp_path, "-n", "2", "--timeout", "3", "hang")
+    assert 3 <= took < 10
+    assert proc.returncode == 124
+    assert "ran past --timeout 3 s" in proc.stderr
+    _assert_no_survivors(tmp_path)
+
+
+def test_tag_output_prefixes_lines(tmp_path: Path) -> None:
+    proc, _ = _run(tmp_path, "-n", "2", "--tag-output", "ok")
+    assert proc.returncode == 0
+    assert any(line.startswith("[1]") and "rank 1 of 2" in line for line in proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", "0", "prog"], "-n must be a positive integer, got '0'"),
+        (["-n", "two", "prog"], "-n must be a positive integer, got 'two'"),
+        (["-n", "2", "no-such-program-xyz"], "program 'no-such-program-xyz' not found on PATH"),
+        (["-n", "2", "missing.py"], "program 'missing.py' not found"),
+        (["-n", "2"], "no program given"),
+        (["--timeout", "-1", "true"], "--timeout must be a positive number"),
+    ],
+)
+def test_bad_usage_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    proc = subprocess.run([MPXRUN, *args], capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_no_mpi_installed_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.delenv("MPX_LAUNCHER", raising=False)
+    if shutil.which("mpiexec") or shutil.which("mpirun"):
+        pytest.skip("a system-wide MPI is installed")
+    assert cli.main(["-n", "2", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mpxrun: no MPI launcher found") and "pip install mpi4py mpich" in err
+    assert len(err.splitlines()) == 1

@@ -1,0 +1,34 @@
+"""The per-rank supervisor's status line and environment."""
+
+from __future__ import annotations
+
+from mpx.launch import Environment
+from mpx.launch.rank import format_status, parse_status, rank_environment
+
+
+def test_status_line_round_trips_through_a_rank_prefix() -> None:
+    tail = ["Traceback (most recent call last):", "  ValueError: ünïcode and spaces"]
+    line = "[1] " + format_status(1, -9, tail) + "\n"
+    assert parse_status(line) == (1, -9, tail)
+    assert parse_status("an ordinary line of output") is None
+
+
+def test_threads_are_cores_per_local_rank() -> None:
+    env = Environment(0, 0, 4, 4, 0, "mpich")
+    out = rank_environment(env, {}, gpu_count=0)
+    assert int(out["OMP_NUM_THREADS"]) >= 1
+    assert "CUDA_VISIBLE_DEVICES" not in out
+    assert rank_environment(env, {"OMP_NUM_THREADS": "7"}, gpu_count=0)["OMP_NUM_THREADS"] == "7"
+
+
+def test_one_gpu_per_local_rank_round_robin() -> None:
+    picks = [rank_environment(Environment(r, r, 5, 5, 0, "mpich"), {}, gpu_count=2)
+             ["CUDA_VISIBLE_DEVICES"] for r in range(5)]
+    assert picks == ["0", "1", "0", "1", "0"]
+
+
+def test_users_visible_devices_are_shared_out() -> None:
+    env = Environment(1, 1, 2, 2, 0, "mpich")
+    assert rank_environment(env, {"CUDA_VISIBLE_DEVICES": "4,6"})["CUDA_VISIBLE_DEVICES"] == "6"
+    assert rank_environment(env, {"CUDA_VISIBLE_DEVICES": "4,6"}, gpus="none")[
+        "CUDA_VISIBLE_DEVICES"] == ""

@@ -1,0 +1,9 @@
+"""mpx-mgrit: MGRIT parallel-in-time solver and layer-parallel training of residual networks.
+
+This release is the package skeleton of the mpx monorepo: it installs and
+imports, and declares its place among the layers; its API is being built.
+"""
+
+__all__ = ["__version__"]
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from typing import Any
+
+def build_info() -> dict[str, Any]: ...
