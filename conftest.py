@@ -26,6 +26,7 @@ GPU tests (``@pytest.mark.gpu``) are skipped without CUDA, unless
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -36,21 +37,18 @@ import pytest
 
 AGREE_TIMEOUT_S = float(os.environ.get("MPX_TEST_AGREE_TIMEOUT", "120"))
 _FAILED_KEY = pytest.StashKey[bool]()
-_agree_comm: Any = None
 
 
+@functools.cache
 def _world() -> Any:
     """A private duplicate of COMM_WORLD, or None outside a multi-rank run."""
-    global _agree_comm
-    if _agree_comm is None:
-        if not any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPX_JOB_ID")):
-            return None
-        from mpi4py import MPI
+    if not any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPX_JOB_ID")):
+        return None
+    from mpi4py import MPI
 
-        if MPI.COMM_WORLD.Get_size() == 1:
-            return None
-        _agree_comm = MPI.COMM_WORLD.Dup()
-    return _agree_comm
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return None
+    return MPI.COMM_WORLD.Dup()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -55,13 +55,34 @@ def tests(session: nox.Session) -> None:
     _install(session)
     paths = [f"packages/{name}/tests" for name in PACKAGES]
     # pytest exits 5 when it collects nothing: session.run fails on it, as it should.
-    _timed(session, "unit tests", "python", "-m", "pytest", *paths, "-m", "not mpi and not gpu",
-           *session.posargs)
+    _timed(
+        session,
+        "unit tests",
+        "python",
+        "-m",
+        "pytest",
+        *paths,
+        "-m",
+        "not mpi and not gpu",
+        *session.posargs,
+    )
     for nprocs in RANK_COUNTS:
         _timed(
-            session, f"mpi tests on {nprocs} rank(s)",
-            "mpxrun", "-n", str(nprocs), "--timeout", MPI_RUN_TIMEOUT_S, "--",
-            "python", "-m", "pytest", *paths, "-m", "mpi and not gpu", *session.posargs,
+            session,
+            f"mpi tests on {nprocs} rank(s)",
+            "mpxrun",
+            "-n",
+            str(nprocs),
+            "--timeout",
+            MPI_RUN_TIMEOUT_S,
+            "--",
+            "python",
+            "-m",
+            "pytest",
+            *paths,
+            "-m",
+            "mpi and not gpu",
+            *session.posargs,
         )
 
 
@@ -71,14 +92,38 @@ def tests_gpu(session: nox.Session) -> None:
     _install(session, cuda="ON")
     env = {"MPX_REQUIRE_GPU": "1"}
     paths = [f"packages/{name}/tests" for name in PACKAGES]
-    _timed(session, "gpu unit tests", "python", "-m", "pytest", *paths, "-m", "gpu and not mpi",
-           *session.posargs, env=env, success_codes=[0, 5])
+    _timed(
+        session,
+        "gpu unit tests",
+        "python",
+        "-m",
+        "pytest",
+        *paths,
+        "-m",
+        "gpu and not mpi",
+        *session.posargs,
+        env=env,
+        success_codes=[0, 5],
+    )
     for nprocs in RANK_COUNTS:
         _timed(
-            session, f"gpu mpi tests on {nprocs} rank(s)",
-            "mpxrun", "-n", str(nprocs), "--timeout", MPI_RUN_TIMEOUT_S, "--",
-            "python", "-m", "pytest", *paths, "-m", "gpu and mpi", *session.posargs,
-            env=env, success_codes=[0, 5],
+            session,
+            f"gpu mpi tests on {nprocs} rank(s)",
+            "mpxrun",
+            "-n",
+            str(nprocs),
+            "--timeout",
+            MPI_RUN_TIMEOUT_S,
+            "--",
+            "python",
+            "-m",
+            "pytest",
+            *paths,
+            "-m",
+            "gpu and mpi",
+            *session.posargs,
+            env=env,
+            success_codes=[0, 5],
         )
 
 
@@ -103,7 +148,11 @@ def _update_benchmarks_md(name: str, table: str) -> None:
     begin, end = BENCH_BEGIN.format(name=name), BENCH_END.format(name=name)
     block = f"{begin}\n{table.strip()}\n{end}"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else f"{text.rstrip()}\n\n{block}\n"
+    text = (
+        pattern.sub(lambda _: block, text)
+        if pattern.search(text)
+        else f"{text.rstrip()}\n\n{block}\n"
+    )
     path.write_text(text)
 
 
@@ -130,5 +179,14 @@ def demo(session: nox.Session) -> None:
     _install(session, "matplotlib")
     args = session.posargs or []
     nprocs = os.environ.get("MPX_DEMO_RANKS", "2")
-    session.run("mpxrun", "-n", nprocs, "--timeout", "900", "--", "python",
-                "examples/train_digits.py", *args)
+    session.run(
+        "mpxrun",
+        "-n",
+        nprocs,
+        "--timeout",
+        "900",
+        "--",
+        "python",
+        "examples/train_digits.py",
+        *args,
+    )

@@ -52,14 +52,18 @@ def main() -> None:
 
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
-        (digits.data / 16.0).astype(np.float32), digits.target, test_size=0.2,
-        random_state=args.seed, stratify=digits.target,
+        (digits.data / 16.0).astype(np.float32),
+        digits.target,
+        test_size=0.2,
+        random_state=args.seed,
+        stratify=digits.target,
     )
     x_train_t, y_train_t = torch.from_numpy(x_train), torch.from_numpy(y_train)
     x_test_t, y_test_t = torch.from_numpy(x_test), torch.from_numpy(y_test)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = nn.parallel.DistributedDataParallel(make_model())
+    net = make_model()
+    model = nn.parallel.DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     local_batch = args.batch_size // world
@@ -70,7 +74,7 @@ def main() -> None:
         shard = order[rank::world]
         steps = len(order) // args.batch_size  # same step count on every rank
         total = torch.zeros(2)
-        model.train()
+        net.train()
         for step in range(steps):
             idx = shard[step * local_batch : (step + 1) * local_batch]
             optimizer.zero_grad()
@@ -80,10 +84,12 @@ def main() -> None:
             total += torch.tensor([loss.item() * len(idx), len(idx)])
         dist.all_reduce(total)
         if rank == 0:
-            print(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {total[0] / total[1]:.4f}",
-                  flush=True)
+            print(
+                f"epoch {epoch + 1:3d}/{args.epochs}  train loss {total[0] / total[1]:.4f}",
+                flush=True,
+            )
 
-    model.eval()
+    net.eval()
     with torch.no_grad():
         accuracy = (model(x_test_t).argmax(1) == y_test_t).float().mean().item()
     # Replicas must not have drifted apart: compare every parameter with rank 0's.
@@ -93,9 +99,11 @@ def main() -> None:
     drift = torch.tensor([(flat - reference).abs().max().item()])
     dist.all_reduce(drift, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"test accuracy {accuracy:.4f} on {len(y_test)} digits; {world} ranks "
-              f"({env.launcher}); wall time {time.perf_counter() - start:.1f} s; "
-              f"max parameter difference between ranks {drift.item():.1e}")
+        print(
+            f"test accuracy {accuracy:.4f} on {len(y_test)} digits; {world} ranks "
+            f"({env.launcher}); wall time {time.perf_counter() - start:.1f} s; "
+            f"max parameter difference between ranks {drift.item():.1e}"
+        )
     dist.destroy_process_group()
 
 

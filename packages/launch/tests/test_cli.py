@@ -46,13 +46,18 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+def _run(
+    tmp_path: Path, *args: str, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess[str], float]:
     script = tmp_path / "prog.py"
     script.write_text(PROGRAM)
     start = time.monotonic()
     proc = subprocess.run(
         [MPXRUN, *args[:-1], str(script), str(tmp_path), args[-1]],
-        capture_output=True, text=True, timeout=timeout, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     return proc, time.monotonic() - start
 
@@ -128,7 +133,9 @@ def test_timeout_stops_a_hung_job(tmp_path: Path) -> None:
 def test_tag_output_prefixes_lines(tmp_path: Path) -> None:
     proc, _ = _run(tmp_path, "-n", "2", "--tag-output", "ok")
     assert proc.returncode == 0
-    assert any(line.startswith("[1]") and "rank 1 of 2" in line for line in proc.stdout.splitlines())
+    assert any(
+        line.startswith("[1]") and "rank 1 of 2" in line for line in proc.stdout.splitlines()
+    )
 
 
 @pytest.mark.parametrize(
@@ -159,5 +166,6 @@ def test_no_mpi_installed_says_what_to_install(
         pytest.skip("a system-wide MPI is installed")
     assert cli.main(["-n", "2", "true"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mpxrun: no MPI launcher found") and "pip install mpi4py mpich" in err
+    assert err.startswith("mpxrun: no MPI launcher found")
+    assert "pip install mpi4py mpich" in err
     assert len(err.splitlines()) == 1

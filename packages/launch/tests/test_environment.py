@@ -20,14 +20,22 @@ def test_open_mpi_variables() -> None:
         "OMPI_COMM_WORLD_LOCAL_RANK": "1",
         "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
         # MPI's variables win over an enclosing torchrun's or batch script's.
-        "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
     }
     assert environment(env) == Environment(5, 1, 8, 4, 1, "openmpi")
 
 
 def test_mpich_hydra_variables() -> None:
-    env = {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3",
-           "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}
+    env = {
+        "PMI_RANK": "2",
+        "PMI_SIZE": "3",
+        "MPI_LOCALRANKID": "2",
+        "MPI_LOCALNRANKS": "3",
+        "SLURM_PROCID": "0",
+        "SLURM_STEP_ID": "0",
+    }
     assert environment(env) == Environment(2, 2, 3, 3, 0, "mpich")
 
 
@@ -40,11 +48,22 @@ def test_mpich_without_local_variables_assumes_one_node() -> None:
     [("4", 0, 4), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("3,5", 1, 5)],
 )
 def test_slurm_variables(tasks_per_node: str, node: int, local_size: int) -> None:
-    env = {"SLURM_PROCID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "9",
-           "SLURM_LOCALID": "0", "SLURM_NODEID": str(node), "SLURM_TASKS_PER_NODE": tasks_per_node}
+    env = {
+        "SLURM_PROCID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "9",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": str(node),
+        "SLURM_TASKS_PER_NODE": tasks_per_node,
+    }
     got = environment(env)
     assert (got.rank, got.world_size, got.node_rank, got.local_world_size, got.launcher) == (
-        7, 9, node, local_size, "slurm")
+        7,
+        9,
+        node,
+        local_size,
+        "slurm",
+    )
 
 
 def test_slurm_batch_script_without_a_step_is_not_a_rank() -> None:
@@ -53,8 +72,13 @@ def test_slurm_batch_script_without_a_step_is_not_a_rank() -> None:
 
 
 def test_torchrun_variables() -> None:
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-           "GROUP_RANK": "1"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+    }
     assert environment(env) == Environment(3, 1, 4, 2, 1, "torchrun")
 
 
@@ -63,10 +87,26 @@ def test_torchrun_variables() -> None:
     [
         ({"PMI_RANK": "one", "PMI_SIZE": "2"}, "PMI_RANK='one' is not an integer"),
         ({"PMI_RANK": "2", "PMI_SIZE": "2"}, "rank 2 is outside [0, 2)"),
-        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
-          "SLURM_TASKS_PER_NODE": "two"}, "SLURM_TASKS_PER_NODE='two'"),
-        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "3",
-          "SLURM_TASKS_PER_NODE": "1(x2)"}, "SLURM_NODEID=3"),
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_STEP_ID": "0",
+                "SLURM_NTASKS": "2",
+                "SLURM_NODEID": "0",
+                "SLURM_TASKS_PER_NODE": "two",
+            },
+            "SLURM_TASKS_PER_NODE='two'",
+        ),
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_STEP_ID": "0",
+                "SLURM_NTASKS": "2",
+                "SLURM_NODEID": "3",
+                "SLURM_TASKS_PER_NODE": "1(x2)",
+            },
+            "SLURM_NODEID=3",
+        ),
     ],
 )
 def test_malformed_variables_are_named(env: dict[str, str], message: str) -> None:
@@ -76,17 +116,38 @@ def test_malformed_variables_are_named(env: dict[str, str], message: str) -> Non
 
 
 def test_init_torch_env_uses_mpxrun_master(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+    ):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MPX_MASTER_ADDR", "node17")
     monkeypatch.setenv("MPX_MASTER_PORT", "29511")
     got = init_torch_env(Environment(3, 1, 4, 2, 1, "mpich"))
     assert got.rank == 3
-    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                       "MASTER_ADDR", "MASTER_PORT")} == {
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "node17", "MASTER_PORT": "29511"}
+    assert {
+        k: os.environ[k]
+        for k in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    } == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "node17",
+        "MASTER_PORT": "29511",
+    }
 
 
 def test_init_torch_env_keeps_users_master(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,21 +28,48 @@ def test_a_path_that_is_no_mpi_launcher_is_refused() -> None:
 
 def test_mpich_command() -> None:
     cmd = Launcher("mpich", "mpiexec").command(
-        3, ["prog", "-x"], hostfile="hosts", bind="core", tag_output=True, export=["A"])
-    assert cmd == ["mpiexec", "-n", "3", "-f", "hosts", "-bind-to", "core", "-prepend-rank",
-                   "prog", "-x"]
+        3, ["prog", "-x"], hostfile="hosts", bind="core", tag_output=True, export=["A"]
+    )
+    assert cmd == [
+        "mpiexec",
+        "-n",
+        "3",
+        "-f",
+        "hosts",
+        "-bind-to",
+        "core",
+        "-prepend-rank",
+        "prog",
+        "-x",
+    ]
 
 
 def test_open_mpi_command_exports_variables() -> None:
     cmd = Launcher("openmpi", "mpirun").command(2, ["prog"], export=["MPX_JOB_ID", "OMP_X"])
-    assert cmd == ["mpirun", "-n", "2", "--bind-to", "none", "-x", "MPX_JOB_ID", "-x", "OMP_X",
-                   "prog"]
+    assert cmd == [
+        "mpirun",
+        "-n",
+        "2",
+        "--bind-to",
+        "none",
+        "-x",
+        "MPX_JOB_ID",
+        "-x",
+        "OMP_X",
+        "prog",
+    ]
 
 
 def test_slurm_command_and_hostfile_refusal() -> None:
     srun = Launcher("slurm", "srun")
     assert srun.command(4, ["prog"], bind="numa", tag_output=True) == [
-        "srun", "-n", "4", "--cpu-bind=ldoms", "--label", "prog"]
+        "srun",
+        "-n",
+        "4",
+        "--cpu-bind=ldoms",
+        "--label",
+        "prog",
+    ]
     with pytest.raises(UsageError, match="--hostfile cannot be used with srun"):
         srun.command(4, ["prog"], hostfile="hosts")
 
@@ -57,6 +84,7 @@ def test_oversubscription_makes_mpich_yield_and_open_mpi_accept() -> None:
     assert mpich["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "true"
     assert mpich["HYDRA_LAUNCHER"] == "fork"
     assert "MPIR_CVAR_POLLS_BEFORE_YIELD" not in Launcher("mpich", "mpiexec").environment(
-        2, oversubscribed=False)
+        2, oversubscribed=False
+    )
     ompi = Launcher("openmpi", "mpirun").environment(8, oversubscribed=True)
     assert ompi["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe"

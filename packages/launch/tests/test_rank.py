@@ -22,13 +22,19 @@ def test_threads_are_cores_per_local_rank() -> None:
 
 
 def test_one_gpu_per_local_rank_round_robin() -> None:
-    picks = [rank_environment(Environment(r, r, 5, 5, 0, "mpich"), {}, gpu_count=2)
-             ["CUDA_VISIBLE_DEVICES"] for r in range(5)]
+    picks = [
+        rank_environment(Environment(r, r, 5, 5, 0, "mpich"), {}, gpu_count=2)[
+            "CUDA_VISIBLE_DEVICES"
+        ]
+        for r in range(5)
+    ]
     assert picks == ["0", "1", "0", "1", "0"]
 
 
 def test_users_visible_devices_are_shared_out() -> None:
     env = Environment(1, 1, 2, 2, 0, "mpich")
     assert rank_environment(env, {"CUDA_VISIBLE_DEVICES": "4,6"})["CUDA_VISIBLE_DEVICES"] == "6"
-    assert rank_environment(env, {"CUDA_VISIBLE_DEVICES": "4,6"}, gpus="none")[
-        "CUDA_VISIBLE_DEVICES"] == ""
+    assert (
+        rank_environment(env, {"CUDA_VISIBLE_DEVICES": "4,6"}, gpus="none")["CUDA_VISIBLE_DEVICES"]
+        == ""
+    )

@@ -10,7 +10,8 @@ import mpx.quantize as q
 def test_cpu_extension_is_always_built() -> None:
     assert q.available_backends()[0] == "cpu"
     info = q.build_info()["cpu"]
-    assert info["backend"] == "cpu" and info["hardware_threads"] >= 1
+    assert info["backend"] == "cpu"
+    assert info["hardware_threads"] >= 1
 
 
 def test_cuda_backend_is_listed_only_when_usable() -> None:

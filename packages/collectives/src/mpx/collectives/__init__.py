@@ -1,4 +1,5 @@
-"""mpx-collectives: Every collective on torch tensors over MPI (mpi, ring, shm, staged, ipc, hierarchical), and a torch.distributed backend.
+"""mpx-collectives: Every collective on torch tensors over MPI (mpi, ring, shm, staged, ipc,
+hierarchical), and a torch.distributed backend.
 
 This release is the package skeleton of the mpx monorepo: it installs and
 imports, and declares its place among the layers; its API is being built.

@@ -8,21 +8,21 @@ Example::
 """
 
 from mpx.launch.environment import Environment, environment, free_port, init_torch_env
-from mpx.launch.errors import LaunchEnvironmentError, LaunchError, LauncherNotFound, UsageError
+from mpx.launch.errors import LaunchEnvironmentError, LauncherNotFound, LaunchError, UsageError
 from mpx.launch.launchers import Launcher, find_launcher
 
 __all__ = [
     "Environment",
-    "environment",
-    "init_torch_env",
-    "free_port",
-    "Launcher",
-    "find_launcher",
-    "LaunchError",
     "LaunchEnvironmentError",
+    "LaunchError",
+    "Launcher",
     "LauncherNotFound",
     "UsageError",
     "__version__",
+    "environment",
+    "find_launcher",
+    "free_port",
+    "init_torch_env",
 ]
 
 __version__ = "0.1.0"

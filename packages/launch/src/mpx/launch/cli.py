@@ -21,6 +21,7 @@ a signal), 124 for ``--timeout``, 2 for bad usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -29,15 +30,16 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, NoReturn, Sequence
+from typing import IO, NoReturn
 
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS, Launcher, find_launcher
 from mpx.launch.rank import die_with_parent, parse_status
 
-__all__ = ["main", "build_parser", "Job", "RankFailure"]
+__all__ = ["Job", "RankFailure", "build_parser", "main"]
 
 # After the first failure the launcher gets this long to stop the other ranks
 # itself (Hydra and mpirun do) before mpxrun signals them.
@@ -70,7 +72,9 @@ def _positive_float(text: str) -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--timeout must be a positive number of seconds, got {text!r}"
+        )
     return value
 
 
@@ -81,18 +85,42 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start N ranks of a program through the installed MPI launcher; "
         "if one fails, stop them all and say which.",
     )
-    parser.add_argument("-n", "-np", "--nprocs", type=_positive_int, default=1, dest="nprocs",
-                        help="number of ranks (default 1)")
+    parser.add_argument(
+        "-n",
+        "-np",
+        "--nprocs",
+        type=_positive_int,
+        default=1,
+        dest="nprocs",
+        help="number of ranks (default 1)",
+    )
     parser.add_argument("--hostfile", help="file of hosts, one per line ('host' or 'host:slots')")
-    parser.add_argument("--bind", choices=BIND_CHOICES, default="none",
-                        help="bind each rank to a core or a NUMA domain (default none)")
-    parser.add_argument("--gpus", choices=("auto", "none"), default="auto",
-                        help="auto: one GPU per local rank, round robin; none: hide GPUs")
-    parser.add_argument("--timeout", type=_positive_float, default=None,
-                        help="stop the job after this many seconds (exit 124)")
-    parser.add_argument("--tag-output", action="store_true", help="prefix output lines with the rank")
-    parser.add_argument("--launcher", default="auto",
-                        help=f"auto, {', '.join(LAUNCHER_KINDS)}, or a path to mpiexec/mpirun")
+    parser.add_argument(
+        "--bind",
+        choices=BIND_CHOICES,
+        default="none",
+        help="bind each rank to a core or a NUMA domain (default none)",
+    )
+    parser.add_argument(
+        "--gpus",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: one GPU per local rank, round robin; none: hide GPUs",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        help="stop the job after this many seconds (exit 124)",
+    )
+    parser.add_argument(
+        "--tag-output", action="store_true", help="prefix output lines with the rank"
+    )
+    parser.add_argument(
+        "--launcher",
+        default="auto",
+        help=f"auto, {', '.join(LAUNCHER_KINDS)}, or a path to mpiexec/mpirun",
+    )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
 
@@ -190,10 +218,8 @@ class Job:
         source.close()
 
     def _signal_all(self, proc: subprocess.Popen[bytes], sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _stop(self, proc: subprocess.Popen[bytes]) -> None:
         self._signal_all(proc, signal.SIGTERM)
@@ -210,7 +236,7 @@ class Job:
             stderr=subprocess.PIPE,
             start_new_session=True,
             # If mpxrun itself is SIGKILLed, the launcher still gets a SIGTERM.
-            preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509 (no threads run yet)
         )
         assert proc.stderr is not None
         pump = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
@@ -248,7 +274,9 @@ def _job_environment(
     hosts = _hosts_in(hostfile) if hostfile else []
     oversubscribed = local and nprocs > _cores()
     env = dict(os.environ)
-    for key, value in launcher.environment(nprocs, oversubscribed=oversubscribed, local=local).items():
+    for key, value in launcher.environment(
+        nprocs, oversubscribed=oversubscribed, local=local
+    ).items():
         env.setdefault(key, value)
     # A rendezvous point for torch.distributed's env:// (see init_torch_env).
     master = "127.0.0.1" if local else (hosts[0] if hosts else os.uname().nodename)
@@ -290,8 +318,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
         exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
         command = launcher.command(
-            args.nprocs, supervised, hostfile=args.hostfile, bind=args.bind,
-            tag_output=args.tag_output, export=exported,
+            args.nprocs,
+            supervised,
+            hostfile=args.hostfile,
+            bind=args.bind,
+            tag_output=args.tag_output,
+            export=exported,
         )
     except LaunchError as exc:
         print(f"mpxrun: {exc}", file=sys.stderr)

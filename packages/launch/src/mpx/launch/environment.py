@@ -3,12 +3,12 @@
 Every MPI launcher announces a process's place in the job through environment
 variables, each in its own dialect::
 
-    launcher            rank                   size                  local rank / local size
-    ------------------  ---------------------  --------------------  -------------------------------------------
-    Open MPI (mpirun)   OMPI_COMM_WORLD_RANK   OMPI_COMM_WORLD_SIZE  OMPI_COMM_WORLD_LOCAL_RANK / _LOCAL_SIZE
-    MPICH / Hydra       PMI_RANK               PMI_SIZE              MPI_LOCALRANKID / MPI_LOCALNRANKS
-    Slurm (srun)        SLURM_PROCID           SLURM_NTASKS          SLURM_LOCALID / SLURM_TASKS_PER_NODE
-    torchrun            RANK                   WORLD_SIZE            LOCAL_RANK / LOCAL_WORLD_SIZE
+    launcher     rank / size                        local rank / local size
+    -----------  ---------------------------------  ----------------------------------------
+    Open MPI     OMPI_COMM_WORLD_RANK / _SIZE       OMPI_COMM_WORLD_LOCAL_RANK / _LOCAL_SIZE
+    MPICH/Hydra  PMI_RANK / PMI_SIZE                MPI_LOCALRANKID / MPI_LOCALNRANKS
+    Slurm srun   SLURM_PROCID / SLURM_NTASKS        SLURM_LOCALID / SLURM_TASKS_PER_NODE
+    torchrun     RANK / WORLD_SIZE                  LOCAL_RANK / LOCAL_WORLD_SIZE
 
 :func:`environment` reads them without importing MPI (so it is cheap and works
 before ``MPI_Init``), and :func:`init_torch_env` translates them into the
@@ -24,12 +24,12 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from mpx.launch.errors import LaunchEnvironmentError
 
-__all__ = ["Environment", "environment", "init_torch_env", "free_port"]
+__all__ = ["Environment", "environment", "free_port", "init_torch_env"]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LaunchError", "LaunchEnvironmentError", "UsageError", "LauncherNotFound"]
+__all__ = ["LaunchEnvironmentError", "LaunchError", "LauncherNotFound", "UsageError"]
 
 
 class LaunchError(Exception):

@@ -14,6 +14,7 @@ the interpreter exits normally.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from types import TracebackType
@@ -35,16 +36,12 @@ def install() -> None:
     """Chains a fast-exit step after the current ``sys.excepthook``."""
     previous = sys.excepthook
 
-    def hook(
-        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-    ) -> None:
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         previous(exc_type, exc, tb)
         if _mpi_is_live():
             for stream in (sys.stdout, sys.stderr):
-                try:
+                with contextlib.suppress(Exception):
                     stream.flush()
-                except Exception:
-                    pass
             os._exit(1)
 
     sys.excepthook = hook

@@ -22,13 +22,13 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from mpx.launch.errors import LauncherNotFound, UsageError
 
-__all__ = ["Launcher", "find_launcher", "LAUNCHER_KINDS", "BIND_CHOICES"]
+__all__ = ["BIND_CHOICES", "LAUNCHER_KINDS", "Launcher", "find_launcher"]
 
 LAUNCHER_KINDS = ("mpich", "openmpi", "slurm")
 BIND_CHOICES = ("none", "core", "numa")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import ctypes
 import json
 import os
@@ -34,19 +35,19 @@ import signal
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import IO, Callable, Deque, Mapping, Sequence
+from typing import IO
 
 from mpx.launch.environment import Environment, environment
 
 __all__ = [
     "STATUS_PATTERN",
-    "parse_status",
-    "format_status",
-    "rank_environment",
     "die_with_parent",
+    "format_status",
     "main",
+    "parse_status",
+    "rank_environment",
 ]
 
 STATUS_PATTERN = re.compile(r"MPXRUN-RANK-FAILED (\d+) (-?\d+) ([A-Za-z0-9+/=]*)")
@@ -123,7 +124,7 @@ def die_with_parent(sig: int) -> None:
         pass
 
 
-def _tee(source: IO[bytes], sink: IO[bytes], tail: Deque[str]) -> None:
+def _tee(source: IO[bytes], sink: IO[bytes], tail: collections.deque[str]) -> None:
     for line in iter(source.readline, b""):
         sink.write(line)
         sink.flush()
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             env=child_env,
             stderr=subprocess.PIPE,
             pass_fds=_pass_fds(),
-            preexec_fn=preexec,
+            preexec_fn=preexec,  # noqa: PLW1509 (no threads run yet)
         )
     except OSError as exc:
         message = f"rank {env.rank}: cannot start {args[0]!r}: {exc.strerror}"
@@ -166,10 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopped_by: list[int] = []
 
     def kill_child() -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         # Runs in the main thread while it sits in child.wait(), which holds
@@ -179,15 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             timer = threading.Timer(KILL_GRACE_S, kill_child)
             timer.daemon = True
             timer.start()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
-        except ProcessLookupError:
-            pass
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, stop)
 
-    tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     assert child.stderr is not None
     reader = threading.Thread(
         target=_tee, args=(child.stderr, sys.stderr.buffer, tail), daemon=True

@@ -1,4 +1,5 @@
-"""mpx-pipeline: Pipeline-parallel training over MPI: GPipe, 1F1B and asynchronous pipelines with weight stashing, prediction and gap-aware.
+"""mpx-pipeline: Pipeline-parallel training over MPI: GPipe, 1F1B and asynchronous pipelines with
+weight stashing, prediction and gap-aware.
 
 This release is the package skeleton of the mpx monorepo: it installs and
 imports, and declares its place among the layers; its API is being built.

@@ -12,6 +12,6 @@ Example::
 
 from mpx.quantize.backends import available_backends, build_info
 
-__all__ = ["available_backends", "build_info", "__version__"]
+__all__ = ["__version__", "available_backends", "build_info"]
 
 __version__ = "0.1.0"
