@@ -55,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
     comm = _world()
     if comm is not None and comm.Get_rank() != 0:
         # The other ranks report failures and their summary line only.
-        config.option.verbose = -1
+        config.option.verbose = -2
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
