@@ -1,10 +1,47 @@
-"""mpx-collectives: Every collective on torch tensors over MPI (mpi, ring, shm, staged, ipc,
-hierarchical), and a torch.distributed backend.
+"""mpx-collectives: every collective on torch tensors over MPI.
 
-This release is the package skeleton of the mpx monorepo: it installs and
-imports, and declares its place among the layers; its API is being built.
+Example::
+
+    from mpx.collectives import allreduce, world
+    grad = allreduce(grad, "avg")                 # impl="auto": mpi, ring or shm
+    print(world().rank, world().size)
 """
 
-__all__ = ["__version__"]
+from mpx.collectives.communicator import Communicator, world
+from mpx.collectives.errors import CollectiveTimeout, CommunicatorBroken, MismatchError, MPXError
+from mpx.collectives.handle import Handle
+from mpx.collectives.ops import (
+    allgather,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    recv,
+    reduce,
+    reduce_scatter,
+    send,
+)
+from mpx.collectives.selection import IMPLEMENTATIONS
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "CollectiveTimeout",
+    "Communicator",
+    "CommunicatorBroken",
+    "Handle",
+    "MPXError",
+    "MismatchError",
+    "__version__",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "send",
+    "world",
+]
 
 __version__ = "0.1.0"

@@ -1,0 +1,268 @@
+"""Communicators: a group of ranks, its node structure, and its bookkeeping.
+
+A :class:`Communicator` owns a private duplicate of an MPI communicator, so
+mpx's traffic never matches the user's own messages. Beside it, each keeps::
+
+    node comm     ranks sharing memory with this one (MPI_COMM_TYPE_SHARED)
+    board         one int64 per node rank in shared memory: the sequence
+                  number of the last operation each rank entered. When an
+                  operation times out, ranks whose number is behind ours are
+                  the ones it waited for, and the error names them.
+
+Creating a communicator, ``split``, ``node`` and ``leaders`` are collective:
+every rank of the parent calls them, in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpx.collectives.errors import CommunicatorBroken, MismatchError
+from mpx.collectives.handle import Handle, Requests, Steps
+
+__all__ = ["Communicator", "world", "default_timeout", "check_enabled"]
+
+T = TypeVar("T")
+
+# Shape, dtype, op and root of every call are compared across ranks when
+# MPX_CHECK=1. A signature is a fixed-size int64 vector so that one allgather
+# carries it.
+_MAX_DIMS = 8
+_SIGNATURE_LEN = 6 + _MAX_DIMS
+_OPS = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall", "barrier"]
+_REDUCE = ["", "sum", "avg", "max", "min", "prod"]
+_DTYPES = [
+    None,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+]
+
+
+def default_timeout() -> float | None:
+    """``MPX_TIMEOUT`` in seconds, or None (no limit)."""
+    text = os.environ.get("MPX_TIMEOUT", "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"MPX_TIMEOUT={text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"MPX_TIMEOUT={text!r} must be positive")
+    return value
+
+
+def check_enabled() -> bool:
+    """Whether ``MPX_CHECK=1`` asks for cross-rank argument checks."""
+    return os.environ.get("MPX_CHECK", "0") not in ("", "0", "false", "False")
+
+
+class Communicator:
+    """A group of ranks that run collectives together.
+
+    Attributes:
+        mpi: the private MPI communicator.
+        rank: this rank's index in the group.
+        size: number of ranks.
+        timeout: default timeout of every operation (``MPX_TIMEOUT``).
+
+    Example::
+
+        comm = world()
+        rows = comm.split(color=comm.rank // 2)
+        allreduce(torch.ones(4), comm=rows)
+    """
+
+    def __init__(self, mpi_comm: MPI.Comm, timeout: float | None = None) -> None:
+        self.mpi = mpi_comm
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+        self.timeout = default_timeout() if timeout is None else timeout
+        self._node_comm = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.node_rank: int = self._node_comm.Get_rank()
+        self.node_size: int = self._node_comm.Get_size()
+        self._node_members = self._node_comm.Get_group().Translate_ranks(
+            list(range(self.node_size)), mpi_comm.Get_group()
+        )
+        self._board_win = MPI.Win.Allocate_shared(
+            8 * self.node_size if self.node_rank == 0 else 0, 8, comm=self._node_comm
+        )
+        buffer, _ = self._board_win.Shared_query(0)
+        self._board = np.ndarray((self.node_size,), dtype=np.int64, buffer=buffer)
+        self._board[self.node_rank] = 0
+        self._seq = 0
+        self._broken: str | None = None
+        self._cache: dict[str, Any] = {}
+        self._node_comm.Barrier()
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def from_mpi(cls, comm: MPI.Comm, timeout: float | None = None) -> Communicator:
+        """Wraps (a duplicate of) an mpi4py communicator. Collective."""
+        if comm == MPI.COMM_NULL:
+            raise ValueError("from_mpi got MPI.COMM_NULL; only members of a communicator may wrap it")
+        return cls(comm.Dup(), timeout)
+
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """Ranks with the same ``color`` form a new communicator. Collective.
+
+        Args:
+            color: group label; None leaves this rank out (it gets None back).
+            key: order within the new group; this rank's rank by default.
+        """
+        if color is not None and color < 0:
+            raise ValueError(f"color must be >= 0 or None, got {color}")
+        new = self.mpi.Split(MPI.UNDEFINED if color is None else color, self.rank if key is None else key)
+        return None if new == MPI.COMM_NULL else Communicator(new, self.timeout)
+
+    def node(self) -> Communicator:
+        """The ranks of this group that share this node's memory. Collective."""
+        if "node" not in self._cache:
+            self._cache["node"] = Communicator(self._node_comm.Dup(), self.timeout)
+        return self._cache["node"]  # type: ignore[no-any-return]
+
+    def leaders(self) -> Communicator | None:
+        """One rank per node (node rank 0); None on the other ranks. Collective."""
+        if "leaders" not in self._cache:
+            self._cache["leaders"] = self.split(0 if self.node_rank == 0 else None)
+        return self._cache["leaders"]  # type: ignore[no-any-return]
+
+    @property
+    def single_node(self) -> bool:
+        """True when every rank of the group shares one node."""
+        return self.node_size == self.size
+
+    @functools.cached_property
+    def num_nodes(self) -> int:
+        """How many nodes the group spans."""
+        return int(self.mpi.allreduce(1 if self.node_rank == 0 else 0))
+
+    def cached(self, key: str) -> Any:
+        """Per-communicator state of an implementation (workspaces, sub-communicators)."""
+        return self._cache.get(key)
+
+    def cache(self, key: str, value: T) -> T:
+        self._cache[key] = value
+        return value
+
+    def free(self) -> None:
+        """Releases the MPI resources. Collective."""
+        for value in self._cache.values():
+            if hasattr(value, "free"):
+                value.free()
+        self._cache.clear()
+        self._board_win.Free()
+        self._node_comm.Free()
+        self.mpi.Free()
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size}, node_size={self.node_size})"
+
+    # -- running operations ---------------------------------------------------
+
+    def _behind(self) -> list[int]:
+        """Ranks on this node that have not entered the current operation."""
+        return [
+            int(self._node_members[i])
+            for i in range(self.node_size)
+            if i != self.node_rank and self._board[i] < self._seq
+        ]
+
+    def _mark_broken(self, op: str) -> None:
+        self._broken = op
+
+    def run(
+        self, op: str, impl: str, steps: Steps[T], async_op: bool, timeout: float | None
+    ) -> T | Handle[T]:
+        """Runs an implementation's steps: returns a Handle, or waits for the result."""
+        if self._broken is not None:
+            steps.close()
+            raise CommunicatorBroken(
+                f"{op}: an earlier {self._broken} on this communicator timed out, so its "
+                "state is unknown; create a new communicator (or restart the job)"
+            )
+        self._seq += 1
+        self._board[self.node_rank] = self._seq
+        handle = Handle(
+            op,
+            impl,
+            steps,
+            timeout=self.timeout if timeout is None else timeout,
+            behind=self._behind,
+            on_timeout=lambda: self._mark_broken(op),
+        )
+        return handle if async_op else handle.wait()
+
+    def check_signature(
+        self,
+        op: str,
+        tensor: torch.Tensor | None,
+        reduce_op: str = "",
+        root: int = -1,
+        timeout: float | None = None,
+    ) -> None:
+        """Compares op, shape, dtype, reduce op and root across ranks (``MPX_CHECK=1``).
+
+        Raises:
+            MismatchError: on every rank, naming two ranks that disagree.
+        """
+        mine = np.zeros(_SIGNATURE_LEN, dtype=np.int64)
+        shape: Sequence[int] = tuple(tensor.shape) if tensor is not None else ()
+        if len(shape) > _MAX_DIMS:
+            shape = (*shape[: _MAX_DIMS - 1], int(np.prod(shape[_MAX_DIMS - 1 :])))
+        mine[:6] = (
+            _OPS.index(op),
+            _DTYPES.index(tensor.dtype) if tensor is not None else 0,
+            _REDUCE.index(reduce_op),
+            root,
+            len(shape),
+            0,
+        )
+        mine[6 : 6 + len(shape)] = shape
+        every = np.empty((self.size, _SIGNATURE_LEN), dtype=np.int64)
+
+        def steps() -> Steps[None]:
+            yield Requests([self.mpi.Iallgather(mine, every)])
+
+        self.run(op + " (MPX_CHECK)", "check", steps(), False, timeout)
+        differ = [r for r in range(self.size) if not np.array_equal(every[r], every[0])]
+        if differ:
+            other = differ[0]
+            raise MismatchError(
+                f"{op}: ranks disagree (MPX_CHECK=1): rank 0 called "
+                f"{_describe(every[0])} but rank {other} called {_describe(every[other])}"
+            )
+
+
+def _describe(signature: np.ndarray) -> str:
+    op, dtype, reduce_op, root, ndim = (int(x) for x in signature[:5])
+    parts = [f"{_OPS[op]}(shape={tuple(int(x) for x in signature[6 : 6 + ndim])}"]
+    if dtype:
+        parts.append(f"dtype={_DTYPES[dtype]}")
+    if reduce_op:
+        parts.append(f"op={_REDUCE[reduce_op]!r}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    return ", ".join(parts) + ")"
+
+
+@functools.cache
+def world() -> Communicator:
+    """The communicator over all ranks of the job (a duplicate of COMM_WORLD).
+
+    Collective on first call; later calls return the same object.
+    """
+    return Communicator(MPI.COMM_WORLD.Dup())

@@ -1,0 +1,151 @@
+"""``impl="mpi"``: the MPI library's own collectives.
+
+Tensors go to MPI as numpy views of their memory (no copy). Reductions MPI
+cannot do itself (bfloat16 always; float16 where the library lacks it) run on
+a float32 copy, rounded back once. CUDA tensors are passed to MPI only when
+the user declares the MPI CUDA-aware (``MPX_CUDA_AWARE=1``); otherwise the
+``staged`` implementation carries them through host memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from mpx.collectives.communicator import Communicator
+from mpx.collectives.dtypes import mpi_reduces, numpy_view, wire_view
+from mpx.collectives.handle import Requests, Steps
+
+__all__ = [
+    "MPI_OPS",
+    "cuda_aware",
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "alltoall",
+    "send",
+    "recv",
+    "barrier",
+]
+
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+
+
+def cuda_aware() -> bool:
+    """Whether CUDA buffers may be given to MPI (``MPX_CUDA_AWARE=1``)."""
+    return os.environ.get("MPX_CUDA_AWARE", "0") == "1"
+
+
+def _buf(t: torch.Tensor) -> Any:
+    if t.is_cuda:
+        # MPI reads device memory outside torch's stream order.
+        torch.cuda.current_stream(t.device).synchronize()
+        return wire_view(t.detach())
+    return numpy_view(t)
+
+
+def _reducible(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a float32 copy when MPI cannot reduce its dtype."""
+    return t if mpi_reduces(t.dtype) else t.to(torch.float32)
+
+
+def _finish(t: torch.Tensor, work: torch.Tensor, op: str, size: int) -> torch.Tensor:
+    if op == "avg":
+        work.div_(size)
+    if work is not t:
+        t.copy_(work)
+    return t
+
+
+def allreduce(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+    work = _reducible(t)
+    buf = _buf(work)
+    if blocking:
+        comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
+    else:
+        yield Requests([comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])])
+    return _finish(t, work, op, comm.size)
+
+
+def broadcast(comm: Communicator, t: torch.Tensor, root: int, blocking: bool) -> Steps[torch.Tensor]:
+    buf = _buf(t)
+    if blocking:
+        comm.mpi.Bcast(buf, root=root)
+    else:
+        yield Requests([comm.mpi.Ibcast(buf, root=root)], peers=[root])
+    return t
+
+
+def reduce(
+    comm: Communicator, t: torch.Tensor, root: int, op: str, blocking: bool
+) -> Steps[torch.Tensor]:
+    work = _reducible(t)
+    buf = _buf(work)
+    send, recv = (MPI.IN_PLACE, buf) if comm.rank == root else (buf, None)
+    if blocking:
+        comm.mpi.Reduce(send, recv, op=MPI_OPS[op], root=root)
+    else:
+        yield Requests([comm.mpi.Ireduce(send, recv, op=MPI_OPS[op], root=root)])
+    return _finish(t, work, op, comm.size) if comm.rank == root else t
+
+
+def allgather(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torch.Tensor]:
+    out = torch.empty((comm.size, *t.shape), dtype=t.dtype, device=t.device)
+    send, recv = _buf(t), _buf(out)
+    if blocking:
+        comm.mpi.Allgather(send, recv)
+    else:
+        yield Requests([comm.mpi.Iallgather(send, recv)])
+    return out
+
+
+def reduce_scatter(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+    work = _reducible(t)
+    out = torch.empty((t.shape[0] // comm.size, *t.shape[1:]), dtype=work.dtype, device=t.device)
+    send, recv = _buf(work), _buf(out)
+    if blocking:
+        comm.mpi.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
+    else:
+        yield Requests([comm.mpi.Ireduce_scatter_block(send, recv, op=MPI_OPS[op])])
+    if op == "avg":
+        out.div_(comm.size)
+    return out.to(t.dtype) if out.dtype != t.dtype else out
+
+
+def alltoall(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torch.Tensor]:
+    out = torch.empty_like(t)
+    send, recv = _buf(t), _buf(out)
+    if blocking:
+        comm.mpi.Alltoall(send, recv)
+    else:
+        yield Requests([comm.mpi.Ialltoall(send, recv)])
+    return out
+
+
+def send(comm: Communicator, t: torch.Tensor, dest: int, tag: int, blocking: bool) -> Steps[None]:
+    buf = _buf(t)
+    if blocking:
+        comm.mpi.Send(buf, dest=dest, tag=tag)
+    else:
+        yield Requests([comm.mpi.Isend(buf, dest=dest, tag=tag)], peers=[dest])
+
+
+def recv(comm: Communicator, t: torch.Tensor, source: int, tag: int, blocking: bool) -> Steps[torch.Tensor]:
+    buf = _buf(t)
+    if blocking:
+        comm.mpi.Recv(buf, source=source, tag=tag)
+    else:
+        yield Requests([comm.mpi.Irecv(buf, source=source, tag=tag)], peers=[source])
+    return t
+
+
+def barrier(comm: Communicator, blocking: bool) -> Steps[None]:
+    if blocking:
+        comm.mpi.Barrier()
+    else:
+        yield Requests([comm.mpi.Ibarrier()])

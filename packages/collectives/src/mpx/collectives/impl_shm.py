@@ -1,0 +1,165 @@
+"""``impl="shm"``: ranks of one node reduce straight in shared memory.
+
+Each rank owns two slots of ``MPX_SHM_SLOT_MB`` (16 MiB) in an MPI-3 shared
+window; every rank can read every slot. A tensor is processed in pieces of
+one slot; piece k uses buffer k % 2, so a rank may fill the next buffer while
+a slow peer still reads the last one (two barriers per piece, none extra)::
+
+    window:  rank 0: [buf 0 | buf 1]  rank 1: [buf 0 | buf 1]  rank 2: [...]
+    piece (P = 3), chunk j of the piece is owned by rank j:
+
+    1. copy in    rank r writes the chunks it does NOT own into its slot
+    2. barrier
+    3. reduce     rank r: own chunk of its tensor + chunk r of every peer's
+                  slot -> result into its own slot (chunk r) and its tensor
+    4. barrier
+    5. copy out   rank r copies chunk j of rank j's slot, for every j != r
+
+Per rank that is one read of the peers' data and one copy in and out of the
+chunks others own: no staging of the whole tensor. 16-bit floats accumulate
+in float32. Broadcast and allgather use the same slots: the root (or every
+rank) copies in, a barrier, everyone copies out.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from mpi4py import MPI
+
+from mpx.collectives.communicator import Communicator
+from mpx.collectives.dtypes import accumulation_dtype
+from mpx.collectives.handle import Requests, Steps
+from mpx.collectives.reduction import combine, reduce_into
+
+__all__ = ["Workspace", "slot_bytes", "allreduce", "broadcast", "allgather"]
+
+_ALIGN = 64
+
+
+def slot_bytes() -> int:
+    """Bytes per slot (``MPX_SHM_SLOT_MB``, default 16 MiB)."""
+    return max(1, int(float(os.environ.get("MPX_SHM_SLOT_MB", "16")) * (1 << 20))) // _ALIGN * _ALIGN
+
+
+class Workspace:
+    """The shared window of one communicator: two slots per rank.
+
+    Example::
+
+        ws = Workspace.of(comm)               # collective on first use
+        mine = ws.slot(comm.rank, 0, torch.float32)
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.bytes = slot_bytes()
+        self.win = MPI.Win.Allocate_shared(2 * self.bytes, 1, comm=comm.mpi)
+        self._raw: list[torch.Tensor] = []
+        for r in range(comm.size):
+            buffer, _ = self.win.Shared_query(r)
+            self._raw.append(torch.frombuffer(buffer, dtype=torch.uint8, count=2 * self.bytes))
+        # Touch our own pages now, not inside the first timed collective.
+        self._raw[comm.rank].zero_()
+        self.calls = 0
+        comm.mpi.Barrier()
+
+    @classmethod
+    def of(cls, comm: Communicator) -> Workspace:
+        found = comm.cached("shm")
+        return found if isinstance(found, Workspace) else comm.cache("shm", cls(comm))
+
+    def slot(self, rank: int, buf: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``rank``'s slot ``buf`` (0 or 1) viewed as ``dtype``."""
+        raw = self._raw[rank][buf * self.bytes : (buf + 1) * self.bytes]
+        return raw.view(dtype)
+
+    def barrier(self) -> Requests:
+        return Requests([self.comm.mpi.Ibarrier()])
+
+    def free(self) -> None:
+        self._raw.clear()
+        self.win.Free()
+
+
+def _segment(n: int, parts: int, i: int) -> tuple[int, int]:
+    return i * n // parts, (i + 1) * n // parts
+
+
+def allreduce(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+    p, me = comm.size, comm.rank
+    if p == 1 or t.numel() == 0:
+        return t.div_(1) if op == "avg" else t
+    ws = Workspace.of(comm)
+    flat = t.reshape(-1)
+    acc_dtype = accumulation_dtype(t.dtype)
+    per_piece = ws.bytes // t.element_size()
+    for start in range(0, flat.numel(), per_piece):
+        piece = flat[start : start + per_piece]
+        n = piece.numel()
+        buf = ws.calls % 2
+        ws.calls += 1
+        mine = ws.slot(me, buf, t.dtype)
+        for j in range(p):
+            if j != me:
+                lo, hi = _segment(n, p, j)
+                mine[lo:hi].copy_(piece[lo:hi])
+        yield ws.barrier()
+        lo, hi = _segment(n, p, me)
+        peers = [ws.slot(j, buf, t.dtype)[lo:hi] for j in range(p) if j != me]
+        if acc_dtype == t.dtype:
+            # Reduce straight into our slot: own chunk (op) first peer, in one pass.
+            acc = mine[lo:hi]
+            combine(piece[lo:hi], peers[0], op, out=acc)
+        else:
+            acc = piece[lo:hi].to(acc_dtype)
+            reduce_into(acc, peers[0], op)
+        for other in peers[1:]:
+            reduce_into(acc, other, op)
+        if op == "avg":
+            acc.div_(p)
+        if acc_dtype != t.dtype:
+            mine[lo:hi].copy_(acc)
+        piece[lo:hi].copy_(mine[lo:hi])
+        yield ws.barrier()
+        for j in range(p):
+            if j != me:
+                lo, hi = _segment(n, p, j)
+                piece[lo:hi].copy_(ws.slot(j, buf, t.dtype)[lo:hi])
+    return t
+
+
+def broadcast(comm: Communicator, t: torch.Tensor, root: int, blocking: bool) -> Steps[torch.Tensor]:
+    ws = Workspace.of(comm)
+    flat = t.reshape(-1)
+    per_piece = ws.bytes // t.element_size()
+    for start in range(0, flat.numel(), per_piece):
+        piece = flat[start : start + per_piece]
+        buf = ws.calls % 2
+        ws.calls += 1
+        source = ws.slot(root, buf, t.dtype)[: piece.numel()]
+        if comm.rank == root:
+            source.copy_(piece)
+        yield ws.barrier()
+        if comm.rank != root:
+            piece.copy_(source)
+    return t
+
+
+def allgather(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torch.Tensor]:
+    ws = Workspace.of(comm)
+    out = torch.empty((comm.size, *t.shape), dtype=t.dtype)
+    flat, outs = t.reshape(-1), out.view(comm.size, -1)
+    outs[comm.rank].copy_(flat)
+    per_piece = ws.bytes // t.element_size()
+    for start in range(0, flat.numel(), per_piece):
+        stop = min(start + per_piece, flat.numel())
+        buf = ws.calls % 2
+        ws.calls += 1
+        ws.slot(comm.rank, buf, t.dtype)[: stop - start].copy_(flat[start:stop])
+        yield ws.barrier()
+        for j in range(comm.size):
+            if j != comm.rank:
+                outs[j, start:stop].copy_(ws.slot(j, buf, t.dtype)[: stop - start])
+    return out

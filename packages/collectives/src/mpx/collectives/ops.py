@@ -1,0 +1,217 @@
+"""The collective operations on torch tensors.
+
+Every operation takes ``comm=`` (default :func:`world`), ``impl=`` (default
+``MPX_COLLECTIVES_IMPL`` or ``"auto"``), ``async_op=`` (return a
+:class:`Handle` instead of the result) and ``timeout=`` seconds (default
+``MPX_TIMEOUT``; a :class:`CollectiveTimeout` instead of a hang). In-place
+operations return their input tensor.
+
+With ``MPX_CHECK=1`` every call first compares shape, dtype, op and root
+across the ranks and raises :class:`MismatchError` on all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpx.collectives.checks import check_rank, check_tensor
+from mpx.collectives.communicator import Communicator, check_enabled, world
+from mpx.collectives.dtypes import check_op_for_dtype
+from mpx.collectives.handle import Handle
+from mpx.collectives.selection import choose
+
+__all__ = [
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "alltoall",
+    "send",
+    "recv",
+    "barrier",
+]
+
+
+def _run(
+    op: str,
+    comm: Communicator | None,
+    t: torch.Tensor | None,
+    impl: str | None,
+    async_op: bool,
+    timeout: float | None,
+    *args: Any,
+    reduce_op: str = "",
+    root: int = -1,
+) -> Any:
+    comm = world() if comm is None else comm
+    name, module = choose(op, t, comm, impl)
+    if check_enabled():
+        comm.check_signature(op, t, reduce_op, root, timeout)
+    limit = comm.timeout if timeout is None else timeout
+    blocking = not async_op and limit is None
+    fn = getattr(module, op)
+    steps = fn(comm, *(() if t is None else (t,)), *args, blocking)
+    return comm.run(op, name, steps, async_op, limit)
+
+
+def allreduce(
+    t: torch.Tensor,
+    op: str = "sum",
+    *,
+    comm: Communicator | None = None,
+    impl: str | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Reduces ``t`` across ranks, in place: every rank ends with the result.
+
+    Args:
+        t: a contiguous CPU tensor (CUDA with a CUDA-aware MPI).
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``.
+
+    Returns:
+        ``t``, or a :class:`Handle` whose ``wait()`` returns it.
+
+    Example::
+
+        grad = allreduce(grad, "avg")
+        handle = allreduce(buf, async_op=True); ...; handle.wait(timeout=60)
+    """
+    check_tensor(t, "allreduce")
+    check_op_for_dtype(op, t.dtype)
+    return _run("allreduce", comm, t, impl, async_op, timeout, op, reduce_op=op)
+
+
+def broadcast(
+    t: torch.Tensor,
+    root: int = 0,
+    *,
+    comm: Communicator | None = None,
+    impl: str | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Copies ``root``'s ``t`` into ``t`` on every rank, in place."""
+    check_tensor(t, "broadcast")
+    size = (world() if comm is None else comm).size
+    check_rank(root, size, "root", "broadcast")
+    return _run("broadcast", comm, t, impl, async_op, timeout, root, root=root)
+
+
+def reduce(
+    t: torch.Tensor,
+    root: int = 0,
+    op: str = "sum",
+    *,
+    comm: Communicator | None = None,
+    impl: str | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Reduces ``t`` into ``root``'s ``t``; the other ranks' tensors are unchanged."""
+    check_tensor(t, "reduce")
+    check_op_for_dtype(op, t.dtype)
+    size = (world() if comm is None else comm).size
+    check_rank(root, size, "root", "reduce")
+    return _run("reduce", comm, t, impl, async_op, timeout, root, op, reduce_op=op, root=root)
+
+
+def allgather(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = None,
+    impl: str | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Every rank's ``t``, stacked: a new tensor of shape ``(size, *t.shape)``."""
+    check_tensor(t, "allgather")
+    return _run("allgather", comm, t, impl, async_op, timeout)
+
+
+def reduce_scatter(
+    t: torch.Tensor,
+    op: str = "sum",
+    *,
+    comm: Communicator | None = None,
+    impl: str | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Reduces ``t`` across ranks; rank r gets block r of the rows.
+
+    ``t.shape[0]`` must be divisible by the number of ranks; the result has
+    ``t.shape[0] // size`` rows (``t`` itself is left unchanged).
+    """
+    check_tensor(t, "reduce_scatter")
+    check_op_for_dtype(op, t.dtype)
+    size = (world() if comm is None else comm).size
+    if t.dim() == 0 or t.shape[0] % size:
+        raise ValueError(
+            f"reduce_scatter: the first dimension of shape {tuple(t.shape)} must be divisible "
+            f"by the {size} ranks; pad it, or reshape to ({size}, -1)"
+        )
+    return _run("reduce_scatter", comm, t, impl, async_op, timeout, op, reduce_op=op)
+
+
+def alltoall(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = None,
+    impl: str | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Block j of ``t``'s rows goes to rank j; returns the blocks received, in rank order."""
+    check_tensor(t, "alltoall")
+    size = (world() if comm is None else comm).size
+    if t.dim() == 0 or t.shape[0] % size:
+        raise ValueError(
+            f"alltoall: the first dimension of shape {tuple(t.shape)} must be divisible by "
+            f"the {size} ranks"
+        )
+    return _run("alltoall", comm, t, impl, async_op, timeout)
+
+
+def send(
+    t: torch.Tensor,
+    dest: int,
+    tag: int = 0,
+    *,
+    comm: Communicator | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Sends ``t`` to rank ``dest`` (point to point, through MPI)."""
+    check_tensor(t, "send")
+    size = (world() if comm is None else comm).size
+    check_rank(dest, size, "dest", "send")
+    return _run("send", comm, t, "mpi", async_op, timeout, dest, tag)
+
+
+def recv(
+    t: torch.Tensor,
+    source: int,
+    tag: int = 0,
+    *,
+    comm: Communicator | None = None,
+    async_op: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """Receives into ``t`` from rank ``source``; returns ``t``."""
+    check_tensor(t, "recv")
+    size = (world() if comm is None else comm).size
+    check_rank(source, size, "source", "recv")
+    return _run("recv", comm, t, "mpi", async_op, timeout, source, tag)
+
+
+def barrier(
+    *, comm: Communicator | None = None, async_op: bool = False, timeout: float | None = None
+) -> Any:
+    """Waits until every rank has called ``barrier``."""
+    return _run("barrier", comm, None, "mpi", async_op, timeout)
+
+
