@@ -102,6 +102,8 @@ class Communicator:
         buffer, _ = self._board_win.Shared_query(0)
         self._board = np.ndarray((self.node_size,), dtype=np.int64, buffer=buffer)
         self._board[self.node_rank] = 0
+        # How many nodes the group spans (computed here: it is collective).
+        self.num_nodes: int = int(mpi_comm.allreduce(1 if self.node_rank == 0 else 0))
         self._seq = 0
         self._broken: str | None = None
         self._cache: dict[str, Any] = {}
@@ -145,10 +147,6 @@ class Communicator:
         """True when every rank of the group shares one node."""
         return self.node_size == self.size
 
-    @functools.cached_property
-    def num_nodes(self) -> int:
-        """How many nodes the group spans."""
-        return int(self.mpi.allreduce(1 if self.node_rank == 0 else 0))
 
     def cached(self, key: str) -> Any:
         """Per-communicator state of an implementation (workspaces, sub-communicators)."""

@@ -1,5 +1,8 @@
 """``impl="mpi"``: the MPI library's own collectives.
 
+Every call is MPI's non-blocking variant (``MPI_Iallreduce`` ...), waited on
+by the handle: MPI does not match a blocking collective on one rank with a
+non-blocking one on another, so sync and async calls must be the same call.
 Tensors go to MPI as numpy views of their memory (no copy). Reductions MPI
 cannot do itself (bfloat16 always; float16 where the library lacks it) run on
 a float32 copy, rounded back once. CUDA tensors are passed to MPI only when
@@ -62,90 +65,63 @@ def _finish(t: torch.Tensor, work: torch.Tensor, op: str, size: int) -> torch.Te
     return t
 
 
-def allreduce(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     work = _reducible(t)
     buf = _buf(work)
-    if blocking:
-        comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
-    else:
-        yield Requests([comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])])
+    yield Requests([comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])])
     return _finish(t, work, op, comm.size)
 
 
-def broadcast(comm: Communicator, t: torch.Tensor, root: int, blocking: bool) -> Steps[torch.Tensor]:
+def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
     buf = _buf(t)
-    if blocking:
-        comm.mpi.Bcast(buf, root=root)
-    else:
-        yield Requests([comm.mpi.Ibcast(buf, root=root)], peers=[root])
+    yield Requests([comm.mpi.Ibcast(buf, root=root)], peers=[root])
     return t
 
 
 def reduce(
-    comm: Communicator, t: torch.Tensor, root: int, op: str, blocking: bool
+    comm: Communicator, t: torch.Tensor, root: int, op: str
 ) -> Steps[torch.Tensor]:
     work = _reducible(t)
     buf = _buf(work)
     send, recv = (MPI.IN_PLACE, buf) if comm.rank == root else (buf, None)
-    if blocking:
-        comm.mpi.Reduce(send, recv, op=MPI_OPS[op], root=root)
-    else:
-        yield Requests([comm.mpi.Ireduce(send, recv, op=MPI_OPS[op], root=root)])
+    yield Requests([comm.mpi.Ireduce(send, recv, op=MPI_OPS[op], root=root)])
     return _finish(t, work, op, comm.size) if comm.rank == root else t
 
 
-def allgather(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torch.Tensor]:
+def allgather(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:
     out = torch.empty((comm.size, *t.shape), dtype=t.dtype, device=t.device)
     send, recv = _buf(t), _buf(out)
-    if blocking:
-        comm.mpi.Allgather(send, recv)
-    else:
-        yield Requests([comm.mpi.Iallgather(send, recv)])
+    yield Requests([comm.mpi.Iallgather(send, recv)])
     return out
 
 
-def reduce_scatter(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+def reduce_scatter(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     work = _reducible(t)
     out = torch.empty((t.shape[0] // comm.size, *t.shape[1:]), dtype=work.dtype, device=t.device)
     send, recv = _buf(work), _buf(out)
-    if blocking:
-        comm.mpi.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
-    else:
-        yield Requests([comm.mpi.Ireduce_scatter_block(send, recv, op=MPI_OPS[op])])
+    yield Requests([comm.mpi.Ireduce_scatter_block(send, recv, op=MPI_OPS[op])])
     if op == "avg":
         out.div_(comm.size)
     return out.to(t.dtype) if out.dtype != t.dtype else out
 
 
-def alltoall(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torch.Tensor]:
+def alltoall(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:
     out = torch.empty_like(t)
     send, recv = _buf(t), _buf(out)
-    if blocking:
-        comm.mpi.Alltoall(send, recv)
-    else:
-        yield Requests([comm.mpi.Ialltoall(send, recv)])
+    yield Requests([comm.mpi.Ialltoall(send, recv)])
     return out
 
 
-def send(comm: Communicator, t: torch.Tensor, dest: int, tag: int, blocking: bool) -> Steps[None]:
+def send(comm: Communicator, t: torch.Tensor, dest: int, tag: int) -> Steps[None]:
     buf = _buf(t)
-    if blocking:
-        comm.mpi.Send(buf, dest=dest, tag=tag)
-    else:
-        yield Requests([comm.mpi.Isend(buf, dest=dest, tag=tag)], peers=[dest])
+    yield Requests([comm.mpi.Isend(buf, dest=dest, tag=tag)], peers=[dest])
 
 
-def recv(comm: Communicator, t: torch.Tensor, source: int, tag: int, blocking: bool) -> Steps[torch.Tensor]:
+def recv(comm: Communicator, t: torch.Tensor, source: int, tag: int) -> Steps[torch.Tensor]:
     buf = _buf(t)
-    if blocking:
-        comm.mpi.Recv(buf, source=source, tag=tag)
-    else:
-        yield Requests([comm.mpi.Irecv(buf, source=source, tag=tag)], peers=[source])
+    yield Requests([comm.mpi.Irecv(buf, source=source, tag=tag)], peers=[source])
     return t
 
 
-def barrier(comm: Communicator, blocking: bool) -> Steps[None]:
-    if blocking:
-        comm.mpi.Barrier()
-    else:
-        yield Requests([comm.mpi.Ibarrier()])
+def barrier(comm: Communicator) -> Steps[None]:
+    yield Requests([comm.mpi.Ibarrier()])

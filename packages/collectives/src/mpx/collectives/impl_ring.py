@@ -94,7 +94,7 @@ def _allgather_segments(comm: Communicator, x: torch.Tensor, shift: int, tag: in
         yield Requests(requests, peers=[left, right])
 
 
-def allreduce(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     if comm.size == 1 or t.numel() == 0:
         return finish(t, t.reshape(-1), op, 1)
     tag = _tag(comm)
@@ -104,7 +104,7 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> S
     return finish(t, work, op, comm.size)
 
 
-def reduce_scatter(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+def reduce_scatter(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     rows = t.shape[0] // comm.size
     out_shape = (rows, *t.shape[1:])
     work = working_copy(t, op, copy=True)
@@ -118,7 +118,7 @@ def reduce_scatter(comm: Communicator, t: torch.Tensor, op: str, blocking: bool)
     return mine.to(t.dtype).view(out_shape)
 
 
-def allgather(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torch.Tensor]:
+def allgather(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:
     out = torch.empty((comm.size, *t.shape), dtype=t.dtype)
     out[comm.rank].copy_(t)
     if comm.size > 1 and t.numel() > 0:
@@ -128,7 +128,7 @@ def allgather(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torc
     return out
 
 
-def broadcast(comm: Communicator, t: torch.Tensor, root: int, blocking: bool) -> Steps[torch.Tensor]:
+def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
     p = comm.size
     if p == 1 or t.numel() == 0:
         return t

@@ -87,7 +87,7 @@ def _segment(n: int, parts: int, i: int) -> tuple[int, int]:
     return i * n // parts, (i + 1) * n // parts
 
 
-def allreduce(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> Steps[torch.Tensor]:
+def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     p, me = comm.size, comm.rank
     if p == 1 or t.numel() == 0:
         return t.div_(1) if op == "avg" else t
@@ -130,7 +130,7 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str, blocking: bool) -> S
     return t
 
 
-def broadcast(comm: Communicator, t: torch.Tensor, root: int, blocking: bool) -> Steps[torch.Tensor]:
+def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
     ws = Workspace.of(comm)
     flat = t.reshape(-1)
     per_piece = ws.bytes // t.element_size()
@@ -147,7 +147,7 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int, blocking: bool) ->
     return t
 
 
-def allgather(comm: Communicator, t: torch.Tensor, blocking: bool) -> Steps[torch.Tensor]:
+def allgather(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:
     ws = Workspace.of(comm)
     out = torch.empty((comm.size, *t.shape), dtype=t.dtype)
     flat, outs = t.reshape(-1), out.view(comm.size, -1)

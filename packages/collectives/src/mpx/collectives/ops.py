@@ -50,11 +50,8 @@ def _run(
     name, module = choose(op, t, comm, impl)
     if check_enabled():
         comm.check_signature(op, t, reduce_op, root, timeout)
-    limit = comm.timeout if timeout is None else timeout
-    blocking = not async_op and limit is None
-    fn = getattr(module, op)
-    steps = fn(comm, *(() if t is None else (t,)), *args, blocking)
-    return comm.run(op, name, steps, async_op, limit)
+    steps = getattr(module, op)(comm, *(() if t is None else (t,)), *args)
+    return comm.run(op, name, steps, async_op, timeout)
 
 
 def allreduce(
