@@ -10,7 +10,7 @@ from mpx.collectives.checks import check_tensor
 
 
 def test_not_a_tensor() -> None:
-    with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"must be a torch\.Tensor, got list"):
         check_tensor([1, 2], "allreduce")
 
 
@@ -26,11 +26,11 @@ def test_non_contiguous_names_shape_and_fix() -> None:
 
 
 def test_bad_op_root_impl() -> None:
-    with pytest.raises(ValueError, match="op must be one of sum, avg, max, min, prod, got 'mean'"):
+    with pytest.raises(ValueError, match=r"op must be one of sum, avg, max, min, prod, got 'mean'"):
         allreduce(torch.zeros(3), "mean")
     with pytest.raises(ValueError, match=r"root must be a rank in \[0, 1\), got 5"):
         broadcast(torch.zeros(3), 5)
-    with pytest.raises(ValueError, match="impl must be one of auto, mpi, ring, shm, got 'nccl'"):
+    with pytest.raises(ValueError, match=r"impl must be one of auto, mpi, ring, shm, got 'nccl'"):
         allreduce(torch.zeros(3), impl="nccl")
     with pytest.raises(ValueError, match=r"dest must be a rank in \[0, 1\), got -1"):
         send(torch.zeros(3), -1)

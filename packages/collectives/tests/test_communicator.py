@@ -119,7 +119,7 @@ def test_mismatched_dtype_and_root(monkeypatch: pytest.MonkeyPatch) -> None:
     if comm.size == 1:
         pytest.skip("a mismatch needs two ranks")
     dtype = torch.float32 if comm.rank == 0 else torch.float64
-    with pytest.raises(MismatchError, match="dtype=torch.float64"):
+    with pytest.raises(MismatchError, match=r"dtype=torch\.float64"):
         allreduce(torch.ones(2, dtype=dtype), timeout=30)
     with pytest.raises(MismatchError, match="root=1"):
         broadcast(torch.ones(2), 0 if comm.rank == 0 else 1, timeout=30)

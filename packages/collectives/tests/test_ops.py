@@ -69,7 +69,12 @@ def assert_matches(got: torch.Tensor, want: np.ndarray, dtype: torch.dtype, term
     assert got.dtype == dtype
     if dtype.is_floating_point:
         # The reference is exact (float64); allow the rounding of `terms` additions.
-        eps = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1.2e-7, torch.float64: 2.3e-16}
+        eps = {
+            torch.float16: 1e-3,
+            torch.bfloat16: 8e-3,
+            torch.float32: 1.2e-7,
+            torch.float64: 2.3e-16,
+        }
         tol = 4 * eps[dtype] * max(terms, 1)
         np.testing.assert_allclose(got.double().numpy(), want, rtol=tol, atol=tol)
     else:
@@ -131,8 +136,12 @@ def test_sliced_tensors_touch_only_their_slice(impl: str) -> None:
     view = base[1000:2000]  # contiguous, with a storage offset
     view.copy_(make(comm.rank, 1000, torch.float32))
     allreduce(view, impl=impl)
-    assert_matches(view, reference([make(r, 1000, torch.float32) for r in range(comm.size)], "sum"),
-                   torch.float32, comm.size)
+    assert_matches(
+        view,
+        reference([make(r, 1000, torch.float32) for r in range(comm.size)], "sum"),
+        torch.float32,
+        comm.size,
+    )
     assert base[:1000].eq(5).all()
     assert base[2000:].eq(5).all()
 
@@ -144,7 +153,7 @@ def test_non_contiguous_input_is_refused() -> None:
 
 
 def test_avg_of_integers_is_refused() -> None:
-    with pytest.raises(TypeError, match="op='avg' needs a floating dtype, got torch.int64"):
+    with pytest.raises(TypeError, match=r"op='avg' needs a floating dtype, got torch\.int64"):
         allreduce(torch.zeros(3, dtype=torch.int64), "avg")
 
 
@@ -156,8 +165,9 @@ def test_broadcast(impl: str, dtype: torch.dtype, n: int) -> None:
     for root in sorted({0, comm.size - 1}):
         t = make(comm.rank, n, dtype, salt=root)
         broadcast(t, root, impl=impl)
-        np.testing.assert_array_equal(t.view(-1).float().numpy(),
-                                      make(root, n, dtype, salt=root).float().numpy())
+        np.testing.assert_array_equal(
+            t.view(-1).float().numpy(), make(root, n, dtype, salt=root).float().numpy()
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -185,8 +195,9 @@ def test_allgather(impl: str, dtype: torch.dtype, n: int) -> None:
     out = allgather(t, impl=impl)
     assert out.shape == (comm.size, *t.shape)
     for r in range(comm.size):
-        np.testing.assert_array_equal(out[r].reshape(-1).float().numpy(),
-                                      make(r, n, dtype).float().numpy())
+        np.testing.assert_array_equal(
+            out[r].reshape(-1).float().numpy(), make(r, n, dtype).float().numpy()
+        )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -195,8 +206,9 @@ def test_allgather(impl: str, dtype: torch.dtype, n: int) -> None:
 @pytest.mark.parametrize("op", ["sum", "max"])
 def test_reduce_scatter(impl: str, dtype: torch.dtype, rows: int, op: str) -> None:
     comm = world()
-    inputs = [make(r, rows * comm.size * 4, dtype, op).view(rows * comm.size, 4)
-              for r in range(comm.size)]
+    inputs = [
+        make(r, rows * comm.size * 4, dtype, op).view(rows * comm.size, 4) for r in range(comm.size)
+    ]
     out = reduce_scatter(inputs[comm.rank].clone(), op, impl=impl)
     want = reference(inputs, op)[comm.rank * rows : (comm.rank + 1) * rows]
     assert out.shape == (rows, 4)

@@ -41,7 +41,10 @@ def _time(cmd: list[str], env: dict[str, str], limit: float) -> tuple[float, boo
     """Wall time of ``cmd``; True if it had to be killed at ``limit``."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
@@ -72,7 +75,8 @@ def main() -> None:
         t_bare = statistics.median(_time(bare, env, 60)[0] for _ in range(args.repeats))
         t_ours = statistics.median(_time(ours, env, 60)[0] for _ in range(args.repeats))
         rows.append(
-            f"| start-up, {nprocs} rank(s) | {t_ours:.3f} s | {t_bare:.3f} s | {t_ours / t_bare:.2f} |"
+            f"| start-up, {nprocs} rank(s) | {t_ours:.3f} s | {t_bare:.3f} s "
+            f"| {t_ours / t_bare:.2f} |"
         )
     for nprocs in (2, 3):
         bare_f = [launcher.path, "-n", str(nprocs), sys.executable, failing]
@@ -81,7 +85,9 @@ def main() -> None:
         t_ours = statistics.median(_time(ours_f, env, 60)[0] for _ in range(args.repeats))
         bare_text = f"hung, killed at {t_bare:.0f} s" if hung else f"{t_bare:.3f} s"
         ratio = f"< {t_ours / t_bare:.2f}" if hung else f"{t_ours / t_bare:.2f}"
-        rows.append(f"| rank 1 raises, {nprocs} ranks: job ended | {t_ours:.3f} s | {bare_text} | {ratio} |")
+        rows.append(
+            f"| rank 1 raises, {nprocs} ranks: job ended | {t_ours:.3f} s | {bare_text} | {ratio} |"
+        )
     os.unlink(failing)
 
     print("## mpx-launch: mpxrun vs the bare launcher\n")

@@ -22,6 +22,7 @@ from mpx.collectives.ops import (
     send,
 )
 from mpx.collectives.selection import IMPLEMENTATIONS
+from mpx.collectives.torch_backend import init_process_group, register_torch_backend
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -37,9 +38,11 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "init_process_group",
     "recv",
     "reduce",
     "reduce_scatter",
+    "register_torch_backend",
     "send",
     "world",
 ]

@@ -6,7 +6,7 @@ import torch
 
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 
-__all__ = ["check_tensor", "check_rank"]
+__all__ = ["check_rank", "check_tensor"]
 
 
 def check_tensor(t: object, op: str, name: str = "tensor") -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from mpi4py import MPI
 from mpx.collectives.errors import CommunicatorBroken, MismatchError
 from mpx.collectives.handle import Handle, Requests, Steps
 
-__all__ = ["Communicator", "world", "default_timeout", "check_enabled"]
+__all__ = ["Communicator", "check_enabled", "default_timeout", "world"]
 
 T = TypeVar("T")
 
@@ -85,12 +85,12 @@ class Communicator:
         allreduce(torch.ones(4), comm=rows)
     """
 
-    def __init__(self, mpi_comm: MPI.Comm, timeout: float | None = None) -> None:
+    def __init__(self, mpi_comm: MPI.Intracomm, timeout: float | None = None) -> None:
         self.mpi = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.timeout = default_timeout() if timeout is None else timeout
-        self._node_comm = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._node_comm = MPI.Intracomm(mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
         self.node_rank: int = self._node_comm.Get_rank()
         self.node_size: int = self._node_comm.Get_size()
         self._node_members = self._node_comm.Get_group().Translate_ranks(
@@ -100,7 +100,7 @@ class Communicator:
             8 * self.node_size if self.node_rank == 0 else 0, 8, comm=self._node_comm
         )
         buffer, _ = self._board_win.Shared_query(0)
-        self._board = np.ndarray((self.node_size,), dtype=np.int64, buffer=buffer)
+        self._board = np.ndarray((self.node_size,), dtype=np.int64, buffer=cast(Any, buffer))
         self._board[self.node_rank] = 0
         # How many nodes the group spans (computed here: it is collective).
         self.num_nodes: int = int(mpi_comm.allreduce(1 if self.node_rank == 0 else 0))
@@ -112,10 +112,12 @@ class Communicator:
     # -- construction ---------------------------------------------------------
 
     @classmethod
-    def from_mpi(cls, comm: MPI.Comm, timeout: float | None = None) -> Communicator:
+    def from_mpi(cls, comm: MPI.Intracomm, timeout: float | None = None) -> Communicator:
         """Wraps (a duplicate of) an mpi4py communicator. Collective."""
         if comm == MPI.COMM_NULL:
-            raise ValueError("from_mpi got MPI.COMM_NULL; only members of a communicator may wrap it")
+            raise ValueError(
+                "from_mpi got MPI.COMM_NULL; only members of a communicator may wrap it"
+            )
         return cls(comm.Dup(), timeout)
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
@@ -127,8 +129,10 @@ class Communicator:
         """
         if color is not None and color < 0:
             raise ValueError(f"color must be >= 0 or None, got {color}")
-        new = self.mpi.Split(MPI.UNDEFINED if color is None else color, self.rank if key is None else key)
-        return None if new == MPI.COMM_NULL else Communicator(new, self.timeout)
+        new = self.mpi.Split(
+            MPI.UNDEFINED if color is None else color, self.rank if key is None else key
+        )
+        return None if new == MPI.COMM_NULL else Communicator(MPI.Intracomm(new), self.timeout)
 
     def node(self) -> Communicator:
         """The ranks of this group that share this node's memory. Collective."""
@@ -146,7 +150,6 @@ class Communicator:
     def single_node(self) -> bool:
         """True when every rank of the group shares one node."""
         return self.node_size == self.size
-
 
     def cached(self, key: str) -> Any:
         """Per-communicator state of an implementation (workspaces, sub-communicators)."""

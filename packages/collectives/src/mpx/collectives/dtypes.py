@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 __all__ = [
-    "SUPPORTED_DTYPES",
     "REDUCE_OPS",
-    "is_floating",
-    "wire_view",
-    "numpy_view",
-    "mpi_reduces",
+    "SUPPORTED_DTYPES",
     "accumulation_dtype",
     "check_op_for_dtype",
+    "is_floating",
+    "mpi_reduces",
+    "numpy_view",
+    "wire_view",
 ]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (

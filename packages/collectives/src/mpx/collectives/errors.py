@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["MPXError", "CollectiveTimeout", "MismatchError", "CommunicatorBroken"]
+__all__ = ["CollectiveTimeout", "CommunicatorBroken", "MPXError", "MismatchError"]
 
 
 class MPXError(Exception):

@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from mpx.collectives.errors import CollectiveTimeout
 
-__all__ = ["Pending", "Requests", "Done", "Steps", "Handle"]
+__all__ = ["Done", "Handle", "Pending", "Requests", "Steps"]
 
 T = TypeVar("T")
 

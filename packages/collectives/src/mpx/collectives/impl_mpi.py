@@ -24,16 +24,16 @@ from mpx.collectives.handle import Requests, Steps
 
 __all__ = [
     "MPI_OPS",
-    "cuda_aware",
-    "allreduce",
-    "broadcast",
-    "reduce",
     "allgather",
-    "reduce_scatter",
+    "allreduce",
     "alltoall",
-    "send",
-    "recv",
     "barrier",
+    "broadcast",
+    "cuda_aware",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "send",
 ]
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -78,9 +78,7 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
     return t
 
 
-def reduce(
-    comm: Communicator, t: torch.Tensor, root: int, op: str
-) -> Steps[torch.Tensor]:
+def reduce(comm: Communicator, t: torch.Tensor, root: int, op: str) -> Steps[torch.Tensor]:
     work = _reducible(t)
     buf = _buf(work)
     send, recv = (MPI.IN_PLACE, buf) if comm.rank == root else (buf, None)

@@ -29,7 +29,7 @@ from mpx.collectives.dtypes import numpy_view
 from mpx.collectives.handle import Requests, Steps
 from mpx.collectives.reduction import finish, reduce_into, working_copy
 
-__all__ = ["chunk_bytes", "allreduce", "broadcast", "allgather", "reduce_scatter"]
+__all__ = ["allgather", "allreduce", "broadcast", "chunk_bytes", "reduce_scatter"]
 
 _TAG_RANGE = 32767  # MPI guarantees at least this tag upper bound
 

@@ -33,14 +33,16 @@ from mpx.collectives.dtypes import accumulation_dtype
 from mpx.collectives.handle import Requests, Steps
 from mpx.collectives.reduction import combine, reduce_into
 
-__all__ = ["Workspace", "slot_bytes", "allreduce", "broadcast", "allgather"]
+__all__ = ["Workspace", "allgather", "allreduce", "broadcast", "slot_bytes"]
 
 _ALIGN = 64
 
 
 def slot_bytes() -> int:
     """Bytes per slot (``MPX_SHM_SLOT_MB``, default 16 MiB)."""
-    return max(1, int(float(os.environ.get("MPX_SHM_SLOT_MB", "16")) * (1 << 20))) // _ALIGN * _ALIGN
+    return (
+        max(1, int(float(os.environ.get("MPX_SHM_SLOT_MB", "16")) * (1 << 20))) // _ALIGN * _ALIGN
+    )
 
 
 class Workspace:

@@ -19,19 +19,18 @@ import torch
 from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import Communicator, check_enabled, world
 from mpx.collectives.dtypes import check_op_for_dtype
-from mpx.collectives.handle import Handle
 from mpx.collectives.selection import choose
 
 __all__ = [
-    "allreduce",
-    "broadcast",
-    "reduce",
     "allgather",
-    "reduce_scatter",
+    "allreduce",
     "alltoall",
-    "send",
-    "recv",
     "barrier",
+    "broadcast",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "send",
 ]
 
 
@@ -210,5 +209,3 @@ def barrier(
 ) -> Any:
     """Waits until every rank has called ``barrier``."""
     return _run("barrier", comm, None, "mpi", async_op, timeout)
-
-

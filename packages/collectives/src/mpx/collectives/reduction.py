@@ -6,7 +6,7 @@ import torch
 
 from mpx.collectives.dtypes import accumulation_dtype
 
-__all__ = ["combine", "reduce_into", "working_copy", "finish"]
+__all__ = ["combine", "finish", "reduce_into", "working_copy"]
 
 
 def reduce_into(acc: torch.Tensor, x: torch.Tensor, op: str) -> None:

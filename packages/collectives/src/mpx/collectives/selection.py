@@ -24,7 +24,7 @@ import torch
 from mpx.collectives import impl_mpi, impl_ring, impl_shm
 from mpx.collectives.communicator import Communicator
 
-__all__ = ["IMPLEMENTATIONS", "small_bytes", "choose"]
+__all__ = ["IMPLEMENTATIONS", "choose", "small_bytes"]
 
 IMPLEMENTATIONS: dict[str, ModuleType] = {"mpi": impl_mpi, "ring": impl_ring, "shm": impl_shm}
 _NAMES = ("auto", *IMPLEMENTATIONS)
@@ -43,7 +43,9 @@ def _auto(op: str, t: torch.Tensor | None, comm: Communicator) -> str:
     return "shm" if comm.single_node else "ring"
 
 
-def choose(op: str, t: torch.Tensor | None, comm: Communicator, impl: str | None) -> tuple[str, ModuleType]:
+def choose(
+    op: str, t: torch.Tensor | None, comm: Communicator, impl: str | None
+) -> tuple[str, ModuleType]:
     """The implementation's name and module for this call.
 
     Raises:
