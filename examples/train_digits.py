@@ -2,8 +2,9 @@
 
 Run with ``mpxrun -n 2 examples/train_digits.py`` (or ``nox -s demo``). Every
 rank trains on its own shard of the training set; gradients are averaged by
-torch's ``DistributedDataParallel``, whose process group is set up from the
-MPI launcher's variables by ``mpx.launch.init_torch_env``::
+torch's ``DistributedDataParallel`` on the ``"mpx"`` backend of
+``mpx.collectives`` (shared-memory allreduce on one node), with ranks started by
+``mpxrun`` from ``mpx.launch``::
 
     digits (1797 x 8x8) ──split──> train 1437 │ test 360
     train, reshuffled each epoch ──> rank r takes samples r, r+P, r+2P, ...
@@ -24,7 +25,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-from mpx.launch import init_torch_env
+from mpx.collectives import init_process_group
+from mpx.launch import environment
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,8 +46,8 @@ def make_model() -> nn.Module:
 
 def main() -> None:
     args = parse_args()
-    env = init_torch_env()
-    dist.init_process_group("gloo")
+    env = environment()
+    init_process_group()  # dist.init_process_group("mpx") with MPI's ranks
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
@@ -101,7 +103,8 @@ def main() -> None:
     if rank == 0:
         print(
             f"test accuracy {accuracy:.4f} on {len(y_test)} digits; {world} ranks "
-            f"({env.launcher}); wall time {time.perf_counter() - start:.1f} s; "
+            f"({env.launcher}, backend {dist.get_backend()}); "
+            f"wall time {time.perf_counter() - start:.1f} s; "
             f"max parameter difference between ranks {drift.item():.1e}"
         )
     dist.destroy_process_group()
