@@ -16,7 +16,6 @@ from mpx.collectives import (
     allreduce,
     broadcast,
     recv,
-    send,
     world,
 )
 
@@ -76,8 +75,8 @@ def test_recv_timeout_names_the_peer() -> None:
     # The communicator is now marked broken rather than silently reused.
     with pytest.raises(CommunicatorBroken, match="earlier recv"):
         broadcast(buf, 0, comm=comm)
-    # Satisfy the dangling receive so that nothing is left in flight.
-    send(torch.zeros(4), (comm.rank + 1) % comm.size, tag=99, comm=world())
+    # Satisfy the dangling receive (posted on comm) so that nothing is left in flight.
+    comm.mpi.Send(torch.zeros(4).numpy(), dest=(comm.rank + 1) % comm.size, tag=99)
     MPI.COMM_WORLD.Barrier()
 
 
@@ -87,16 +86,19 @@ def test_collective_timeout_names_the_rank_that_never_came() -> None:
     if comm.size == 1:
         pytest.skip("needs a second rank to be late")
     late = comm.size - 1
-    if comm.rank == late:
-        time.sleep(2.0)  # arrives after the others gave up
-        allreduce(torch.ones(3), comm=comm, impl="mpi", timeout=60)
-    else:
-        start = time.monotonic()
-        with pytest.raises(CollectiveTimeout) as info:
-            allreduce(torch.ones(3), comm=comm, impl="mpi", timeout=1.0)
-        assert time.monotonic() - start < 1.9
-        assert late in info.value.peers
-    MPI.COMM_WORLD.Barrier()
+    try:
+        if comm.rank == late:
+            time.sleep(3.0)  # arrives after the others gave up
+            allreduce(torch.ones(3), comm=comm, impl="mpi", timeout=60)
+        else:
+            start = time.monotonic()
+            with pytest.raises(CollectiveTimeout) as info:
+                allreduce(torch.ones(3), comm=comm, impl="mpi", timeout=1.0)
+            # Raised at the timeout, not when the late rank finally came.
+            assert time.monotonic() - start < 2.9
+            assert late in info.value.peers
+    finally:
+        MPI.COMM_WORLD.Barrier()  # a failed assertion must not strand the others
 
 
 def test_mismatched_shapes_are_named_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
