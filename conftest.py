@@ -112,6 +112,10 @@ def pytest_runtest_makereport(
         return
     if report.failed:
         item.stash[_FAILED_KEY] = True
+        # Say it now: if the peers are stuck, this rank may never reach its summary.
+        sys.stderr.write(f"\nrank {comm.Get_rank()}: {item.nodeid} failed ({call.when}):\n")
+        sys.stderr.write(f"{report.longreprtext}\n")
+        sys.stderr.flush()
     if call.when != "teardown":
         return
     # Teardown runs for every test on every rank, whatever failed before it,

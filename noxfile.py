@@ -49,11 +49,36 @@ def _timed(session: nox.Session, label: str, *args: str, **kwargs: object) -> No
     session.log(f"{label}: {time.monotonic() - start:.1f} s")
 
 
+TEST_PATHS = [f"packages/{name}/tests" for name in PACKAGES]
+
+
+def _mpi_runs(session: nox.Session, marker: str, **kwargs: object) -> None:
+    """The tests selected by ``marker`` under mpxrun with 1, 2 and 3 ranks."""
+    for nprocs in RANK_COUNTS:
+        _timed(
+            session,
+            f"{marker} tests on {nprocs} rank(s)",
+            "mpxrun",
+            "-n",
+            str(nprocs),
+            "--timeout",
+            MPI_RUN_TIMEOUT_S,
+            "--",
+            "python",
+            "-m",
+            "pytest",
+            *TEST_PATHS,
+            "-m",
+            marker,
+            *session.posargs,
+            **kwargs,
+        )
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests of all packages, then the mpi tests under 1, 2 and 3 ranks."""
     _install(session)
-    paths = [f"packages/{name}/tests" for name in PACKAGES]
     # pytest exits 5 when it collects nothing: session.run fails on it, as it should.
     _timed(
         session,
@@ -61,29 +86,12 @@ def tests(session: nox.Session) -> None:
         "python",
         "-m",
         "pytest",
-        *paths,
+        *TEST_PATHS,
         "-m",
         "not mpi and not gpu",
         *session.posargs,
     )
-    for nprocs in RANK_COUNTS:
-        _timed(
-            session,
-            f"mpi tests on {nprocs} rank(s)",
-            "mpxrun",
-            "-n",
-            str(nprocs),
-            "--timeout",
-            MPI_RUN_TIMEOUT_S,
-            "--",
-            "python",
-            "-m",
-            "pytest",
-            *paths,
-            "-m",
-            "mpi and not gpu",
-            *session.posargs,
-        )
+    _mpi_runs(session, "mpi and not gpu")
 
 
 @nox.session(name="tests-gpu", default=HAS_GPU)
@@ -91,40 +99,20 @@ def tests_gpu(session: nox.Session) -> None:
     """CUDA build ON; the gpu-marked tests, single- and multi-rank."""
     _install(session, cuda="ON")
     env = {"MPX_REQUIRE_GPU": "1"}
-    paths = [f"packages/{name}/tests" for name in PACKAGES]
     _timed(
         session,
         "gpu unit tests",
         "python",
         "-m",
         "pytest",
-        *paths,
+        *TEST_PATHS,
         "-m",
         "gpu and not mpi",
         *session.posargs,
         env=env,
-        success_codes=[0, 5],
     )
-    for nprocs in RANK_COUNTS:
-        _timed(
-            session,
-            f"gpu mpi tests on {nprocs} rank(s)",
-            "mpxrun",
-            "-n",
-            str(nprocs),
-            "--timeout",
-            MPI_RUN_TIMEOUT_S,
-            "--",
-            "python",
-            "-m",
-            "pytest",
-            *paths,
-            "-m",
-            "gpu and mpi",
-            *session.posargs,
-            env=env,
-            success_codes=[0, 5],
-        )
+    # No multi-rank GPU test exists yet (staged/ipc come later): exit 5 is allowed here only.
+    _mpi_runs(session, "gpu and mpi", env=env, success_codes=[0, 5])
 
 
 @nox.session
@@ -156,7 +144,7 @@ def _update_benchmarks_md(name: str, table: str) -> None:
     path.write_text(text)
 
 
-@nox.session
+@nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Runs every packages/*/benchmarks/*.py; each prints a markdown section.
 
@@ -173,7 +161,7 @@ def bench(session: nox.Session) -> None:
         _update_benchmarks_md(name, output)
 
 
-@nox.session
+@nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: `mpxrun -n 2` data-parallel training on scikit-learn's digits."""
     _install(session, "matplotlib")

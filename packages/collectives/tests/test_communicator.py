@@ -75,7 +75,9 @@ def test_recv_timeout_names_the_peer() -> None:
     # The communicator is now marked broken rather than silently reused.
     with pytest.raises(CommunicatorBroken, match="earlier recv"):
         broadcast(buf, 0, comm=comm)
-    # Satisfy the dangling receive (posted on comm) so that nothing is left in flight.
+    # Only once every rank has timed out: satisfy the dangling receive (posted
+    # on comm) so that nothing is left in flight.
+    MPI.COMM_WORLD.Barrier()
     comm.mpi.Send(torch.zeros(4).numpy(), dest=(comm.rank + 1) % comm.size, tag=99)
     MPI.COMM_WORLD.Barrier()
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.errors import CommunicatorBroken, MismatchError
 from mpx.collectives.handle import Handle, Requests, Steps
 
@@ -38,16 +39,7 @@ _MAX_DIMS = 8
 _SIGNATURE_LEN = 6 + _MAX_DIMS
 _OPS = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall", "barrier"]
 _REDUCE = ["", "sum", "avg", "max", "min", "prod"]
-_DTYPES = [
-    None,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-]
+_DTYPES: list[torch.dtype | None] = [None, *SUPPORTED_DTYPES]
 
 
 def default_timeout() -> float | None:
