@@ -111,8 +111,7 @@ def tests_gpu(session: nox.Session) -> None:
         *session.posargs,
         env=env,
     )
-    # No multi-rank GPU test exists yet (staged/ipc come later): exit 5 is allowed here only.
-    _mpi_runs(session, "gpu and mpi", env=env, success_codes=[0, 5])
+    _mpi_runs(session, "gpu and mpi", env=env)
 
 
 @nox.session

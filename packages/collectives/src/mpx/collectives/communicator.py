@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpx.collectives import progress
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.errors import CommunicatorBroken, MismatchError
-from mpx.collectives.handle import Handle, Requests, Steps
+from mpx.collectives.handle import Handle, Queue, Requests, Steps
 
 __all__ = ["Communicator", "check_enabled", "default_timeout", "world"]
 
@@ -40,6 +41,7 @@ _SIGNATURE_LEN = 6 + _MAX_DIMS
 _OPS = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall", "barrier"]
 _REDUCE = ["", "sum", "avg", "max", "min", "prod"]
 _DTYPES: list[torch.dtype | None] = [None, *SUPPORTED_DTYPES]
+_UNORDERED = frozenset({"send", "recv"})
 
 
 def default_timeout() -> float | None:
@@ -82,7 +84,7 @@ class Communicator:
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.timeout = default_timeout() if timeout is None else timeout
-        self._node_comm = MPI.Intracomm(mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
+        self._node_comm = _split_node(mpi_comm, self.rank)
         self.node_rank: int = self._node_comm.Get_rank()
         self.node_size: int = self._node_comm.Get_size()
         self._node_members = self._node_comm.Get_group().Translate_ranks(
@@ -97,8 +99,15 @@ class Communicator:
         # How many nodes the group spans (computed here: it is collective).
         self.num_nodes: int = int(mpi_comm.allreduce(1 if self.node_rank == 0 else 0))
         self._seq = 0
+        # Collectives run one at a time, in the same order on every rank (the
+        # FIFO queue); their point-to-point traffic (ring) goes on a private
+        # duplicate so it never meets the user's send/recv on ``mpi``.
+        self._queue = Queue()
+        self.collective_mpi = MPI.Intracomm(mpi_comm.Dup())
+        self.collective_count = 0
         self._broken: str | None = None
         self._cache: dict[str, Any] = {}
+        self.hierarchy = Hierarchy.build(self) if self.num_nodes > 1 else None
         self._node_comm.Barrier()
 
     # -- construction ---------------------------------------------------------
@@ -128,12 +137,16 @@ class Communicator:
 
     def node(self) -> Communicator:
         """The ranks of this group that share this node's memory. Collective."""
+        if self.hierarchy is not None:
+            return self.hierarchy.node
         if "node" not in self._cache:
             self._cache["node"] = Communicator(self._node_comm.Dup(), self.timeout)
         return self._cache["node"]  # type: ignore[no-any-return]
 
     def leaders(self) -> Communicator | None:
         """One rank per node (node rank 0); None on the other ranks. Collective."""
+        if self.hierarchy is not None:
+            return self.hierarchy.leaders
         if "leaders" not in self._cache:
             self._cache["leaders"] = self.split(0 if self.node_rank == 0 else None)
         return self._cache["leaders"]  # type: ignore[no-any-return]
@@ -157,7 +170,11 @@ class Communicator:
             if hasattr(value, "free"):
                 value.free()
         self._cache.clear()
+        if self.hierarchy is not None:
+            self.hierarchy.free()
+            self.hierarchy = None
         self._board_win.Free()
+        self.collective_mpi.Free()
         self._node_comm.Free()
         self.mpi.Free()
 
@@ -196,8 +213,14 @@ class Communicator:
             timeout=self.timeout if timeout is None else timeout,
             behind=self._behind,
             on_timeout=lambda: self._mark_broken(op),
+            # Point-to-point matches by source and tag: it bypasses the FIFO.
+            queue=None if op in _UNORDERED else self._queue,
         )
-        return handle if async_op else handle.wait()
+        if not async_op:
+            return handle.wait()
+        if not handle.done():
+            progress.watch(self._queue if op not in _UNORDERED else handle)
+        return handle
 
     def check_signature(
         self,
@@ -250,6 +273,82 @@ def _describe(signature: np.ndarray) -> str:
     if root >= 0:
         parts.append(f"root={root}")
     return ", ".join(parts) + ")"
+
+
+def _split_node(mpi_comm: MPI.Intracomm, rank: int) -> MPI.Intracomm:
+    """The ranks sharing memory with this one; ``MPX_RANKS_PER_NODE`` simulates nodes.
+
+    With ``MPX_RANKS_PER_NODE=k`` world ranks ``0..k-1`` count as one node,
+    ``k..2k-1`` as the next, and so on (within the real node): the hierarchical
+    algorithms can then be tested on one machine.
+    """
+    shared = MPI.Intracomm(mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
+    text = os.environ.get("MPX_RANKS_PER_NODE", "").strip()
+    if not text:
+        return shared
+    try:
+        per_node = int(text)
+    except ValueError:
+        per_node = 0
+    if per_node < 1:
+        raise ValueError(f"MPX_RANKS_PER_NODE={text!r} must be a positive integer")
+    fake = MPI.Intracomm(shared.Split(MPI.COMM_WORLD.Get_rank() // per_node, rank))
+    shared.Free()
+    return fake
+
+
+class Hierarchy:
+    """The sub-communicators of a group that spans several nodes.
+
+    ::
+
+        2 nodes x 3 ranks        node comms         lanes (same node rank)
+        node A: 0 1 2            {0,1,2} {3,4,5}    {0,3} {1,4} {2,5}
+        node B: 3 4 5            leaders: {0,3}
+
+    Lanes exist when every node holds the same number of ranks: then node rank
+    i reduces chunk i of the node's data across nodes, and every link carries
+    a share. Built once, collectively, when the communicator is created (never
+    inside an operation, where a collective could interleave with others).
+
+    Example::
+
+        comm = world()
+        if comm.hierarchy is not None:
+            print(comm.hierarchy.node.size, comm.hierarchy.lanes)
+    """
+
+    def __init__(
+        self,
+        node: Communicator,
+        lanes: Communicator | None,
+        leaders: Communicator | None,
+        node_ranks: Sequence[int],
+    ) -> None:
+        self.node, self.lanes, self.leaders = node, lanes, leaders
+        self.node_ranks = list(node_ranks)  # node rank of every rank of the group
+
+    @classmethod
+    def build(cls, comm: Communicator) -> Hierarchy | None:
+        layout = comm.mpi.allgather((comm.node_size, comm.node_rank))
+        sizes = [size for size, _ in layout]
+        if max(sizes) == 1:
+            return None  # one rank per node: nothing to compose, the flat ring is it
+        node = Communicator(MPI.Intracomm(comm._node_comm.Dup()), comm.timeout)
+        equal = min(sizes) == max(sizes)
+        lanes = comm.split(comm.node_rank) if equal else None
+        leaders = comm.split(0 if comm.node_rank == 0 else None)
+        return cls(node, lanes, leaders, [node_rank for _, node_rank in layout])
+
+    def lane_position(self, rank: int) -> tuple[int, int]:
+        """``rank``'s node rank, and its rank within its lane (ordered by group rank)."""
+        node_rank = self.node_ranks[rank]
+        return node_rank, sum(1 for q in range(rank) if self.node_ranks[q] == node_rank)
+
+    def free(self) -> None:
+        for sub in (self.node, self.lanes, self.leaders):
+            if sub is not None:
+                sub.free()
 
 
 @functools.cache

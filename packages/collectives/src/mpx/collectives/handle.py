@@ -16,10 +16,29 @@ A blocking call without a timeout drives the same generator with
 ``Pending.wait()``, so there is one code path for sync and async. On a
 deadline the handle raises :class:`CollectiveTimeout` naming the peers it was
 waiting for.
+
+Collectives on one communicator are matched by MPI in the order they are
+issued, and the shared-memory slots are reused in call order, so every rank
+must advance them in the same order whatever it polls first. A
+:class:`Queue` per communicator therefore runs them strictly first in, first
+out: a handle's generator starts only when every earlier collective of its
+communicator has finished::
+
+    allreduce(a, async_op=True)  -> queue [A]        A starts at once
+    allreduce(b, async_op=True)  -> queue [A, B]     B waits for A
+    hb.wait()                    -> drives A to the end, then B
+
+Point-to-point operations match by source and tag, not by order, and a
+receive posted before its send must not block that send: they bypass the
+queue. All driving happens under one lock, so the progress thread
+(:mod:`mpx.collectives.progress`) and the caller never advance a generator
+at the same time.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
@@ -28,7 +47,11 @@ from mpi4py import MPI
 
 from mpx.collectives.errors import CollectiveTimeout
 
-__all__ = ["Done", "Handle", "Pending", "Requests", "Steps"]
+__all__ = ["LOCK", "Done", "Handle", "Pending", "Queue", "Requests", "Steps"]
+
+# One lock for every generator of the process: the caller and the progress
+# thread take turns (re-entrant: a step may start another operation).
+LOCK = threading.RLock()
 
 T = TypeVar("T")
 
@@ -93,33 +116,93 @@ class Handle(Generic[T]):
         timeout: float | None = None,
         behind: Callable[[], list[int]] | None = None,
         on_timeout: Callable[[], None] | None = None,
+        queue: Queue | None = None,
     ) -> None:
         self.op, self.impl = op, impl
         self._steps = steps
         self._timeout = timeout
         self._behind = behind
         self._on_timeout = on_timeout
+        self._queue = queue
         self._pending: Pending | None = None
+        self._started = False
         self._finished = False
         self._result: Any = None
-        self._advance()
+        self._error: BaseException | None = None
+        with LOCK:
+            if queue is None:
+                self._advance()
+            else:
+                queue.append(self)
+
+    # -- driving (always under LOCK) -------------------------------------------
 
     def _advance(self) -> None:
+        self._started = True
         try:
             self._pending = next(self._steps)
         except StopIteration as stop:
             self._pending = None
             self._finished = True
             self._result = stop.value
+        except BaseException as error:  # kept for wait(): the driver may be another thread
+            self._pending = None
+            self._finished = True
+            self._error = error
 
-    def done(self) -> bool:
-        """Makes progress; True once the operation is complete."""
+    def _poll(self) -> bool:
+        """Advances as far as possible without blocking; True once finished."""
+        if not self._started:
+            self._advance()
         while not self._finished:
             assert self._pending is not None
-            if not self._pending.test():
+            try:
+                ready = self._pending.test()
+            except BaseException as error:
+                self._pending, self._finished, self._error = None, True, error
+                break
+            if not ready:
                 return False
             self._advance()
         return True
+
+    def _block(self) -> None:
+        """Advances to the end, blocking in MPI (no timeout)."""
+        if not self._started:
+            self._advance()
+        while not self._finished:
+            assert self._pending is not None
+            try:
+                self._pending.wait()
+            except BaseException as error:
+                self._pending, self._finished, self._error = None, True, error
+                break
+            self._advance()
+
+    def _progress(self) -> None:
+        if self._queue is not None:
+            self._queue.progress()
+        else:
+            self._poll()
+
+    def _result_or_raise(self) -> T:
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[no-any-return]
+
+    # -- public ------------------------------------------------------------------
+
+    @property
+    def completed(self) -> bool:
+        """True once complete; unlike :meth:`done`, makes no progress itself."""
+        return self._finished
+
+    def done(self) -> bool:
+        """Makes progress; True once the operation is complete."""
+        if not self._finished:
+            with LOCK:
+                self._progress()
+        return self._finished
 
     def wait(self, timeout: float | None = None) -> T:
         """Blocks until complete; returns the result.
@@ -133,11 +216,12 @@ class Handle(Generic[T]):
         """
         limit = self._timeout if timeout is None else timeout
         if limit is None:
-            while not self._finished:
-                assert self._pending is not None
-                self._pending.wait()
-                self._advance()
-            return self._result  # type: ignore[no-any-return]
+            with LOCK:
+                if self._queue is not None:
+                    self._queue.block_until(self)
+                else:
+                    self._block()
+            return self._result_or_raise()
         deadline = time.monotonic() + limit
         spins = 0
         while not self.done():
@@ -147,12 +231,52 @@ class Handle(Generic[T]):
             spins += 1
             if spins > 200:
                 time.sleep(min(1e-3, 1e-5 * (spins - 200)))
-        return self._result  # type: ignore[no-any-return]
+        return self._result_or_raise()
 
     def _expire(self, limit: float) -> None:
-        peers = list(self._pending.peers) if self._pending is not None else []
+        with LOCK:
+            blocking = self._queue.head() if self._queue is not None else self
+            pending = blocking._pending if blocking is not None else None
+            peers = list(pending.peers) if pending is not None else []
         if not peers and self._behind is not None:
             peers = self._behind()
         if self._on_timeout is not None:
             self._on_timeout()
         raise CollectiveTimeout(self.op, self.impl, limit, peers)
+
+
+class Queue:
+    """The collectives of one communicator, run first in, first out.
+
+    Example::
+
+        queue = Queue()
+        handle = Handle("allreduce", "shm", steps, queue=queue)   # starts if first
+        queue.progress()                                          # advances the head
+    """
+
+    def __init__(self) -> None:
+        self._handles: collections.deque[Handle[Any]] = collections.deque()
+
+    def append(self, handle: Handle[Any]) -> None:
+        self._handles.append(handle)
+        if len(self._handles) == 1:
+            self.progress()
+
+    def head(self) -> Handle[Any] | None:
+        return self._handles[0] if self._handles else None
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def progress(self) -> None:
+        """Advances the oldest operations as far as they go without blocking."""
+        while self._handles and self._handles[0]._poll():
+            self._handles.popleft()
+
+    def block_until(self, handle: Handle[Any]) -> None:
+        """Drives every operation up to ``handle`` to its end, blocking in MPI."""
+        while not handle._finished:
+            head = self._handles[0]
+            head._block()
+            self._handles.popleft()

@@ -13,8 +13,10 @@ reduction of one chunk overlaps the transfer of the next::
     AG s=0..1   pass the owned, fully reduced segment on; copy what arrives
 
 Broadcast is a chunked pipeline along the ring starting at the root.
-Messages carry the operation's sequence number as tag, so several
-asynchronous operations on one communicator never mix.
+Collectives of one communicator run one at a time, in the same order on
+every rank (see :class:`mpx.collectives.handle.Queue`); their messages travel
+on the communicator's private ``collective_mpi``, tagged with a count of the
+collectives started, so they never meet the user's own send/recv.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def chunk_bytes() -> int:
 
 
 def _tag(comm: Communicator) -> int:
-    return comm._seq % _TAG_RANGE
+    """A fresh tag; called when the operation starts, in the same order on every rank."""
+    comm.collective_count += 1
+    return comm.collective_count % _TAG_RANGE
 
 
 def _segment(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -64,11 +68,12 @@ def _reduce_scatter(
         s_lo, s_hi = _segment(n, p, (rank - s + shift) % p)
         r_lo, r_hi = _segment(n, p, (rank - s - 1 + shift) % p)
         recvs = [
-            (a, b, comm.mpi.Irecv(tv[a - r_lo : b - r_lo], source=left, tag=tag))
+            (a, b, comm.collective_mpi.Irecv(tv[a - r_lo : b - r_lo], source=left, tag=tag))
             for a, b in _chunks(r_lo, r_hi, per_chunk)
         ]
         sends = [
-            comm.mpi.Isend(xv[a:b], dest=right, tag=tag) for a, b in _chunks(s_lo, s_hi, per_chunk)
+            comm.collective_mpi.Isend(xv[a:b], dest=right, tag=tag)
+            for a, b in _chunks(s_lo, s_hi, per_chunk)
         ]
         for a, b, request in recvs:
             yield Requests([request], peers=[left])
@@ -86,10 +91,12 @@ def _allgather_segments(comm: Communicator, x: torch.Tensor, shift: int, tag: in
         s_lo, s_hi = _segment(n, p, (rank + 1 + shift - s) % p)
         r_lo, r_hi = _segment(n, p, (rank + shift - s) % p)
         requests = [
-            comm.mpi.Irecv(xv[a:b], source=left, tag=tag) for a, b in _chunks(r_lo, r_hi, per_chunk)
+            comm.collective_mpi.Irecv(xv[a:b], source=left, tag=tag)
+            for a, b in _chunks(r_lo, r_hi, per_chunk)
         ]
         requests += [
-            comm.mpi.Isend(xv[a:b], dest=right, tag=tag) for a, b in _chunks(s_lo, s_hi, per_chunk)
+            comm.collective_mpi.Isend(xv[a:b], dest=right, tag=tag)
+            for a, b in _chunks(s_lo, s_hi, per_chunk)
         ]
         yield Requests(requests, peers=[left, right])
 
@@ -140,12 +147,12 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
     chunks = _chunks(0, t.numel(), per_chunk)
     sends: list[MPI.Request] = []
     if pos == 0:
-        sends = [comm.mpi.Isend(flat[a:b], dest=right, tag=tag) for a, b in chunks]
+        sends = [comm.collective_mpi.Isend(flat[a:b], dest=right, tag=tag) for a, b in chunks]
     else:
-        recvs = [comm.mpi.Irecv(flat[a:b], source=left, tag=tag) for a, b in chunks]
+        recvs = [comm.collective_mpi.Irecv(flat[a:b], source=left, tag=tag) for a, b in chunks]
         for (a, b), request in zip(chunks, recvs, strict=True):
             yield Requests([request], peers=[left])
             if pos < p - 1:
-                sends.append(comm.mpi.Isend(flat[a:b], dest=right, tag=tag))
+                sends.append(comm.collective_mpi.Isend(flat[a:b], dest=right, tag=tag))
     yield Requests(sends, peers=[right])
     return t

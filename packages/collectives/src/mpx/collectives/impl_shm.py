@@ -24,16 +24,27 @@ rank) copies in, a barrier, everyone copies out.
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.dtypes import accumulation_dtype
-from mpx.collectives.handle import Requests, Steps
+from mpx.collectives.handle import Pending, Requests, Steps
 from mpx.collectives.reduction import combine, reduce_into
 
-__all__ = ["Workspace", "allgather", "allreduce", "broadcast", "slot_bytes"]
+__all__ = [
+    "Slots",
+    "Workspace",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "segment",
+    "slot_bytes",
+    "slotted_allreduce",
+    "slotted_broadcast",
+]
 
 _ALIGN = 64
 
@@ -80,20 +91,39 @@ class Workspace:
     def barrier(self) -> Requests:
         return Requests([self.comm.mpi.Ibarrier()])
 
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # host shared memory: readable in place
+
     def free(self) -> None:
         self._raw.clear()
         self.win.Free()
 
 
-def _segment(n: int, parts: int, i: int) -> tuple[int, int]:
+def segment(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Bounds of part ``i`` of ``n`` elements cut into ``parts`` near-equal parts."""
     return i * n // parts, (i + 1) * n // parts
 
 
-def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
-    p, me = comm.size, comm.rank
-    if p == 1 or t.numel() == 0:
-        return t.div_(1) if op == "avg" else t
-    ws = Workspace.of(comm)
+class Slots(Protocol):
+    """What the slot algorithms need of a workspace (host shared memory, or CUDA IPC)."""
+
+    bytes: int
+    calls: int
+
+    def slot(self, rank: int, buf: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def barrier(self) -> Pending: ...
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a peer's slot) where this rank can compute with it."""
+        ...
+
+
+def slotted_allreduce(
+    ws: Slots, rank: int, size: int, t: torch.Tensor, op: str
+) -> Steps[torch.Tensor]:
+    """The allreduce of the module docstring over any workspace of slots."""
+    p, me = size, rank
     flat = t.reshape(-1)
     acc_dtype = accumulation_dtype(t.dtype)
     per_piece = ws.bytes // t.element_size()
@@ -105,11 +135,11 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tenso
         mine = ws.slot(me, buf, t.dtype)
         for j in range(p):
             if j != me:
-                lo, hi = _segment(n, p, j)
+                lo, hi = segment(n, p, j)
                 mine[lo:hi].copy_(piece[lo:hi])
         yield ws.barrier()
-        lo, hi = _segment(n, p, me)
-        peers = [ws.slot(j, buf, t.dtype)[lo:hi] for j in range(p) if j != me]
+        lo, hi = segment(n, p, me)
+        peers = [ws.local(ws.slot(j, buf, t.dtype)[lo:hi]) for j in range(p) if j != me]
         if acc_dtype == t.dtype:
             # Reduce straight into our slot: own chunk (op) first peer, in one pass.
             acc = mine[lo:hi]
@@ -127,13 +157,13 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tenso
         yield ws.barrier()
         for j in range(p):
             if j != me:
-                lo, hi = _segment(n, p, j)
+                lo, hi = segment(n, p, j)
                 piece[lo:hi].copy_(ws.slot(j, buf, t.dtype)[lo:hi])
     return t
 
 
-def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
-    ws = Workspace.of(comm)
+def slotted_broadcast(ws: Slots, rank: int, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
+    """Root copies each piece into its slot; after a barrier everyone copies it out."""
     flat = t.reshape(-1)
     per_piece = ws.bytes // t.element_size()
     for start in range(0, flat.numel(), per_piece):
@@ -141,12 +171,22 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
         buf = ws.calls % 2
         ws.calls += 1
         source = ws.slot(root, buf, t.dtype)[: piece.numel()]
-        if comm.rank == root:
+        if rank == root:
             source.copy_(piece)
         yield ws.barrier()
-        if comm.rank != root:
+        if rank != root:
             piece.copy_(source)
     return t
+
+
+def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
+    if comm.size == 1 or t.numel() == 0:
+        return t.div_(1) if op == "avg" else t
+    return (yield from slotted_allreduce(Workspace.of(comm), comm.rank, comm.size, t, op))
+
+
+def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
+    return (yield from slotted_broadcast(Workspace.of(comm), comm.rank, t, root))
 
 
 def allgather(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:

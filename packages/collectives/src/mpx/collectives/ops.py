@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mpx.collectives import impl_mpi
 from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import Communicator, check_enabled, world
 from mpx.collectives.dtypes import check_op_for_dtype
@@ -51,6 +52,11 @@ def _run(
         comm.check_signature(op, t, reduce_op, root, timeout)
     steps = getattr(module, op)(comm, *(() if t is None else (t,)), *args)
     return comm.run(op, name, steps, async_op, timeout)
+
+
+def _p2p_impl(t: torch.Tensor) -> str:
+    """Point to point runs on MPI; CUDA tensors through pinned host memory unless CUDA-aware."""
+    return "staged" if t.is_cuda and not impl_mpi.cuda_aware() else "mpi"
 
 
 def allreduce(
@@ -185,7 +191,7 @@ def send(
     check_tensor(t, "send")
     size = (world() if comm is None else comm).size
     check_rank(dest, size, "dest", "send")
-    return _run("send", comm, t, "mpi", async_op, timeout, dest, tag)
+    return _run("send", comm, t, _p2p_impl(t), async_op, timeout, dest, tag)
 
 
 def recv(
@@ -201,7 +207,7 @@ def recv(
     check_tensor(t, "recv")
     size = (world() if comm is None else comm).size
     check_rank(source, size, "source", "recv")
-    return _run("recv", comm, t, "mpi", async_op, timeout, source, tag)
+    return _run("recv", comm, t, _p2p_impl(t), async_op, timeout, source, tag)
 
 
 def barrier(

@@ -4,14 +4,16 @@
 rank reaches the same decision because shapes and dtypes agree across ranks::
 
     device  bytes                   ranks on one node   ranks on several nodes
-    ------  ----------------------  ------------------  ----------------------
+    ------  ----------------------  ------------------  --------------------------
     cpu     < MPX_AUTO_SMALL_BYTES  mpi                 mpi
-    cpu     >= (256 KiB default)    shm                 ring
-    cuda    any                     mpi if MPX_CUDA_AWARE=1, else not yet supported
+    cpu     >= (256 KiB default)    shm                 hier (ring if 1 rank/node)
+    cuda    any                     staged (mpi if MPX_CUDA_AWARE=1)
 
 Small messages go to the MPI library, whose latency no Python algorithm beats
-(TorchMPI made the same cut at 64 Ki elements). Operations an implementation
-does not provide (e.g. ``alltoall`` in ``shm``) run on ``mpi``.
+(TorchMPI made the same cut at 64 Ki elements). ``ipc`` (CUDA IPC within a
+node) is chosen only by name: it needs every rank to see its peers' GPUs.
+Operations an implementation does not provide (e.g. ``alltoall`` in ``shm``)
+run on ``mpi`` for CPU tensors and ``staged`` for CUDA ones.
 """
 
 from __future__ import annotations
@@ -21,26 +23,34 @@ from types import ModuleType
 
 import torch
 
-from mpx.collectives import impl_mpi, impl_ring, impl_shm
+from mpx.collectives import impl_hier, impl_ipc, impl_mpi, impl_ring, impl_shm, impl_staged
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.thresholds import small_bytes
 
 __all__ = ["IMPLEMENTATIONS", "choose", "small_bytes"]
 
-IMPLEMENTATIONS: dict[str, ModuleType] = {"mpi": impl_mpi, "ring": impl_ring, "shm": impl_shm}
+IMPLEMENTATIONS: dict[str, ModuleType] = {
+    "mpi": impl_mpi,
+    "ring": impl_ring,
+    "shm": impl_shm,
+    "hier": impl_hier,
+    "staged": impl_staged,
+    "ipc": impl_ipc,
+}
 _NAMES = ("auto", *IMPLEMENTATIONS)
-
-
-def small_bytes() -> int:
-    """Below this many bytes ``auto`` uses MPI's own collectives."""
-    return int(os.environ.get("MPX_AUTO_SMALL_BYTES", str(256 << 10)))
+_CUDA_IMPLS = ("staged", "ipc")
 
 
 def _auto(op: str, t: torch.Tensor | None, comm: Communicator) -> str:
-    if t is None or comm.size == 1 or t.is_cuda:
+    if t is not None and t.is_cuda:
+        return "mpi" if impl_mpi.cuda_aware() else "staged"
+    if t is None or comm.size == 1:
         return "mpi"
     if t.numel() * t.element_size() < small_bytes():
         return "mpi"
-    return "shm" if comm.single_node else "ring"
+    if comm.single_node:
+        return "shm"
+    return "hier" if comm.hierarchy is not None else "ring"
 
 
 def choose(
@@ -49,8 +59,8 @@ def choose(
     """The implementation's name and module for this call.
 
     Raises:
-        ValueError: an unknown name, ``shm`` across nodes, or CUDA on an
-            implementation that cannot take it.
+        ValueError: an unknown name, ``shm``/``ipc`` across nodes, ``hier``
+            on one node, or a device the implementation cannot take.
     """
     name = impl or os.environ.get("MPX_COLLECTIVES_IMPL", "auto") or "auto"
     if name not in _NAMES:
@@ -60,17 +70,30 @@ def choose(
         )
     if name == "auto":
         name = _auto(op, t, comm)
-    if name == "shm" and not comm.single_node:
+    if name in ("shm", "ipc") and not comm.single_node:
         raise ValueError(
-            f"{op}: impl='shm' needs every rank on one node, but this communicator spans "
-            f"{comm.num_nodes} nodes; use impl='ring' or 'auto'"
+            f"{op}: impl={name!r} needs every rank on one node, but this communicator spans "
+            f"{comm.num_nodes} nodes; use impl='hier', 'ring' or 'auto'"
         )
-    if t is not None and t.is_cuda and not (name == "mpi" and impl_mpi.cuda_aware()):
+    if name == "hier" and comm.hierarchy is None:
         raise ValueError(
-            f"{op}: a CUDA tensor needs a CUDA-aware MPI (set MPX_CUDA_AWARE=1 if yours is) "
-            f"for impl='mpi'; impl={name!r} takes CPU tensors; move it with t.cpu()"
+            f"{op}: impl='hier' needs ranks on several nodes with more than one rank on some "
+            f"node; this communicator has {comm.num_nodes} node(s) of {comm.node_size} rank(s) "
+            "here; use impl='shm', 'ring' or 'auto'"
+        )
+    cuda = t is not None and t.is_cuda
+    if cuda and name not in _CUDA_IMPLS and not (name == "mpi" and impl_mpi.cuda_aware()):
+        raise ValueError(
+            f"{op}: impl={name!r} takes CPU tensors; for a CUDA tensor use impl='staged' "
+            "(or 'auto'), 'ipc' within a node, or 'mpi' with a CUDA-aware MPI "
+            "(MPX_CUDA_AWARE=1); or move it with t.cpu()"
+        )
+    if t is not None and not cuda and name in _CUDA_IMPLS:
+        raise ValueError(
+            f"{op}: impl={name!r} takes CUDA tensors, got one on {t.device}; use impl='auto'"
         )
     module = IMPLEMENTATIONS[name]
     if not hasattr(module, op):
-        name, module = "mpi", impl_mpi
+        name = "staged" if cuda and not impl_mpi.cuda_aware() else "mpi"
+        module = IMPLEMENTATIONS[name]
     return name, module

@@ -1,0 +1,29 @@
+"""The one module of mpx-collectives that touches private torch APIs.
+
+CUDA IPC: torch exports a CUDA allocation as a tuple of handles
+(``UntypedStorage._share_cuda_``) and maps a peer's with
+``UntypedStorage._new_shared_cuda`` (what ``torch.multiprocessing`` does for
+CUDA tensors). Both exist, with these names, from torch 1.x to 2.13.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["export_cuda_storage", "open_cuda_storage"]
+
+
+def export_cuda_storage(t: torch.Tensor) -> tuple[Any, ...]:
+    """A picklable handle for the CUDA memory of ``t`` (whole storage, offset 0)."""
+    if not t.is_cuda:
+        raise ValueError(f"CUDA IPC needs a CUDA tensor, got one on {t.device}")
+    storage: Any = t.untyped_storage()
+    return tuple(storage._share_cuda_())
+
+
+def open_cuda_storage(handle: tuple[Any, ...]) -> torch.UntypedStorage:
+    """Maps a peer's exported CUDA storage into this process."""
+    storage_class: Any = torch.UntypedStorage
+    return storage_class._new_shared_cuda(*handle)  # type: ignore[no-any-return]

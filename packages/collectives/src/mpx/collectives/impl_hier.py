@@ -1,0 +1,131 @@
+"""``impl="hier"``: shared memory within each node, the network across nodes.
+
+Allreduce, with the same number of ranks L on every node, runs the
+shared-memory algorithm of :mod:`mpx.collectives.impl_shm` piece by piece
+and slips a cross-node step between its reduce and its copy-out: node rank i,
+owner of chunk i of the piece, allreduces that chunk with node rank i of every
+other node (its *lane*), so every inter-node link carries 1/L of the data::
+
+    node A (ranks 0 1)          node B (ranks 2 3)
+    1. copy in, barrier          same
+    2. rank 0 reduces chunk 0    rank 2 reduces chunk 0      (within the node)
+       rank 1 reduces chunk 1    rank 3 reduces chunk 1
+    3. lane {0,2}: allreduce chunk 0;  lane {1,3}: allreduce chunk 1   (across)
+    4. write the result to the slot, barrier, copy out every chunk      (within)
+
+Nodes of unequal sizes fall back to: shared-memory allreduce within the node,
+allreduce across the node leaders, shared-memory broadcast from the leader.
+Broadcast goes across nodes along the root's lane, then within each node.
+The cross-node step uses ``ring`` for chunks of at least
+``MPX_AUTO_SMALL_BYTES`` and MPI's own allreduce below. 16-bit floats cross
+nodes in float32, as they accumulate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpx.collectives import impl_mpi, impl_ring, impl_shm
+from mpx.collectives.communicator import Communicator, Hierarchy
+from mpx.collectives.dtypes import accumulation_dtype
+from mpx.collectives.handle import Steps
+from mpx.collectives.impl_shm import Workspace, segment
+from mpx.collectives.reduction import reduce_into
+from mpx.collectives.thresholds import small_bytes
+
+__all__ = ["allreduce", "broadcast"]
+
+
+def _hierarchy(comm: Communicator, op: str) -> Hierarchy:
+    if comm.hierarchy is None:
+        raise ValueError(
+            f"{op}: impl='hier' needs a communicator spanning several nodes with more than one "
+            f"rank on some node (this one: {comm.num_nodes} node(s), {comm.node_size} rank(s) "
+            "here); use impl='shm', 'ring' or 'auto'"
+        )
+    return comm.hierarchy
+
+
+def _across(lane: Communicator, x: torch.Tensor, op: str) -> Steps[torch.Tensor]:
+    """Allreduce of ``x`` across nodes, in place (``avg`` is summed here, divided later)."""
+    reduce_op = "sum" if op == "avg" else op
+    if x.numel() * x.element_size() >= small_bytes():
+        return impl_ring.allreduce(lane, x, reduce_op)
+    return impl_mpi.allreduce(lane, x, reduce_op)
+
+
+def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
+    hier = _hierarchy(comm, "allreduce")
+    if t.numel() == 0:
+        return t
+    if hier.lanes is None:
+        return (yield from _allreduce_by_leaders(comm, hier, t, op))
+    node, lane = hier.node, hier.lanes
+    p, me = node.size, node.rank
+    ws = Workspace.of(node)
+    flat = t.reshape(-1)
+    acc_dtype = accumulation_dtype(t.dtype)
+    per_piece = ws.bytes // t.element_size()
+    for start in range(0, flat.numel(), per_piece):
+        piece = flat[start : start + per_piece]
+        n = piece.numel()
+        buf = ws.calls % 2
+        ws.calls += 1
+        mine = ws.slot(me, buf, t.dtype)
+        for j in range(p):
+            if j != me:
+                lo, hi = segment(n, p, j)
+                mine[lo:hi].copy_(piece[lo:hi])
+        yield ws.barrier()
+        lo, hi = segment(n, p, me)
+        acc = piece[lo:hi].to(acc_dtype, copy=True)
+        for j in range(p):
+            if j != me:
+                reduce_into(acc, ws.slot(j, buf, t.dtype)[lo:hi], op)
+        if acc.numel():
+            acc = yield from _across(lane, acc, op)
+        if op == "avg":
+            acc.div_(comm.size)
+        mine[lo:hi].copy_(acc)
+        piece[lo:hi].copy_(mine[lo:hi])
+        yield ws.barrier()
+        for j in range(p):
+            if j != me:
+                lo, hi = segment(n, p, j)
+                piece[lo:hi].copy_(ws.slot(j, buf, t.dtype)[lo:hi])
+    return t
+
+
+def _allreduce_by_leaders(
+    comm: Communicator, hier: Hierarchy, t: torch.Tensor, op: str
+) -> Steps[torch.Tensor]:
+    """Unequal nodes: within, across the leaders, back within."""
+    within = "sum" if op == "avg" else op
+    acc_dtype = accumulation_dtype(t.dtype)
+    work = t if acc_dtype == t.dtype else t.to(acc_dtype)
+    if hier.node.size > 1:
+        yield from impl_shm.allreduce(hier.node, work, within)
+    if hier.leaders is not None:
+        yield from _across(hier.leaders, work.reshape(-1), within)
+    if hier.node.size > 1:
+        yield from impl_shm.broadcast(hier.node, work, 0)
+    if op == "avg":
+        work.div_(comm.size)
+    if work is not t:
+        t.copy_(work)
+    return t
+
+
+def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
+    hier = _hierarchy(comm, "broadcast")
+    if t.numel() == 0:
+        return t
+    if hier.lanes is None:
+        return (yield from impl_mpi.broadcast(comm, t, root))
+    root_node_rank, root_in_lane = hier.lane_position(root)
+    if hier.node.rank == root_node_rank:
+        impl = impl_ring if t.numel() * t.element_size() >= small_bytes() else impl_mpi
+        yield from impl.broadcast(hier.lanes, t, root_in_lane)
+    if hier.node.size > 1:
+        yield from impl_shm.broadcast(hier.node, t, root_node_rank)
+    return t

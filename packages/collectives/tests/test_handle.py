@@ -1,0 +1,124 @@
+"""Handles: asynchronous collectives waited in any order, on any rank, stay correct.
+
+Every rank polls and waits in a different, rank-dependent order: the FIFO per
+communicator must still make all ranks issue the same MPI calls in the same
+order (a wrong order would mix up data or deadlock, which the timeout turns
+into a failure).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mpx.collectives import Handle, allgather, allreduce, broadcast, recv, send, world
+from mpx.collectives.handle import Done, Queue
+from mpx.collectives.progress import enabled
+
+pytestmark = pytest.mark.mpi
+
+IMPLS = ["mpi", "ring", "shm"]
+
+
+def _inputs(size: int, n: int, salt: int) -> list[torch.Tensor]:
+    return [
+        torch.from_numpy(np.random.default_rng([r, n, salt]).normal(size=n)).float()
+        for r in range(size)
+    ]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_many_async_collectives_waited_in_a_rank_dependent_order(impl: str) -> None:
+    comm = world()
+    sizes = [5, 300_000, 17, 1 << 20, 1000, 70_000]
+    cases = [_inputs(comm.size, n, salt) for salt, n in enumerate(sizes)]
+    tensors = [case[comm.rank].clone() for case in cases]
+    gathered_in = torch.full((3,), float(comm.rank))
+    bcast = torch.arange(50_000, dtype=torch.float64) * (comm.rank + 1)
+    handles: list[Handle[torch.Tensor]] = [
+        allreduce(t, impl=impl, async_op=True) for t in tensors[:3]
+    ]
+    handles.append(broadcast(bcast, 0, impl=impl, async_op=True))
+    handles.append(allgather(gathered_in, impl=impl, async_op=True))
+    handles += [allreduce(t, "max", impl=impl, async_op=True) for t in tensors[3:]]
+    order = list(range(len(handles)))
+    random.Random(comm.rank).shuffle(order)
+    for index in order:
+        handles[random.Random(index + comm.rank).randrange(len(handles))].done()
+        handles[index].wait(timeout=120)
+    for i, case in enumerate(cases):
+        stacked = torch.stack(case).double()
+        want = stacked.sum(0) if i < 3 else stacked.max(0).values
+        torch.testing.assert_close(tensors[i].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bcast, torch.arange(50_000, dtype=torch.float64))
+    gathered = handles[4].wait()
+    assert gathered.tolist() == [[float(r)] * 3 for r in range(comm.size)]
+
+
+def test_a_later_collective_waits_for_the_earlier_ones() -> None:
+    comm = world()
+    first = torch.ones(1 << 18)
+    second = torch.ones(10)
+    h1 = allreduce(first, impl="shm", async_op=True)
+    h2 = allreduce(second, impl="mpi", async_op=True)
+    h2.wait(timeout=60)
+    # FIFO: h1 had to finish before h2 could even start.
+    assert h1.completed
+    assert float(first[0]) == comm.size
+    assert float(second[0]) == comm.size
+
+
+def test_point_to_point_bypasses_the_queue() -> None:
+    comm = world()
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    blocker = allreduce(torch.ones(1 << 16), impl="ring", async_op=True)
+    incoming = torch.empty(4)
+    # Posted while a collective is in flight: must not wait behind it.
+    h_recv = recv(incoming, left, tag=3, async_op=True)
+    send(torch.full((4,), float(comm.rank)), right, tag=3)
+    h_recv.wait(timeout=60)
+    blocker.wait(timeout=60)
+    assert incoming.tolist() == [float(left)] * 4
+
+
+@pytest.mark.skipif(not enabled(), reason="MPI_THREAD_MULTIPLE not available")
+def test_progress_thread_finishes_operations_nobody_polls() -> None:
+    comm = world()
+    tensors = [torch.ones(1 << 20) for _ in range(3)]
+    handles = [allreduce(t, impl="shm", async_op=True) for t in tensors]
+    deadline = time.monotonic() + 60
+    while not all(h.completed for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.01)  # never calls done()/wait(): only the progress thread advances them
+    assert all(h.completed for h in handles), "the progress thread did not finish the operations"
+    for h, t in zip(handles, tensors, strict=True):
+        assert h.wait() is t
+        assert float(t[-1]) == comm.size
+
+
+def test_queue_starts_only_the_head() -> None:
+    started: list[str] = []
+
+    def steps(name: str):  # type: ignore[no-untyped-def]
+        started.append(name)
+        yield Done()
+        return name
+
+    queue = Queue()
+    blocked = Handle("first", "test", _never(), queue=queue)
+    second = Handle("second", "test", steps("second"), queue=queue)
+    assert started == []
+    assert not second.done()
+    assert not blocked.completed
+    assert len(queue) == 2
+
+
+def _never():  # type: ignore[no-untyped-def]
+    class Never(Done):
+        def test(self) -> bool:
+            return False
+
+    yield Never()
