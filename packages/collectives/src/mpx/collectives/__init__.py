@@ -22,6 +22,7 @@ from mpx.collectives.ops import (
     send,
 )
 from mpx.collectives.selection import IMPLEMENTATIONS
+from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.torch_backend import init_process_group, register_torch_backend
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "empty_shared",
     "init_process_group",
     "recv",
     "reduce",

@@ -27,7 +27,7 @@ from mpi4py import MPI
 from mpx.collectives import progress
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.errors import CommunicatorBroken, MismatchError
-from mpx.collectives.handle import Handle, Queue, Requests, Steps
+from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
 
 __all__ = ["Communicator", "check_enabled", "default_timeout", "world"]
 
@@ -206,11 +206,18 @@ class Communicator:
             )
         self._seq += 1
         self._board[self.node_rank] = self._seq
+        limit = self.timeout if timeout is None else timeout
+        if not async_op and limit is None:
+            with LOCK:
+                if not self._queue:
+                    # Fast path for small blocking calls: nothing queued before
+                    # us, no deadline, so drive the steps right here.
+                    return drive(steps)
         handle = Handle(
             op,
             impl,
             steps,
-            timeout=self.timeout if timeout is None else timeout,
+            timeout=limit,
             behind=self._behind,
             on_timeout=lambda: self._mark_broken(op),
             # Point-to-point matches by source and tag: it bypasses the FIFO.

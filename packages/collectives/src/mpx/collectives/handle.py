@@ -47,7 +47,7 @@ from mpi4py import MPI
 
 from mpx.collectives.errors import CollectiveTimeout
 
-__all__ = ["LOCK", "Done", "Handle", "Pending", "Queue", "Requests", "Steps"]
+__all__ = ["LOCK", "Done", "Handle", "Pending", "Queue", "Requests", "Steps", "drive"]
 
 # One lock for every generator of the process: the caller and the progress
 # thread take turns (re-entrant: a step may start another operation).
@@ -95,6 +95,17 @@ class Done(Pending):
 
 
 Steps = Generator[Pending, None, T]
+
+
+def drive(steps: Steps[T]) -> T:
+    """Runs ``steps`` to the end, blocking in each (no handle, no deadline)."""
+    try:
+        pending = next(steps)
+        while True:
+            pending.wait()
+            pending = next(steps)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
 
 
 class Handle(Generic[T]):
@@ -268,6 +279,9 @@ class Queue:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    def __bool__(self) -> bool:
+        return bool(self._handles)
 
     def progress(self) -> None:
         """Advances the oldest operations as far as they go without blocking."""

@@ -82,6 +82,12 @@ class IpcWorkspace:
         # on another GPU comes over by a peer-to-peer copy first.
         return x if x.device == self.device else x.to(self.device)
 
+    def publish(self, rank: int, buf: int, piece: torch.Tensor) -> bool:
+        return False  # device data always goes through the mapped slots
+
+    def source(self, rank: int, buf: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        return self.slot(rank, buf, dtype)[:n]
+
     def free(self) -> None:
         self._raw.clear()
 

@@ -19,13 +19,22 @@ Per rank that is one read of the peers' data and one copy in and out of the
 chunks others own: no staging of the whole tensor. 16-bit floats accumulate
 in float32. Broadcast and allgather use the same slots: the root (or every
 rank) copies in, a barrier, everyone copies out.
+
+Zero copy: a tensor allocated by :func:`mpx.collectives.empty_shared` is
+itself readable by the peers, so step 1 is skipped and step 3 writes in place.
+Before each piece's first barrier every rank *publishes* where its data is (a
+slot, or a shared window and offset) in a small shared descriptor table, so
+ranks with shared and ordinary tensors mix freely. A last barrier keeps a
+rank from changing its (peer-readable) tensor before the peers have copied
+its result out.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, Protocol, cast
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -33,6 +42,7 @@ from mpx.collectives.communicator import Communicator
 from mpx.collectives.dtypes import accumulation_dtype
 from mpx.collectives.handle import Pending, Requests, Steps
 from mpx.collectives.reduction import combine, reduce_into
+from mpx.collectives.shared_memory import SharedBuffers
 
 __all__ = [
     "Slots",
@@ -75,6 +85,13 @@ class Workspace:
             self._raw.append(torch.frombuffer(buffer, dtype=torch.uint8, count=2 * self.bytes))
         # Touch our own pages now, not inside the first timed collective.
         self._raw[comm.rank].zero_()
+        # Descriptor table: [rank, buf] -> (shared window index or -1 for the slot, offset).
+        self._table_win = MPI.Win.Allocate_shared(
+            comm.size * 2 * 2 * 8 if comm.rank == 0 else 0, 8, comm=comm.mpi
+        )
+        table, _ = self._table_win.Shared_query(0)
+        self._table = np.ndarray((comm.size, 2, 2), dtype=np.int64, buffer=cast(Any, table))
+        self.shared = SharedBuffers.of(comm)
         self.calls = 0
         comm.mpi.Barrier()
 
@@ -94,9 +111,28 @@ class Workspace:
     def local(self, x: torch.Tensor) -> torch.Tensor:
         return x  # host shared memory: readable in place
 
+    def publish(self, rank: int, buf: int, piece: torch.Tensor) -> bool:
+        """Records where ``piece`` (this rank's data) is; True if peers can read it in place."""
+        found = self.shared.locate(piece)
+        entry = self._table[rank, buf]
+        if found is None:
+            entry[0] = -1
+            return False
+        entry[0], entry[1] = found
+        return True
+
+    def source(self, rank: int, buf: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """The ``n`` elements that rank ``rank`` published for buffer ``buf``."""
+        window, offset = (int(x) for x in self._table[rank, buf])
+        if window < 0:
+            return self.slot(rank, buf, dtype)[:n]
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        return self.shared.peer_bytes(window, rank)[offset : offset + nbytes].view(dtype)
+
     def free(self) -> None:
         self._raw.clear()
         self.win.Free()
+        self._table_win.Free()
 
 
 def segment(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -118,6 +154,10 @@ class Slots(Protocol):
         """``x`` (a peer's slot) where this rank can compute with it."""
         ...
 
+    def publish(self, rank: int, buf: int, piece: torch.Tensor) -> bool: ...
+
+    def source(self, rank: int, buf: int, dtype: torch.dtype, n: int) -> torch.Tensor: ...
+
 
 def slotted_allreduce(
     ws: Slots, rank: int, size: int, t: torch.Tensor, op: str
@@ -132,16 +172,18 @@ def slotted_allreduce(
         n = piece.numel()
         buf = ws.calls % 2
         ws.calls += 1
-        mine = ws.slot(me, buf, t.dtype)
-        for j in range(p):
-            if j != me:
-                lo, hi = segment(n, p, j)
-                mine[lo:hi].copy_(piece[lo:hi])
+        in_place = ws.publish(me, buf, piece)
+        mine = piece if in_place else ws.slot(me, buf, t.dtype)
+        if not in_place:
+            for j in range(p):
+                if j != me:
+                    lo, hi = segment(n, p, j)
+                    mine[lo:hi].copy_(piece[lo:hi])
         yield ws.barrier()
         lo, hi = segment(n, p, me)
-        peers = [ws.local(ws.slot(j, buf, t.dtype)[lo:hi]) for j in range(p) if j != me]
+        peers = [ws.local(ws.source(j, buf, t.dtype, n)[lo:hi]) for j in range(p) if j != me]
         if acc_dtype == t.dtype:
-            # Reduce straight into our slot: own chunk (op) first peer, in one pass.
+            # Reduce straight into the published place: own chunk (op) first peer, one pass.
             acc = mine[lo:hi]
             combine(piece[lo:hi], peers[0], op, out=acc)
         else:
@@ -153,12 +195,15 @@ def slotted_allreduce(
             acc.div_(p)
         if acc_dtype != t.dtype:
             mine[lo:hi].copy_(acc)
-        piece[lo:hi].copy_(mine[lo:hi])
+        if not in_place:
+            piece[lo:hi].copy_(mine[lo:hi])
         yield ws.barrier()
         for j in range(p):
             if j != me:
                 lo, hi = segment(n, p, j)
-                piece[lo:hi].copy_(ws.slot(j, buf, t.dtype)[lo:hi])
+                piece[lo:hi].copy_(ws.source(j, buf, t.dtype, n)[lo:hi])
+    # Peers may still be copying our result out of our (possibly shared) tensor.
+    yield ws.barrier()
     return t
 
 

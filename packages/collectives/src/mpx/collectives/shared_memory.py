@@ -1,0 +1,126 @@
+"""Tensors in node-shared memory: the zero-copy path of ``shm``.
+
+A tensor made by :func:`empty_shared` lives in an MPI-3 shared window, so the
+other ranks of the node can read it where it is. ``impl="shm"`` (and ``auto``)
+then skips the copy into its staging slots: peers read the chunks they
+reduce straight from this rank's tensor, and the owner writes its reduced
+chunk in place::
+
+    rank 0 tensor (shared)   [ chunk 0 | chunk 1 ]     rank 1 reads chunk 1 here
+    rank 1 tensor (shared)   [ chunk 0 | chunk 1 ]     rank 0 reads chunk 0 here
+    reduce in place, barrier, copy the other chunk from its owner, barrier
+
+Per rank that moves 2.5 x the tensor's bytes through memory instead of 4.5 x.
+Allocation is collective and symmetric: every rank of the communicator's node
+allocates the same number of bytes, in the same order, so a tensor has the
+same window and offset on every rank. Ranks that pass ordinary tensors still
+work with ranks that pass shared ones (each rank publishes where its data is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from mpx.collectives.communicator import Communicator, world
+from mpx.collectives.errors import MismatchError
+
+__all__ = ["SharedBuffers", "empty_shared"]
+
+
+class SharedBuffers:
+    """The shared windows allocated for one communicator's node, in creation order.
+
+    Example::
+
+        buffers = SharedBuffers.of(comm)
+        t = buffers.allocate(1 << 20, torch.float32)   # collective
+        window, offset = buffers.locate(t)
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.windows: list[MPI.Win] = []
+        self.raw: list[list[torch.Tensor]] = []  # [window][rank] -> uint8 view
+        self._bases: list[tuple[int, int]] = []  # this rank's (address, bytes) per window
+
+    @classmethod
+    def of(cls, comm: Communicator) -> SharedBuffers:
+        found = comm.cached("shared_buffers")
+        return (
+            found if isinstance(found, SharedBuffers) else comm.cache("shared_buffers", cls(comm))
+        )
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        comm = self.comm
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        sizes = comm.mpi.allgather(nbytes)
+        if len(set(sizes)) != 1:
+            raise MismatchError(
+                f"empty_shared: ranks asked for different sizes ({sizes} bytes by rank); "
+                "every rank must allocate the same shape and dtype, in the same order"
+            )
+        # At least one byte: a zero-sized window has no address to share.
+        win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, comm=comm.mpi)
+        raw = []
+        for r in range(comm.size):
+            buffer, _ = win.Shared_query(r)
+            raw.append(torch.frombuffer(buffer, dtype=torch.uint8, count=max(nbytes, 1)))
+        self.windows.append(win)
+        self.raw.append(raw)
+        self._bases.append((raw[comm.rank].data_ptr(), nbytes))
+        comm.mpi.Barrier()
+        return raw[comm.rank][:nbytes].view(dtype)
+
+    def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(window index, byte offset) of ``t``'s memory, or None if not shared."""
+        if t.device.type != "cpu":
+            return None
+        address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        for index, (base, size) in enumerate(self._bases):
+            if base <= address and address + nbytes <= base + size:
+                return index, address - base
+        return None
+
+    def peer_bytes(self, window: int, rank: int) -> torch.Tensor:
+        return self.raw[window][rank]
+
+    def free(self) -> None:
+        self.raw.clear()
+        self._bases.clear()
+        for win in self.windows:
+            win.Free()
+        self.windows.clear()
+
+
+def empty_shared(
+    *shape: Any, dtype: torch.dtype = torch.float32, comm: Communicator | None = None
+) -> torch.Tensor:
+    """An uninitialised CPU tensor in node-shared memory; collective over ``comm``'s node.
+
+    ``shm`` allreduces of it (or of any slice of it) run without staging
+    copies. Every rank must call it with the same shape and dtype, in the
+    same order; the memory lives as long as the communicator.
+
+    Example::
+
+        bucket = empty_shared(25 << 18)             # 25 MiB of float32, on every rank
+        bucket.copy_(flat_grads); allreduce(bucket)  # zero-copy shm
+    """
+    comm = world() if comm is None else comm
+    if not comm.single_node:
+        raise ValueError(
+            f"empty_shared: the communicator spans {comm.num_nodes} nodes; shared memory is "
+            "per node: allocate on comm.node(), or use ordinary tensors"
+        )
+    dims = tuple(
+        int(d) for d in (shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+    )
+    if any(d < 0 for d in dims):
+        raise ValueError(f"empty_shared: negative dimension in shape {dims}")
+    numel = 1
+    for d in dims:
+        numel *= d
+    return SharedBuffers.of(comm).allocate(numel, dtype).view(dims)
