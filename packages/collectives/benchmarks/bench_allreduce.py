@@ -4,7 +4,8 @@
 and prints one markdown section (``nox -s bench`` writes it into
 BENCHMARKS.md). In each run, for every size, the peers run in the same job one
 after another: mpi4py's ``Allreduce`` (MPI's own), torch ``gloo``, and mpx's
-``mpi``, ``ring``, ``shm`` and ``auto``. Time is the median over repeats;
+``mpi``, ``ring``, ``shm`` and ``auto``, and ``shm`` on a tensor from
+``empty_shared`` (zero copy). Time is the median over repeats;
 algorithm bandwidth = bytes / time, bus bandwidth = algbw * 2(n-1)/n
 (nccl-tests' definition).
 """
@@ -39,7 +40,7 @@ def measure() -> None:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from mpx.collectives import allreduce, broadcast, world
+    from mpx.collectives import allreduce, broadcast, empty_shared, world
     from mpx.launch import init_torch_env
 
     comm = world()
@@ -68,14 +69,19 @@ def measure() -> None:
         }
         for impl in IMPLS:
             times[f"mpx {impl}"] = timed(lambda impl=impl, x=x: allreduce(x, impl=impl), reps)
-        base = times["MPI Allreduce"]
+        shared = empty_shared(nbytes // 4)
+        shared.fill_(1.0)
+        times["mpx shm, empty_shared tensor"] = timed(
+            lambda s=shared: allreduce(s, impl="shm"), reps
+        )
+        base, gloo = times["MPI Allreduce"], times["gloo"]
         for name, seconds in times.items():
             algbw = nbytes / seconds / 1e9
             busbw = algbw * 2 * (n - 1) / n
             if comm.rank == 0:
                 print(
                     f"| allreduce | {n} | {_label(nbytes)} | {name} | {seconds * 1e3:.3f} | "
-                    f"{algbw:.2f} | {busbw:.2f} | {seconds / base:.2f} |",
+                    f"{algbw:.2f} | {busbw:.2f} | {seconds / base:.2f} | {seconds / gloo:.2f} |",
                     flush=True,
                 )
         if nbytes in (4 << 10, 64 << 20):
@@ -91,7 +97,8 @@ def measure() -> None:
                 if comm.rank == 0:
                     print(
                         f"| broadcast | {n} | {_label(nbytes)} | {name} | {seconds * 1e3:.3f} | "
-                        f"{nbytes / seconds / 1e9:.2f} | | {seconds / btimes['MPI Bcast']:.2f} |",
+                        f"{nbytes / seconds / 1e9:.2f} | | {seconds / btimes['MPI Bcast']:.2f} | "
+                        f"{seconds / btimes['gloo']:.2f} |",
                         flush=True,
                     )
     dist.destroy_process_group()
@@ -114,9 +121,10 @@ def main() -> None:
         "3 ranks on 2 cores are oversubscribed.\n"
     )
     print(
-        "| op | ranks | size | implementation | time (ms) | algbw (GB/s) | busbw (GB/s) | ÷ MPI |"
+        "| op | ranks | size | implementation | time (ms) | algbw (GB/s) | busbw (GB/s) "
+        "| ÷ MPI | ÷ gloo |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for nprocs in (2, 3):
         subprocess.run(
             [

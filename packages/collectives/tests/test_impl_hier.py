@@ -9,6 +9,7 @@ test starts that job itself (2 nodes x 2 ranks).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -84,22 +85,41 @@ def test_broadcast_and_auto_across_simulated_nodes(simulated: Communicator) -> N
         assert float(big[-1]) == comm.size
 
 
-def test_lanes_on_two_simulated_nodes_of_two_ranks() -> None:
-    """Equal nodes: the lanes algorithm, checked against numpy inside a 4-rank job."""
-    env = {**os.environ, "MPX_RANKS_PER_NODE": "2", "MPX_TIMEOUT": "120"}
+def _can_make_namespaces() -> bool:
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        return False
+    name = f"mpxprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    return made.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "simulated",
+        pytest.param(
+            "virtual",
+            marks=pytest.mark.skipif(
+                not _can_make_namespaces(), reason="virtual nodes need root and iproute2"
+            ),
+        ),
+    ],
+)
+def test_lanes_on_two_nodes_of_two_ranks(where: str) -> None:
+    """Equal nodes: the lanes algorithm, checked against numpy inside a 4-rank job.
+
+    ``simulated``: MPX_RANKS_PER_NODE=2 on one node. ``virtual``: two network
+    namespaces (``mpxrun --virtual-nodes 2``), so MPI itself sees two hosts and
+    the cross-node traffic is TCP over veth links.
+    """
+    env = {**os.environ, "MPX_TIMEOUT": "120"}
+    placement = ["--virtual-nodes", "2"] if where == "virtual" else []
+    if where == "simulated":
+        env["MPX_RANKS_PER_NODE"] = "2"
+    command = [sys.executable, "-m", "mpx.launch", *placement, "-n", "4", "--timeout", "240"]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mpx.launch",
-            "-n",
-            "4",
-            "--timeout",
-            "240",
-            "--",
-            sys.executable,
-            str(JOB),
-        ],
+        [*command, "--", sys.executable, str(JOB)],
         env=env,
         capture_output=True,
         text=True,

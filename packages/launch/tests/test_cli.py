@@ -25,8 +25,10 @@ PROGRAM = textwrap.dedent(
     out = sys.argv[1]
     with open(os.path.join(out, f"pid.{env.rank}"), "w") as fh:
         fh.write(str(os.getpid()))
-    print(f"rank {env.rank} of {env.world_size} threads={os.environ['OMP_NUM_THREADS']}",
-          flush=True)
+    # One write() per line: with PYTHONUNBUFFERED, print() writes the text and
+    # the newline separately, and the launcher may interleave other ranks between.
+    os.write(1, f"rank {env.rank} of {env.world_size} threads={os.environ['OMP_NUM_THREADS']}\\n"
+             .encode())
     mode = sys.argv[2] if len(sys.argv) > 2 else "ok"
     if mode == "mpi":
         from mpi4py import MPI
@@ -34,6 +36,12 @@ PROGRAM = textwrap.dedent(
     if env.rank == 1 and mode in ("raise", "mpi"):
         print("rank 1 is about to fail", file=sys.stderr, flush=True)
         raise ValueError("deliberate failure on rank 1")
+    if env.rank == 1 and mode == "mpi-exit3":
+        from mpi4py import MPI
+        sys.exit(3)  # while rank 0 waits in a barrier
+    if env.rank == 0 and mode == "mpi-exit3":
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
     if env.rank == 1 and mode == "sigkill":
         os.kill(os.getpid(), 9)
     if env.rank == 0 and mode == "exit7":
@@ -111,6 +119,15 @@ def test_a_rank_raising_while_peers_wait_in_mpi_stops_the_job(tmp_path: Path) ->
     assert took < 10, proc.stderr
     assert proc.returncode == 1
     assert "rank 1 exited with code 1" in proc.stderr
+    _assert_no_survivors(tmp_path)
+
+
+def test_sys_exit_while_peers_wait_in_mpi_stops_the_job(tmp_path: Path) -> None:
+    # sys.exit(3) would otherwise wait in MPI_Finalize for rank 0, stuck in a barrier.
+    proc, took = _run(tmp_path, "-n", "2", "mpi-exit3")
+    assert took < 10, proc.stderr
+    assert proc.returncode == 3
+    assert "rank 1 exited with code 3" in proc.stderr
     _assert_no_survivors(tmp_path)
 
 

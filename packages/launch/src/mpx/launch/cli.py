@@ -4,7 +4,7 @@
 
     mpxrun -n N [--hostfile F] [--bind none|core|numa] [--gpus auto|none]
            [--timeout S] [--tag-output] [--launcher auto|mpich|openmpi|slurm|PATH]
-           [--] prog args…
+           [--virtual-nodes K] [--] prog args…
 
 The job runs as a process tree in its own session::
 
@@ -38,6 +38,7 @@ from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS, Launcher, find_launcher
 from mpx.launch.rank import die_with_parent, parse_status
+from mpx.launch.virtual_cluster import VirtualCluster
 
 __all__ = ["Job", "RankFailure", "build_parser", "main"]
 
@@ -120,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--launcher",
         default="auto",
         help=f"auto, {', '.join(LAUNCHER_KINDS)}, or a path to mpiexec/mpirun",
+    )
+    parser.add_argument(
+        "--virtual-nodes",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="spread the ranks over K network namespaces of this machine, each a node to MPI "
+        "(root, MPICH; for testing multi-node code)",
     )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
@@ -268,16 +277,24 @@ class Job:
 
 
 def _job_environment(
-    launcher: Launcher, nprocs: int, hostfile: str | None, gpus: str
+    launcher: Launcher,
+    nprocs: int,
+    hostfile: str | None,
+    gpus: str,
+    virtual: VirtualCluster | None = None,
 ) -> dict[str, str]:
-    local = hostfile is None and launcher.kind != "slurm"
+    local = hostfile is None and launcher.kind != "slurm" and virtual is None
     hosts = _hosts_in(hostfile) if hostfile else []
-    oversubscribed = local and nprocs > _cores()
+    if virtual is not None:
+        hosts = list(virtual.addresses)
+    oversubscribed = (local or virtual is not None) and nprocs > _cores()
     env = dict(os.environ)
     for key, value in launcher.environment(
         nprocs, oversubscribed=oversubscribed, local=local
     ).items():
         env.setdefault(key, value)
+    if virtual is not None:
+        env.setdefault("FI_PROVIDER", "tcp")
     # A rendezvous point for torch.distributed's env:// (see init_torch_env).
     master = "127.0.0.1" if local else (hosts[0] if hosts else os.uname().nodename)
     env.setdefault("MPX_MASTER_ADDR", master)
@@ -311,34 +328,55 @@ def _report(job: Job, code: int, timeout: float | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mpxrun``; returns the exit code."""
     args = build_parser().parse_args(argv)
-    try:
-        program = _resolve_program(args.program)
-        launcher = find_launcher(args.launcher)
-        env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus)
-        supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
-        exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
-        command = launcher.command(
-            args.nprocs,
-            supervised,
-            hostfile=args.hostfile,
-            bind=args.bind,
-            tag_output=args.tag_output,
-            export=exported,
+    with contextlib.ExitStack() as stack:
+        try:
+            program = _resolve_program(args.program)
+            launcher = find_launcher(args.launcher)
+            virtual = None
+            if args.virtual_nodes is not None:
+                _check_virtual(launcher, args.hostfile)
+                virtual = stack.enter_context(VirtualCluster(args.virtual_nodes))
+            env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus, virtual)
+            supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
+            exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
+            command = launcher.command(
+                args.nprocs,
+                supervised,
+                hostfile=args.hostfile,
+                bind=args.bind,
+                tag_output=args.tag_output,
+                export=exported,
+            )
+            if virtual is not None:
+                per_node = -(-args.nprocs // virtual.nodes)
+                command[1:1] = virtual.mpich_arguments(per_node)
+        except LaunchError as exc:
+            print(f"mpxrun: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        return _run_job(Job(command, env=env), args.timeout)
+
+
+def _check_virtual(launcher: Launcher, hostfile: str | None) -> None:
+    if launcher.kind != "mpich":
+        raise UsageError(
+            f"--virtual-nodes works with MPICH's mpiexec (Hydra), not {launcher.kind} "
+            f"({launcher.path}); pass --launcher mpich"
         )
-    except LaunchError as exc:
-        print(f"mpxrun: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    job = Job(command, env=env)
+    if hostfile is not None:
+        raise UsageError("--virtual-nodes and --hostfile exclude each other: pick one")
+
+
+def _run_job(job: Job, timeout: float | None) -> int:
     # SIGTERM/SIGHUP (a batch system, `timeout`, a closed terminal) stop the
     # job the way Ctrl-C does, instead of orphaning it in its own session.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.default_int_handler)
     try:
-        code = job.run(timeout=args.timeout)
+        code = job.run(timeout=timeout)
     except KeyboardInterrupt:
         print("mpxrun: interrupted; all ranks were stopped", file=sys.stderr)
         return 130
-    return _report(job, code, args.timeout)
+    return _report(job, code, timeout)
 
 
 def run() -> NoReturn:

@@ -8,16 +8,23 @@ with ``MPI_Abort``; mpx does it for every Python rank started by ``mpxrun``
 set), by printing the traceback and leaving with ``os._exit(1)``. The rank's
 supervisor then reports the failure and ``mpxrun`` stops the others.
 
+``sys.exit(code)`` with a non-zero code (argparse's errors among them) is the
+same story without a traceback: the hook records the code, and an ``atexit``
+step (run before mpi4py finalizes MPI) leaves with ``os._exit(code)``. A bare
+``raise SystemExit(code)`` is not seen; ``mpxrun --timeout`` still ends that.
+
 Only an initialized, not yet finalized MPI triggers the fast exit; otherwise
 the interpreter exits normally.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
 from types import TracebackType
+from typing import Any, NoReturn
 
 __all__ = ["install"]
 
@@ -32,16 +39,47 @@ def _mpi_is_live() -> bool:
         return False
 
 
+def _leave(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_code(arg: Any) -> int:
+    if arg is None:
+        return 0
+    if isinstance(arg, int):
+        return arg
+    return 1  # sys.exit("message"): Python prints it and exits 1
+
+
 def install() -> None:
-    """Chains a fast-exit step after the current ``sys.excepthook``."""
+    """Chains a fast-exit step after ``sys.excepthook``, and one for non-zero ``sys.exit``."""
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         previous(exc_type, exc, tb)
         if _mpi_is_live():
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(1)
+            _leave(1)
 
     sys.excepthook = hook
+    exits: list[int] = []
+    original_exit = sys.exit
+
+    def recording_exit(arg: Any = None) -> NoReturn:
+        exits.append(_exit_code(arg))
+        if not isinstance(arg, (int, type(None))):
+            with contextlib.suppress(Exception):
+                print(arg, file=sys.stderr)
+            original_exit(1)
+        original_exit(arg)
+
+    def at_exit() -> None:
+        if exits and exits[-1] != 0 and _mpi_is_live():
+            _leave(exits[-1])
+
+    sys.exit = recording_exit
+    # Registered before mpi4py is imported: Python runs atexit steps last in,
+    # first out, and mpi4py finalizes MPI after all of them.
+    atexit.register(at_exit)
