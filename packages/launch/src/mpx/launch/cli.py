@@ -5,6 +5,7 @@
     mpxrun -n N [--hostfile F] [--bind none|core|numa] [--gpus auto|none]
            [--timeout S] [--tag-output] [--launcher auto|mpich|openmpi|slurm|PATH]
            [--virtual-nodes K] [--] prog args…
+    mpxrun --check
 
 The job runs as a process tree in its own session::
 
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, NoReturn
 
+from mpx.launch.check import run_check
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS, Launcher, find_launcher
@@ -129,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="spread the ranks over K network namespaces of this machine, each a node to MPI "
         "(root, MPICH; for testing multi-node code)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="report MPI, mpx packages, kernels and GPUs, run a 2-rank smoke test, and exit",
     )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
@@ -328,6 +335,8 @@ def _report(job: Job, code: int, timeout: float | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mpxrun``; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if args.check:
+        return run_check(smoke=main)
     with contextlib.ExitStack() as stack:
         try:
             program = _resolve_program(args.program)
