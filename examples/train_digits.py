@@ -1,113 +1,374 @@
-"""Data-parallel training of a small network on scikit-learn's digits.
+"""The main job: distributed training on scikit-learn's digits, with any mpx layer.
 
-Run with ``mpxrun -n 2 examples/train_digits.py`` (or ``nox -s demo``). Every
-rank trains on its own shard of the training set; gradients are averaged by
-torch's ``DistributedDataParallel`` on the ``"mpx"`` backend of
-``mpx.collectives`` (shared-memory allreduce on one node), with ranks started by
-``mpxrun`` from ``mpx.launch``::
+``nox -s demo`` runs ``mpxrun -n 2 -- python examples/train_digits.py``: data
+parallel with 4-bit compressed gradients. Flags switch the parallelism::
 
-    digits (1797 x 8x8) ──split──> train 1437 │ test 360
-    train, reshuffled each epoch ──> rank r takes samples r, r+P, r+2P, ...
-    per step: local forward/backward ──allreduce(grad)/P──> identical SGD step
+    --mode dp        mpx.dataparallel.DistributedOptimizer, gradients quantized to
+                     --bits (4; 0 = full precision) by mpx.quantize      (default)
+    --mode ddp       torch DistributedDataParallel on mpx's "mpx" backend
+    --mode pipeline  mpx.pipeline: one stage per rank, --schedule gpipe|1f1b|async
+    --mode mgrit     mpx.mgrit.LayerParallel: residual layers split across ranks,
+                     forward and backward solved with MGRIT
+    --mode 2d        pipeline x data parallel: --stages stages, the rest replicas
 
-Rank 0 prints one line per epoch and the final test accuracy.
+    digits (1797 x 8x8) ──split──> train 1437 │ test 360 (the same split everywhere)
+
+Rank 0 prints one line per epoch (loss, test accuracy, seconds), then a
+summary, and saves the curves to ``--plot`` (default ``digits_<mode>.png``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-from mpx.collectives import init_process_group
-from mpx.launch import environment
+from mpx.collectives import Communicator, allreduce, broadcast, world
+
+MODES = ("dp", "ddp", "pipeline", "mgrit", "2d")
+
+
+@dataclass
+class Data:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+@dataclass
+class History:
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    residuals: list[list[float]] = field(default_factory=list)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=MODES, default="dp")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--bits", type=int, default=4, help="dp: gradient bits (0: fp32)")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline/2d: gpipe, 1f1b, async")
+    parser.add_argument("--chunks", type=int, default=4, help="pipeline/2d: micro-batches")
+    parser.add_argument("--stages", type=int, default=0, help="2d: stages (default: 2 if even)")
+    parser.add_argument("--steps", type=int, default=8, help="mgrit: residual layers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, help="PNG file (default digits_<mode>.png)")
     return parser.parse_args()
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
-    )
-
-
-def main() -> None:
-    args = parse_args()
-    env = environment()
-    init_process_group()  # dist.init_process_group("mpx") with MPI's ranks
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
-
+def load(seed: int) -> Data:
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
         (digits.data / 16.0).astype(np.float32),
         digits.target,
         test_size=0.2,
-        random_state=args.seed,
+        random_state=seed,
         stratify=digits.target,
     )
-    x_train_t, y_train_t = torch.from_numpy(x_train), torch.from_numpy(y_train)
-    x_test_t, y_test_t = torch.from_numpy(x_test), torch.from_numpy(y_test)
+    return Data(
+        torch.from_numpy(x_train),
+        torch.from_numpy(y_train),
+        torch.from_numpy(x_test),
+        torch.from_numpy(y_test),
+    )
 
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    net = make_model()
-    model = nn.parallel.DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 64),
+        nn.ReLU(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+def batches(data: Data, epoch: int, batch_size: int) -> list[torch.Tensor]:
+    """The epoch's global batches (the same on every rank: a seeded shuffle)."""
+    order = torch.randperm(len(data.x_train), generator=torch.Generator().manual_seed(epoch))
+    steps = len(order) // batch_size
+    return [order[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
+
+
+def accuracy_of(predict: Callable[[torch.Tensor], torch.Tensor | None], data: Data) -> float:
+    with torch.no_grad():
+        out = predict(data.x_test)
+    return float((out.argmax(1) == data.y_test).float().mean()) if out is not None else -1.0
+
+
+# -- the modes: each returns a function that trains one epoch and evaluates -----
+
+
+def data_parallel(args: argparse.Namespace, data: Data, comm: Communicator) -> Callable[..., Any]:
+    import mpx.dataparallel as dp
+
+    torch.manual_seed(args.seed)
+    model = dp.synchronize(mlp())
+    compression = None
+    if args.bits:
+        from mpx.quantize import CompressionConfig
+
+        # minimal_size 0: with this small model every weight matrix is compressed.
+        compression = CompressionConfig(bits=args.bits, bucket_size=512, minimal_size=0)
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = dp.DistributedOptimizer(inner, model, compression=compression)
     loss_fn = nn.CrossEntropyLoss()
-    local_batch = args.batch_size // world
 
-    start = time.perf_counter()
-    for epoch in range(args.epochs):
-        order = torch.randperm(len(x_train_t), generator=torch.Generator().manual_seed(epoch))
-        shard = order[rank::world]
-        steps = len(order) // args.batch_size  # same step count on every rank
-        total = torch.zeros(2)
-        net.train()
-        for step in range(steps):
-            idx = shard[step * local_batch : (step + 1) * local_batch]
-            optimizer.zero_grad()
-            loss = loss_fn(model(x_train_t[idx]), y_train_t[idx])
+    def epoch(index: int) -> tuple[float, float]:
+        model.train()
+        total = torch.zeros(2, dtype=torch.float64)
+        for batch in batches(data, index, args.batch_size):
+            mine = batch[comm.rank :: comm.size]
+            opt.zero_grad()
+            loss = loss_fn(model(data.x_train[mine]), data.y_train[mine])
             loss.backward()
-            optimizer.step()
-            total += torch.tensor([loss.item() * len(idx), len(idx)])
+            opt.step()
+            total += torch.tensor([loss.item() * len(mine), len(mine)], dtype=torch.float64)
+        allreduce(total, comm=comm)
+        model.eval()
+        return float(total[0] / total[1]), accuracy_of(model, data)
+
+    return epoch
+
+
+def torch_ddp(args: argparse.Namespace, data: Data, comm: Communicator) -> Callable[..., Any]:
+    import torch.distributed as dist
+
+    from mpx.collectives import init_process_group
+
+    init_process_group()
+    torch.manual_seed(args.seed)
+    net = mlp()
+    model = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch(index: int) -> tuple[float, float]:
+        net.train()
+        total = torch.zeros(2, dtype=torch.float64)
+        for batch in batches(data, index, args.batch_size):
+            mine = batch[comm.rank :: comm.size]
+            opt.zero_grad()
+            loss = loss_fn(model(data.x_train[mine]), data.y_train[mine])
+            loss.backward()
+            opt.step()
+            total += torch.tensor([loss.item() * len(mine), len(mine)], dtype=torch.float64)
         dist.all_reduce(total)
-        if rank == 0:
+        net.eval()
+        return float(total[0] / total[1]), accuracy_of(net, data)
+
+    return epoch
+
+
+def _pipeline_epoch(
+    args: argparse.Namespace, data: Data, pipe: Any, opt: torch.optim.Optimizer, comm: Communicator
+) -> Callable[..., Any]:
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch(index: int) -> tuple[float, float]:
+        losses = []
+        for batch in batches(data, index, args.batch_size):
+            losses.append(pipe.step(data.x_train[batch], data.y_train[batch], loss_fn, opt))
+        if args.schedule == "async":
+            pipe.flush(opt)
+        # The last stage predicts; its accuracy goes to every rank.
+        with torch.no_grad():
+            out = pipe(data.x_test)
+        acc = torch.tensor([accuracy_of(lambda _: out, data) if out is not None else -1.0])
+        allreduce(acc, "max", comm=comm)
+        return float(np.mean(losses)), float(acc[0])
+
+    return epoch
+
+
+def pipeline(args: argparse.Namespace, data: Data, comm: Communicator) -> Callable[..., Any]:
+    from mpx.pipeline import Pipeline
+
+    torch.manual_seed(args.seed)
+    model = mlp()
+    pipe = Pipeline(model, balance=_balance(len(model), comm.size), comm=comm,
+                    chunks=args.chunks, schedule=args.schedule)  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
+    return _pipeline_epoch(args, data, pipe, opt, comm)
+
+
+def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) -> Callable[..., Any]:
+    from mpx.pipeline import Pipeline
+
+    stages = args.stages or (2 if comm.size % 2 == 0 else 1)
+    if comm.size % stages:
+        raise SystemExit(f"--stages {stages} must divide the {comm.size} ranks")
+    replicas = comm.size // stages
+    # rank = replica * stages + stage:   stage comm = same replica, dp comm = same stage
+    stage_comm = comm.split(comm.rank // stages)
+    replica_comm = comm.split(comm.rank % stages)
+    assert stage_comm is not None and replica_comm is not None
+    replica = comm.rank // stages
+    torch.manual_seed(args.seed)
+    model = mlp()
+    pipe = Pipeline(model, balance=_balance(len(model), stages), comm=stage_comm,
+                    chunks=args.chunks, schedule=args.schedule,
+                    data_parallel_comm=replica_comm)  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch(index: int) -> tuple[float, float]:
+        losses = []
+        for batch in batches(data, index, args.batch_size):
+            mine = batch[replica::replicas]  # this replica's share of the global batch
+            losses.append(pipe.step(data.x_train[mine], data.y_train[mine], loss_fn, opt))
+        if args.schedule == "async":
+            pipe.flush(opt)
+        with torch.no_grad():
+            out = pipe(data.x_test)
+        acc = torch.tensor([accuracy_of(lambda _: out, data) if out is not None else -1.0])
+        allreduce(acc, "max", comm=comm)
+        loss = torch.tensor([float(np.mean(losses))])
+        allreduce(loss, "avg", comm=comm)
+        return float(loss[0]), float(acc[0])
+
+    return epoch
+
+
+def layer_parallel(
+    args: argparse.Namespace, data: Data, comm: Communicator, history: History
+) -> Callable[..., Any]:
+    from mpx.mgrit import LayerParallel
+
+    torch.manual_seed(args.seed)
+    net = LayerParallel(
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
+        nn.Sequential(nn.Linear(64, 64), nn.Tanh()),
+        nn.Linear(64, 10),
+        num_steps=args.steps,
+        Tf=1.0,
+        comm=comm,
+        levels=2,
+        cfactor=2,
+        fwd_iters=2,
+        bwd_iters=1,
+    )
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch(index: int) -> tuple[float, float]:
+        net.train()
+        losses = []
+        for batch in batches(data, index, args.batch_size):
+            opt.zero_grad()
+            loss = loss_fn(net(data.x_train[batch]), data.y_train[batch])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        history.residuals.append(list(net.fwd_stats().get("residuals", [])))
+        net.eval()
+        return float(np.mean(losses)), accuracy_of(net, data)
+
+    return epoch
+
+
+def _balance(layers: int, stages: int) -> list[int]:
+    """Layers per stage, as even as possible (the first stages take the extra)."""
+    if stages > layers:
+        raise SystemExit(f"{stages} pipeline stages but the model has only {layers} layers")
+    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+
+
+# -- driver --------------------------------------------------------------------
+
+
+def plot(history: History, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 3 if history.residuals and any(history.residuals) else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.5))
+    epochs = range(1, len(history.loss) + 1)
+    axes[0].plot(epochs, history.loss, marker="o")
+    axes[0].set(xlabel="epoch", ylabel="training loss", yscale="log")
+    axes[1].plot(epochs, [100 * a for a in history.accuracy], marker="o", color="tab:green")
+    axes[1].set(xlabel="epoch", ylabel="test accuracy (%)")
+    if panels == 3:
+        for i, res in enumerate(history.residuals):
+            if res:
+                axes[2].semilogy(
+                    range(1, len(res) + 1), res, alpha=0.3 + 0.7 * i / len(history.residuals)
+                )
+        axes[2].set(xlabel="MGRIT iteration", ylabel="forward residual (per epoch)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    args = parse_args()
+    comm = world()
+    if args.batch_size % comm.size:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {comm.size} ranks")
+    data = load(args.seed)
+    history = History()
+    if args.mode == "dp":
+        epoch = data_parallel(args, data, comm)
+        what = f"data parallel, {'fp32' if not args.bits else f'{args.bits}-bit'} gradients"
+    elif args.mode == "ddp":
+        epoch = torch_ddp(args, data, comm)
+        what = "torch DDP on the mpx backend"
+    elif args.mode == "pipeline":
+        epoch = pipeline(args, data, comm)
+        what = f"pipeline, {comm.size} stage(s), {args.schedule}, {args.chunks} micro-batches"
+    elif args.mode == "2d":
+        epoch = two_dimensional(args, data, comm)
+        what = f"pipeline x data parallel, {args.schedule}"
+    else:
+        epoch = layer_parallel(args, data, comm, history)
+        what = f"layer-parallel (MGRIT), {args.steps} residual layers"
+    if comm.rank == 0:
+        print(f"mpx demo: {what}; {comm.size} rank(s); {args.epochs} epochs", flush=True)
+    start = time.perf_counter()
+    for index in range(args.epochs):
+        tick = time.perf_counter()
+        loss, acc = epoch(index)
+        history.loss.append(loss)
+        history.accuracy.append(acc)
+        history.seconds.append(time.perf_counter() - tick)
+        if comm.rank == 0:
+            bar = "#" * (20 * (index + 1) // args.epochs)
+            extra = ""
+            if history.residuals and history.residuals[-1]:
+                extra = f"  MGRIT residual {history.residuals[-1][-1]:.1e}"
             print(
-                f"epoch {epoch + 1:3d}/{args.epochs}  train loss {total[0] / total[1]:.4f}",
+                f"[{bar:<20}] epoch {index + 1:3d}/{args.epochs}  loss {loss:.4f}  "
+                f"test acc {100 * acc:5.1f}%  {history.seconds[-1]:.2f} s{extra}",
                 flush=True,
             )
-
-    net.eval()
-    with torch.no_grad():
-        accuracy = (model(x_test_t).argmax(1) == y_test_t).float().mean().item()
-    # Replicas must not have drifted apart: compare every parameter with rank 0's.
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    reference = flat.clone()
-    dist.broadcast(reference, 0)
-    drift = torch.tensor([(flat - reference).abs().max().item()])
-    dist.all_reduce(drift, op=dist.ReduceOp.MAX)
-    if rank == 0:
+    wall = time.perf_counter() - start
+    # Every rank must hold the same model where it is replicated: check the loss agrees.
+    check = torch.tensor([history.loss[-1]], dtype=torch.float64)
+    spread = check.clone()
+    allreduce(spread, "max", comm=comm)
+    allreduce(check, "min", comm=comm)
+    path = args.plot or f"digits_{args.mode}.png"
+    if comm.rank == 0:
+        plot(history, path, f"mpx: {what}, {comm.size} ranks")
         print(
-            f"test accuracy {accuracy:.4f} on {len(y_test)} digits; {world} ranks "
-            f"({env.launcher}, backend {dist.get_backend()}); "
-            f"wall time {time.perf_counter() - start:.1f} s; "
-            f"max parameter difference between ranks {drift.item():.1e}"
+            f"summary: {what}; {comm.size} rank(s); final test accuracy "
+            f"{100 * history.accuracy[-1]:.1f}%; wall time {wall:.1f} s "
+            f"({wall / args.epochs:.2f} s/epoch); loss spread across ranks "
+            f"{float(spread[0] - check[0]):.1e}; plot {path}",
+            flush=True,
         )
-    dist.destroy_process_group()
+    broadcast(torch.zeros(1), 0, comm=comm)  # leave together
 
 
 if __name__ == "__main__":
