@@ -211,7 +211,8 @@ def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) ->
     # rank = replica * stages + stage:   stage comm = same replica, dp comm = same stage
     stage_comm = comm.split(comm.rank // stages)
     replica_comm = comm.split(comm.rank % stages)
-    assert stage_comm is not None and replica_comm is not None
+    assert stage_comm is not None
+    assert replica_comm is not None
     replica = comm.rank // stages
     torch.manual_seed(args.seed)
     model = mlp()
