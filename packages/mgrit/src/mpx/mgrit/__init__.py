@@ -1,9 +1,15 @@
 """mpx-mgrit: MGRIT parallel-in-time solver and layer-parallel training of residual networks.
 
-This release is the package skeleton of the mpx monorepo: it installs and
-imports, and declares its place among the layers; its API is being built.
+Example::
+
+    from mpx.mgrit import MGRIT
+    solver = MGRIT(lambda u, t, dt: u / (1 + dt), 0.0, 5.0, nt=100, levels=2)
+    u_final = solver.solve(torch.ones(1, dtype=torch.float64)); print(solver.residuals)
 """
 
-__all__ = ["__version__"]
+from mpx.mgrit.errors import MGRITConfigError, MGRITError
+from mpx.mgrit.solver import MGRIT, Step
+
+__all__ = ["MGRIT", "MGRITConfigError", "MGRITError", "Step", "__version__"]
 
 __version__ = "0.1.0"
