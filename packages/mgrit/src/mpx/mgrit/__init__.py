@@ -8,8 +8,17 @@ Example::
 """
 
 from mpx.mgrit.errors import MGRITConfigError, MGRITError
+from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
 from mpx.mgrit.solver import MGRIT, Step
 
-__all__ = ["MGRIT", "MGRITConfigError", "MGRITError", "Step", "__version__"]
+__all__ = [
+    "MGRIT",
+    "LayerParallel",
+    "MGRITConfigError",
+    "MGRITError",
+    "SerialResNet",
+    "Step",
+    "__version__",
+]
 
 __version__ = "0.1.0"

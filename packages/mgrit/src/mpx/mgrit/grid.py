@@ -88,6 +88,9 @@ class Level:
 class Layout:
     """The levels of every rank's block for a grid of ``nt`` intervals on [t0, tf].
 
+    ``blocks`` (coarsest intervals per rank) overrides the even split; the adjoint
+    of a layer-parallel network uses it to put each layer on the rank that holds it.
+
     Example::
 
         lay = Layout(t0=0.0, tf=5.0, nt=100, levels=2, cfactor=2, size=3, rank=1)
@@ -104,6 +107,7 @@ class Layout:
         cfactor: int | Sequence[int],
         size: int,
         rank: int,
+        blocks: Sequence[int] | None = None,
     ) -> None:
         if isinstance(nt, bool) or not isinstance(nt, int) or nt < 1:
             raise MGRITConfigError(f"nt (number of time steps) must be an int >= 1, got {nt!r}")
@@ -132,7 +136,14 @@ class Layout:
         # The fine times as PyMGRIT and numpy make them; coarse levels are slices of them.
         fine = np.linspace(self.t0, self.tf, nt + 1)
         coarsest = nt // span
-        blocks = split_evenly(coarsest, size)
+        if blocks is None:
+            blocks = split_evenly(coarsest, size)
+        elif len(blocks) != size or sum(blocks) != coarsest or min(blocks) < 0:
+            raise MGRITConfigError(
+                f"blocks={list(blocks)!r} must give each of the {size} ranks a number >= 0 of "
+                f"coarsest intervals, {coarsest} in all"
+            )
+        blocks = list(blocks)
         starts = np.concatenate([[0], np.cumsum(blocks)]).astype(int)
         self.blocks = blocks
         self.levels: list[Level] = []

@@ -62,6 +62,7 @@ class MGRIT:
         skip_downcycle: build the initial guess coarse to fine (see the module doc).
         vectorized: ``step`` accepts a batch of states (leading dimension) with
             tensors ``t`` and ``dt``; relaxation then steps all intervals at once.
+        blocks: coarsest-grid intervals per rank (default: an even split).
 
     Example::
 
@@ -85,6 +86,7 @@ class MGRIT:
         nrelax: int = 1,
         skip_downcycle: bool = True,
         vectorized: bool = False,
+        blocks: Sequence[int] | None = None,
     ) -> None:
         if relax not in ("F", "FCF"):
             raise MGRITConfigError(f'relax must be "F" or "FCF", got {relax!r}')
@@ -96,7 +98,7 @@ class MGRIT:
             raise MGRITConfigError(f"step must be callable step(u, t, dt) -> u, got {step!r}")
         self.step = step
         self.comm = world() if comm is None else comm
-        self.layout = Layout(t0, tf, nt, levels, cfactor, self.comm.size, self.comm.rank)
+        self.layout = Layout(t0, tf, nt, levels, cfactor, self.comm.size, self.comm.rank, blocks)
         self.nt = nt
         self.num_levels = levels
         self.max_iters = max_iters
