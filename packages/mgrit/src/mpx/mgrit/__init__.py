@@ -8,6 +8,7 @@ Example::
 """
 
 from mpx.mgrit.errors import MGRITConfigError, MGRITError
+from mpx.mgrit.gru import ParallelGRU
 from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
 from mpx.mgrit.solver import MGRIT, Step
 
@@ -16,6 +17,7 @@ __all__ = [
     "LayerParallel",
     "MGRITConfigError",
     "MGRITError",
+    "ParallelGRU",
     "SerialResNet",
     "Step",
     "__version__",
