@@ -10,6 +10,7 @@ Example::
 from mpx.mgrit.errors import MGRITConfigError, MGRITError
 from mpx.mgrit.gru import ParallelGRU
 from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
+from mpx.mgrit.refine import refine
 from mpx.mgrit.solver import MGRIT, Step
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "SerialResNet",
     "Step",
     "__version__",
+    "refine",
 ]
 
 __version__ = "0.1.0"
