@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -39,10 +41,10 @@ def test_refinement_converges_like_forward_euler() -> None:
         nets.append(refine(nets[-1]))
     with torch.no_grad():
         ys = [net(x) for net in nets]
-    diffs = [(b - a).abs().max().item() for a, b in zip(ys, ys[1:], strict=False)]
+    diffs = [(b - a).abs().max().item() for a, b in itertools.pairwise(ys)]
     # First order in h: each halving of h halves the change.
     assert diffs[0] > 0
-    for a, b in zip(diffs, diffs[1:], strict=False):
+    for a, b in itertools.pairwise(diffs):
         assert 0.35 < b / a < 0.65, diffs
 
 
