@@ -27,6 +27,7 @@ PyMGRIT's nested iteration; iteration 1 is then a full V-cycle.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -110,6 +111,8 @@ class MGRIT:
         #: residual norm after each iteration of the last solve
         self.residuals: list[float] = []
         self.iterations = 0
+        #: seconds of the last solve: "init" (initial guess), "cycles" (V-cycles and residuals)
+        self.timings: dict[str, float] = {"init": 0.0, "cycles": 0.0}
         self._u: list[torch.Tensor] = []
         self._g: list[torch.Tensor | None] = []
         self._v: list[torch.Tensor | None] = []
@@ -122,11 +125,17 @@ class MGRIT:
     # -- public ---------------------------------------------------------------
 
     def solve(self, u0: torch.Tensor) -> torch.Tensor:
-        """Solves from ``u0`` (the same on every rank).
+        """Solves from ``u0`` (the same on every rank), without autograd. Collective.
 
         Returns:
             the value at ``tf``, on every rank.
         """
+        # The iterations are not differentiated (an adjoint solve is: see mpx.mgrit.adjoint);
+        # without autograd, steps with trainable parameters record no graphs.
+        with torch.no_grad():
+            return self._solve(u0)
+
+    def _solve(self, u0: torch.Tensor) -> torch.Tensor:
         self._setup(u0)
         self.residuals = []
         self.iterations = 0
@@ -135,14 +144,18 @@ class MGRIT:
             self.iterations = 1
             self.residuals.append(self._residual())
         else:
+            start = time.perf_counter()
             if self.skip_downcycle:
                 self._nested_start()
+            self.timings["init"] = time.perf_counter() - start
+            start = time.perf_counter()
             for it in range(self.max_iters):
                 self._cycle(0, first=it == 0)
                 self.iterations = it + 1
                 self.residuals.append(self._residual())
                 if self.residuals[-1] < self.tol:
                     break
+            self.timings["cycles"] = time.perf_counter() - start
         return self.final_value()
 
     def final_value(self) -> torch.Tensor:
