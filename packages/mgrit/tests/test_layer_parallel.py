@@ -115,3 +115,10 @@ def test_bad_step_list_is_refused() -> None:
         LayerParallel(nn.Identity(), [nn.Linear(2, 2)] * 3, nn.Identity(), 4)
     with pytest.raises(MGRITConfigError, match="nt=6 is not divisible"):
         LayerParallel(nn.Identity(), nn.Linear(2, 2), nn.Identity(), 6, levels=3, cfactor=2)
+
+
+def test_more_ranks_than_coarse_intervals() -> None:
+    # 4 steps, 2 levels: 2 coarsest intervals; under 3 ranks one rank holds no layer.
+    net = build(4, levels=2, cfactor=2, fwd_iters=4, bwd_iters=4, tol=0.0)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors

@@ -82,6 +82,30 @@ def test_layout_leaves_ranks_without_points_out() -> None:
     assert lays[1].right is None
     assert lays[2].left is None
     assert lays[0].last_rank == 1
+    # Explicit blocks (the adjoint's reversed layout): the first holder owns t0.
+    lays = [
+        Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=r, blocks=[0, 2, 1])
+        for r in range(3)
+    ]
+    assert [lay.holds_start for lay in lays] == [False, True, False]
+    assert list(lays[1].fine_indices()) == [0, 1, 2, 3, 4]
+    assert list(lays[2].fine_indices()) == [5, 6]
+    with pytest.raises(MGRITConfigError, match="blocks=\\[1, 1, 0\\]"):
+        Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=0, blocks=[1, 1, 0])
+
+
+@pytest.mark.mpi
+def test_blocks_with_empty_ranks_give_the_same_history() -> None:
+    # All coarsest intervals on the last rank: the ranks before it hold nothing.
+    size = world().size
+    alone = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=self_comm())
+    alone.solve(torch.ones((), dtype=torch.float64))
+    blocks = [0] * (size - 1) + [16]
+    s = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=world(), blocks=blocks)
+    final = s.solve(torch.ones((), dtype=torch.float64))
+    assert s.residuals == alone.residuals
+    assert torch.equal(final, alone.local_solution()[-1])
+    assert s.layout.holds_start == (world().rank == size - 1)
 
 
 @pytest.mark.parametrize(
@@ -279,3 +303,15 @@ def test_heat_history_equals_pymgrit() -> None:
     # batch sizes (blocks per rank); the histories' last entries sit near 1e-9.
     np.testing.assert_allclose(histories[0], histories[-1], rtol=1e-5)
     np.testing.assert_allclose(histories[0], ref, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_give_the_cpu_history() -> None:
+    runs = []
+    for device in ("cpu", "cuda"):
+        s = MGRIT(dahlquist, 0, 5, 128, levels=3, cfactor=2, tol=1e-10, max_iters=20)
+        final = s.solve(torch.ones(3, dtype=torch.float64, device=device))
+        assert final.device.type == device
+        assert s.local_solution().device.type == device
+        runs.append(s.residuals)
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-12)

@@ -162,7 +162,14 @@ class Layout:
         self.left: int | None = before[-1] if before and blocks[rank] > 0 else None
         self.right: int | None = after[0] if after and blocks[rank] > 0 else None
         #: the rank that holds the final time point
+        #: the ranks that hold the first and the final time point
+        self.first_rank: int = holders[0]
         self.last_rank: int = holders[-1]
+
+    @property
+    def holds_start(self) -> bool:
+        """Whether this rank's row 0 is the point t0 (owned, not a ghost)."""
+        return self.rank == self.first_rank
 
     @property
     def active(self) -> bool:
@@ -172,5 +179,5 @@ class Layout:
     def fine_indices(self) -> range:
         """Global fine indices of the rows this rank owns (rank 0 also owns point 0)."""
         lv = self.levels[0]
-        start = lv.first if self.rank == 0 or not self.active else lv.first + 1
+        start = lv.first if self.holds_start else lv.first + 1
         return range(start, lv.first + lv.count + 1) if self.active else range(0)

@@ -171,7 +171,7 @@ class MGRIT:
         """This rank's fine points, rows in the order of :meth:`local_indices`."""
         if not self.layout.active:
             return self._u[0][:0]
-        return self._u[0] if self.comm.rank == 0 else self._u[0][1:]
+        return self._u[0] if self.layout.holds_start else self._u[0][1:]
 
     def local_indices(self) -> range:
         """Global fine indices of :meth:`local_solution`'s rows."""
@@ -180,7 +180,7 @@ class MGRIT:
     def local_times(self) -> np.ndarray:
         """Times of :meth:`local_solution`'s rows."""
         times = self.layout.levels[0].times
-        return times if self.comm.rank == 0 else times[1:]
+        return times if self.layout.holds_start else times[1:]
 
     # -- set-up ---------------------------------------------------------------
 
@@ -190,7 +190,7 @@ class MGRIT:
         self._u, self._g, self._v = [], [], []
         for lv in self.layout.levels:
             u = u0.new_zeros((lv.count + 1, *u0.shape))
-            if self.comm.rank == 0:
+            if self.layout.holds_start:
                 u[0] = u0
             self._u.append(u)
             self._g.append(None if lv.index == 0 else torch.zeros_like(u))
