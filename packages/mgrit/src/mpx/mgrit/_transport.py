@@ -21,7 +21,13 @@ __all__ = ["Neighbours"]
 
 
 class Neighbours:
-    """The nearest ranks on either side that hold time points (None at the ends)."""
+    """The nearest ranks on either side that hold time points (None at the ends).
+
+    Example::
+
+        nb = Neighbours(comm, left=comm.rank - 1 if comm.rank else None, right=None)
+        nb.shift_right(u[-1], u[0], tag=level)   # u[0] <- left neighbour's last row
+    """
 
     def __init__(self, comm: Communicator, left: int | None, right: int | None) -> None:
         self.comm = comm

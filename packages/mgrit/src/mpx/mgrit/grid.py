@@ -70,6 +70,11 @@ class Level:
         first: global index, on this level, of the block's row 0.
         count: owned points (rows ``1..count``).
         times: global times of rows ``0..count`` (float64).
+
+    Example::
+
+        lv = Layout(0.0, 1.0, nt=8, levels=2, cfactor=2, size=1, rank=0).levels[1]
+        (lv.stride, lv.count, lv.times[1])   # (2, 4, 0.25)
     """
 
     index: int
