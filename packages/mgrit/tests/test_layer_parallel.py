@@ -122,3 +122,19 @@ def test_more_ranks_than_coarse_intervals() -> None:
     net = build(4, levels=2, cfactor=2, fwd_iters=4, bwd_iters=4, tol=0.0)
     errors = compare(net)
     assert max(errors.values()) <= 1e-12, errors
+
+
+@pytest.mark.gpu
+def test_cuda_network_equals_serial() -> None:
+    net = build(8, levels=2, fwd_iters=8, bwd_iters=8, tol=0.0).cuda()
+    serial = net.serial()
+    x = torch.randn(5, 4, dtype=torch.float64, device="cuda")
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    yp, ys = net(xp), serial(xs)
+    assert yp.device.type == "cuda"
+    torch.autograd.backward(yp.square().sum())
+    torch.autograd.backward(ys.square().sum())
+    assert xp.grad is not None
+    assert xs.grad is not None
+    torch.testing.assert_close(yp, ys, rtol=0, atol=1e-12)
+    torch.testing.assert_close(xp.grad, xs.grad, rtol=0, atol=1e-12)

@@ -306,10 +306,12 @@ def test_heat_history_equals_pymgrit() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_tensors_give_the_cpu_history() -> None:
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_cuda_tensors_give_the_cpu_history(vectorized: bool) -> None:
     runs = []
     for device in ("cpu", "cuda"):
-        s = MGRIT(dahlquist, 0, 5, 128, levels=3, cfactor=2, tol=1e-10, max_iters=20)
+        s = MGRIT(dahlquist, 0, 5, 128, levels=3, cfactor=2, tol=1e-10, max_iters=20,
+                  comm=self_comm(), vectorized=vectorized)  # fmt: skip
         final = s.solve(torch.ones(3, dtype=torch.float64, device=device))
         assert final.device.type == device
         assert s.local_solution().device.type == device

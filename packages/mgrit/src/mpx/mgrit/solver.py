@@ -188,6 +188,10 @@ class MGRIT:
         if not isinstance(u0, torch.Tensor):
             raise MGRITConfigError(f"u0 must be a torch.Tensor, got {type(u0).__name__}")
         self._u, self._g, self._v = [], [], []
+        if self._tt[0].device != u0.device:
+            # Vectorized steps get t and dt on the state's device.
+            self._tt = [t.to(u0.device) for t in self._tt]
+            self._tdt = [t.to(u0.device) for t in self._tdt]
         for lv in self.layout.levels:
             u = u0.new_zeros((lv.count + 1, *u0.shape))
             if self.layout.holds_start:
