@@ -9,7 +9,8 @@ writes it into BENCHMARKS.md).
    the same settings (V-cycles, FCF, nested start): the iteration counts must be
    equal; time per V-cycle = time of the cycles (with the residual) / iterations.
    mpx runs its scalar step (one call per point, like PyMGRIT) and its vectorized
-   step (one call per relaxation sweep over all C-intervals).
+   step (one call per relaxation sweep over all C-intervals), the latter also with
+   ``float_times`` (Python floats for t, dt in the coarsest level's sequential solve).
 2. ``LayerParallel`` (32 residual steps, width 64, batch 128, 3 levels, cfactor 2,
    2 forward and 1 adjoint V-cycle) forward + backward beside the serial network
    (``.serial()``, plain autograd) in the same job, timed on rank 0 alone.
@@ -30,6 +31,11 @@ from typing import Any
 NT = 2**14
 CONFIGS = [(2, 2), (4, 4), (6, 4)]  # (levels, cfactor)
 TOL = 1e-9
+MPX_VARIANTS = [  # (label, vectorized, float_times)
+    ("mpx scalar", False, False),
+    ("mpx vectorized", True, False),
+    ("mpx vectorized, float times", True, True),
+]
 
 
 def dahlquist(u: Any, t: Any, dt: Any) -> Any:
@@ -63,12 +69,12 @@ def solvers() -> None:
         cycle_ref = info["time_solve"] / iters_ref
         name = f"{levels} levels, cfactor {cfactor}"
         print(f"| {name} | PyMGRIT | {iters_ref} | {cycle_ref * 1e3:.1f} | {total_ref:.2f} | 1 |")
-        for vectorized in (False, True):
+        for kind, vectorized, floats in MPX_VARIANTS:
             best: tuple[float, float, int] | None = None
             for _ in range(2):
                 solver = MGRIT(
                     dahlquist, 0.0, 5.0, NT, levels=levels, cfactor=cfactor, tol=TOL,
-                    max_iters=50, vectorized=vectorized,
+                    max_iters=50, vectorized=vectorized, float_times=floats,
                 )  # fmt: skip
                 start = time.perf_counter()
                 solver.solve(torch.ones((), dtype=torch.float64))
@@ -79,7 +85,6 @@ def solvers() -> None:
             assert best is not None
             cycle, total, iters = best
             same = "" if iters == iters_ref else " (differs!)"
-            kind = "mpx vectorized" if vectorized else "mpx scalar"
             print(
                 f"| {name} | {kind} | {iters}{same} | {cycle * 1e3:.1f} | {total:.2f} | "
                 f"{cycle / cycle_ref:.3f} |",

@@ -180,12 +180,14 @@ def test_vectorized_step_gives_the_same_history_and_solution() -> None:
         return u / (1 + dt * rate * (1 + 0.1 * np.cos(1.0) * t))
 
     runs = []
-    for vec in (False, True):
-        s = MGRIT(decay, 0, 2, nt=64, levels=3, cfactor=2, comm=self_comm(), vectorized=vec)
+    for vec, floats in ((False, False), (True, False), (True, True)):
+        s = MGRIT(decay, 0, 2, nt=64, levels=3, cfactor=2, comm=self_comm(), vectorized=vec,
+                  float_times=floats)  # fmt: skip
         s.solve(torch.ones(3, dtype=torch.float64))
         runs.append((s.residuals, s.local_solution()))
-    assert runs[0][0] == runs[1][0]
-    assert torch.equal(runs[0][1], runs[1][1])
+    for other in runs[1:]:
+        assert runs[0][0] == other[0]
+        assert torch.equal(runs[0][1], other[1])
 
 
 # -- against PyMGRIT, on any number of ranks -------------------------------------

@@ -64,6 +64,10 @@ class MGRIT:
         vectorized: ``step`` accepts a batch of states (leading dimension) with
             tensors ``t`` and ``dt``; relaxation then steps all intervals at once.
         blocks: coarsest-grid intervals per rank (default: an even split).
+        float_times: with ``vectorized``, the sequential solve on the coarsest level
+            (the one loop that cannot be batched) passes ``t`` and ``dt`` as Python
+            floats with a batch of one state: fewer tensor operations per step for
+            steps written with broadcasting arithmetic.
 
     Example::
 
@@ -88,6 +92,7 @@ class MGRIT:
         skip_downcycle: bool = True,
         vectorized: bool = False,
         blocks: Sequence[int] | None = None,
+        float_times: bool = False,
     ) -> None:
         if relax not in ("F", "FCF"):
             raise MGRITConfigError(f'relax must be "F" or "FCF", got {relax!r}')
@@ -107,6 +112,7 @@ class MGRIT:
         self.ncf = nrelax if relax == "FCF" else 0
         self.skip_downcycle = skip_downcycle
         self.vectorized = vectorized
+        self.float_times = float_times
         self.neighbours = Neighbours(self.comm, self.layout.left, self.layout.right)
         #: residual norm after each iteration of the last solve
         self.residuals: list[float] = []
@@ -289,7 +295,13 @@ class MGRIT:
         """n sequential steps from x (the hot loop of the coarsest level: lists, no indexing)."""
         step, out = self.step, []
         if self.vectorized:
-            ts, dts = self._tt[lvl].view(-1, 1).unbind(0), self._tdt[lvl].view(-1, 1).unbind(0)
+            ts: Sequence[Any]
+            dts: Sequence[Any]
+            if self.float_times:
+                ts, dts = self._t[lvl], self._dt[lvl]
+            else:
+                ts = self._tt[lvl].view(-1, 1).unbind(0)
+                dts = self._tdt[lvl].view(-1, 1).unbind(0)
             gs = None if g is None else g[1:].unsqueeze(1).unbind(0)
             y = x.unsqueeze(0)
             for i in range(n):
