@@ -75,3 +75,23 @@ def test_wrong_sequence_length_is_refused() -> None:
     gru = ParallelGRU(3, 5, T, levels=1)
     with pytest.raises(MGRITConfigError, match="seq_len=24"):
         gru(torch.zeros(2, T + 1, 3))
+
+
+def test_two_sequences_before_one_backward() -> None:
+    torch.manual_seed(0)
+    gru = ParallelGRU(3, 5, T, levels=1).double()
+    ref = nn.GRUCell(3, 5).double()
+    ref.load_state_dict(gru.cell.state_dict())
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(2, T, 3, dtype=torch.float64, generator=gen) for _ in range(2)]
+    xa = [x.clone().requires_grad_(True) for x in xs]
+    xb = [x.clone().requires_grad_(True) for x in xs]
+    torch.autograd.backward(gru(xa[0]).square().sum() + gru(xa[1]).sum())
+    torch.autograd.backward(serial_loop(ref, xb[0]).square().sum() + serial_loop(ref, xb[1]).sum())
+    for a, b in zip(xa, xb, strict=True):
+        assert a.grad is not None
+        assert b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    for p, q in zip(gru.cell.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)

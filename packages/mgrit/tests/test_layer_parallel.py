@@ -138,3 +138,19 @@ def test_cuda_network_equals_serial() -> None:
     assert xs.grad is not None
     torch.testing.assert_close(yp, ys, rtol=0, atol=1e-12)
     torch.testing.assert_close(xp.grad, xs.grad, rtol=0, atol=1e-12)
+
+
+def test_two_forward_passes_before_one_backward() -> None:
+    # Each backward uses the states of its own forward pass (kept in the autograd graph).
+    net = build(8, levels=2, fwd_iters=8, bwd_iters=8, tol=0.0)
+    serial = net.serial()
+    gen = torch.Generator().manual_seed(4)
+    x1, x2 = (torch.randn(3, 4, dtype=torch.float64, generator=gen) for _ in range(2))
+    torch.autograd.backward(net(x1).square().sum() + net(x2).sum())
+    torch.autograd.backward(serial(x1).square().sum() + serial(x2).sum())
+    ref = dict(serial.named_parameters())
+    for name, p in net.named_parameters():
+        q = ref[serial_name(net, name)]
+        assert p.grad is not None
+        assert q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)

@@ -42,6 +42,7 @@ class TimeStepper:
         uses: for step k, which of the differentiable tensors it reads.
         shared: the differentiable tensors are replicated on all ranks (e.g. a
             GRU cell used by every step): their gradients are summed over ranks.
+        context: ``(save, restore)`` of other state ``phi`` reads, kept per forward pass.
 
     Example::
 
@@ -66,8 +67,12 @@ class TimeStepper:
         nrelax: int = 1,
         skip_downcycle: bool = True,
         shared: bool = False,
+        context: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
     ) -> None:
         self.phi, self.uses, self.shared = phi, uses, shared
+        # (save, restore) of whatever else phi reads (e.g. the input sequence), so that a
+        # backward pass sees its own forward's inputs even after later forward passes.
+        self.context = context
         self.comm = world() if comm is None else comm
         self.N, self.h = num_steps, float(Tf) / num_steps
         opts: dict[str, Any] = {
@@ -112,17 +117,29 @@ class TimeStepper:
 
     # -- the two solves -------------------------------------------------------
 
-    def forward(self, x0: torch.Tensor) -> torch.Tensor:
-        """MGRIT forward solve without autograd; keeps the local states for the adjoint."""
+    def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward MGRIT solve, no autograd: ``x_N`` and this rank's states (for the adjoint)."""
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
-        self._states = self.fwd._u[0].clone()
-        return xN
+        return xN, self.fwd._u[0].clone()
 
     def backward(
+        self, gN: torch.Tensor, tensors: Sequence[torch.Tensor], states: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Adjoint MGRIT solve from ``gN`` about the forward ``states``.
+
+        Returns:
+            dL/dx0 (on every rank) and the gradients of ``tensors``.
+        """
+        self._states = states
+        try:
+            return self._backward(gN, tensors)
+        finally:
+            self._states = None
+
+    def _backward(
         self, gN: torch.Tensor, tensors: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Adjoint MGRIT solve from ``gN``; returns dL/dx0 (every rank) and the tensors' grads."""
         with torch.no_grad():
             self.bwd.solve(gN.detach())
         lams = self.bwd._u[0]  # reversed points rev_first .. rev_first + count
@@ -169,10 +186,14 @@ class _Solve(torch.autograd.Function):
     def forward(ctx: Any, stepper: TimeStepper, x0: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.stepper = stepper
         ctx.tensors = tensors
-        return stepper.forward(x0)
+        xN, ctx.states = stepper.forward(x0)
+        ctx.context = stepper.context[0]() if stepper.context is not None else None
+        return xN
 
     @staticmethod
     def backward(ctx: Any, gN: torch.Tensor) -> Any:
         stepper: TimeStepper = ctx.stepper
-        lam0, grads = stepper.backward(gN, ctx.tensors)
+        if stepper.context is not None:
+            stepper.context[1](ctx.context)
+        lam0, grads = stepper.backward(gN, ctx.tensors, ctx.states)
         return (None, lam0, *grads)

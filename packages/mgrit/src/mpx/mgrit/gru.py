@@ -100,10 +100,16 @@ class ParallelGRU(nn.Module):
         self.stepper = TimeStepper(
             self._phi, self._uses, seq_len, float(seq_len), comm=self.comm, levels=levels,
             cfactor=cfactor, fwd_iters=fwd_iters, bwd_iters=bwd_iters, tol=tol, relax=relax,
-            nrelax=nrelax, skip_downcycle=True, shared=True,
+            nrelax=nrelax, skip_downcycle=True, shared=True, context=(self._save, self._restore),
         )  # fmt: skip
         self._x: torch.Tensor | None = None
         self._tensors: list[torch.Tensor] = []
+
+    def _save(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        return self._x, self._tensors
+
+    def _restore(self, saved: tuple[torch.Tensor | None, list[torch.Tensor]]) -> None:
+        self._x, self._tensors = saved
 
     def _phi(self, k: int, h: torch.Tensor, dt: float) -> torch.Tensor:
         assert self._x is not None
