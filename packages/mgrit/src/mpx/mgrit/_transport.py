@@ -17,7 +17,7 @@ import torch
 
 from mpx.collectives import Communicator, Handle, recv, send
 
-__all__ = ["Neighbours"]
+__all__ = ["Neighbours", "Shift"]
 
 
 class Neighbours:
@@ -55,13 +55,43 @@ class Neighbours:
         handle: Handle[torch.Tensor] = recv(buf, self.left, tag, comm=self.comm, async_op=True)
         return handle, buf
 
-    def shift_right(self, last: torch.Tensor | None, ghost: torch.Tensor, tag: int) -> None:
+    def start_shift(self, last: torch.Tensor, ghost: torch.Tensor, tag: int) -> Shift:
+        """Starts sending ``last`` right and receiving the left neighbour's into ``ghost``."""
+        return Shift(self.start_recv(ghost, tag), self.start_send(last, tag), ghost)
+
+    def shift_right(self, last: torch.Tensor, ghost: torch.Tensor, tag: int) -> None:
         """Sends ``last`` right and receives the left neighbour's into ``ghost``, both at once."""
-        incoming = self.start_recv(ghost, tag)
-        outgoing = self.start_send(last, tag) if last is not None else None
-        if incoming is not None:
-            handle, buf = incoming
+        self.start_shift(last, ghost, tag).finish()
+
+
+class Shift:
+    """An exchange in flight: :meth:`finish` waits for it and fills the ghost row.
+
+    Example::
+
+        shift = neighbours.start_shift(u[-1], u[0], tag=0)
+        relax_all_but_the_first_interval(); shift.finish(); relax_the_first_interval()
+    """
+
+    def __init__(
+        self,
+        incoming: tuple[Handle[torch.Tensor], torch.Tensor] | None,
+        outgoing: tuple[Handle[None], torch.Tensor] | None,
+        ghost: torch.Tensor,
+    ) -> None:
+        self.incoming, self.outgoing, self.ghost = incoming, outgoing, ghost
+
+    @property
+    def receives(self) -> bool:
+        """Whether the ghost row will change (there is a left neighbour)."""
+        return self.incoming is not None
+
+    def finish(self) -> None:
+        if self.incoming is not None:
+            handle, buf = self.incoming
             handle.wait()
-            ghost.copy_(buf)
-        if outgoing is not None:
-            outgoing[0].wait()
+            self.ghost.copy_(buf)
+            self.incoming = None
+        if self.outgoing is not None:
+            self.outgoing[0].wait()
+            self.outgoing = None

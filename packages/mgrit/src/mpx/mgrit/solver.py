@@ -7,11 +7,12 @@ same step with the longer ``dt``) corrects the C-points (full approximation
 scheme, FAS). One V-cycle on level l (l = L-1 is the coarsest)::
 
     F-relax            (first iteration on the fine level; always on coarse levels)
-    C-relax, F-relax   (``nrelax`` times for FCF; never for F)
+    C-relax, F-relax   (``nrelax`` times for FCF; never for F; the ghost exchange
+                       overlaps the F-relaxation of all but the first interval)
     restrict           v = u at C-points; g_{l+1} = r_l(C) + v - Phi_{l+1}(v_prev)
     cycle(l+1)         (coarsest: sequential solve u_i = g_i + Phi(u_{i-1}))
     correct            u(C) += u_{l+1} - v
-    F-relax
+    F-relax            (overlapping the exchange, as above)
 
 The residual is ``r_i = step(u_{i-1}) - u_i`` at fine C-points; its 2-norm over
 all C-points (each point's 2-norm, then the 2-norm of those) is what PyMGRIT
@@ -227,14 +228,36 @@ class MGRIT:
         t, dt, step = self._t[lvl], self._dt[lvl], self.step
         return torch.stack([step(u[i], t[i], dt[i]) for i in range(start, stop, stride)])
 
-    def _f_relax(self, lvl: int) -> None:
+    def _f_relax(self, lvl: int, first: int = 0, last: int | None = None) -> None:
+        """F-relaxation of the C-intervals ``first..last-1`` (all by default)."""
         u, g = self._u[lvl], self._g[lvl]
         n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
-        if n == 0:
+        stop = n if last is None else last * m
+        if stop <= first * m:
             return
         for j in range(1, m):
-            new = self._phi(lvl, j - 1, n, m)
-            u[j:n:m] = new if g is None else g[j:n:m] + new
+            start = first * m + j
+            new = self._phi(lvl, start - 1, stop, m)
+            u[start:stop:m] = new if g is None else g[start:stop:m] + new
+
+    def _exchange_f_relax(self, lvl: int) -> None:
+        """Ghost exchange overlapped with F-relaxation of the intervals that do not need it.
+
+        ::
+
+            [g | F F C | F F C | ... ]   the first interval waits for g; the rest start at once
+        """
+        if not self.layout.active:
+            return
+        u = self._u[lvl]
+        shift = self.neighbours.start_shift(u[-1], u[0], tag=lvl)
+        if not shift.receives:
+            self._f_relax(lvl)
+            shift.finish()
+            return
+        self._f_relax(lvl, first=1)
+        shift.finish()
+        self._f_relax(lvl, first=0, last=1)
 
     def _c_relax(self, lvl: int) -> None:
         u, g = self._u[lvl], self._g[lvl]
@@ -327,13 +350,11 @@ class MGRIT:
             self._f_relax(lvl)
         for _ in range(self.ncf):
             self._c_relax(lvl)
-            self._exchange(lvl)
-            self._f_relax(lvl)
+            self._exchange_f_relax(lvl)
         self._restrict(lvl)
         self._cycle(lvl + 1, first=True)
         self._correct(lvl)
-        self._exchange(lvl)
-        self._f_relax(lvl)
+        self._exchange_f_relax(lvl)
 
     def _residual(self) -> float:
         """2-norm over fine C-points of ``step(u_{c-1}) - u_c``, the same on every rank."""
