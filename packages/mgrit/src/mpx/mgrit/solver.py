@@ -195,6 +195,7 @@ class MGRIT:
         if not isinstance(u0, torch.Tensor):
             raise MGRITConfigError(f"u0 must be a torch.Tensor, got {type(u0).__name__}")
         self._u, self._g, self._v = [], [], []
+        self._phi_c: torch.Tensor | None = None
         if self._tt[0].device != u0.device:
             # Vectorized steps get t and dt on the state's device.
             self._tt = [t.to(u0.device) for t in self._tt]
@@ -230,6 +231,8 @@ class MGRIT:
 
     def _f_relax(self, lvl: int, first: int = 0, last: int | None = None) -> None:
         """F-relaxation of the C-intervals ``first..last-1`` (all by default)."""
+        if lvl == 0:
+            self._phi_c = None
         u, g = self._u[lvl], self._g[lvl]
         n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
         stop = n if last is None else last * m
@@ -260,6 +263,8 @@ class MGRIT:
         self._f_relax(lvl, first=0, last=1)
 
     def _c_relax(self, lvl: int) -> None:
+        if lvl == 0:
+            self._phi_c = None
         u, g = self._u[lvl], self._g[lvl]
         n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
         if n == 0:
@@ -283,7 +288,9 @@ class MGRIT:
         self._u[lvl + 1] = v.clone()
         if n == 0:
             return
-        fine = self._phi(lvl, m - 1, n, m)
+        # The residual of the last iteration stepped the same points (F-relaxation only).
+        fine = self._phi_c if lvl == 0 and self._phi_c is not None else self._phi(lvl, m - 1, n, m)
+        self._phi_c = None
         # Operation order as in PyMGRIT, so that the histories agree to rounding.
         r = fine - u[m::m] if g is None else (g[m::m] - u[m::m]) + fine
         coarse = self._phi(lvl + 1, 0, n // m, 1)
@@ -296,6 +303,8 @@ class MGRIT:
         v = self._v[lvl + 1]
         assert v is not None
         self._u[lvl][m::m] += self._u[lvl + 1][1:] - v[1:]
+        if lvl == 0:
+            self._phi_c = None
 
     def _coarsest(self, lvl: int) -> None:
         """Sequential solve, passed from rank to rank: u_i = g_i + Phi(u_{i-1})."""
@@ -360,7 +369,10 @@ class MGRIT:
         """2-norm over fine C-points of ``step(u_{c-1}) - u_c``, the same on every rank."""
         n, m = self.layout.levels[0].count, self.layout.levels[0].cfactor
         if n > 0:
-            r = self._phi(0, m - 1, n, m) - self._u[0][m::m]
+            fine = self._phi(0, m - 1, n, m)
+            # Kept for the next restriction, unless relaxation changes level 0 first.
+            self._phi_c = fine
+            r = fine - self._u[0][m::m]
             local = torch.linalg.vector_norm(r.reshape(r.shape[0], -1).double(), dim=1)
             norms = local.cpu().numpy()
         else:
