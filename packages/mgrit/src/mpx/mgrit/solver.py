@@ -123,6 +123,8 @@ class MGRIT:
         self._u: list[torch.Tensor] = []
         self._g: list[torch.Tensor | None] = []
         self._v: list[torch.Tensor | None] = []
+        # The fine step at the C-points from the last residual, while still valid.
+        self._phi_c: torch.Tensor | None = None
         # Times per level, as Python floats (scalar steps) and as tensors (vectorized).
         self._t = [lv.times[:-1].tolist() for lv in self.layout.levels]
         self._dt = [lv.dts.tolist() for lv in self.layout.levels]
@@ -195,7 +197,7 @@ class MGRIT:
         if not isinstance(u0, torch.Tensor):
             raise MGRITConfigError(f"u0 must be a torch.Tensor, got {type(u0).__name__}")
         self._u, self._g, self._v = [], [], []
-        self._phi_c: torch.Tensor | None = None
+        self._phi_c = None
         if self._tt[0].device != u0.device:
             # Vectorized steps get t and dt on the state's device.
             self._tt = [t.to(u0.device) for t in self._tt]
