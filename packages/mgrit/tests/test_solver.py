@@ -319,3 +319,16 @@ def test_cuda_tensors_give_the_cpu_history(vectorized: bool) -> None:
         assert s.local_solution().device.type == device
         runs.append(s.residuals)
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-12)
+
+
+def test_a_failed_exchange_says_the_ranks_are_out_of_step() -> None:
+    from mpx.mgrit._transport import Shift
+
+    class Broken:
+        def wait(self) -> None:
+            raise MPI.Exception(MPI.ERR_TRUNCATE)
+
+    ghost = torch.zeros(3)
+    shift = Shift((Broken(), torch.zeros(3)), None, ghost, (0, 2))  # type: ignore[arg-type]
+    with pytest.raises(MGRITError, match=r"\(left, right\) = \(0, 2\).*shape \(3,\).*same order"):
+        shift.finish()

@@ -14,10 +14,12 @@ buffers, so device tensors work with an MPI that is not CUDA-aware.
 from __future__ import annotations
 
 import torch
+from mpi4py import MPI
 
 from mpx.collectives import Communicator, Handle, recv, send
+from mpx.mgrit.errors import MGRITError
 
-__all__ = ["Neighbours", "Shift"]
+__all__ = ["Neighbours", "Shift", "mismatch"]
 
 
 class Neighbours:
@@ -57,7 +59,9 @@ class Neighbours:
 
     def start_shift(self, last: torch.Tensor, ghost: torch.Tensor, tag: int) -> Shift:
         """Starts sending ``last`` right and receiving the left neighbour's into ``ghost``."""
-        return Shift(self.start_recv(ghost, tag), self.start_send(last, tag), ghost)
+        return Shift(
+            self.start_recv(ghost, tag), self.start_send(last, tag), ghost, (self.left, self.right)
+        )
 
     def shift_right(self, last: torch.Tensor, ghost: torch.Tensor, tag: int) -> None:
         """Sends ``last`` right and receives the left neighbour's into ``ghost``, both at once."""
@@ -78,8 +82,10 @@ class Shift:
         incoming: tuple[Handle[torch.Tensor], torch.Tensor] | None,
         outgoing: tuple[Handle[None], torch.Tensor] | None,
         ghost: torch.Tensor,
+        peers: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.incoming, self.outgoing, self.ghost = incoming, outgoing, ghost
+        self.peers = peers
 
     @property
     def receives(self) -> bool:
@@ -87,11 +93,25 @@ class Shift:
         return self.incoming is not None
 
     def finish(self) -> None:
-        if self.incoming is not None:
-            handle, buf = self.incoming
-            handle.wait()
-            self.ghost.copy_(buf)
-            self.incoming = None
-        if self.outgoing is not None:
-            self.outgoing[0].wait()
-            self.outgoing = None
+        try:
+            if self.incoming is not None:
+                handle, buf = self.incoming
+                handle.wait()
+                self.ghost.copy_(buf)
+                self.incoming = None
+            if self.outgoing is not None:
+                self.outgoing[0].wait()
+                self.outgoing = None
+        except MPI.Exception as err:
+            raise mismatch(self.peers, tuple(self.ghost.shape), err) from err
+
+
+def mismatch(
+    peers: tuple[int | None, int | None], shape: tuple[int, ...], err: Exception
+) -> MGRITError:
+    """The error of an exchange whose message did not fit: the ranks are out of step."""
+    return MGRITError(
+        f"MGRIT boundary exchange with neighbours (left, right) = {peers} failed for a state of "
+        f"shape {shape} ({err}). Every rank of the communicator must call solve() (or the "
+        "network's forward and backward) in the same order with states of the same shape."
+    )

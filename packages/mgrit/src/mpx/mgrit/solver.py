@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from mpx.collectives import Communicator, broadcast, world
-from mpx.mgrit._transport import Neighbours
+from mpx.mgrit._transport import Neighbours, Shift
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import Layout
 
@@ -316,14 +316,12 @@ class MGRIT:
             return
         incoming = self.neighbours.start_recv(u[0], tag=lvl)
         if incoming is not None:
-            handle, buf = incoming
-            handle.wait()
-            u[0].copy_(buf)
+            Shift(incoming, None, u[0], (self.layout.left, None)).finish()
         rows = self._march(lvl, u[0], g, n)
         u[1:] = rows
         outgoing = self.neighbours.start_send(u[-1], tag=lvl)
         if outgoing is not None:
-            outgoing[0].wait()
+            Shift(None, outgoing, u[-1], (None, self.layout.right)).finish()
 
     def _march(self, lvl: int, x: torch.Tensor, g: torch.Tensor | None, n: int) -> torch.Tensor:
         """n sequential steps from x (the hot loop of the coarsest level: lists, no indexing)."""
