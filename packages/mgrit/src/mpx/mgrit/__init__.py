@@ -1,9 +1,28 @@
 """mpx-mgrit: MGRIT parallel-in-time solver and layer-parallel training of residual networks.
 
-This release is the package skeleton of the mpx monorepo: it installs and
-imports, and declares its place among the layers; its API is being built.
+Example::
+
+    from mpx.mgrit import MGRIT
+    solver = MGRIT(lambda u, t, dt: u / (1 + dt), 0.0, 5.0, nt=100, levels=2)
+    u_final = solver.solve(torch.ones(1, dtype=torch.float64)); print(solver.residuals)
 """
 
-__all__ = ["__version__"]
+from mpx.mgrit.errors import MGRITConfigError, MGRITError
+from mpx.mgrit.gru import ParallelGRU
+from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
+from mpx.mgrit.refine import refine
+from mpx.mgrit.solver import MGRIT, Step
+
+__all__ = [
+    "MGRIT",
+    "LayerParallel",
+    "MGRITConfigError",
+    "MGRITError",
+    "ParallelGRU",
+    "SerialResNet",
+    "Step",
+    "__version__",
+    "refine",
+]
 
 __version__ = "0.1.0"

@@ -1,0 +1,179 @@
+"""Layer-parallel residual networks: the N residual steps solved in time with MGRIT.
+
+The network is ``open -> N steps x + h f_k(x) -> close`` with ``h = Tf / N``:
+forward Euler for ``x' = f(t, x)``. The steps are time steps, so their layers
+are split over ranks in blocks of time (see :mod:`mpx.mgrit.grid`); the forward
+pass is an MGRIT solve (``fwd_iters`` V-cycles, inexact on purpose), the
+backward pass an MGRIT solve of the adjoint (``bwd_iters``)::
+
+    every rank:  open(x) ──> x_0        rank r: x_a ─ f_a ─ ... ─ f_{b-1} ─> x_b
+    every rank:  x_N (broadcast) ──> close ──> output and loss on every rank
+
+Contract across ranks: every rank passes the same input batch and computes the
+same loss. Then the output is the same on every rank, the open and close
+layers (replicated) get the same gradients on every rank, and each step layer
+lives on exactly one rank, which alone holds its gradient. A coarse level uses
+the layer at its start point with the longer step ``h * stride``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpx.collectives import Communicator, world
+from mpx.mgrit.adjoint import TimeStepper
+from mpx.mgrit.errors import MGRITConfigError
+
+__all__ = ["LayerParallel", "SerialResNet"]
+
+
+class SerialResNet(nn.Module):
+    """The sequential network a :class:`LayerParallel` stands for.
+
+    Example::
+
+        net = SerialResNet(nn.Flatten(), [nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2), 1.0)
+        y = net(torch.randn(5, 8))
+        assert len(net.steps) == 4
+    """
+
+    def __init__(
+        self, open_layer: nn.Module, steps: Sequence[nn.Module], close_layer: nn.Module, Tf: float
+    ) -> None:
+        super().__init__()
+        self.open_layer = open_layer
+        self.steps = nn.ModuleList(steps)
+        self.close_layer = close_layer
+        self.h = float(Tf) / len(steps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.open_layer(x)
+        for f in self.steps:
+            x = x + self.h * f(x)
+        out: torch.Tensor = self.close_layer(x)
+        return out
+
+
+class LayerParallel(nn.Module):
+    """``open -> num_steps residual steps x + h f_k(x) -> close``, steps split over ranks.
+
+    Args:
+        open_layer: the first layer (replicated on every rank).
+        step_layers: one module (copied for every step: each step has its own
+            weights) or a list of ``num_steps`` modules; a rank keeps only its own.
+        close_layer: the last layer (replicated).
+        num_steps: N, the number of residual steps.
+        Tf: final time; the step size is ``h = Tf / num_steps``.
+        comm: the ranks that share the layers (default: all).
+        levels, cfactor: MGRIT grid levels and coarsening.
+        fwd_iters, bwd_iters: MGRIT V-cycles of the forward and adjoint solves.
+        tol: stop either solve early below this residual.
+        relax, nrelax, skip_downcycle: as for :class:`~mpx.mgrit.MGRIT`.
+
+    Example::
+
+        net = LayerParallel(nn.Flatten(), nn.Sequential(nn.Linear(64, 64), nn.Tanh()),
+                            nn.Linear(64, 10), num_steps=8, Tf=1.0, levels=2, fwd_iters=2)
+        loss = nn.functional.cross_entropy(net(x), y); loss.backward()
+    """
+
+    def __init__(
+        self,
+        open_layer: nn.Module,
+        step_layers: nn.Module | Sequence[nn.Module],
+        close_layer: nn.Module,
+        num_steps: int,
+        Tf: float = 1.0,
+        comm: Communicator | None = None,
+        levels: int = 2,
+        cfactor: int | Sequence[int] = 2,
+        fwd_iters: int = 2,
+        bwd_iters: int = 1,
+        tol: float = 1e-9,
+        relax: str = "F",
+        nrelax: int = 1,
+        skip_downcycle: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise MGRITConfigError(f"num_steps must be an int >= 1, got {num_steps!r}")
+        if isinstance(step_layers, nn.Module):
+            layers: list[nn.Module] | None = None
+            template: nn.Module | None = step_layers
+        else:
+            layers, template = list(step_layers), None
+            if len(layers) != num_steps:
+                raise MGRITConfigError(
+                    f"step_layers has {len(layers)} modules but num_steps={num_steps}; "
+                    "give one module per step, or a single module to copy"
+                )
+        self.comm = world() if comm is None else comm
+        self.num_steps, self.Tf = num_steps, float(Tf)
+        self.config: dict[str, Any] = {
+            "levels": levels, "cfactor": cfactor, "fwd_iters": fwd_iters, "bwd_iters": bwd_iters,
+            "tol": tol, "relax": relax, "nrelax": nrelax, "skip_downcycle": skip_downcycle,
+        }  # fmt: skip
+        self.stepper = TimeStepper(
+            self._phi, self._uses, num_steps, Tf, comm=self.comm, **self.config
+        )
+        self.open_layer = open_layer
+        self.close_layer = close_layer
+        owned = self.stepper.owned_steps()
+        self.first_step = owned.start
+        self.local_steps = nn.ModuleList(
+            [layers[k] if layers is not None else copy.deepcopy(template) for k in owned]  # type: ignore[misc]
+        )
+        self._param_index: list[list[int]] = []
+        self._params: list[nn.Parameter] = []
+        for layer in self.local_steps:
+            start = len(self._params)
+            self._params.extend(p for p in layer.parameters() if p.requires_grad)
+            self._param_index.append(list(range(start, len(self._params))))
+
+    def owned_steps(self) -> range:
+        """The global indices of the steps whose layers live on this rank."""
+        return self.stepper.owned_steps()
+
+    def _phi(self, k: int, x: torch.Tensor, dt: float) -> torch.Tensor:
+        layer = self.local_steps[k - self.first_step]
+        out: torch.Tensor = x + dt * layer(x)
+        return out
+
+    def _uses(self, k: int) -> list[int]:
+        return self._param_index[k - self.first_step]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x0 = self.open_layer(x)
+        xN = self.stepper.apply(x0, self._params)
+        out: torch.Tensor = self.close_layer(xN)
+        return out
+
+    def fwd_stats(self) -> dict[str, Any]:
+        """Iterations and residual history of the last forward solve."""
+        return {"iterations": self.stepper.fwd.iterations, "residuals": self.stepper.fwd.residuals}
+
+    def bwd_stats(self) -> dict[str, Any]:
+        """Iterations and residual history of the last adjoint solve."""
+        return {"iterations": self.stepper.bwd.iterations, "residuals": self.stepper.bwd.residuals}
+
+    def gather_steps(self) -> list[nn.Module]:
+        """All ``num_steps`` step layers on every rank (copies; collective)."""
+        local = [copy.deepcopy(layer).cpu() for layer in self.local_steps]
+        if self.comm.size == 1:
+            return local
+        parts = self.comm.mpi.allgather(local)
+        return [layer for part in parts for layer in part]
+
+    def serial(self) -> SerialResNet:
+        """The equivalent sequential network, with copies of all layers, on every rank."""
+        device = next(self.parameters()).device if any(True for _ in self.parameters()) else None
+        net = SerialResNet(
+            copy.deepcopy(self.open_layer), self.gather_steps(), copy.deepcopy(self.close_layer),
+            self.Tf,
+        )  # fmt: skip
+        return net if device is None else net.to(device)

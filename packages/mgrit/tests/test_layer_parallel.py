@@ -1,0 +1,156 @@
+"""LayerParallel against its own serial network (plain torch autograd), on any rank count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpx.collectives import world
+from mpx.mgrit import LayerParallel, MGRITConfigError, SerialResNet
+
+pytestmark = pytest.mark.mpi
+
+
+def build(
+    n: int, width: int = 6, dtype: torch.dtype = torch.float64, **kw: object
+) -> LayerParallel:
+    torch.manual_seed(0)  # every rank builds the same weights
+    steps = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)]
+    net = LayerParallel(nn.Linear(4, width), steps, nn.Linear(width, 3), n, Tf=2.0, **kw)  # type: ignore[arg-type]
+    return net.to(dtype)
+
+
+def serial_name(net: LayerParallel, name: str) -> str:
+    """The name in ``net.serial()`` of the parameter ``name`` of ``net``."""
+    if not name.startswith("local_steps."):
+        return name
+    _, k, rest = name.split(".", 2)
+    return f"steps.{int(k) + net.first_step}.{rest}"
+
+
+def compare(net: LayerParallel, dtype: torch.dtype = torch.float64) -> dict[str, float]:
+    """Max abs differences of output, input gradient and parameter gradients vs serial."""
+    serial = net.serial()
+    assert isinstance(serial, SerialResNet)
+    assert len(serial.steps) == net.num_steps
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    yp, ys = net(xp), serial(xs)
+    yp.square().sum().backward()
+    ys.square().sum().backward()
+    ref = dict(serial.named_parameters())
+    params = max(
+        (
+            (p.grad - ref[serial_name(net, n)].grad).abs().max().item()
+            for n, p in net.named_parameters()
+        ),
+        default=0.0,
+    )  # type: ignore[operator]
+    assert xp.grad is not None
+    assert xs.grad is not None
+    return {
+        "output": (yp - ys).abs().max().item(),
+        "input_grad": (xp.grad - xs.grad).abs().max().item(),
+        "param_grads": params,
+    }
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_one_level_equals_serial(iters: int) -> None:
+    net = build(12, levels=1, fwd_iters=iters, bwd_iters=iters)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+    assert net.fwd_stats()["residuals"] == [0.0]
+
+
+def test_as_many_iterations_as_steps_equals_serial() -> None:
+    net = build(16, levels=3, cfactor=2, fwd_iters=16, bwd_iters=16, tol=0.0)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_three_levels_eight_iterations_close_to_serial() -> None:
+    net = build(64, levels=3, cfactor=4, fwd_iters=8, bwd_iters=8, tol=0.0, relax="F")
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-6, errors
+    assert len(net.fwd_stats()["residuals"]) == 8
+    assert len(net.bwd_stats()["residuals"]) == 8
+
+
+def test_inexact_solves_improve_with_iterations() -> None:
+    errs = [max(compare(build(32, levels=3, cfactor=2, fwd_iters=i, bwd_iters=i, tol=0.0)).values())
+            for i in (1, 2, 4)]  # fmt: skip
+    assert errs[0] > errs[1] > errs[2], errs
+    assert errs[0] > 1e-6  # the inexact solve is really inexact
+
+
+def test_replicated_layers_get_the_same_gradients_and_output_on_every_rank() -> None:
+    net = build(12, levels=2, fwd_iters=2, bwd_iters=1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y = net(x)
+    y.sum().backward()
+    comm = world()
+    mine = [y.detach()] + [p.grad for n, p in net.named_parameters() if "local_steps" not in n]
+    everyone = comm.mpi.allgather(mine)
+    for other in everyone:
+        for a, b in zip(mine, other, strict=True):
+            assert torch.equal(a, b)
+    # Each step layer lives on exactly one rank.
+    owned = comm.mpi.allgather(list(net.owned_steps()))
+    assert sorted(k for part in owned for k in part) == list(range(12))
+
+
+def test_float32_and_single_module_copied_per_step() -> None:
+    torch.manual_seed(0)
+    net = LayerParallel(nn.Identity(), nn.Linear(4, 4), nn.Identity(), 6, Tf=1.0, levels=1)
+    weights = [layer.weight for layer in net.local_steps]
+    assert len({id(w) for w in weights}) == len(weights)
+    errors = compare(net, torch.float32)  # type: ignore[arg-type]
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_bad_step_list_is_refused() -> None:
+    with pytest.raises(MGRITConfigError, match="3 modules but num_steps=4"):
+        LayerParallel(nn.Identity(), [nn.Linear(2, 2)] * 3, nn.Identity(), 4)
+    with pytest.raises(MGRITConfigError, match="nt=6 is not divisible"):
+        LayerParallel(nn.Identity(), nn.Linear(2, 2), nn.Identity(), 6, levels=3, cfactor=2)
+
+
+def test_more_ranks_than_coarse_intervals() -> None:
+    # 4 steps, 2 levels: 2 coarsest intervals; under 3 ranks one rank holds no layer.
+    net = build(4, levels=2, cfactor=2, fwd_iters=4, bwd_iters=4, tol=0.0)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+@pytest.mark.gpu
+def test_cuda_network_equals_serial() -> None:
+    net = build(8, levels=2, fwd_iters=8, bwd_iters=8, tol=0.0).cuda()
+    serial = net.serial()
+    x = torch.randn(5, 4, dtype=torch.float64, device="cuda")
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    yp, ys = net(xp), serial(xs)
+    assert yp.device.type == "cuda"
+    torch.autograd.backward(yp.square().sum())
+    torch.autograd.backward(ys.square().sum())
+    assert xp.grad is not None
+    assert xs.grad is not None
+    torch.testing.assert_close(yp, ys, rtol=0, atol=1e-12)
+    torch.testing.assert_close(xp.grad, xs.grad, rtol=0, atol=1e-12)
+
+
+def test_two_forward_passes_before_one_backward() -> None:
+    # Each backward uses the states of its own forward pass (kept in the autograd graph).
+    net = build(8, levels=2, fwd_iters=8, bwd_iters=8, tol=0.0)
+    serial = net.serial()
+    gen = torch.Generator().manual_seed(4)
+    x1, x2 = (torch.randn(3, 4, dtype=torch.float64, generator=gen) for _ in range(2))
+    torch.autograd.backward(net(x1).square().sum() + net(x2).sum())
+    torch.autograd.backward(serial(x1).square().sum() + serial(x2).sum())
+    ref = dict(serial.named_parameters())
+    for name, p in net.named_parameters():
+        q = ref[serial_name(net, name)]
+        assert p.grad is not None
+        assert q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)

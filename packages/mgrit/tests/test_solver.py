@@ -1,0 +1,334 @@
+"""MGRIT against PyMGRIT (the independent reference) and against itself on any rank count.
+
+The mpi tests are size-agnostic: each rank also solves the same problem alone
+(on COMM_SELF); the distributed history must equal the single-rank one exactly,
+and both must equal PyMGRIT's to 4 significant digits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpx.collectives import Communicator, world
+from mpx.mgrit import MGRIT, MGRITConfigError, MGRITError
+from mpx.mgrit.grid import Layout
+
+# PyMGRIT 1.0.6 calls np.in1d, which numpy 2.4 removed.
+if not hasattr(np, "in1d"):
+    np.in1d = np.isin  # type: ignore[attr-defined]
+
+
+@functools.cache
+def self_comm() -> Communicator:
+    return Communicator.from_mpi(MPI.COMM_SELF)
+
+
+def dahlquist(u: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
+    """Backward Euler for u' = -u, written as PyMGRIT's Dahlquist example writes it."""
+    z = dt * -1
+    return 1 / (1 - z) * u
+
+
+def pymgrit_dahlquist(nt: int, levels: int, cfactor: int, nested: bool) -> np.ndarray:
+    from pymgrit.core.mgrit import Mgrit
+    from pymgrit.core.simple_setup_problem import simple_setup_problem
+    from pymgrit.dahlquist.dahlquist import Dahlquist
+
+    problem = simple_setup_problem(
+        problem=Dahlquist(t_start=0, t_stop=5, nt=nt + 1), level=levels, coarsening=cfactor
+    )
+    solver = Mgrit(
+        problem=problem,
+        tol=1e-10,
+        max_iter=20,
+        nested_iteration=nested,
+        comm_time=MPI.COMM_SELF,
+        logging_lvl=30,
+    )
+    return np.asarray(solver.solve()["conv"])
+
+
+def on_rank0(fn: Any, *args: Any) -> Any:
+    """Runs the (serial) reference once and shares its answer."""
+    comm = world()
+    value = fn(*args) if comm.rank == 0 else None
+    return comm.mpi.bcast(value, root=0)
+
+
+# -- unit tests -----------------------------------------------------------------
+
+
+def test_layout_splits_coarsest_intervals_into_blocks() -> None:
+    lay = Layout(0.0, 5.0, nt=100, levels=2, cfactor=2, size=3, rank=1)
+    assert lay.blocks == [17, 17, 16]
+    assert (lay.levels[0].first, lay.levels[0].count) == (34, 34)
+    assert (lay.levels[1].first, lay.levels[1].count) == (17, 17)
+    assert (lay.left, lay.right) == (0, 2)
+    assert list(lay.fine_indices()) == list(range(35, 69))
+    np.testing.assert_array_equal(lay.levels[1].times, np.linspace(0, 5, 101)[::2][17:35])
+
+
+def test_layout_leaves_ranks_without_points_out() -> None:
+    lays = [Layout(0.0, 1.0, nt=8, levels=3, cfactor=2, size=3, rank=r) for r in range(3)]
+    assert lays[0].blocks == [1, 1, 0]
+    assert not lays[2].active
+    assert lays[1].right is None
+    assert lays[2].left is None
+    assert lays[0].last_rank == 1
+    # Explicit blocks (the adjoint's reversed layout): the first holder owns t0.
+    lays = [
+        Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=r, blocks=[0, 2, 1])
+        for r in range(3)
+    ]
+    assert [lay.holds_start for lay in lays] == [False, True, False]
+    assert list(lays[1].fine_indices()) == [0, 1, 2, 3, 4]
+    assert list(lays[2].fine_indices()) == [5, 6]
+    with pytest.raises(MGRITConfigError, match="blocks=\\[1, 1, 0\\]"):
+        Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=0, blocks=[1, 1, 0])
+
+
+@pytest.mark.mpi
+def test_blocks_with_empty_ranks_give_the_same_history() -> None:
+    # All coarsest intervals on the last rank: the ranks before it hold nothing.
+    size = world().size
+    alone = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=self_comm())
+    alone.solve(torch.ones((), dtype=torch.float64))
+    blocks = [0] * (size - 1) + [16]
+    s = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=world(), blocks=blocks)
+    final = s.solve(torch.ones((), dtype=torch.float64))
+    assert s.residuals == alone.residuals
+    assert torch.equal(final, alone.local_solution()[-1])
+    assert s.layout.holds_start == (world().rank == size - 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"nt": 100, "levels": 4}, ["nt=100", "2*2*2=8", "levels <= 3"]),
+        ({"nt": 8, "levels": 5}, ["nt=8", "16", "levels <= 4"]),
+        ({"nt": 64, "cfactor": 1}, ["cfactor=1", ">= 2"]),
+        ({"nt": 64, "levels": 3, "cfactor": [2]}, ["cfactor=[2]", "levels=3"]),
+        ({"nt": 0}, ["nt", "0"]),
+        ({"nt": 64, "levels": 0}, ["levels", "0"]),
+        ({"nt": 64, "relax": "FC"}, ["relax", "'FC'"]),
+        ({"nt": 64, "max_iters": 0}, ["max_iters", "0"]),
+    ],
+)
+def test_bad_input_names_the_value_and_the_fix(kwargs: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(MGRITConfigError) as info:
+        MGRIT(dahlquist, 0.0, 1.0, comm=self_comm(), **kwargs)
+    assert isinstance(info.value, (MGRITError, ValueError))
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def serial_dahlquist(nt: int) -> torch.Tensor:
+    t = np.linspace(0, 5, nt + 1)
+    u = torch.ones((), dtype=torch.float64)
+    out = [u]
+    for i in range(nt):
+        u = dahlquist(u, float(t[i]), float(t[i + 1] - t[i]))
+        out.append(u)
+    return torch.stack(out)
+
+
+def test_one_level_is_the_sequential_solve() -> None:
+    solver = MGRIT(dahlquist, 0.0, 5.0, nt=50, levels=1, comm=self_comm())
+    final = solver.solve(torch.ones((), dtype=torch.float64))
+    ref = serial_dahlquist(50)
+    assert torch.equal(solver.local_solution(), ref)
+    assert torch.equal(final, ref[-1])
+    assert solver.iterations == 1
+    assert solver.residuals == [0.0]
+
+
+@pytest.mark.parametrize("relax", ["F", "FCF"])
+def test_converges_to_the_sequential_solution(relax: str) -> None:
+    solver = MGRIT(
+        dahlquist, 0.0, 5.0, nt=96, levels=3, cfactor=[4, 3], relax=relax, max_iters=30,
+        tol=1e-13, comm=self_comm(),
+    )  # fmt: skip
+    solver.solve(torch.ones((), dtype=torch.float64))
+    assert solver.residuals[-1] < 1e-13
+    assert all(b < a for a, b in zip(solver.residuals, solver.residuals[1:], strict=False))
+    torch.testing.assert_close(solver.local_solution(), serial_dahlquist(96), rtol=0, atol=1e-12)
+
+
+def test_fcf_needs_fewer_iterations_than_f() -> None:
+    counts = {}
+    for relax in ("F", "FCF"):
+        s = MGRIT(dahlquist, 0, 5, nt=256, levels=3, cfactor=4, relax=relax, max_iters=50,
+                  tol=1e-12, comm=self_comm())  # fmt: skip
+        s.solve(torch.ones((), dtype=torch.float64))
+        counts[relax] = s.iterations
+    assert counts["FCF"] < counts["F"]
+
+
+def test_vectorized_step_gives_the_same_history_and_solution() -> None:
+    def decay(u: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
+        # A 3-component state with a time-dependent rate; dt, t broadcast over the batch.
+        if isinstance(dt, torch.Tensor):
+            dt, t = dt.view(-1, 1), t.view(-1, 1)
+        rate = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+        return u / (1 + dt * rate * (1 + 0.1 * np.cos(1.0) * t))
+
+    runs = []
+    for vec, floats in ((False, False), (True, False), (True, True)):
+        s = MGRIT(decay, 0, 2, nt=64, levels=3, cfactor=2, comm=self_comm(), vectorized=vec,
+                  float_times=floats)  # fmt: skip
+        s.solve(torch.ones(3, dtype=torch.float64))
+        runs.append((s.residuals, s.local_solution()))
+    for other in runs[1:]:
+        assert runs[0][0] == other[0]
+        assert torch.equal(runs[0][1], other[1])
+
+
+# -- against PyMGRIT, on any number of ranks -------------------------------------
+
+
+DAHLQUIST_CASES = [
+    (100, 2, 2, True),  # PyMGRIT's example: 7.19e-5 -> 3.98e-12 in 5 iterations
+    (100, 2, 2, False),
+    (100, 3, 2, True),
+    (128, 4, 2, True),
+    (128, 4, 2, False),
+    (144, 3, 3, True),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("nt", "levels", "cfactor", "nested"), DAHLQUIST_CASES)
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_dahlquist_history_equals_pymgrit(
+    nt: int, levels: int, cfactor: int, nested: bool, vectorized: bool
+) -> None:
+    ref = on_rank0(pymgrit_dahlquist, nt, levels, cfactor, nested)
+    histories = []
+    for comm in (world(), self_comm()):
+        s = MGRIT(dahlquist, 0, 5, nt, comm=comm, levels=levels, cfactor=cfactor, tol=1e-10,
+                  max_iters=20, skip_downcycle=nested, vectorized=vectorized)  # fmt: skip
+        final = s.solve(torch.ones((), dtype=torch.float64))
+        histories.append(s.residuals)
+        torch.testing.assert_close(final, serial_dahlquist(nt)[-1], rtol=0, atol=1e-9)
+    assert histories[0] == histories[1]  # identical for any number of ranks
+    np.testing.assert_allclose(histories[0], ref, rtol=1e-4)
+    if (nt, levels, cfactor, nested) == (100, 2, 2, True):
+        assert len(ref) == 5
+        assert f"{ref[0]:.2e}" == "7.19e-05"
+        assert f"{ref[-1]:.2e}" == "3.98e-12"
+
+
+@pytest.mark.mpi
+def test_distributed_solution_equals_single_rank() -> None:
+    comm = world()
+    dist = MGRIT(dahlquist, 0, 5, 128, comm=comm, levels=3, cfactor=4, max_iters=3)
+    alone = MGRIT(dahlquist, 0, 5, 128, comm=self_comm(), levels=3, cfactor=4, max_iters=3)
+    f_dist = dist.solve(torch.ones((), dtype=torch.float64))
+    f_alone = alone.solve(torch.ones((), dtype=torch.float64))
+    assert torch.equal(f_dist, f_alone)
+    idx = list(dist.local_indices())
+    assert torch.equal(dist.local_solution(), alone.local_solution()[idx])
+    np.testing.assert_array_equal(dist.local_times(), np.linspace(0, 5, 129)[idx])
+    owned = comm.mpi.allgather(idx)
+    assert sorted(i for part in owned for i in part) == list(range(129))
+
+
+# -- 1-D heat equation, PyMGRIT's example settings ---------------------------------
+
+HEAT_NX, HEAT_NT, HEAT_T = 1001, 64, 2.0
+
+
+def heat_rhs(x: np.ndarray, t: float) -> np.ndarray:
+    return -np.sin(np.pi * x) * (np.sin(t) - np.pi**2 * np.cos(t))
+
+
+def pymgrit_heat(levels: int) -> np.ndarray:
+    from pymgrit.core.mgrit import Mgrit
+    from pymgrit.heat.heat_1d import Heat1D
+
+    problem = [
+        Heat1D(x_start=0, x_end=1, nx=HEAT_NX, a=1, init_cond=lambda x: np.sin(np.pi * x),
+               rhs=heat_rhs, t_start=0, t_stop=HEAT_T, nt=HEAT_NT // 2**lvl + 1)
+        for lvl in range(levels)
+    ]  # fmt: skip
+    solver = Mgrit(problem=problem, cf_iter=1, cycle_type="V", nested_iteration=False,
+                   max_iter=10, comm_time=MPI.COMM_SELF, logging_lvl=30)  # fmt: skip
+    return np.asarray(solver.solve()["conv"])
+
+
+class HeatStep:
+    """Backward Euler for u_t = u_xx + b on (0, 1), zero boundary values, batched.
+
+    Each step solves the tridiagonal system (I + dt L) u_new = u + dt b with LAPACK's
+    banded solver, all states of the batch at once.
+    """
+
+    def __init__(self) -> None:
+        x = np.linspace(0, 1, HEAT_NX)[1:-1]
+        self.x = torch.from_numpy(x)
+        self.n, self.fac = len(x), 1.0 / (x[1] - x[0]) ** 2
+
+    def __call__(self, u: torch.Tensor, t: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        from scipy.linalg import solve_banded
+
+        h = float(dt[0])
+        bands = np.empty((3, self.n))
+        bands[0], bands[1], bands[2] = -h * self.fac, 1 + 2 * h * self.fac, -h * self.fac
+        t1, dt = (t + dt).view(-1, 1), dt.view(-1, 1)
+        b = -torch.sin(np.pi * self.x) * (torch.sin(t1) - np.pi**2 * torch.cos(t1))
+        rhs = (u + b * dt).numpy().T
+        return torch.from_numpy(solve_banded((1, 1), bands, rhs).T.copy())
+
+
+@pytest.mark.mpi
+def test_heat_history_equals_pymgrit() -> None:
+    levels = 5  # PyMGRIT's example hierarchy: 65, 33, 17, 9, 5 points
+    ref = on_rank0(pymgrit_heat, levels)
+    step = HeatStep()
+    u0 = torch.sin(np.pi * step.x)
+    histories = []
+    for comm in {world(), self_comm()}:
+        s = MGRIT(step, 0, HEAT_T, HEAT_NT, comm=comm, levels=levels, cfactor=2, max_iters=10,
+                  tol=1e-7, skip_downcycle=False, vectorized=True)  # fmt: skip
+        final = s.solve(u0)
+        histories.append(s.residuals)
+    # Exact solution sin(pi x) cos(t), up to the discretisation error.
+    torch.testing.assert_close(final, u0 * math.cos(HEAT_T), rtol=0, atol=2e-2)
+    # Equal to rounding only: the batched matrix product rounds differently for other
+    # batch sizes (blocks per rank); the histories' last entries sit near 1e-9.
+    np.testing.assert_allclose(histories[0], histories[-1], rtol=1e-5)
+    np.testing.assert_allclose(histories[0], ref, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_cuda_tensors_give_the_cpu_history(vectorized: bool) -> None:
+    runs = []
+    for device in ("cpu", "cuda"):
+        s = MGRIT(dahlquist, 0, 5, 128, levels=3, cfactor=2, tol=1e-10, max_iters=20,
+                  comm=self_comm(), vectorized=vectorized)  # fmt: skip
+        final = s.solve(torch.ones(3, dtype=torch.float64, device=device))
+        assert final.device.type == device
+        assert s.local_solution().device.type == device
+        runs.append(s.residuals)
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-12)
+
+
+def test_a_failed_exchange_says_the_ranks_are_out_of_step() -> None:
+    from mpx.mgrit._transport import Shift
+
+    class Broken:
+        def wait(self) -> None:
+            raise MPI.Exception(MPI.ERR_TRUNCATE)
+
+    ghost = torch.zeros(3)
+    shift = Shift((Broken(), torch.zeros(3)), None, ghost, (0, 2))  # type: ignore[arg-type]
+    with pytest.raises(MGRITError, match=r"\(left, right\) = \(0, 2\).*shape \(3,\).*same order"):
+        shift.finish()
