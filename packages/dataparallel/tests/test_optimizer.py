@@ -217,7 +217,7 @@ def test_misuse_errors() -> None:
 
 def test_bad_arguments() -> None:
     model = _model()
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         dp.DistributedOptimizer(model)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bucket_mb must be positive, got 0"):
         dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), bucket_mb=0)

@@ -6,12 +6,11 @@ import collections
 
 import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 import mpx.dataparallel as dp
 from mpx.dataparallel.errors import DataParallelError
-
-from mpi4py import MPI
 
 pytestmark = pytest.mark.mpi
 
@@ -72,7 +71,7 @@ def test_tensors_and_nested_containers() -> None:
     flags = torch.tensor([True, r == 0, False])
     tree = {
         "a": [tensor, {"b": half}],
-        "c": (torch.tensor(r, dtype=torch.int64), r, "text-%d" % r),
+        "c": (torch.tensor(r, dtype=torch.int64), r, f"text-{r}"),
         "d": collections.OrderedDict(e=flags),
     }
     out = dp.synchronize(tree)
@@ -80,7 +79,8 @@ def test_tensors_and_nested_containers() -> None:
     assert out["a"][0] is tensor  # same shape and dtype: in place
     assert torch.equal(tensor, torch.zeros(3, 2))
     assert torch.equal(half, torch.arange(5, dtype=torch.float16))
-    assert out["c"][1] == 0 and out["c"][2] == "text-0"
+    assert out["c"][1] == 0
+    assert out["c"][2] == "text-0"
     assert int(out["c"][0]) == 0
     assert torch.equal(out["d"]["e"], torch.tensor([True, True, False]))
     assert_identical_everywhere(flags)
