@@ -139,6 +139,8 @@ class DistributedDataContainer(torch.utils.data.Dataset[Any]):
 def _length(dataset: Any) -> int:
     """Samples in ``dataset``; a tuple is parts indexed together (x, y)."""
     if isinstance(dataset, tuple):
+        if not dataset:
+            raise ValueError("a tuple data set needs at least one part, got ()")
         lengths = {len(part) for part in dataset}
         if len(lengths) != 1:
             raise ValueError(
