@@ -112,5 +112,5 @@ def test_errors_reach_every_rank(tmp_path: Path) -> None:
     dp.save_checkpoint(root_dir / "model-only.pt", model)
     with pytest.raises(DataParallelError, match="no optimizer state"):
         dp.load_checkpoint(root_dir / "model-only.pt", model, opt)
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         dp.save_checkpoint(root_dir / "x.pt", opt)  # type: ignore[arg-type]

@@ -85,8 +85,8 @@ def test_bad_arguments() -> None:
         dp.DistributedDataContainer((torch.zeros(3), torch.zeros(4)))
     with pytest.raises(ValueError, match="non-negative"):
         dp.DistributedDataContainer([1]).set_epoch(-1)
+    comm = SimpleNamespace(rank=0, size=3)
     with pytest.raises(ValueError, match="leaves every rank empty"):
-        comm = SimpleNamespace(rank=0, size=3)
         dp.DistributedDataContainer([1, 2], uneven="drop", comm=comm)  # type: ignore[arg-type]
 
 
