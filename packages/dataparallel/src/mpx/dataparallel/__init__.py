@@ -7,17 +7,24 @@ Example::
     opt = dp.DistributedOptimizer(torch.optim.Adam(model.parameters()), model)
 """
 
+from mpx.dataparallel.async_sgd import EASGD, DownpourSGD
 from mpx.dataparallel.checkpoint import load_checkpoint, save_checkpoint
 from mpx.dataparallel.data import DistributedDataContainer
 from mpx.dataparallel.errors import DataParallelError, ParameterServerError
 from mpx.dataparallel.optimizer import DistributedOptimizer
+from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
 from mpx.dataparallel.runtime import init, is_root, local_rank, rank, world_size
 from mpx.dataparallel.synchronize import broadcast_tensors, synchronize
 
 __all__ = [
+    "EASGD",
+    "RULES",
     "DataParallelError",
     "DistributedDataContainer",
     "DistributedOptimizer",
+    "DownpourSGD",
+    "PSHandle",
+    "ParameterServer",
     "ParameterServerError",
     "__version__",
     "broadcast_tensors",
