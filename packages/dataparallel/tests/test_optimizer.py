@@ -140,6 +140,16 @@ def test_unused_parameters_do_not_deadlock_and_match_ddp_semantics() -> None:
             torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12)
             torch.testing.assert_close(p.detach(), before[n] - expected[n], rtol=0, atol=1e-12)
     _assert_same_everywhere(model)
+    # Next step every rank uses branch 0: branch 1 (used before) is unused now and,
+    # after zero_grad(set_to_none=True), must come back as None, as in one process.
+    opt.zero_grad()
+    model(x, 0).sum().backward()
+    opt.step()
+    assert model.branch[1].weight.grad is None
+    assert model.never.weight.grad is None
+    assert model.branch[0].weight.grad is not None
+    assert model.trunk.weight.grad is not None
+    _assert_same_everywhere(model)
 
 
 def test_mixed_dtypes_get_one_bucket_each() -> None:

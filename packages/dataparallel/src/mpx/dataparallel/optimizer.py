@@ -57,6 +57,7 @@ class _Bucket:
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
     flat: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)  # p.grad aliases (CPU buckets)
     arrived: int = 0
     handle: Waitable | None = None
 
@@ -133,6 +134,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._names = names
         self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))
         self._used = torch.zeros(len(params), dtype=torch.int32)
+        # A zero_grad(set_to_none=True) zeroes the bucket a gradient aliases instead
+        # of dropping it; until its next hook the gradient counts as None.
+        self._present = [True] * len(params)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
             for p in params
@@ -172,12 +176,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Completes a reduction in flight (it is collective), then zeroes the gradients.
 
         Call it on every rank alike: a rank that started buckets finishes all of
-        them here, as ``step()`` would.
+        them here, as ``step()`` would. Gradients that alias a bucket are zeroed
+        in place (one memset per bucket) and count as None until backward
+        writes them again, as ``set_to_none=True`` promises.
         """
         if any(b.handle is not None for b in self._buckets):
             self._finish()
         self._reset()
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        aliased: set[int] = set()
+        for bucket in self._buckets:
+            if not bucket.views:
+                continue
+            assert bucket.flat is not None
+            bucket.flat.zero_()
+            for p, pid, view in zip(bucket.params, bucket.ids, bucket.views, strict=True):
+                if p.grad is view:
+                    aliased.add(id(p))
+                    self._present[pid] = not set_to_none
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None or id(p) in aliased:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
 
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None
@@ -294,14 +317,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.numel += p.numel()
         for bucket in buckets:
             bucket.flat = torch.zeros(bucket.numel, dtype=bucket.dtype)
+            if bucket.device.type == "cpu":
+                bucket.views = [
+                    bucket.flat[o : o + p.numel()].view(p.shape)
+                    for p, o in zip(bucket.params, bucket.offsets, strict=True)
+                ]
         return buckets, where
 
     def _arrived(self, p: torch.Tensor) -> None:
         """The post-accumulate-grad hook: ``p.grad`` is final for this backward."""
+        index, i = self._where[id(p)]
+        bucket = self._buckets[index]
+        pid = bucket.ids[i]
+        self._present[pid] = True
+        if bucket.views and p.grad is not bucket.views[i] and p.grad is not None:
+            # Alias the gradient to its bucket slot: later backwards accumulate in
+            # place there, and the allreduce needs no copy in or out.
+            bucket.views[i].copy_(p.grad)
+            p.grad = bucket.views[i]
         if not self._sync:
             return
-        index, _ = self._where[id(p)]
-        bucket = self._buckets[index]
         if bucket.handle is not None or bucket.arrived == len(bucket.params):
             raise DataParallelError(
                 f"DistributedOptimizer: the gradient of {self._names[id(p)]!r} arrived twice "
@@ -325,14 +360,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat = bucket.flat
         assert flat is not None
         with torch.no_grad():
-            for p, pid, offset in zip(bucket.params, bucket.ids, bucket.offsets, strict=True):
-                part = flat[offset : offset + p.numel()]
-                if p.grad is None:
-                    part.zero_()
+            for i, (p, pid, offset) in enumerate(
+                zip(bucket.params, bucket.ids, bucket.offsets, strict=True)
+            ):
+                aliased = bool(bucket.views) and p.grad is bucket.views[i]
+                if p.grad is None or (aliased and not self._present[pid]):
                     self._used[pid] = 0
+                    if not aliased:
+                        flat[offset : offset + p.numel()].zero_()
+                    # (an aliased slot was zeroed by zero_grad)
                 else:
-                    part.copy_(p.grad.reshape(-1))
                     self._used[pid] = 1
+                    if not aliased:
+                        flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
         bucket.handle = reduce_bucket(flat, self.comm, self.compression, self.op)
 
     def _finish(self) -> None:
@@ -348,14 +388,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             used.wait()
             for bucket in self._buckets:
                 assert bucket.flat is not None
-                for p, pid, offset in zip(bucket.params, bucket.ids, bucket.offsets, strict=True):
+                for i, (p, pid, offset) in enumerate(
+                    zip(bucket.params, bucket.ids, bucket.offsets, strict=True)
+                ):
+                    aliased = bool(bucket.views) and p.grad is bucket.views[i]
                     if int(self._used[pid]) == 0:
-                        continue  # no rank produced a gradient: leave it None
-                    part = bucket.flat[offset : offset + p.numel()].view(p.shape)
-                    if p.grad is None:
-                        p.grad = part.to(p.device, copy=True)
+                        # No rank produced a gradient: None, as in one process.
+                        if aliased:
+                            p.grad = None
+                        continue
+                    self._present[pid] = True
+                    if aliased:
+                        continue  # reduced in place
+                    if bucket.views:
+                        p.grad = bucket.views[i]
                     else:
-                        p.grad.copy_(part)
+                        part = bucket.flat[offset : offset + p.numel()].view(p.shape)
+                        if p.grad is None:
+                            p.grad = part.to(p.device, copy=True)
+                        else:
+                            p.grad.copy_(part)
 
     def _reset(self) -> None:
         for bucket in self._buckets:
