@@ -21,7 +21,7 @@ from torch import nn
 
 from mpx.collectives import Communicator
 from mpx.dataparallel.errors import DataParallelError
-from mpx.dataparallel.runtime import default_comm
+from mpx.dataparallel.runtime import default_comm, object_comm
 from mpx.dataparallel.synchronize import synchronize
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -73,7 +73,7 @@ def save_checkpoint(
             error = f"{type(exc).__name__}: {exc}"
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    error = comm.mpi.bcast(error, root=root)
+    error = object_comm(comm).bcast(error, root=root)
     if error:
         raise DataParallelError(
             f"save_checkpoint: root (rank {root}) could not write {path}: {error}"
@@ -110,7 +110,7 @@ def load_checkpoint(
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             state = None
-    error = comm.mpi.bcast(error, root=root)
+    error = object_comm(comm).bcast(error, root=root)
     if error:
         raise DataParallelError(
             f"load_checkpoint: root (rank {root}) could not load {path}: {error}"

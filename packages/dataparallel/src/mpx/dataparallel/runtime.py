@@ -9,10 +9,13 @@ device unless there are more ranks than devices.
 from __future__ import annotations
 
 import torch
+from mpi4py import MPI
 
 from mpx.collectives import Communicator, world
 
-__all__ = ["default_comm", "init", "is_root", "local_rank", "rank", "world_size"]
+__all__ = ["default_comm", "init", "is_root", "local_rank", "object_comm", "rank", "world_size"]
+
+_OBJECT_COMM = "mpx.dataparallel.objects"
 
 
 def init(pin_device: bool = True) -> Communicator:
@@ -36,6 +39,19 @@ def init(pin_device: bool = True) -> Communicator:
 def default_comm(comm: Communicator | None) -> Communicator:
     """``comm``, or the world communicator when None."""
     return world() if comm is None else comm
+
+
+def object_comm(comm: Communicator) -> MPI.Intracomm:
+    """A private duplicate of ``comm`` for small pickled messages (layouts, skeletons).
+
+    Blocking mpi4py collectives never share a communicator with mpx's own
+    operations, which may be in flight (or queued) on ``comm.mpi``. Collective
+    on first use for ``comm``.
+    """
+    found = comm.cached(_OBJECT_COMM)
+    if found is None:
+        found = comm.cache(_OBJECT_COMM, comm.mpi.Dup())
+    return found  # type: ignore[no-any-return]
 
 
 def rank() -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from mpx.collectives import Communicator, broadcast
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.dataparallel.errors import DataParallelError
-from mpx.dataparallel.runtime import default_comm
+from mpx.dataparallel.runtime import default_comm, object_comm
 
 __all__ = ["broadcast_tensors", "synchronize"]
 
@@ -183,9 +183,9 @@ def _check_same_layout(
     if comm.size == 1:
         return
     mine = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-    theirs = comm.mpi.bcast(mine if comm.rank == root else None, root=root)
+    theirs = object_comm(comm).bcast(mine if comm.rank == root else None, root=root)
     problem = _first_difference(mine, theirs)
-    bad = comm.mpi.allgather(problem)
+    bad = object_comm(comm).allgather(problem)
     for r, text in enumerate(bad):
         if text:
             raise DataParallelError(
@@ -287,7 +287,7 @@ def _sync_tree(obj: Any, root: int, comm: Communicator, bucket_bytes: int) -> An
             message = ("", _strip(obj, tensors))
         except TypeError as error:  # raised on every rank below, not on root alone
             message = (str(error), None)
-    problem, skeleton = comm.mpi.bcast(message, root=root)
+    problem, skeleton = object_comm(comm).bcast(message, root=root)
     if problem:
         raise TypeError(problem)
     if comm.rank == root:
