@@ -24,3 +24,8 @@ def test_rank_queries_match_mpi() -> None:
 
 def test_init_is_idempotent() -> None:
     assert dp.init() is dp.init()
+
+
+def test_fluxmpi_spellings() -> None:
+    assert dp.total_workers() == dp.world_size()
+    assert dp.DistributedOptimiser is dp.DistributedOptimizer

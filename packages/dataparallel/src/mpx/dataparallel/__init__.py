@@ -21,6 +21,7 @@ __all__ = [
     "RULES",
     "DataParallelError",
     "DistributedDataContainer",
+    "DistributedOptimiser",
     "DistributedOptimizer",
     "DownpourSGD",
     "PSHandle",
@@ -35,7 +36,12 @@ __all__ = [
     "rank",
     "save_checkpoint",
     "synchronize",
+    "total_workers",
     "world_size",
 ]
+
+# FluxMPI's spellings.
+DistributedOptimiser = DistributedOptimizer
+total_workers = world_size
 
 __version__ = "0.1.0"

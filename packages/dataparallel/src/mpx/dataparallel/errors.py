@@ -12,8 +12,19 @@ class DataParallelError(MPXError):
 
     Bad arguments raise the builtin ``ValueError``/``TypeError`` instead; this
     one says the ranks' state disagrees or an operation was used out of order.
+
+    Example::
+
+        try: synchronize(model)
+        except DataParallelError as error: print(error)   # names the rank that differs
     """
 
 
 class ParameterServerError(DataParallelError):
-    """The parameter server's progress thread failed, or was used after ``close()``."""
+    """The parameter server's progress thread failed, or was used after ``close()``.
+
+    Example::
+
+        ps.close()
+        ps.pull(key)          # ParameterServerError: the parameter server is closed
+    """

@@ -28,6 +28,7 @@ Rules: ``"add"`` (shard += data), ``"copy"`` (shard = data), ``"zero"``
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from typing import Any
@@ -128,6 +129,9 @@ class ParameterServer:
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="mpx-ps-progress", daemon=True)
         self._thread.start()
+        # Without close(), stop the thread before mpi4py finalizes MPI at exit
+        # (atexit runs handlers last-registered first, so this one comes before).
+        atexit.register(self._halt)
 
     # -- registration ----------------------------------------------------------------
 
@@ -252,10 +256,10 @@ class ParameterServer:
         if self._closed:
             return
         self.fence()
-        self._stop.set()
-        self._thread.join()
+        self._halt()
         self._closed = True
         self._mpi.Free()
+        atexit.unregister(self._halt)
 
     def __enter__(self) -> ParameterServer:
         return self
@@ -270,6 +274,12 @@ class ParameterServer:
             return self._shards[key].clone()
 
     # -- internals -------------------------------------------------------------------
+
+    def _halt(self) -> None:
+        """Stops the progress thread (not collective: requests still in flight are dropped)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
 
     def _layout(self, key: int) -> tuple[torch.Size, torch.dtype, list[int]]:
         self._check()
