@@ -115,3 +115,13 @@ def test_bad_arguments() -> None:
         dp.synchronize(torch.zeros(1), bucket_mb=0)
     with pytest.raises(TypeError, match="nested inside a container"):
         dp.synchronize({"m": nn.Linear(1, 1)})
+
+
+def test_mismatched_optimizer_raises_on_every_rank() -> None:
+    count = 1 if dp.rank() == 0 else 2
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2)) for _ in range(count)], lr=0.1)
+    if dp.world_size() == 1:
+        assert dp.synchronize(opt) is opt
+        return
+    with pytest.raises(DataParallelError, match=r"rank 1 could not load root's optimizer state"):
+        dp.synchronize(opt)

@@ -22,7 +22,7 @@ from torch import nn
 from mpx.collectives import Communicator
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.runtime import default_comm, object_comm
-from mpx.dataparallel.synchronize import synchronize
+from mpx.dataparallel.synchronize import agree, synchronize
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -116,7 +116,12 @@ def load_checkpoint(
             f"load_checkpoint: root (rank {root}) could not load {path}: {error}"
         )
     state = synchronize(state, root, comm=comm)
-    model.load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    problem = ""
+    try:
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    agree(comm, problem, f"load_checkpoint: rank {{rank}} could not load {path}")
     return dict(state["extra"])

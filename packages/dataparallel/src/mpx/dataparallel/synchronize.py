@@ -28,7 +28,7 @@ from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.runtime import default_comm, object_comm
 
-__all__ = ["broadcast_tensors", "synchronize"]
+__all__ = ["agree", "broadcast_tensors", "synchronize"]
 
 T = TypeVar("T")
 
@@ -91,8 +91,13 @@ def synchronize(
         state = _sync_tree(
             obj.state_dict() if comm.rank == root else None, root, comm, bucket_bytes
         )
+        problem = ""
         if comm.rank != root:
-            obj.load_state_dict(state)
+            try:
+                obj.load_state_dict(state)
+            except (ValueError, KeyError, RuntimeError) as error:
+                problem = f"{type(error).__name__}: {error}"
+        agree(comm, problem, "synchronize: rank {rank} could not load root's optimizer state")
         return obj
     if isinstance(obj, torch.Tensor):
         _check_same_layout("tensor", [obj], root, comm)
@@ -107,6 +112,20 @@ def synchronize(
             return obj
         return type(obj)(items)
     return _sync_tree(obj, root, comm, bucket_bytes)  # type: ignore[no-any-return]
+
+
+def agree(comm: Communicator, problem: str, what: str) -> None:
+    """Raises on every rank if any rank reports a problem (collective).
+
+    ``what`` may name ``{rank}``: the first rank that failed.
+    """
+    if comm.size == 1:
+        if problem:
+            raise DataParallelError(f"{what.format(rank=comm.rank)}: {problem}")
+        return
+    for r, text in enumerate(object_comm(comm).allgather(problem)):
+        if text:
+            raise DataParallelError(f"{what.format(rank=r)}: {text}")
 
 
 # -- tensors in buckets ---------------------------------------------------------
