@@ -73,6 +73,23 @@ def test_steps_equal_single_process_on_concatenated_batch(name: str, overlap: bo
     _assert_same_everywhere(model)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_buckets_start_while_backward_still_runs(overlap: bool) -> None:
+    model = _model()
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=1e-6, overlap=overlap
+    )
+    assert len(opt._buckets) == 4  # one per parameter, last layer's first
+    started_midway: list[int] = []
+    hidden = model[0](torch.ones(2, 5, dtype=torch.float64))
+    # Fires when backward reaches the first layer: the last layer is done by then.
+    hidden.register_hook(lambda g: started_midway.append(opt._next))
+    model[2](model[1](hidden)).sum().backward()
+    assert started_midway == ([2] if overlap else [0])
+    assert opt._next == (4 if overlap else 0)
+    opt.step()
+
+
 def test_gradient_accumulation_with_no_sync() -> None:
     size = dp.world_size()
     reference = _model()
