@@ -12,7 +12,10 @@ backward produces their gradients), one dtype and device per bucket, about
     allreduce         [== #0 ==]  [== #1 ==]    [== #2 ==] wait all, copy back, step
 
 A per-parameter ``post_accumulate_grad`` hook counts arrivals; a full bucket
-is copied into its flat buffer and its non-blocking allreduce starts at once.
+starts its non-blocking allreduce at once (on CPU each gradient already lives
+in its bucket slot, so nothing is copied). The buckets in flight advance on
+mpx-collectives' progress thread where it has one, else by polling from the
+hooks.
 Buckets start strictly in index order (a full bucket waits for the ones
 before it), so every rank starts the same collectives in the same order and
 MPI matches them.
@@ -29,6 +32,7 @@ rank starts every bucket exactly once per step, in the same order.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +48,15 @@ from mpx.dataparallel.runtime import default_comm
 __all__ = ["DistributedOptimizer"]
 
 _FIRST_BUCKET_MB = 1.0
+
+
+def _collectives_progress_thread() -> bool:
+    """Whether mpx-collectives drives async operations from its own thread (newer releases)."""
+    try:
+        progress = importlib.import_module("mpx.collectives.progress")
+    except ImportError:
+        return False
+    return bool(getattr(progress, "enabled", lambda: False)())
 
 
 @dataclass
@@ -130,6 +143,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.overlap = overlap
         self._sync = True
         self._next = 0  # the first bucket not started yet
+        self._poll = not _collectives_progress_thread()
         params, names = self._parameters(optimizer, model)
         self._names = names
         self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))
@@ -351,10 +365,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     break
                 self._launch(nxt)
                 self._next += 1
-            # Polling makes progress on buckets in flight (MPI and shm progress on test).
-            for b in self._buckets[: self._next]:
-                if b.handle is not None:
-                    b.handle.done()
+            if self._poll:
+                # Without mpx-collectives' progress thread, buckets in flight advance
+                # only when polled (MPI and shm progress on test): poll from the hooks.
+                for b in self._buckets[: self._next]:
+                    if b.handle is not None:
+                        b.handle.done()
 
     def _launch(self, bucket: _Bucket) -> None:
         flat = bucket.flat
