@@ -1,10 +1,47 @@
-"""mpx-dataparallel: Data-parallel training over MPI: FluxMPI's API, overlapped gradient allreduce,
-parameter server, Downpour and EASGD.
+"""mpx-dataparallel: data-parallel training over MPI, with FluxMPI's API.
 
-This release is the package skeleton of the mpx monorepo: it installs and
-imports, and declares its place among the layers; its API is being built.
+Example::
+
+    import mpx.dataparallel as dp
+    dp.init(); model = dp.synchronize(model)
+    opt = dp.DistributedOptimizer(torch.optim.Adam(model.parameters()), model)
 """
 
-__all__ = ["__version__"]
+from mpx.dataparallel.async_sgd import EASGD, DownpourSGD
+from mpx.dataparallel.checkpoint import load_checkpoint, save_checkpoint
+from mpx.dataparallel.data import DistributedDataContainer
+from mpx.dataparallel.errors import DataParallelError, ParameterServerError
+from mpx.dataparallel.optimizer import DistributedOptimizer
+from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
+from mpx.dataparallel.runtime import init, is_root, local_rank, rank, world_size
+from mpx.dataparallel.synchronize import broadcast_tensors, synchronize
+
+__all__ = [
+    "EASGD",
+    "RULES",
+    "DataParallelError",
+    "DistributedDataContainer",
+    "DistributedOptimiser",
+    "DistributedOptimizer",
+    "DownpourSGD",
+    "PSHandle",
+    "ParameterServer",
+    "ParameterServerError",
+    "__version__",
+    "broadcast_tensors",
+    "init",
+    "is_root",
+    "load_checkpoint",
+    "local_rank",
+    "rank",
+    "save_checkpoint",
+    "synchronize",
+    "total_workers",
+    "world_size",
+]
+
+# FluxMPI's spellings.
+DistributedOptimiser = DistributedOptimizer
+total_workers = world_size
 
 __version__ = "0.1.0"

@@ -1,0 +1,234 @@
+"""Training step time of a ~10 M parameter model: mpx DistributedOptimizer vs torch DDP.
+
+``python bench_dataparallel.py`` times a single process first, then starts
+itself under ``mpxrun -n 2`` where, in one job and one after another, the
+same model and per-rank batch run with:
+
+    mpx DistributedOptimizer fp32   buckets allreduced from gradient hooks (overlap)
+    mpx, overlap=False              every bucket allreduced in step()
+    mpx, 4-bit compression          mpx.quantize.allreduce (row left empty without it)
+    torch DDP, gloo                 the peer
+    torch DDP, mpx backend          DDP on mpx.collectives' torch.distributed backend
+    local step, no communication    each rank alone (the compute the others hide comm behind)
+    communication alone             every gradient bucket allreduced, no compute
+
+Step = forward + backward + optimizer (SGD with momentum). Figures are the
+slowest rank's best-of-rounds mean; the rounds interleave the methods, so a
+load change on the machine hits them all. Overlap = share of the
+communication time hidden behind compute: (local + comm - step) / comm,
+clipped to [0, 100] %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+BATCH = 32  # per rank
+STEPS = 8
+ROUNDS = 3
+WARMUP = 2
+
+
+def make_model() -> object:
+    from torch import nn
+
+    # 1024 -> 2048 -> 2048 -> 1024 -> 1024 -> 10: 9.4 M parameters.
+    return nn.Sequential(
+        nn.Linear(1024, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
+
+
+def _step_fn(model: object, opt: object) -> Callable[[], None]:
+    import torch
+    from torch import nn
+
+    assert isinstance(model, nn.Module)
+    assert isinstance(opt, torch.optim.Optimizer)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, 1024, generator=g)
+    y = torch.randint(0, 10, (BATCH,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _time_all(fns: dict[str, Callable[[], None]], barrier: Callable[[], None]) -> dict[str, float]:
+    """Best mean step time of each function; rounds interleave them so load drift is shared."""
+    for fn in fns.values():
+        for _ in range(WARMUP):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            barrier()
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / STEPS)
+    return best
+
+
+def single_process() -> float:
+    import torch
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # type: ignore[attr-defined]
+    return _time_all({"single": _step_fn(model, opt)}, lambda: None)["single"]
+
+
+def measure() -> None:
+    """Inside the 2-rank job: every rank times; rank 0 prints JSON."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch import nn
+
+    import mpx.dataparallel as dp
+    from mpx.collectives import allreduce, register_torch_backend
+    from mpx.launch import init_torch_env
+
+    comm = dp.init()
+    raw = MPI.COMM_WORLD
+    init_torch_env()
+    dist.init_process_group("gloo")
+    register_torch_backend()
+    mpx_group = dist.new_group(backend="mpx")
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = make_model()
+        assert isinstance(model, nn.Module)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    fns: dict[str, Callable[[], None]] = {}
+    model, inner = fresh()
+    fns["local step, no communication"] = _step_fn(model, inner)
+    model, inner = fresh()
+    opt = dp.DistributedOptimizer(inner, model)
+    fns["mpx DistributedOptimizer fp32"] = _step_fn(model, opt)
+    flats = [b.flat for b in opt._buckets]  # the same buckets, without compute
+
+    def comm_only() -> None:
+        handles = [allreduce(f, "avg", comm=comm, async_op=True) for f in flats]
+        for h in handles:
+            h.wait()
+
+    fns["communication alone"] = comm_only
+    model, inner = fresh()
+    opt = dp.DistributedOptimizer(inner, model, overlap=False)
+    fns["mpx DistributedOptimizer fp32, overlap=False"] = _step_fn(model, opt)
+    compressed = False
+    try:
+        from mpx import quantize
+
+        if hasattr(quantize, "allreduce") and hasattr(quantize, "CompressionConfig"):
+            model, inner = fresh()
+            config = quantize.CompressionConfig(bits=4)
+            opt = dp.DistributedOptimizer(inner, model, compression=config)
+            fns["mpx DistributedOptimizer 4-bit"] = _step_fn(model, opt)
+            compressed = True
+    except ImportError:
+        pass
+    for name, group in (("torch DDP, gloo", None), ("torch DDP, mpx backend", mpx_group)):
+        model, _ = fresh()
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        fns[name] = _step_fn(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+
+    best = _time_all(fns, raw.Barrier)
+    results: dict[str, float | None] = {
+        name: float(raw.allreduce(seconds, op=MPI.MAX)) for name, seconds in best.items()
+    }
+    if not compressed:
+        results["mpx DistributedOptimizer 4-bit"] = None
+    dist.destroy_process_group()
+    if comm.rank == 0:
+        print("RESULTS " + json.dumps(results), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        measure()
+        return
+    import torch
+
+    torch.set_num_threads(1)  # as each of the 2 ranks on this machine (mpxrun's default here)
+    single = single_process()
+    params = sum(p.numel() for p in make_model().parameters())  # type: ignore[attr-defined]
+    mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
+    command = [mpxrun, "-n", "2", "--timeout", "600", "--", sys.executable, __file__, "--inside"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULTS ")]
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stdout + done.stderr)
+        raise SystemExit(f"the benchmark job failed (exit {done.returncode})")
+    results: dict[str, float | None] = json.loads(lines[-1][len("RESULTS ") :])
+    results["single process (1 thread, no communication)"] = single
+    gloo = results["torch DDP, gloo"]
+    assert gloo is not None
+    print("## mpx-dataparallel: training step time, 2 ranks\n")
+    print(
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, torch {torch.__version__}, MPICH wheel; model: MLP "
+        f"with {params / 1e6:.1f} M float32 parameters, batch {BATCH} per rank, SGD with "
+        "momentum; step = forward + backward + optimizer; slowest rank's best mean over "
+        f"{ROUNDS} rounds of {STEPS} steps (`python packages/dataparallel/benchmarks/"
+        "bench_dataparallel.py`). Ratio = time ÷ DDP on gloo (lower is better).\n"
+    )
+    print("| method | step time (ms) | ÷ DDP gloo |")
+    print("|---|---|---|")
+    order = [
+        "mpx DistributedOptimizer fp32",
+        "mpx DistributedOptimizer fp32, overlap=False",
+        "mpx DistributedOptimizer 4-bit",
+        "torch DDP, gloo",
+        "torch DDP, mpx backend",
+        "local step, no communication",
+        "communication alone",
+        "single process (1 thread, no communication)",
+    ]
+    for name in order:
+        value = results.get(name)
+        if value is None:
+            print(f"| {name} | n/a (needs mpx.quantize.allreduce) | |")
+        else:
+            print(f"| {name} | {value * 1e3:.1f} | {value / gloo:.2f} |")
+    local = results["local step, no communication"]
+    comm = results["communication alone"]
+    step = results["mpx DistributedOptimizer fp32"]
+    assert local is not None
+    assert comm is not None
+    assert step is not None
+    hidden = max(0.0, min(1.0, (local + comm - step) / comm))
+    print(
+        f"\nOverlap: communication alone {comm * 1e3:.1f} ms, local step {local * 1e3:.1f} ms, "
+        f"mpx step {step * 1e3:.1f} ms: {hidden * 100:.0f} % of the communication hidden "
+        "behind compute ((local + comm - step) / comm)."
+    )
+
+
+if __name__ == "__main__":
+    main()

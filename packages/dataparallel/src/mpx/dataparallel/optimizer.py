@@ -1,0 +1,432 @@
+"""``DistributedOptimizer``: gradients averaged in buckets while backward runs.
+
+Parameters are packed into buckets in reverse registration order (the order
+backward produces their gradients), one dtype and device per bucket, about
+``bucket_mb`` each (the first one small, so communication starts early)::
+
+    registration:  conv1.w conv1.b conv2.w conv2.b fc.w fc.b
+    buckets:       #0 [fc.b fc.w]  #1 [conv2.b conv2.w]  #2 [conv1.b conv1.w]
+
+    backward ----[fc]----[conv2]----[conv1]---->| step()
+    hooks             ^ #0 full   ^ #1 full     ^ #2 full
+    allreduce         [== #0 ==]  [== #1 ==]    [== #2 ==] wait all, copy back, step
+
+A per-parameter ``post_accumulate_grad`` hook counts arrivals; a full bucket
+starts its non-blocking allreduce at once (on CPU each gradient already lives
+in its bucket slot, so nothing is copied). The buckets in flight advance on
+mpx-collectives' progress thread where it has one, else by polling from the
+hooks.
+Buckets start strictly in index order (a full bucket waits for the ones
+before it), so every rank starts the same collectives in the same order and
+MPI matches them.
+
+Unused parameters: a parameter whose gradient never arrives keeps its bucket
+(and every later one) from starting during backward. ``step()`` then starts
+the remaining buckets, in order, with zeros in place of the missing
+gradients, and all ranks sum a small "used" map: a parameter no rank used
+keeps ``grad=None`` (as in a single process), one that some rank used gets
+the average with zeros from the others (as DDP). No rank can deadlock: every
+rank starts every bucket exactly once per step, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpx.collectives import Communicator, allreduce
+from mpx.dataparallel.errors import DataParallelError
+from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
+from mpx.dataparallel.runtime import default_comm
+
+__all__ = ["DistributedOptimizer"]
+
+_FIRST_BUCKET_MB = 1.0
+
+
+def _collectives_progress_thread() -> bool:
+    """Whether mpx-collectives drives async operations from its own thread (newer releases)."""
+    try:
+        progress = importlib.import_module("mpx.collectives.progress")
+    except ImportError:
+        return False
+    return bool(getattr(progress, "enabled", lambda: False)())
+
+
+@dataclass
+class _Bucket:
+    """Parameters reduced together, and their flat buffer."""
+
+    dtype: torch.dtype
+    device: torch.device
+    params: list[nn.Parameter] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # positions in the used map
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    flat: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)  # p.grad aliases (CPU buckets)
+    arrived: int = 0
+    handle: Waitable | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps any torch optimizer: ``step()`` uses gradients averaged over ranks.
+
+    Args:
+        optimizer: the optimizer to wrap (its param_groups and state are shared).
+        model: the module whose parameters to reduce (all that require grad);
+            the optimizer's parameters when None.
+        average: average the gradients (True) or sum them.
+        compression: None, or an ``mpx.quantize.CompressionConfig``: buckets are
+            reduced by ``mpx.quantize.allreduce`` (needs mpx-quantize).
+        bucket_mb: target bucket size in MiB.
+        overlap: start each bucket's allreduce from the gradient hooks during
+            backward (True), or all of them in ``step()`` (False).
+        comm: the ranks taking part (world by default).
+
+    Example::
+
+        opt = DistributedOptimizer(torch.optim.Adam(model.parameters()), model)
+        loss_fn(model(x), y).backward()      # buckets reduce while this runs
+        opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        average: bool = True,
+        compression: Any | None = None,
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+        *,
+        comm: Communicator | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("DistributedOptimizer: the optimizer is already distributed")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"DistributedOptimizer: model must be an nn.Module, got {type(model)}")
+        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"DistributedOptimizer: bucket_mb must be positive, got {bucket_mb!r}")
+        if compression is not None:
+            quantized_allreduce()  # fail now, not in the middle of backward
+        # torch.optim.Optimizer.__init__ would rebuild the param groups; share them instead.
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, getattr(optimizer, name))
+        self.comm = default_comm(comm)
+        self.op = "avg" if average else "sum"
+        self.compression = compression
+        self.overlap = overlap
+        self._sync = True
+        self._next = 0  # the first bucket not started yet
+        self._poll = not _collectives_progress_thread()
+        params, names = self._parameters(optimizer, model)
+        self._names = names
+        self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))
+        self._used = torch.zeros(len(params), dtype=torch.int32)
+        # A zero_grad(set_to_none=True) zeroes the bucket a gradient aliases instead
+        # of dropping it; until its next hook the gradient counts as None.
+        self._present = [True] * len(params)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
+            for p in params
+        ]
+
+    # -- the optimizer interface ---------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise DataParallelError(
+            "DistributedOptimizer: add_param_group after wrapping is not supported (the "
+            "buckets are fixed); add the group to the inner optimizer before wrapping it"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Completes a reduction in flight (it is collective), then zeroes the gradients.
+
+        Call it on every rank alike: a rank that started buckets finishes all of
+        them here, as ``step()`` would. Gradients that alias a bucket are zeroed
+        in place (one memset per bucket) and count as None until backward
+        writes them again, as ``set_to_none=True`` promises.
+        """
+        if any(b.handle is not None for b in self._buckets):
+            self._finish()
+        self._reset()
+        aliased: set[int] = set()
+        for bucket in self._buckets:
+            if not bucket.views:
+                continue
+            assert bucket.flat is not None
+            bucket.flat.zero_()
+            for p, pid, view in zip(bucket.params, bucket.ids, bucket.views, strict=True):
+                if p.grad is view:
+                    aliased.add(id(p))
+                    self._present[pid] = not set_to_none
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None or id(p) in aliased:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
+        """Waits for the averaged gradients, then steps the wrapped optimizer.
+
+        With a ``closure`` (e.g. LBFGS), each call of it runs backward and the
+        reduction anew.
+        """
+        if not self._sync:
+            raise DataParallelError(
+                "DistributedOptimizer.step() inside no_sync(): leave the no_sync() block and "
+                "run the last backward of the accumulation outside it, then step()"
+            )
+        if closure is not None:
+            user_closure = closure
+
+            def reduced_closure() -> float:
+                if any(b.handle is not None for b in self._buckets):
+                    self._finish()
+                self._reset()
+                with torch.enable_grad():
+                    loss = user_closure()
+                self._finish()
+                return loss
+
+            loss = self.optimizer.step(reduced_closure)
+            self._reset()
+            return loss
+        self._finish()
+        out = self.optimizer.step()
+        self._reset()
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally inside; the next backward outside reduces the sum.
+
+        Example::
+
+            with opt.no_sync():
+                loss_fn(model(x0), y0).backward()
+            loss_fn(model(x1), y1).backward(); opt.step()
+        """
+        if any(b.handle is not None for b in self._buckets):
+            raise DataParallelError(
+                "no_sync() entered after a synchronized backward and before step(); enter it "
+                "before the accumulation's first backward"
+            )
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def remove_hooks(self) -> None:
+        """Detaches the gradient hooks (the wrapped optimizer keeps working alone)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{b.nbytes / (1 << 20):.2f} MiB {b.dtype}" for b in self._buckets)
+        return f"DistributedOptimizer({self.optimizer!r}, op={self.op!r}, buckets=[{sizes}])"
+
+    # -- buckets ---------------------------------------------------------------------
+
+    @staticmethod
+    def _parameters(
+        optimizer: torch.optim.Optimizer, model: nn.Module | None
+    ) -> tuple[list[nn.Parameter], dict[int, str]]:
+        if model is not None:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        else:
+            flat = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            named = [(f"param_groups[..][{i}]", p) for i, p in enumerate(flat)]
+        seen: set[int] = set()
+        params: list[nn.Parameter] = []
+        names: dict[int, str] = {}
+        for name, p in named:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+                names[id(p)] = name
+        if not params:
+            raise ValueError("DistributedOptimizer: no parameter requires grad")
+        return params, names
+
+    def _make_buckets(
+        self, params: list[nn.Parameter], cap: int
+    ) -> tuple[list[_Bucket], dict[int, tuple[int, int]]]:
+        buckets: list[_Bucket] = []
+        open_: dict[tuple[torch.dtype, torch.device], int] = {}
+        where: dict[int, tuple[int, int]] = {}
+        first_cap = min(cap, int(_FIRST_BUCKET_MB * (1 << 20)))
+        for pid in reversed(range(len(params))):
+            p = params[pid]
+            key = (p.dtype, p.device)
+            index = open_.get(key)
+            nbytes = p.numel() * p.element_size()
+            if index is not None:
+                limit = first_cap if index == 0 else cap
+                if buckets[index].nbytes + nbytes > limit:
+                    index = None
+            if index is None:
+                index = len(buckets)
+                buckets.append(_Bucket(p.dtype, p.device))
+                open_[key] = index
+            bucket = buckets[index]
+            where[id(p)] = (index, len(bucket.params))
+            bucket.params.append(p)
+            bucket.ids.append(pid)
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += p.numel()
+        for bucket in buckets:
+            bucket.flat = torch.zeros(bucket.numel, dtype=bucket.dtype)
+            if bucket.device.type == "cpu":
+                bucket.views = [
+                    bucket.flat[o : o + p.numel()].view(p.shape)
+                    for p, o in zip(bucket.params, bucket.offsets, strict=True)
+                ]
+        return buckets, where
+
+    def _arrived(self, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: ``p.grad`` is final for this backward."""
+        index, i = self._where[id(p)]
+        bucket = self._buckets[index]
+        pid = bucket.ids[i]
+        self._present[pid] = True
+        if bucket.views and p.grad is not bucket.views[i] and p.grad is not None:
+            # Alias the gradient to its bucket slot: later backwards accumulate in
+            # place there, and the allreduce needs no copy in or out.
+            bucket.views[i].copy_(p.grad)
+            p.grad = bucket.views[i]
+        if not self._sync:
+            return
+        if bucket.handle is not None or bucket.arrived == len(bucket.params):
+            raise DataParallelError(
+                f"DistributedOptimizer: the gradient of {self._names[id(p)]!r} arrived twice "
+                "before step(); run the accumulation's earlier backwards inside opt.no_sync(), "
+                "or call opt.zero_grad() to start over"
+            )
+        bucket.arrived += 1
+        if self.overlap:
+            while self._next < len(self._buckets):
+                nxt = self._buckets[self._next]
+                if nxt.arrived < len(nxt.params):
+                    break
+                self._launch(nxt)
+                self._next += 1
+            if self._poll:
+                # Without mpx-collectives' progress thread, buckets in flight advance
+                # only when polled (MPI and shm progress on test): poll from the hooks.
+                for b in self._buckets[: self._next]:
+                    if b.handle is not None:
+                        b.handle.done()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        flat = bucket.flat
+        assert flat is not None
+        with torch.no_grad():
+            for i, (p, pid, offset) in enumerate(
+                zip(bucket.params, bucket.ids, bucket.offsets, strict=True)
+            ):
+                aliased = bool(bucket.views) and p.grad is bucket.views[i]
+                if p.grad is None or (aliased and not self._present[pid]):
+                    self._used[pid] = 0
+                    if not aliased:
+                        flat[offset : offset + p.numel()].zero_()
+                    # (an aliased slot was zeroed by zero_grad)
+                else:
+                    self._used[pid] = 1
+                    if not aliased:
+                        flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        bucket.handle = reduce_bucket(flat, self.comm, self.compression, self.op)
+
+    def _finish(self) -> None:
+        """Starts what backward did not, waits for all, writes the gradients back."""
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+        used = allreduce(self._used, "sum", comm=self.comm, async_op=True)
+        with torch.no_grad():
+            for bucket in self._buckets:
+                assert bucket.handle is not None
+                bucket.handle.wait()
+            used.wait()
+            for bucket in self._buckets:
+                assert bucket.flat is not None
+                for i, (p, pid, offset) in enumerate(
+                    zip(bucket.params, bucket.ids, bucket.offsets, strict=True)
+                ):
+                    aliased = bool(bucket.views) and p.grad is bucket.views[i]
+                    if int(self._used[pid]) == 0:
+                        # No rank produced a gradient: None, as in one process.
+                        if aliased:
+                            p.grad = None
+                        continue
+                    self._present[pid] = True
+                    if aliased:
+                        continue  # reduced in place
+                    if bucket.views:
+                        p.grad = bucket.views[i]
+                    else:
+                        part = bucket.flat[offset : offset + p.numel()].view(p.shape)
+                        if p.grad is None:
+                            p.grad = part.to(p.device, copy=True)
+                        else:
+                            p.grad.copy_(part)
+
+    def _reset(self) -> None:
+        for bucket in self._buckets:
+            bucket.arrived = 0
+            bucket.handle = None
+        self._next = 0

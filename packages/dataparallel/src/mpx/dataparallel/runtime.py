@@ -1,0 +1,74 @@
+"""Start-up and the rank queries of FluxMPI's API.
+
+``init()`` creates the world communicator (collective, once) and, when CUDA is
+available, pins this process to GPU ``local_rank() % device_count()``: the
+round robin TorchMPI and FluxMPI use, so ranks of one node never share a
+device unless there are more ranks than devices.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from mpx.collectives import Communicator, world
+
+__all__ = ["default_comm", "init", "is_root", "local_rank", "object_comm", "rank", "world_size"]
+
+_OBJECT_COMM = "mpx.dataparallel.objects"
+
+
+def init(pin_device: bool = True) -> Communicator:
+    """Initialises MPI and returns the world communicator. Collective.
+
+    Args:
+        pin_device: set the current CUDA device by local rank (when CUDA exists).
+
+    Example::
+
+        comm = mpx.dataparallel.init()
+        if mpx.dataparallel.is_root():
+            print(f"{mpx.dataparallel.world_size()} ranks")
+    """
+    comm = world()
+    if pin_device and torch.cuda.is_available():
+        torch.cuda.set_device(comm.node_rank % torch.cuda.device_count())
+    return comm
+
+
+def default_comm(comm: Communicator | None) -> Communicator:
+    """``comm``, or the world communicator when None."""
+    return world() if comm is None else comm
+
+
+def object_comm(comm: Communicator) -> MPI.Intracomm:
+    """A private duplicate of ``comm`` for small pickled messages (layouts, skeletons).
+
+    Blocking mpi4py collectives never share a communicator with mpx's own
+    operations, which may be in flight (or queued) on ``comm.mpi``. Collective
+    on first use for ``comm``.
+    """
+    found = comm.cached(_OBJECT_COMM)
+    if found is None:
+        found = comm.cache(_OBJECT_COMM, comm.mpi.Dup())
+    return found  # type: ignore[no-any-return]
+
+
+def rank() -> int:
+    """This process's rank in the world communicator."""
+    return world().rank
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks of its node."""
+    return world().node_rank
+
+
+def world_size() -> int:
+    """The number of ranks."""
+    return world().size
+
+
+def is_root(root: int = 0) -> bool:
+    """True on rank ``root`` (0 by default): the rank that logs and writes files."""
+    return world().rank == root

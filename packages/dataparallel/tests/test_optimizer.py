@@ -1,0 +1,281 @@
+"""DistributedOptimizer: P ranks on P shards == one process on the whole batch.
+
+The reference is computed on every rank by plain torch, single-process, on
+the concatenated batch (float64); the distributed run must match it to 1e-10
+under any number of ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import mpx.dataparallel as dp
+from mpx.dataparallel.errors import DataParallelError
+
+pytestmark = pytest.mark.mpi
+
+BATCH = 6  # rows per rank
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+}
+
+
+def _model(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+
+def _batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH * size, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(BATCH * size, 3, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    return t[dp.rank() * BATCH : (dp.rank() + 1) * BATCH]
+
+
+def _assert_same_everywhere(model: nn.Module) -> None:
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for other in MPI.COMM_WORLD.allgather(mine):
+        assert torch.equal(other, mine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_steps_equal_single_process_on_concatenated_batch(name: str, overlap: bool) -> None:
+    size = dp.world_size()
+    reference = _model()
+    ref_opt = OPTIMIZERS[name](list(reference.parameters()))
+    model = _model()
+    opt = dp.DistributedOptimizer(
+        OPTIMIZERS[name](list(model.parameters())), model, overlap=overlap, bucket_mb=0.001
+    )
+    assert len(opt._buckets) > 1  # several buckets really in flight
+    for step in range(3):
+        x, y = _batch(step, size)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+        opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    _assert_same_everywhere(model)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_buckets_start_while_backward_still_runs(overlap: bool) -> None:
+    model = _model()
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=1e-6, overlap=overlap
+    )
+    assert len(opt._buckets) == 4  # one per parameter, last layer's first
+    started_midway: list[int] = []
+    hidden = model[0](torch.ones(2, 5, dtype=torch.float64))
+    # Fires when backward reaches the first layer: the last layer is done by then.
+    hidden.register_hook(lambda g: started_midway.append(opt._next))
+    model[2](model[1](hidden)).sum().backward()
+    assert started_midway == ([2] if overlap else [0])
+    assert opt._next == (4 if overlap else 0)
+    opt.step()
+
+
+def test_gradient_accumulation_with_no_sync() -> None:
+    size = dp.world_size()
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    model = _model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    for step in range(2):
+        micro = [_batch(10 * step + k, size) for k in range(3)]
+        ref_opt.zero_grad()
+        for x, y in micro:
+            (nn.functional.mse_loss(reference(x), y) / 3).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        for k, (x, y) in enumerate(micro):
+            loss = nn.functional.mse_loss(model(_shard(x)), _shard(y)) / 3
+            if k < 2:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+class _Branchy(nn.Module):
+    """Rank r uses branch ``r % 2`` only; ``never`` is used by no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.trunk = nn.Linear(4, 4).double()
+        self.branch = nn.ModuleList([nn.Linear(4, 2).double(), nn.Linear(4, 2).double()])
+        self.never = nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        return self.branch[which](self.trunk(x))  # type: ignore[no-any-return]
+
+
+def test_unused_parameters_do_not_deadlock_and_match_ddp_semantics() -> None:
+    size = dp.world_size()
+    model = _Branchy()
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), model, bucket_mb=1e-5
+    )
+    x = torch.ones(3, 4, dtype=torch.float64) * (1 + dp.rank())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(x, dp.rank() % 2).sum().backward()
+    opt.step()
+    # Reference: each rank's gradient (zeros where unused), averaged.
+    expected: dict[str, torch.Tensor] = {}
+    for r in range(size):
+        ref = _Branchy()
+        ref(torch.ones(3, 4, dtype=torch.float64) * (1 + r), r % 2).sum().backward()
+        for n, p in ref.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            expected[n] = expected.get(n, torch.zeros_like(p)) + g / size
+    for n, p in model.named_parameters():
+        if n.startswith("never"):
+            assert p.grad is None  # no rank used it: untouched, as in one process
+            assert torch.equal(p, before[n])
+        elif n.startswith("branch.1") and size == 1:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12)
+            torch.testing.assert_close(p.detach(), before[n] - expected[n], rtol=0, atol=1e-12)
+    _assert_same_everywhere(model)
+    # Next step every rank uses branch 0: branch 1 (used before) is unused now and,
+    # after zero_grad(set_to_none=True), must come back as None, as in one process.
+    opt.zero_grad()
+    model(x, 0).sum().backward()
+    opt.step()
+    assert model.branch[1].weight.grad is None
+    assert model.never.weight.grad is None
+    assert model.branch[0].weight.grad is not None
+    assert model.trunk.weight.grad is not None
+    _assert_same_everywhere(model)
+
+
+def test_mixed_dtypes_get_one_bucket_each() -> None:
+    torch.manual_seed(2)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3).double(), "b": nn.Linear(3, 3).float()})
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    assert {b.dtype for b in opt._buckets} == {torch.float32, torch.float64}
+    x = torch.full((2, 3), float(dp.rank() + 1))
+    (model["a"](x.double()).sum() + model["b"](x).sum()).backward()
+    mean_scale = sum(r + 1 for r in range(dp.world_size())) / dp.world_size()
+    opt.step()
+    assert model["a"].weight.grad is not None
+    assert model["b"].weight.grad is not None
+    torch.testing.assert_close(
+        model["a"].weight.grad, torch.full((3, 3), 2 * mean_scale, dtype=torch.float64)
+    )
+    torch.testing.assert_close(model["b"].weight.grad, torch.full((3, 3), 2 * mean_scale))
+
+
+def test_sum_instead_of_average_and_manual_gradients() -> None:
+    p = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    opt = dp.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), average=False)
+    p.grad = torch.full((4,), float(dp.rank() + 1), dtype=torch.float64)  # no hook fires
+    opt.step()
+    total = sum(r + 1 for r in range(dp.world_size()))
+    assert torch.equal(p.detach(), torch.full((4,), -float(total), dtype=torch.float64))
+
+
+def test_lbfgs_closure() -> None:
+    size = dp.world_size()
+    x, y = _batch(0, size)
+    reference, model = _model(), _model()
+    ref_opt = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=4)
+    opt = dp.DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), model)
+
+    def ref_closure() -> float:
+        ref_opt.zero_grad()
+        loss = nn.functional.mse_loss(reference(x), y)
+        loss.backward()
+        return float(loss.detach())
+
+    def closure() -> float:
+        opt.optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(_shard(x)), _shard(y))
+        loss.backward()
+        return float(loss.detach())
+
+    ref_opt.step(ref_closure)
+    opt.step(closure)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-8)
+
+
+def test_lr_scheduler_accepts_it() -> None:
+    model = _model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.ones(1, 5, dtype=torch.float64)).sum().backward()
+    opt.step()
+    sched.step()
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.5)
+
+
+def test_misuse_errors() -> None:
+    model = _model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x = torch.ones(2, 5, dtype=torch.float64)
+    model(x).sum().backward()
+    with pytest.raises(DataParallelError, match="arrived twice"):
+        model(x).sum().backward()
+    opt.zero_grad()  # finishes what the first backward started, on every rank
+    with opt.no_sync(), pytest.raises(DataParallelError, match="inside no_sync"):
+        opt.step()
+
+
+def test_bad_arguments() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        dp.DistributedOptimizer(model)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bucket_mb must be positive, got 0"):
+        dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), bucket_mb=0)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter requires grad"):
+        dp.DistributedOptimizer(torch.optim.SGD(frozen.parameters(), lr=1), frozen)
+
+
+def test_compressed_buckets_through_mpx_quantize() -> None:
+    # Activates once mpx-quantize provides allreduce (the only skip in this suite).
+    quantize = pytest.importorskip("mpx.quantize")
+    if not hasattr(quantize, "allreduce"):
+        pytest.skip("mpx.quantize.allreduce is not there yet")
+    config = quantize.CompressionConfig(bits=4, bucket_size=64)
+    size = dp.world_size()
+    reference, model = _model(torch.float32), _model(torch.float32)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, compression=config
+    )
+    x, y = (t.float() for t in _batch(0, size))
+    nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+    opt.step()
+    _assert_same_everywhere(model)
+    # 4-bit gradients: off by at most lr * unit / 2 per value (unit = bucket range / 15).
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02)
+    if size > 1:  # the buckets really went through the quantized allreduce
+        got_all = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        want_all = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+        assert not torch.equal(got_all, want_all)
+    assert importlib.import_module("mpx.quantize") is quantize
