@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, allreduce
+from mpx.collectives import Communicator, allreduce, empty_shared
+from mpx.collectives.thresholds import small_bytes
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
 from mpx.dataparallel.runtime import default_comm
@@ -330,13 +331,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.offsets.append(bucket.numel)
             bucket.numel += p.numel()
         for bucket in buckets:
-            bucket.flat = torch.zeros(bucket.numel, dtype=bucket.dtype)
+            bucket.flat = self._allocate(bucket)
             if bucket.device.type == "cpu":
                 bucket.views = [
                     bucket.flat[o : o + p.numel()].view(p.shape)
                     for p, o in zip(bucket.params, bucket.offsets, strict=True)
                 ]
         return buckets, where
+
+    def _allocate(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's flat buffer: in node-shared memory where ``shm`` will reduce it.
+
+        A CPU bucket on a one-node job, large enough for ``auto`` to pick the
+        shared-memory allreduce, is allocated by ``mpx.collectives.empty_shared``:
+        the peers then read it in place (no staging copies). Collective, and
+        identical on every rank, as the buckets are.
+        """
+        comm = self.comm
+        if (
+            bucket.device.type == "cpu"
+            and comm.size > 1
+            and comm.single_node
+            and self.compression is None
+            and bucket.nbytes >= small_bytes()
+        ):
+            return empty_shared(bucket.numel, dtype=bucket.dtype, comm=comm).zero_()
+        return torch.zeros(bucket.numel, dtype=bucket.dtype)
 
     def _arrived(self, p: torch.Tensor) -> None:
         """The post-accumulate-grad hook: ``p.grad`` is final for this backward."""
