@@ -94,7 +94,8 @@ def _compressed(
     bits, bs, skip = config.bits, config.bucket_size, config.skip_incomplete_buckets
     bounds = chunk_bounds(n, p)
     lays = [layout(e - s, dtype, bits, bs, skip) for s, e in bounds]
-    block = max(lay.nbytes for lay in lays)
+    # rows of the exchange buffers start 8-byte aligned: the metadata views need it
+    block = -(-max(lay.nbytes for lay in lays) // 8) * 8
     gen = state.generator
     residual = None
     if config.error_feedback:

@@ -182,6 +182,9 @@ class QuantizedTensor:
                 f"skip_incomplete_buckets={self.skip_incomplete_buckets} need "
                 f"{self.layout.nbytes}"
             )
+        if buffer.storage_offset() % 4:
+            # the float views need an aligned start: copy a buffer sliced at an odd offset
+            buffer = buffer.clone()
         self.buffer = buffer
 
     @classmethod
