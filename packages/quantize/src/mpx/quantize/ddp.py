@@ -8,8 +8,8 @@ a completed future. Communication goes through ``mpx.collectives`` over MPI,
 whichever backend (``gloo`` or ``mpx``) DDP was built on.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations at
+# runtime (bucket: dist.GradBucket, return: Future[Tensor]).
 import torch
 import torch.distributed as dist
 
