@@ -164,7 +164,8 @@ def test_non_contiguous_and_shaped_tensors() -> None:
     t = base.t()
     config = mq.CompressionConfig(bits=8, stochastic=False)
     mq.allreduce(t, comm, op="sum", config=config)
-    assert t.shape == (48, 64) and _same_on_all_ranks(t.contiguous())
+    assert t.shape == (48, 64)
+    assert _same_on_all_ranks(t.contiguous())
     exact = sum(
         torch.randn(64, 48, generator=torch.Generator().manual_seed(j)) for j in range(comm.size)
     ).t()
@@ -174,8 +175,13 @@ def test_non_contiguous_and_shaped_tensors() -> None:
 def test_allreduce_tensors_filters_layers_and_fuses() -> None:
     comm = world()
     g = torch.Generator().manual_seed(comm.rank)
-    shapes = {"conv.weight": (16, 8, 3), "conv.bias": (16,), "bn.weight": (40, 40),
-              "fc.weight": (10, 30), "tiny.weight": (2, 3)}
+    shapes = {
+        "conv.weight": (16, 8, 3),
+        "conv.bias": (16,),
+        "bn.weight": (40, 40),
+        "fc.weight": (10, 30),
+        "tiny.weight": (2, 3),
+    }
     tensors = [torch.randn(s, generator=g) for s in shapes.values()]
     exact = [t.clone() for t in tensors]
     for e in exact:
@@ -183,7 +189,8 @@ def test_allreduce_tensors_filters_layers_and_fuses() -> None:
     config = mq.CompressionConfig(bits=2, exclude=("bn",), fusion_buffer_mb=0.001, stochastic=False)
     state = mq.QuantizeState(config, comm)
     out = mq.allreduce_tensors(tensors, comm, config, "avg", names=list(shapes), state=state)
-    assert out is not tensors and all(a is b for a, b in zip(out, tensors, strict=True))
+    assert out is not tensors
+    assert all(a is b for a, b in zip(out, tensors, strict=True))
     for name, t, e in zip(shapes, tensors, exact, strict=True):
         assert _same_on_all_ranks(t), name
         if name in ("conv.bias", "bn.weight", "tiny.weight") or comm.size == 1:

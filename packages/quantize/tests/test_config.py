@@ -21,8 +21,12 @@ def clean_registry() -> Iterator[None]:
 def test_defaults_follow_cgx() -> None:
     c = CompressionConfig()
     assert (c.bits, c.bucket_size, c.skip_incomplete_buckets) == (4, 512, False)
-    assert c.fusion_buffer_mb == 64 and c.min_compressed == 16 and c.enabled
-    assert not c.error_feedback and c.stochastic and c.exclude == ()
+    assert c.fusion_buffer_mb == 64
+    assert c.min_compressed == 16
+    assert c.enabled
+    assert not c.error_feedback
+    assert c.stochastic
+    assert c.exclude == ()
 
 
 def test_bad_values_name_themselves() -> None:
@@ -85,7 +89,7 @@ def test_from_env_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
         CompressionConfig.from_env({"MPX_QUANTIZE_BITS": "four"})
     with pytest.raises(ValueError, match="CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS='maybe'"):
         CompressionConfig.from_env({"CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "maybe"})
-    with pytest.raises(ValueError, match="bits=0.*environment"):
+    with pytest.raises(ValueError, match=r"bits=0.*environment"):
         CompressionConfig.from_env({"CGX_COMPRESSION_QUANTIZATION_BITS": "0"})
     monkeypatch.setenv("MPX_QUANTIZE_BUCKET_SIZE", "64")
     assert CompressionConfig.from_env().bucket_size == 64
@@ -93,7 +97,8 @@ def test_from_env_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_which_tensors_are_compressed() -> None:
     c = CompressionConfig(minimal_size=100, exclude=("bn",))
-    assert c.compresses(100) and not c.compresses(99)
+    assert c.compresses(100)
+    assert not c.compresses(99)
     assert not CompressionConfig(minimal_size=0).compresses(15)  # never below 16
     assert c.compresses(1000, "fc.weight", 2)
     assert not c.compresses(1000, "fc.bias", 1)  # 1-D

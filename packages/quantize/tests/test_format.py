@@ -36,7 +36,7 @@ def test_meta_dtype() -> None:
 
 
 def test_buffer_must_match_header() -> None:
-    with pytest.raises(ValueError, match="has 10 bytes.*need 136"):
+    with pytest.raises(ValueError, match=r"has 10 bytes.*need 136"):
         QuantizedTensor(torch.zeros(10, dtype=torch.uint8), (256,), torch.float32, 4, 512)
     with pytest.raises(TypeError, match="uint8"):
         QuantizedTensor(torch.zeros(136), (256,), torch.float32, 4, 512)
@@ -47,7 +47,8 @@ def test_buffer_must_match_header() -> None:
     with pytest.raises(TypeError, match="int32"):
         QuantizedTensor(torch.zeros(136, dtype=torch.uint8), (256,), torch.int32, 4, 512)
     ok = QuantizedTensor(torch.zeros(136, dtype=torch.uint8), (256,), torch.float32, 4, 512)
-    assert ok.nbytes == 136 and ok.num_buckets == 1
+    assert ok.nbytes == 136
+    assert ok.num_buckets == 1
 
 
 def test_from_parts_checks_every_part() -> None:
@@ -55,11 +56,13 @@ def test_from_parts_checks_every_part() -> None:
     mins = torch.arange(4, dtype=torch.float32)
     units = torch.ones(4)
     q = QuantizedTensor.from_parts(values, mins, units, (4, 4), torch.float32, 4, 4)
-    assert torch.equal(q.mins, mins) and torch.equal(q.units, units)
-    assert torch.equal(q.values, values) and q.shape == (4, 4)
+    assert torch.equal(q.mins, mins)
+    assert torch.equal(q.units, units)
+    assert torch.equal(q.values, values)
+    assert q.shape == (4, 4)
     with pytest.raises(ValueError, match="mins has 3 elements"):
         QuantizedTensor.from_parts(values, mins[:3], units, (4, 4), torch.float32, 4, 4)
-    with pytest.raises(ValueError, match="units has 4 elements of torch.float16"):
+    with pytest.raises(ValueError, match=r"units has 4 elements of torch\.float16"):
         QuantizedTensor.from_parts(values, mins, units.half(), (4, 4), torch.float32, 4, 4)
     with pytest.raises(ValueError, match="values has 7"):
         QuantizedTensor.from_parts(values[:7], mins, units, (4, 4), torch.float32, 4, 4)
@@ -67,14 +70,16 @@ def test_from_parts_checks_every_part() -> None:
     q2 = QuantizedTensor.from_parts(
         values, mins[:3], units[:3], (14,), torch.float32, 4, 4, tail=tail
     )
-    assert q2.skip_incomplete_buckets and torch.equal(q2.tail, tail)
+    assert q2.skip_incomplete_buckets
+    assert torch.equal(q2.tail, tail)
 
 
 def test_views_share_the_buffer_and_clone_copies() -> None:
     q = QuantizedTensor.empty((10,), torch.float16, 2, 4)
     q.buffer.zero_()
     q.units.fill_(2.0)
-    assert q.units.dtype == torch.float16 and (q.units == 2.0).all()
+    assert q.units.dtype == torch.float16
+    assert (q.units == 2.0).all()
     c = q.clone()
     q.units.fill_(3.0)
     assert (c.units == 2.0).all()

@@ -54,7 +54,8 @@ def test_hash_matches_plain_integer_arithmetic() -> None:
 
 def test_hash_is_uniform_and_seed_dependent() -> None:
     r = R.hash_uniform(7, 0, 200_000)
-    assert r.min() >= 0 and r.max() < 1
+    assert r.min() >= 0
+    assert r.max() < 1
     assert abs(r.mean().item() - 0.5) < 0.005
     assert abs(r.var().item() - 1 / 12) < 0.002
     hist = torch.histc(r, bins=10, min=0, max=1)

@@ -47,7 +47,7 @@ _DEFAULT_STATES: dict[int, QuantizeState] = {}
 
 
 def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each rank's chunk: ``ceil(numel / size)`` elements, the last ones short."""
+    """``[start, end)`` of each rank's chunk: ``ceil(numel / size)`` elements, the last short."""
     step = -(-numel // size) if size else 0
     return [(min(numel, j * step), min(numel, (j + 1) * step)) for j in range(size)]
 
@@ -61,7 +61,9 @@ def _default_state(comm: Communicator, config: CompressionConfig) -> QuantizeSta
 
 def _check_op(op: str) -> None:
     if op not in _OPS:
-        raise QuantizeValueError(f"op={op!r} is not supported by the compressed allreduce: use {_OPS}")
+        raise QuantizeValueError(
+            f"op={op!r} is not supported by the compressed allreduce: use {_OPS}"
+        )
 
 
 def _plain(flat: torch.Tensor, comm: Communicator, op: str, state: QuantizeState) -> None:

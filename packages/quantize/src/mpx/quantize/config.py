@@ -125,7 +125,11 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         bits = self.bits
-        if isinstance(bits, bool) or not isinstance(bits, int) or not (1 <= bits <= 8 or bits == 32):
+        if (
+            isinstance(bits, bool)
+            or not isinstance(bits, int)
+            or not (1 <= bits <= 8 or bits == 32)
+        ):
             raise QuantizeValueError(
                 f"CompressionConfig bits={bits!r} must be 1 to 8, or 32 for no compression"
             )
@@ -136,7 +140,8 @@ class CompressionConfig:
             raise QuantizeValueError(f"minimal_size={self.minimal_size} must be >= 0")
         if not self.fusion_buffer_mb > 0:
             raise QuantizeValueError(f"fusion_buffer_mb={self.fusion_buffer_mb!r} must be > 0")
-        if isinstance(self.exclude, str):
+        exclude: object = self.exclude
+        if isinstance(exclude, str):
             # exclude="bn" would otherwise exclude every name containing "b" or "n"
             object.__setattr__(self, "exclude", (self.exclude,))
         else:
@@ -160,7 +165,7 @@ class CompressionConfig:
         return int(self.fusion_buffer_mb * 2**20)
 
     def compresses(self, numel: int, name: str | None = None, dim: int | None = None) -> bool:
-        """Whether a tensor of ``numel`` elements (named ``name``, ``dim`` dimensions) is compressed.
+        """Whether a tensor of ``numel`` elements, ``name``, ``dim`` dimensions is compressed.
 
         ``name`` and ``dim`` are what layer filtering knows; a bare flat buffer
         (``allreduce(t)``) is judged by its size alone.
@@ -169,9 +174,9 @@ class CompressionConfig:
             return False
         if dim is not None and dim <= 1:
             return False
-        if name is not None and any(part in name for part in (*self.exclude, *registry.excluded)):
-            return False
-        return True
+        return not (
+            name is not None and any(part in name for part in (*self.exclude, *registry.excluded))
+        )
 
     def with_(self, **changes: object) -> CompressionConfig:
         """A copy with some fields changed."""

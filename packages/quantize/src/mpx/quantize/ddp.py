@@ -19,7 +19,10 @@ from mpx.quantize.state import QuantizeState
 __all__ = ["ddp_comm_hook"]
 
 
-def ddp_comm_hook(state: QuantizeState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def ddp_comm_hook(
+    state: QuantizeState,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]  # (torch's stubs lack it)
+) -> torch.futures.Future[torch.Tensor]:
     """Averages a DDP gradient bucket with quantized communication.
 
     Example::

@@ -100,7 +100,9 @@ def quantize(
     dtype = check_dtype(x.dtype)
     bits = check_bits(bits)
     bucket_size = check_bucket_size(bucket_size)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+    ):
         raise QuantizeValueError(f"seed={seed!r} must be an integer in [0, 2**64)")
     if stochastic and seed is None:
         seed = reference.draw_seed(generator)

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import torch
 
+from mpx.quantize.errors import QuantizeTypeError, QuantizeValueError
 from mpx.quantize.format import (
     QuantizedTensor,
     check_bits,
     check_bucket_size,
     check_dtype,
-    layout,
 )
-from mpx.quantize.errors import QuantizeTypeError, QuantizeValueError
 
 __all__ = [
     "check_output",
@@ -80,8 +79,10 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hash_uniform(seed: int, start: int, count: int, device: torch.device | None = None) -> torch.Tensor:
-    """The stochastic-rounding noise ``r`` (float32 in [0, 1)) of elements ``start..start+count-1``."""
+def hash_uniform(
+    seed: int, start: int, count: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Stochastic-rounding noise ``r`` (float32, [0, 1)) of elements ``start .. start+count-1``."""
     index = torch.arange(start, start + count, dtype=torch.int64, device=device)
     seed_lo = torch.tensor(seed & _M32, dtype=torch.int64, device=device)
     seed_hi = (seed >> 32) & _M32
@@ -153,7 +154,7 @@ def _encode_rows(
     fp16_meta: bool,
     seed: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (int64, flat) and stored min/unit of rows ``x`` [buckets, size] starting at element ``start``."""
+    """Codes (int64, flat), stored min and unit of rows ``x`` [buckets, size] from ``start``."""
     levels = (1 << bits) - 1
     stored_min, stored_unit, mn, recip, flagged = _meta(x, bits, fp16_meta)
     v = (x - mn[:, None]) * recip[:, None]
@@ -216,7 +217,9 @@ def quantize(
     if lay.quantized > full * bucket_size:
         start = full * bucket_size
         parts.append(
-            _encode_rows(xf[start:].view(1, -1), start, bits, fp16_meta, seed if stochastic else None)
+            _encode_rows(
+                xf[start:].view(1, -1), start, bits, fp16_meta, seed if stochastic else None
+            )
         )
     if parts:
         q.values.copy_(pack_codes(torch.cat([p[0] for p in parts]), bits))
@@ -249,7 +252,9 @@ def check_output(q: QuantizedTensor, out: torch.Tensor, name: str) -> torch.Tens
     if not out.is_contiguous():
         raise QuantizeValueError(f"{name} must be contiguous; call .contiguous() first")
     if out.device != q.device:
-        raise QuantizeValueError(f"{name} is on {out.device} but the quantized tensor on {q.device}")
+        raise QuantizeValueError(
+            f"{name} is on {out.device} but the quantized tensor on {q.device}"
+        )
     return out.view(-1)
 
 
