@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +298,37 @@ def test_cuda_kernel_runs_on_the_current_stream() -> None:
         y = mq.dequantize(q)
     stream.synchronize()
     assert (y - x).abs().max().item() <= q.units.float().max().item() / 2 * 1.001
+
+
+_VARIANT_SCRIPT = """
+import sys, torch, mpx.quantize as mq
+g = torch.Generator().manual_seed(11)
+out = []
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for bits in (1, 3, 4, 8):
+        x = (torch.randn(70_001, generator=g) * 5).to(dtype)
+        x[5] = float("nan")
+        for stochastic in (False, True):
+            q = mq.quantize(x, bits, 100, stochastic, seed=42, backend="cpu")
+            acc = torch.ones(70_001, dtype=dtype)
+            mq.dequantize_add(q, acc, backend="cpu")
+            out += [q.buffer, mq.dequantize(q, backend="cpu").view(torch.uint8),
+                    acc.view(torch.uint8)]
+torch.save([mq.build_info()["cpu"]["kernels"], out], sys.argv[1])
+"""
+
+
+def test_baseline_and_avx2_kernel_variants_give_the_same_bytes(tmp_path: Path) -> None:
+    results = {}
+    for variant in ("baseline", "default"):
+        env = dict(os.environ)
+        if variant == "baseline":
+            env["MPX_QUANTIZE_CPU_KERNELS"] = "baseline"
+        else:
+            env.pop("MPX_QUANTIZE_CPU_KERNELS", None)
+        path = tmp_path / f"{variant}.pt"
+        subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(path)], env=env, check=True)
+        results[variant] = torch.load(path)
+    assert results["baseline"][0] == "baseline"
+    for a, b in zip(results["baseline"][1], results["default"][1], strict=True):
+        assert torch.equal(a, b)

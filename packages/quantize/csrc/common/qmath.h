@@ -9,7 +9,9 @@
 #if defined(__CUDACC__)
 #define MPXQ_HD __host__ __device__ __forceinline__
 #else
-#define MPXQ_HD inline
+// static: each CPU kernel variant (baseline, AVX2) keeps its own copy, so the
+// linker never swaps an AVX2 body into the baseline code.
+#define MPXQ_HD static inline
 #endif
 
 namespace mpxq {

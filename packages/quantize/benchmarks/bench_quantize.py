@@ -1,0 +1,187 @@
+"""Quantization kernels against the pure-torch quantizer, and the compressed allreduce.
+
+``python bench_quantize.py`` prints one markdown section (``nox -s bench``
+writes it into BENCHMARKS.md):
+
+1. Kernels, in this process: quantize + dequantize of float32 input, stochastic
+   rounding, C++ kernel vs the pure-torch reference (:mod:`mpx.quantize.reference`,
+   the quantizer a user would write) vs a plain memory copy, GB/s of float32
+   input. The reference is timed up to 4 Mi values (beyond that it takes tens
+   of seconds a call).
+2. Allreduce of float32, 2 ranks (the script starts itself under ``mpxrun -n 2``):
+   mpx's compressed allreduce at 4 bits vs ``mpx.collectives.allreduce`` (full
+   precision, ``impl="auto"``) vs MPI's own ``Allreduce``; time is the slowest
+   rank's median, wire bytes are what one rank sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+KERNEL_SIZES = [1 << 20, 1 << 22, 1 << 24, 1 << 26]
+REFERENCE_MAX = 1 << 22
+ALLREDUCE_BYTES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def _label(count: int) -> str:
+    return f"{count >> 20}M" if count >= 1 << 20 else f"{count >> 10}K"
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: page faults, thread start
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def kernels() -> None:
+    import torch
+
+    import mpx.quantize as mq
+    from mpx.quantize import reference
+
+    print(
+        "| values | bits | bucket | C++ quantize (GB/s) | C++ dequantize (GB/s) | "
+        "torch reference q+dq (GB/s) | memcpy (GB/s) | C++ q+dq ÷ reference | "
+        "C++ q+dq ÷ memcpy |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for count in KERNEL_SIZES:
+        x = torch.randn(count)
+        out = torch.empty_like(x)
+        nbytes = x.numel() * 4
+        reps = max(3, min(20, (1 << 26) // count))
+        copy = _best(lambda x=x, out=out: out.copy_(x), reps)
+        cases = [(4, 512), (4, 1024)] + ([(2, 512), (8, 512)] if count == KERNEL_SIZES[-1] else [])
+        for bits, bucket in cases:
+            gen = torch.Generator().manual_seed(0)
+            tq = _best(lambda x=x, b=bits, s=bucket, g=gen: mq.quantize(x, b, s, generator=g), reps)
+            q = mq.quantize(x, bits, bucket, generator=gen)
+            tdq = _best(lambda q=q, out=out: mq.dequantize(q, out=out), reps)
+            ref = "—"
+            speedup = "—"
+            if count <= REFERENCE_MAX:
+
+                def ref_round_trip(
+                    x: torch.Tensor = x, b: int = bits, s: int = bucket, out: torch.Tensor = out
+                ) -> None:
+                    reference.dequantize(reference.quantize(x, b, s, seed=1), out=out)
+
+                tref = _best(ref_round_trip, 1)
+                ref = f"{nbytes / tref / 1e9:.3f}"
+                speedup = f"{tref / (tq + tdq):.0f}×"
+            print(
+                f"| {_label(count)} | {bits} | {bucket} | {nbytes / tq / 1e9:.2f} | "
+                f"{nbytes / tdq / 1e9:.2f} | {ref} | {nbytes / copy / 1e9:.2f} | {speedup} | "
+                f"{copy / (tq + tdq):.2f} |",
+                flush=True,
+            )
+
+
+def allreduce_job() -> None:
+    """Runs inside the mpxrun job: every rank times, rank 0 prints rows."""
+    import torch
+    from mpi4py import MPI
+
+    import mpx.quantize as mq
+    from mpx.collectives import allreduce, world
+
+    comm = world()
+    raw = MPI.COMM_WORLD
+    n = comm.size
+
+    def timed(fn: Callable[[], object], repeats: int) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            raw.Barrier()
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return float(raw.allreduce(statistics.median(samples), op=MPI.MAX))
+
+    for nbytes in ALLREDUCE_BYTES:
+        x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(comm.rank))
+        reps = max(3, min(30, (64 << 20) // nbytes * 2))
+        config = mq.CompressionConfig(bits=4, bucket_size=512)
+        state = mq.QuantizeState(config, comm)
+        t_q = timed(
+            lambda x=x, c=config, s=state: mq.allreduce(x.clone(), comm, config=c, state=s), reps
+        )
+        wire_q = state.bytes_sent // (reps + 1)
+        t_mpx = timed(lambda x=x: allreduce(x.clone(), comm=comm), reps)
+        t_mpi = timed(lambda x=x: raw.Allreduce(MPI.IN_PLACE, x.clone().numpy()), reps)
+        wire_fp32 = 2 * (n - 1) * nbytes // n
+        if comm.rank == 0:
+            label = f"{nbytes >> 20} MiB"
+            print(
+                f"| {label} | {t_q * 1e3:.2f} | {t_mpx * 1e3:.2f} | {t_mpi * 1e3:.2f} | "
+                f"{t_q / t_mpx:.2f} | {t_q / t_mpi:.2f} | {wire_q / 2**20:.2f} | "
+                f"{wire_fp32 / 2**20:.2f} | {wire_q / wire_fp32:.3f} |",
+                flush=True,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--skip-allreduce", action="store_true")
+    args = parser.parse_args()
+    if args.inside:
+        allreduce_job()
+        return
+    import torch
+
+    print("## mpx-quantize: kernels and the compressed allreduce\n")
+    print(
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}, MPICH "
+        "wheel (`python packages/quantize/benchmarks/bench_quantize.py`). Kernels: float32 "
+        "input, stochastic rounding, GB/s of input, median of repeats; ratios > 1 mean the "
+        "C++ kernel is faster.\n"
+    )
+    if not args.skip_kernels:
+        kernels()
+    if args.skip_allreduce:
+        return
+    print(
+        "\nAllreduce of float32 on 2 ranks (shared memory), 4 bits, bucket 512, stochastic; "
+        "ratio = compressed time ÷ peer time (lower is better); wire = bytes one rank sends.\n"
+    )
+    print(
+        "| size | 4-bit mpx.quantize (ms) | mpx.collectives fp32 (ms) | MPI Allreduce (ms) | "
+        "÷ mpx.collectives | ÷ MPI | wire 4-bit (MiB) | wire fp32 (MiB) | wire ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    sys.stdout.flush()
+    mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
+    subprocess.run(
+        [
+            mpxrun,
+            "-n",
+            "2",
+            "--timeout",
+            "600",
+            "--",
+            sys.executable,
+            os.path.abspath(__file__),
+            "--inside",
+        ],
+        check=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
