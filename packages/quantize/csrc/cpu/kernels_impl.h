@@ -22,6 +22,11 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
+
+#if defined(__AVX2__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "../common/qmath.h"
 #include "kernels.h"
@@ -130,6 +135,40 @@ inline void unpack8(const uint8_t* in, uint8_t* codes) {
   for (int j = 0; j < 8; ++j) codes[j] = static_cast<uint8_t>((acc >> (j * B)) & ((1u << B) - 1u));
 }
 
+// Packs `groups` groups of 8 codes. Widths that divide a byte pack byte by
+// byte (a loop the compiler vectorises); the others through a 64-bit word.
+template <int B>
+inline void pack_groups(const uint8_t* codes, int64_t groups, uint8_t* dst) {
+  if constexpr (B == 8) {
+    std::memcpy(dst, codes, static_cast<size_t>(groups * 8));
+  } else if constexpr (B == 4 || B == 2 || B == 1) {
+    constexpr int per = 8 / B;
+    const int64_t nbytes = groups * B;
+    for (int64_t k = 0; k < nbytes; ++k) {
+      unsigned v = 0;
+      for (int j = 0; j < per; ++j) v |= static_cast<unsigned>(codes[k * per + j]) << (j * B);
+      dst[k] = static_cast<uint8_t>(v);
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) pack8<B>(codes + 8 * g, dst + g * B);
+  }
+}
+
+template <int B>
+inline void unpack_groups(const uint8_t* src, int64_t groups, uint8_t* codes) {
+  if constexpr (B == 8) {
+    std::memcpy(codes, src, static_cast<size_t>(groups * 8));
+  } else if constexpr (B == 4 || B == 2 || B == 1) {
+    constexpr int per = 8 / B;
+    const int64_t nbytes = groups * B;
+    for (int64_t k = 0; k < nbytes; ++k)
+      for (int j = 0; j < per; ++j)
+        codes[k * per + j] = static_cast<uint8_t>((src[k] >> (j * B)) & ((1u << B) - 1u));
+  } else {
+    for (int64_t g = 0; g < groups; ++g) unpack8<B>(src + g * B, codes + 8 * g);
+  }
+}
+
 struct BucketMeta {
   float mn;
   float recip;
@@ -149,6 +188,51 @@ BucketMeta bucket_meta(const typename T::storage* x, int64_t a, int64_t e, int b
     lz[l] = 0.0f;
   }
   int64_t i = a;
+#if defined(__AVX2__) || defined(__SSE2__)
+  if constexpr (std::is_same_v<T, F32>) {
+    // min_ps(v, m) is exactly `v < m ? v : m` (m when v is NaN): the scalar
+    // semantics, written out because GCC does not vectorise the select itself.
+#if defined(__AVX2__)
+    using V = __m256;
+    constexpr int W = 8;
+    auto load = [](const float* p) { return _mm256_loadu_ps(p); };
+    auto vmin = [](V v, V m) { return _mm256_min_ps(v, m); };
+    auto vmax = [](V v, V m) { return _mm256_max_ps(v, m); };
+    auto vadd = [](V p, V q) { return _mm256_add_ps(p, q); };
+    auto vsub = [](V p, V q) { return _mm256_sub_ps(p, q); };
+    auto store = [](float* p, V v) { _mm256_storeu_ps(p, v); };
+    auto splat = [](float f) { return _mm256_set1_ps(f); };
+#else
+    using V = __m128;
+    constexpr int W = 4;
+    auto load = [](const float* p) { return _mm_loadu_ps(p); };
+    auto vmin = [](V v, V m) { return _mm_min_ps(v, m); };
+    auto vmax = [](V v, V m) { return _mm_max_ps(v, m); };
+    auto vadd = [](V p, V q) { return _mm_add_ps(p, q); };
+    auto vsub = [](V p, V q) { return _mm_sub_ps(p, q); };
+    auto store = [](float* p, V v) { _mm_storeu_ps(p, v); };
+    auto splat = [](float f) { return _mm_set1_ps(f); };
+#endif
+    static_assert(L % (2 * W) == 0, "lanes");
+    V mn0 = splat(first), mn1 = mn0, mx0 = mn0, mx1 = mn0, z0 = splat(0.0f), z1 = z0;
+    const float* p = reinterpret_cast<const float*>(x);
+    for (; i + 2 * W <= e; i += 2 * W) {
+      V v0 = load(p + i), v1 = load(p + i + W);
+      mn0 = vmin(v0, mn0);
+      mn1 = vmin(v1, mn1);
+      mx0 = vmax(v0, mx0);
+      mx1 = vmax(v1, mx1);
+      z0 = vadd(z0, vsub(v0, v0));
+      z1 = vadd(z1, vsub(v1, v1));
+    }
+    store(lmin, mn0);
+    store(lmin + W, mn1);
+    store(lmax, mx0);
+    store(lmax + W, mx1);
+    store(lz, z0);
+    store(lz + W, z1);
+  }
+#endif
   for (; i + L <= e; i += L) {
     for (int l = 0; l < L; ++l) {
       float v = T::load(x[i + l]);
@@ -244,7 +328,7 @@ void quantize_impl(const typename T::storage* x, int64_t nq, int64_t bs, bool st
         const int64_t groups = (len + 7) / 8;
         std::memset(codes + len, 0, static_cast<size_t>(groups * 8 - len));  // pad the last group
         uint8_t* dst = values + (c0 / 8) * B;
-        for (int64_t g = 0; g < groups; ++g) pack8<B>(codes + 8 * g, dst + g * B);
+        pack_groups<B>(codes, groups, dst);
         c0 = c1;
       }
     }
@@ -262,7 +346,7 @@ void dequantize_impl(const uint8_t* values, const void* mins, const void* units,
       const int64_t c0 = k * kChunk, c1 = std::min(nq, c0 + kChunk);
       const int64_t groups = (c1 - c0 + 7) / 8;
       const uint8_t* src = values + (c0 / 8) * B;
-      for (int64_t g = 0; g < groups; ++g) unpack8<B>(src + g * B, codes + 8 * g);
+      unpack_groups<B>(src, groups, codes);
       for (int64_t a = c0; a < c1;) {
         const int64_t b = a / bs;
         const int64_t e = std::min(c1, (b + 1) * bs);
