@@ -236,8 +236,11 @@ void dequantize_bits(int bits, const uint8_t* values, const void* mins, const vo
 }  // namespace
 
 int quantize(const void* x, int dtype, int64_t nq, int bits, int64_t bs, bool stochastic,
-             uint64_t seed, void* mins, void* units, uint8_t* values, uintptr_t stream) {
+             uint64_t seed, void* mins, void* units, uint8_t* values, int device,
+             uintptr_t stream) {
   if (nq == 0) return 0;
+  cudaError_t status = cudaSetDevice(device);
+  if (status != cudaSuccess) return static_cast<int>(status);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool fp16_meta = dtype == mpxq::kFloat16;
   if (dtype == mpxq::kFloat32)
@@ -251,8 +254,10 @@ int quantize(const void* x, int dtype, int64_t nq, int bits, int64_t bs, bool st
 
 int dequantize(const uint8_t* values, const void* mins, const void* units, int qdtype,
                int64_t nq, int bits, int64_t bs, void* out, int out_dtype, bool accumulate,
-               uintptr_t stream) {
+               int device, uintptr_t stream) {
   if (nq == 0) return 0;
+  cudaError_t status = cudaSetDevice(device);
+  if (status != cudaSuccess) return static_cast<int>(status);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool fp16_meta = qdtype == mpxq::kFloat16;
   if (out_dtype == mpxq::kFloat32)

@@ -43,7 +43,7 @@ void raise_on(int error, const char* what) {
 }
 
 void quantize(uintptr_t x, int dtype, int64_t count, int bits, int64_t bs, bool stochastic,
-              uint64_t seed, uintptr_t mins, uintptr_t units, uintptr_t values,
+              uint64_t seed, uintptr_t mins, uintptr_t units, uintptr_t values, int device,
               uintptr_t stream) {
   check(bits, count, bs, dtype, "dtype");
   int error;
@@ -52,13 +52,13 @@ void quantize(uintptr_t x, int dtype, int64_t count, int bits, int64_t bs, bool 
     error = mpx_quantize::quantize(reinterpret_cast<const void*>(x), dtype, count, bits, bs,
                                    stochastic, seed, reinterpret_cast<void*>(mins),
                                    reinterpret_cast<void*>(units),
-                                   reinterpret_cast<uint8_t*>(values), stream);
+                                   reinterpret_cast<uint8_t*>(values), device, stream);
   }
   raise_on(error, "quantize");
 }
 
 void dequantize(uintptr_t values, uintptr_t mins, uintptr_t units, int qdtype, int64_t count,
-                int bits, int64_t bs, uintptr_t out, int out_dtype, bool accumulate,
+                int bits, int64_t bs, uintptr_t out, int out_dtype, bool accumulate, int device,
                 uintptr_t stream) {
   check(bits, count, bs, qdtype, "qdtype");
   check(bits, count, bs, out_dtype, "out_dtype");
@@ -69,7 +69,7 @@ void dequantize(uintptr_t values, uintptr_t mins, uintptr_t units, int qdtype, i
                                      reinterpret_cast<const void*>(mins),
                                      reinterpret_cast<const void*>(units), qdtype, count, bits,
                                      bs, reinterpret_cast<void*>(out), out_dtype, accumulate,
-                                     stream);
+                                     device, stream);
   }
   raise_on(error, "dequantize");
 }
@@ -82,10 +82,11 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("device_count", &device_count, "CUDA devices visible to the runtime (0 without a driver).");
   m.def("quantize", &quantize, py::arg("x"), py::arg("dtype"), py::arg("count"), py::arg("bits"),
         py::arg("bucket_size"), py::arg("stochastic"), py::arg("seed"), py::arg("mins"),
-        py::arg("units"), py::arg("values"), py::arg("stream"),
+        py::arg("units"), py::arg("values"), py::arg("device"), py::arg("stream"),
         "Quantizes `count` values at device pointer `x` on `stream`.");
   m.def("dequantize", &dequantize, py::arg("values"), py::arg("mins"), py::arg("units"),
         py::arg("qdtype"), py::arg("count"), py::arg("bits"), py::arg("bucket_size"),
-        py::arg("out"), py::arg("out_dtype"), py::arg("accumulate"), py::arg("stream"),
+        py::arg("out"), py::arg("out_dtype"), py::arg("accumulate"), py::arg("device"),
+        py::arg("stream"),
         "Decodes `count` values into `out` on `stream` (adds them when accumulate).");
 }

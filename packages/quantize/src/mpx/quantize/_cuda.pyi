@@ -13,6 +13,7 @@ def quantize(
     mins: int,
     units: int,
     values: int,
+    device: int,
     stream: int,
 ) -> None: ...
 def dequantize(
@@ -26,5 +27,6 @@ def dequantize(
     out: int,
     out_dtype: int,
     accumulate: bool,
+    device: int,
     stream: int,
 ) -> None: ...

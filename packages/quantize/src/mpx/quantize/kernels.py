@@ -54,8 +54,9 @@ def _backend(device: torch.device, backend: str) -> tuple[str, ModuleType | None
     return backend, module
 
 
-def _stream(device: torch.device) -> int:
-    return int(torch.cuda.current_stream(device).cuda_stream)
+def _device_and_stream(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, int(torch.cuda.current_stream(index).cuda_stream)
 
 
 def quantize(
@@ -134,8 +135,7 @@ def quantize(
         q.values.data_ptr() if lay.values_bytes else 0,
     )
     if name == "cuda":
-        with torch.cuda.device(x.device):
-            module.quantize(*args, _stream(x.device))
+        module.quantize(*args, *_device_and_stream(x.device))
     else:
         module.quantize(*args, torch.get_num_threads())
     if lay.tail:
@@ -170,8 +170,7 @@ def _decode(q: QuantizedTensor, out: torch.Tensor, accumulate: bool, backend: st
             accumulate,
         )
         if kind == "cuda":
-            with torch.cuda.device(q.device):
-                module.dequantize(*args, _stream(q.device))
+            module.dequantize(*args, *_device_and_stream(q.device))
         else:
             module.dequantize(*args, torch.get_num_threads())
     if lay.tail:
