@@ -87,7 +87,13 @@ def meta_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes and byte offsets of the parts of a quantized buffer."""
+    """Sizes and byte offsets of the parts of a quantized buffer.
+
+    Example::
+
+        lay = layout(1000, torch.float32, bits=4, bucket_size=512)
+        lay.buckets, lay.values_bytes, lay.nbytes      # (2, 500, 516)
+    """
 
     numel: int
     quantized: int  # nq: elements that are quantized
