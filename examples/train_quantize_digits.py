@@ -55,6 +55,7 @@ def train(
         ddp.register_comm_hook(state, mq.ddp_comm_hook)
         label = f"{args.bits}-bit"
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
     order = torch.Generator().manual_seed(args.seed)
     losses = []
     for epoch in range(args.epochs):
@@ -63,7 +64,7 @@ def train(
         for start in range(0, len(perm) - args.batch_size + 1, args.batch_size):
             mine = perm[start : start + args.batch_size][rank::world]
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(ddp(x_train[mine]), y_train[mine])
+            loss = loss_fn(ddp(x_train[mine]), y_train[mine])
             loss.backward()
             opt.step()
             total += loss.item()
