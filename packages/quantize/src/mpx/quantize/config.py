@@ -1,0 +1,272 @@
+"""``CompressionConfig`` (and its environment variables) and layer filtering.
+
+Which tensors are compressed::
+
+    compressed   <=>  config.enabled (bits 1-8)
+                      and numel >= max(minimal_size, 16)
+                      and, where a name and shape are known (allreduce_tensors, the DDP hook):
+                          more than one dimension and no exclude pattern in the name
+
+CGX's environment variables are accepted as aliases; an ``MPX_QUANTIZE_*``
+variable wins over its CGX name when both are set.
+
+=====================================  ==========================================  =======
+variable                               CGX alias                                   default
+=====================================  ==========================================  =======
+``MPX_QUANTIZE_BITS``                  ``CGX_COMPRESSION_QUANTIZATION_BITS``       4
+``MPX_QUANTIZE_BUCKET_SIZE``           ``CGX_COMPRESSION_BUCKET_SIZE``             512
+``MPX_QUANTIZE_SKIP_INCOMPLETE_BUCKETS`` ``CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS`` 0
+``MPX_QUANTIZE_MINIMAL_SIZE``          ``CGX_COMPRESSION_MINIMAL_SIZE``            16
+``MPX_QUANTIZE_FUSION_BUFFER_MB``      ``CGX_FUSION_BUFFER_SIZE_MB``               64
+``MPX_QUANTIZE_ERROR_FEEDBACK``        (none)                                      0
+``MPX_QUANTIZE_EXCLUDE``               (none; comma-separated name parts)          ""
+``MPX_QUANTIZE_STOCHASTIC``            (none)                                      1
+``MPX_QUANTIZE_SEED``                  (none)                                      0
+=====================================  ==========================================  =======
+
+``bits=32`` (CGX's default) turns compression off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from mpx.quantize.errors import QuantizeValueError
+from mpx.quantize.format import check_bucket_size
+
+__all__ = [
+    "CompressionConfig",
+    "LayerRegistry",
+    "exclude_layer",
+    "register_model",
+    "registry",
+]
+
+# CGX compresses nothing below 16 elements, whatever minimal_size says.
+MIN_COMPRESSED = 16
+
+_ENV: dict[str, tuple[str, str | None]] = {
+    "bits": ("MPX_QUANTIZE_BITS", "CGX_COMPRESSION_QUANTIZATION_BITS"),
+    "bucket_size": ("MPX_QUANTIZE_BUCKET_SIZE", "CGX_COMPRESSION_BUCKET_SIZE"),
+    "skip_incomplete_buckets": (
+        "MPX_QUANTIZE_SKIP_INCOMPLETE_BUCKETS",
+        "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS",
+    ),
+    "minimal_size": ("MPX_QUANTIZE_MINIMAL_SIZE", "CGX_COMPRESSION_MINIMAL_SIZE"),
+    "fusion_buffer_mb": ("MPX_QUANTIZE_FUSION_BUFFER_MB", "CGX_FUSION_BUFFER_SIZE_MB"),
+    "error_feedback": ("MPX_QUANTIZE_ERROR_FEEDBACK", None),
+    "exclude": ("MPX_QUANTIZE_EXCLUDE", None),
+    "stochastic": ("MPX_QUANTIZE_STOCHASTIC", None),
+    "seed": ("MPX_QUANTIZE_SEED", None),
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise QuantizeValueError(f"{name}={text!r} is not a boolean: use 1 or 0")
+
+
+def _parse_int(name: str, text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise QuantizeValueError(f"{name}={text!r} is not an integer") from None
+
+
+def _parse_float(name: str, text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise QuantizeValueError(f"{name}={text!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How the compressed allreduce quantizes.
+
+    Args:
+        bits: bits per value, 1-8; 32 turns compression off (CGX's convention).
+        bucket_size: values per bucket (each has its own min and unit).
+        skip_incomplete_buckets: send a short last bucket raw.
+        minimal_size: tensors with fewer elements go uncompressed (never below 16).
+        fusion_buffer_mb: small tensors are fused into buffers of this size.
+        error_feedback: keep each rank's quantization error and add it to the
+            next step's tensor (not in CGX).
+        exclude: name parts of layers that stay in full precision ("bn", "bias").
+        stochastic: unbiased stochastic rounding (else nearest).
+        seed: seed of the stochastic rounding (offset by the rank).
+
+    Example::
+
+        config = CompressionConfig(bits=4, bucket_size=1024, exclude=("bn",))
+        mpx.quantize.allreduce(flat_grads, config=config, op="avg")
+        config = CompressionConfig.from_env()        # MPX_QUANTIZE_* / CGX_*
+    """
+
+    bits: int = 4
+    bucket_size: int = 512
+    skip_incomplete_buckets: bool = False
+    minimal_size: int = MIN_COMPRESSED
+    fusion_buffer_mb: float = 64.0
+    error_feedback: bool = False
+    exclude: tuple[str, ...] = field(default_factory=tuple)
+    stochastic: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bits = self.bits
+        if (
+            isinstance(bits, bool)
+            or not isinstance(bits, int)
+            or not (1 <= bits <= 8 or bits == 32)
+        ):
+            raise QuantizeValueError(
+                f"CompressionConfig bits={bits!r} must be 1 to 8, or 32 for no compression"
+            )
+        check_bucket_size(self.bucket_size)
+        if isinstance(self.minimal_size, bool) or not isinstance(self.minimal_size, int):
+            raise QuantizeValueError(f"minimal_size={self.minimal_size!r} must be an integer")
+        if self.minimal_size < 0:
+            raise QuantizeValueError(f"minimal_size={self.minimal_size} must be >= 0")
+        if not self.fusion_buffer_mb > 0:
+            raise QuantizeValueError(f"fusion_buffer_mb={self.fusion_buffer_mb!r} must be > 0")
+        exclude: object = self.exclude
+        if isinstance(exclude, str):
+            # exclude="bn" would otherwise exclude every name containing "b" or "n"
+            object.__setattr__(self, "exclude", (self.exclude,))
+        else:
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+        for part in self.exclude:
+            if not isinstance(part, str) or not part:
+                raise QuantizeValueError(f"exclude entries must be non-empty strings, got {part!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """False for ``bits=32``: everything goes uncompressed."""
+        return self.bits <= 8
+
+    @property
+    def min_compressed(self) -> int:
+        """The smallest tensor that is compressed: ``max(minimal_size, 16)``."""
+        return max(self.minimal_size, MIN_COMPRESSED)
+
+    @property
+    def fusion_buffer_bytes(self) -> int:
+        return int(self.fusion_buffer_mb * 2**20)
+
+    def compresses(self, numel: int, name: str | None = None, dim: int | None = None) -> bool:
+        """Whether a tensor of ``numel`` elements, ``name``, ``dim`` dimensions is compressed.
+
+        ``name`` and ``dim`` are what layer filtering knows; a bare flat buffer
+        (``allreduce(t)``) is judged by its size alone.
+        """
+        if not self.enabled or numel < self.min_compressed:
+            return False
+        if dim is not None and dim <= 1:
+            return False
+        return not (
+            name is not None and any(part in name for part in (*self.exclude, *registry.excluded))
+        )
+
+    def with_(self, **changes: object) -> CompressionConfig:
+        """A copy with some fields changed."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: object
+    ) -> CompressionConfig:
+        """A config from ``MPX_QUANTIZE_*`` (or CGX's names); ``overrides`` win over both.
+
+        Raises:
+            QuantizeValueError: a variable does not parse; the message names it.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for key, (mpx_name, cgx_name) in _ENV.items():
+            if mpx_name in env:
+                name = mpx_name
+            elif cgx_name is not None and cgx_name in env:
+                name = cgx_name
+            else:
+                continue
+            text = env[name]
+            if key in ("bits", "bucket_size", "minimal_size", "seed"):
+                values[key] = _parse_int(name, text)
+            elif key == "fusion_buffer_mb":
+                values[key] = _parse_float(name, text)
+            elif key == "exclude":
+                values[key] = tuple(p.strip() for p in text.split(",") if p.strip())
+            else:
+                values[key] = _parse_bool(name, text)
+        values.update(overrides)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except QuantizeValueError as error:
+            raise QuantizeValueError(f"{error} (from the environment: {values})") from None
+
+
+class LayerRegistry:
+    """Parameter names and excluded name parts, as CGX's ``register_model``.
+
+    Example::
+
+        mpx.quantize.register_model(model)
+        mpx.quantize.exclude_layer("bn")      # batch norm stays in full precision
+        mpx.quantize.exclude_layer("bias")
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self.order: list[tuple[str, int]] = []
+        self.excluded: list[str] = []
+
+    def register_model(
+        self, model: torch.nn.Module | Iterable[tuple[str, torch.Tensor | int]]
+    ) -> None:
+        """Records parameter names: a module, or (name, parameter or numel) pairs."""
+        pairs = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+        for name, item in pairs:
+            if isinstance(item, torch.Tensor):
+                self.names[id(item)] = name
+                self.order.append((name, item.numel()))
+            else:
+                self.order.append((name, int(item)))
+
+    def exclude_layer(self, part: str) -> None:
+        """Layers whose name contains ``part`` are allreduced in full precision."""
+        if not isinstance(part, str) or not part:
+            raise QuantizeValueError(f"exclude_layer needs a non-empty name part, got {part!r}")
+        if part not in self.excluded:
+            self.excluded.append(part)
+
+    def name_of(self, param: torch.Tensor) -> str | None:
+        return self.names.get(id(param))
+
+    def clear(self) -> None:
+        self.names.clear()
+        self.order.clear()
+        self.excluded.clear()
+
+
+registry = LayerRegistry()
+
+
+def register_model(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor | int]]) -> None:
+    """Registers a model's parameter names for layer filtering (see :class:`LayerRegistry`)."""
+    registry.register_model(model)
+
+
+def exclude_layer(part: str) -> None:
+    """Keeps layers whose name contains ``part`` uncompressed (e.g. ``"bn"``, ``"bias"``)."""
+    registry.exclude_layer(part)

@@ -1,0 +1,122 @@
+"""CompressionConfig: defaults, validation, the environment (MPX and CGX names), filtering."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import mpx.quantize as mq
+from mpx.quantize.config import CompressionConfig, registry
+
+
+@pytest.fixture(autouse=True)
+def clean_registry() -> Iterator[None]:
+    registry.clear()
+    yield
+    registry.clear()
+
+
+def test_defaults_follow_cgx() -> None:
+    c = CompressionConfig()
+    assert (c.bits, c.bucket_size, c.skip_incomplete_buckets) == (4, 512, False)
+    assert c.fusion_buffer_mb == 64
+    assert c.min_compressed == 16
+    assert c.enabled
+    assert not c.error_feedback
+    assert c.stochastic
+    assert c.exclude == ()
+
+
+def test_bad_values_name_themselves() -> None:
+    with pytest.raises(ValueError, match="bits=9"):
+        CompressionConfig(bits=9)
+    with pytest.raises(ValueError, match="bucket_size=0"):
+        CompressionConfig(bucket_size=0)
+    with pytest.raises(ValueError, match="minimal_size=-1"):
+        CompressionConfig(minimal_size=-1)
+    with pytest.raises(ValueError, match="fusion_buffer_mb=0"):
+        CompressionConfig(fusion_buffer_mb=0)
+    with pytest.raises(ValueError, match="exclude entries"):
+        CompressionConfig(exclude=("",))
+    assert not CompressionConfig(bits=32).enabled
+
+
+def test_a_single_exclude_string_is_one_pattern() -> None:
+    c = CompressionConfig(exclude="bn")  # type: ignore[arg-type]
+    assert c.exclude == ("bn",)
+    assert c.compresses(1000, "layer1.conv.weight", 4)
+    assert not c.compresses(1000, "layer1.bn.weight", 4)
+
+
+def test_from_env_reads_mpx_names() -> None:
+    env = {
+        "MPX_QUANTIZE_BITS": "3",
+        "MPX_QUANTIZE_BUCKET_SIZE": "1024",
+        "MPX_QUANTIZE_SKIP_INCOMPLETE_BUCKETS": "1",
+        "MPX_QUANTIZE_MINIMAL_SIZE": "5000",
+        "MPX_QUANTIZE_FUSION_BUFFER_MB": "2.5",
+        "MPX_QUANTIZE_ERROR_FEEDBACK": "true",
+        "MPX_QUANTIZE_EXCLUDE": "bn, bias",
+        "MPX_QUANTIZE_STOCHASTIC": "0",
+        "MPX_QUANTIZE_SEED": "7",
+    }
+    c = CompressionConfig.from_env(env)
+    assert c == CompressionConfig(3, 1024, True, 5000, 2.5, True, ("bn", "bias"), False, 7)
+
+
+def test_from_env_accepts_cgx_names_and_mpx_wins() -> None:
+    env = {
+        "CGX_COMPRESSION_QUANTIZATION_BITS": "2",
+        "CGX_COMPRESSION_BUCKET_SIZE": "128",
+        "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "1",
+        "CGX_COMPRESSION_MINIMAL_SIZE": "100",
+        "CGX_FUSION_BUFFER_SIZE_MB": "8",
+    }
+    c = CompressionConfig.from_env(env)
+    assert (c.bits, c.bucket_size, c.skip_incomplete_buckets) == (2, 128, True)
+    assert (c.minimal_size, c.fusion_buffer_mb) == (100, 8.0)
+    c2 = CompressionConfig.from_env({**env, "MPX_QUANTIZE_BITS": "8"})
+    assert c2.bits == 8
+    assert not CompressionConfig.from_env({"CGX_COMPRESSION_QUANTIZATION_BITS": "32"}).enabled
+    assert CompressionConfig.from_env({}, bits=5).bits == 5  # overrides win
+    assert CompressionConfig.from_env({}) == CompressionConfig()
+
+
+def test_from_env_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="MPX_QUANTIZE_BITS='four'"):
+        CompressionConfig.from_env({"MPX_QUANTIZE_BITS": "four"})
+    with pytest.raises(ValueError, match="CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS='maybe'"):
+        CompressionConfig.from_env({"CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "maybe"})
+    with pytest.raises(ValueError, match=r"bits=0.*environment"):
+        CompressionConfig.from_env({"CGX_COMPRESSION_QUANTIZATION_BITS": "0"})
+    monkeypatch.setenv("MPX_QUANTIZE_BUCKET_SIZE", "64")
+    assert CompressionConfig.from_env().bucket_size == 64
+
+
+def test_which_tensors_are_compressed() -> None:
+    c = CompressionConfig(minimal_size=100, exclude=("bn",))
+    assert c.compresses(100)
+    assert not c.compresses(99)
+    assert not CompressionConfig(minimal_size=0).compresses(15)  # never below 16
+    assert c.compresses(1000, "fc.weight", 2)
+    assert not c.compresses(1000, "fc.bias", 1)  # 1-D
+    assert not c.compresses(1000, "bn1.weight", 2)
+    assert c.compresses(1000, None, None)  # a bare flat buffer: size only
+    assert not CompressionConfig(bits=32).compresses(10**6)
+    mq.exclude_layer("fc")
+    assert not c.compresses(1000, "fc.weight", 2)
+    with pytest.raises(ValueError, match="exclude_layer"):
+        mq.exclude_layer("")
+
+
+def test_register_model_records_names() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    mq.register_model(model)
+    assert registry.order == [("0.weight", 12), ("0.bias", 4), ("1.weight", 4), ("1.bias", 4)]
+    assert registry.name_of(model[0].weight) == "0.weight"
+    state = mq.QuantizeState(CompressionConfig(), comm=None, model=None)
+    assert state.name_of(model[1].bias) == "1.bias"
+    mq.register_model([("extra", 10)])
+    assert registry.order[-1] == ("extra", 10)
