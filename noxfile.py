@@ -25,6 +25,7 @@ CONSTRAINTS = str(ROOT / "constraints.txt")
 PACKAGES = ["launch", "collectives", "quantize", "mgrit", "pipeline", "dataparallel"]
 RANK_COUNTS = (1, 2, 3)
 TEST_DEPS = ["torch", "numpy", "mpi4py", "mpich", "pytest", "pytest-timeout", "scikit-learn"]
+TEST_DEPS += ["matplotlib"]  # the examples' plots, run by the tests
 TEST_DEPS += ["pymgrit"]  # mpx-mgrit: the reference solver of its tests
 # Wall-clock limit of one multi-rank pytest run; each test has its own (300 s).
 MPI_RUN_TIMEOUT_S = "1200"
@@ -50,7 +51,8 @@ def _timed(session: nox.Session, label: str, *args: str, **kwargs: object) -> No
     session.log(f"{label}: {time.monotonic() - start:.1f} s")
 
 
-TEST_PATHS = [f"packages/{name}/tests" for name in PACKAGES]
+# tests/: whole-product tests (the docs' snippets under mpxrun).
+TEST_PATHS = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
 
 
 def _mpi_runs(session: nox.Session, marker: str, **kwargs: object) -> None:
@@ -119,7 +121,7 @@ def tests_gpu(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check) and mypy (strict) over every package."""
     _install(session, "ruff", "mypy", "matplotlib")
-    targets = ["packages", "examples", "noxfile.py", "conftest.py"]
+    targets = ["packages", "examples", "tests", "noxfile.py", "conftest.py"]
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
     sources = [f"packages/{name}/src/mpx/{name}" for name in PACKAGES]
