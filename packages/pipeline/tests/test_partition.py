@@ -28,7 +28,9 @@ def test_split_is_optimal(seed: int) -> None:
     k = int(torch.randint(1, n + 1, (1,), generator=g))
     times = torch.rand(n, generator=g).tolist()
     balance = split_times(times, k)
-    assert len(balance) == k and sum(balance) == n and min(balance) >= 1
+    assert len(balance) == k
+    assert sum(balance) == n
+    assert min(balance) >= 1
     edges = [0, *itertools.accumulate(balance)]
     slowest = max(sum(times[a:b]) for a, b in itertools.pairwise(edges))
     assert slowest == pytest.approx(brute_force(times, k))
@@ -53,6 +55,8 @@ def test_check_balance_messages() -> None:
 def test_layer_times_and_inplace_detection() -> None:
     model = nn.Sequential(nn.Linear(4, 400), nn.ReLU(inplace=True), nn.Linear(400, 400))
     times = layer_times(model, torch.randn(64, 4))
-    assert len(times) == 3 and all(t > 0 for t in times)
+    assert len(times) == 3
+    assert all(t > 0 for t in times)
     assert all(p.grad is None for p in model.parameters())
-    assert has_inplace(model[1]) and not has_inplace(model[0])
+    assert has_inplace(model[1])
+    assert not has_inplace(model[0])

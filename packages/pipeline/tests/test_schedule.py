@@ -36,13 +36,13 @@ def test_gpipe_grid_by_hand() -> None:
     assert grid("gpipe", 2, 2) == "stage 0 | F0 F1 .  .  B1 B0\nstage 1 | .  F0 F1 B1 B0 ."
 
 
-@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 4), (4, 8), (5, 3)])
+@pytest.mark.parametrize(("p", "m"), [(2, 1), (2, 4), (3, 4), (4, 8), (5, 3)])
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_bubble_is_the_textbook_fraction(name: str, p: int, m: int) -> None:
     assert bubble_fraction(name, p, m) == pytest.approx((p - 1) / (m + p - 1))
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (3, 4), (4, 8), (3, 2)])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 4), (4, 8), (3, 2)])
 def test_1f1b_keeps_at_most_p_minus_s_alive(p: int, m: int) -> None:
     for s in range(p):
         assert max_alive(stage_ops("1f1b", s, p, m)) == min(p - s, m)
@@ -50,7 +50,7 @@ def test_1f1b_keeps_at_most_p_minus_s_alive(p: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-@pytest.mark.parametrize("p,m", [(1, 3), (2, 5), (4, 4)])
+@pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 5), (4, 4)])
 def test_every_sync_schedule_runs_each_pass_once(name: str, p: int, m: int) -> None:
     if name == "async":
         return

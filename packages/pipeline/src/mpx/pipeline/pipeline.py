@@ -186,9 +186,11 @@ class Pipeline(nn.Module):
 
     # -- one micro-batch --------------------------------------------------------
 
-    def _input(self, j: int, xs: list[torch.Tensor]) -> Micro:
+    def _input(self, j: int, x: torch.Tensor | None) -> Micro:
+        """Micro-batch ``j``'s input: ``x`` on the first stage, else received."""
         if self.first:
-            return Micro(feed=xs[j])
+            assert x is not None
+            return Micro(feed=x)
         assert self._act_in is not None
         buf = self._act_in.get(j)
         feed = buf.detach()
@@ -294,7 +296,9 @@ class Pipeline(nn.Module):
         ops: list[Op] = stage_ops(self.schedule, self.stage_id, self.num_stages, m)
         for kind, j in ops:
             if kind == "F":
-                mb = self._input(j, xs)  # waits for the activation: not busy time
+                mb = self._input(
+                    j, xs[j] if self.first else None
+                )  # waits for the activation: not busy time
                 start = time.perf_counter()
                 mb.target = ts[j] if self.last else None
                 mb.recompute = self.checkpoint == "always" or (
@@ -347,7 +351,7 @@ class Pipeline(nn.Module):
         outs = []
         with torch.no_grad():
             for j in range(m):
-                mb = self._input(j, xs)
+                mb = self._input(j, xs[j] if self.first else None)
                 y = self.stage.run(mb.feed, -self._eval_calls * m - j)
                 if self.last:
                     outs.append(y)

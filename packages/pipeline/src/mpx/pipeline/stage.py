@@ -91,7 +91,7 @@ class Stage(nn.Module):
             for k, layer in enumerate(self.layers):
                 index = self.start + k
                 torch.manual_seed(layer_seed(self.seed, microbatch, index))
-                if weights is None:
+                if weights is None or index not in weights:
                     x = layer(x)
                 else:
                     x = functional_call(layer, dict(weights[index]), (x,))
