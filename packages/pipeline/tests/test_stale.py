@@ -251,3 +251,47 @@ def test_async_options_are_checked() -> None:
         Pipeline(model, balance, schedule="async", step_every=0)
     with pytest.raises(PipelineError, match="recompute=True"):
         Pipeline(model, balance, schedule="async", checkpoint="always")
+
+
+def digits_accuracy(schedule: str, **options: object) -> float:
+    """Trains a small MLP on digits with ``schedule``; test accuracy (on every rank)."""
+    from sklearn.datasets import load_digits
+
+    comm = world()
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    x_train, y_train, x_test, y_test = x[:1400], y[:1400], x[1400:1796], y[1400:1796]
+    torch.manual_seed(3)
+    layers: list[nn.Module] = [nn.Linear(64, 48), nn.Tanh()]
+    for _ in range(comm.size - 1):
+        layers += [nn.Linear(48, 48), nn.Tanh()]
+    layers.append(nn.Linear(48, 10))
+    balance = [2] * comm.size
+    balance[-1] += 1
+    pipe = Pipeline(nn.Sequential(*layers), balance, chunks=4, schedule=schedule, **options)  # type: ignore[arg-type]
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        order = torch.randperm(len(x_train), generator=gen)
+        for i in range(0, len(order), 40):
+            idx = order[i : i + 40]
+            pipe.step(x_train[idx], y_train[idx], nn.functional.cross_entropy, opt)
+    pipe.flush(opt)
+    out = pipe(x_test)
+    acc = torch.zeros(1, dtype=torch.float64)
+    if pipe.last:
+        assert out is not None
+        acc[0] = (out.argmax(1) == y_test).double().mean()
+    from mpx.collectives import broadcast
+
+    broadcast(acc, comm.size - 1)
+    return float(acc)
+
+
+def test_async_training_reaches_synchronous_accuracy() -> None:
+    sync = digits_accuracy("gpipe")
+    # The same mini-batch as gpipe's (step_every = chunks): only staleness differs.
+    stale = digits_accuracy("async", weight_prediction="msnag", gap_aware="ga", step_every=4)
+    assert sync > 0.85
+    assert stale >= sync - 0.02, (sync, stale)

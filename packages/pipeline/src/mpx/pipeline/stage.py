@@ -90,7 +90,9 @@ class Stage(nn.Module):
         try:
             for k, layer in enumerate(self.layers):
                 index = self.start + k
-                torch.manual_seed(layer_seed(self.seed, microbatch, index))
+                # The CPU generator only: torch.manual_seed also queues CUDA
+                # seeding and records a stack trace each time (slow).
+                torch.default_generator.manual_seed(layer_seed(self.seed, microbatch, index))
                 if weights is None or index not in weights:
                     x = layer(x)
                 else:

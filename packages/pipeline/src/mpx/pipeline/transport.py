@@ -23,6 +23,7 @@ polled and dropped as they finish and waited for at the end of each call.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -34,8 +35,16 @@ __all__ = ["Inbox", "Outbox", "decode_header", "encode_header"]
 
 _MAX_DIMS = 8
 _HEADER_TAG = 1
+_NO_LIMIT_S = 10.0**9
 _WINDOW = 8192  # micro-batches that may be in flight on one link at once
 _TAG_BASE = {"act": _WINDOW, "grad": 2 * _WINDOW}
+
+
+def _wait(handle: Handle[Any], comm: Communicator) -> None:
+    """Waits politely: with a deadline, mpx polls and then sleeps between polls
+    instead of spinning inside MPI. A pipeline stage waits a lot (the bubble), and
+    a spinning rank takes the core from a computing one when ranks share cores."""
+    handle.wait(comm.timeout if comm.timeout is not None else _NO_LIMIT_S)
 
 
 def _tag(kind: str, j: int) -> int:
@@ -105,7 +114,7 @@ class Inbox:
 
     def _post_expected(self) -> None:
         assert self._header_handle is not None
-        self._header_handle.wait()
+        _wait(self._header_handle, self.comm)
         self._header_handle = None
         shape, dtype = decode_header(self._header)
         for j in self._expect:
@@ -125,7 +134,7 @@ class Inbox:
         if j not in self._pending:
             raise PipelineError(f"internal: no receive posted for micro-batch {j}")
         buf, handle = self._pending.pop(j)
-        handle.wait()
+        _wait(handle, self.comm)
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
@@ -164,12 +173,12 @@ class Outbox:
     def wait(self, j: int) -> None:
         entry = self._inflight.pop(j, None)
         if entry is not None:
-            entry[1].wait()
+            _wait(entry[1], self.comm)
 
     def wait_all(self) -> None:
         for _, handle in self._headers:
-            handle.wait()
+            _wait(handle, self.comm)
         for _, handle in self._inflight.values():
-            handle.wait()
+            _wait(handle, self.comm)
         self._headers.clear()
         self._inflight.clear()
