@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--gap-aware", choices=["ga", "ga_jfl"], default=None)
     parser.add_argument("--no-stashing", action="store_true")
     parser.add_argument("--recompute", action="store_true")
+    parser.add_argument(
+        "--step-every", type=int, default=1, help="async: micro-batches per optimizer step"
+    )
     parser.add_argument("--plot", default=None, help="write loss/accuracy curves to this PNG")
     args = parser.parse_args()
 
@@ -67,6 +70,7 @@ def main() -> None:
             "weight_prediction": args.prediction,
             "gap_aware": args.gap_aware,
             "recompute": args.recompute,
+            "step_every": args.step_every,
         }
     pipe = Pipeline(
         model(),

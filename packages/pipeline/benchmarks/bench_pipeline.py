@@ -66,7 +66,7 @@ def measure() -> None:
         fn()  # warm-up: allocations, buffers, connections
         samples, bubbles = [], []
         for _ in range(REPEATS):
-            raw.Barrier()
+            polite_barrier()
             start = time.perf_counter()
             fn()
             wall = time.perf_counter() - start
@@ -78,6 +78,13 @@ def measure() -> None:
         return worst, bubble
 
     rows: list[tuple[str, int | None, float, float | None]] = []
+
+    def polite_barrier() -> None:
+        # Sleeps instead of spinning: in the single-process row the idle rank
+        # must not take a core from the computing one.
+        request = raw.Ibarrier()
+        while not request.Test():
+            time.sleep(1e-4)
 
     # The whole model in one process; the other rank waits.
     serial = build()
@@ -92,15 +99,17 @@ def measure() -> None:
     t_serial, _ = timed(serial_step)
     rows.append(("single process (whole model)", None, t_serial, None))
 
-    for schedule, m in [
-        ("sequential", 1),
-        ("gpipe", 1),
-        ("gpipe", 4),
-        ("gpipe", 8),
-        ("1f1b", 8),
-        ("async", 8),
+    for schedule, m, every in [
+        ("sequential", 1, 1),
+        ("gpipe", 1, 1),
+        ("gpipe", 4, 1),
+        ("gpipe", 8, 1),
+        ("1f1b", 8, 1),
+        ("async", 8, 1),
+        ("async", 8, 8),
     ]:
-        pipe = Pipeline(build(), half, chunks=m, schedule=schedule)  # type: ignore[arg-type]
+        opts = {"step_every": every} if schedule == "async" else {}
+        pipe = Pipeline(build(), half, chunks=m, schedule=schedule, **opts)  # type: ignore[arg-type]
         popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         t, bubble = timed(
             lambda pipe=pipe, popt=popt: pipe.step(x, y, loss_fn, popt),
@@ -108,7 +117,8 @@ def measure() -> None:
         )
         if schedule == "async":
             pipe.flush(popt)
-        rows.append((f"mpx {schedule}", m, t, bubble))
+        label = f"mpx {schedule}" + (f" step_every={every}" if schedule == "async" else "")
+        rows.append((label, m, t, bubble))
 
     init_torch_env()
     dist.init_process_group("gloo")
@@ -160,6 +170,12 @@ def measure() -> None:
                 f"{'-' if bubble is None else f'{bubble:.2f}'} | {theory if m else '-'} |",
                 flush=True,
             )
+        by_label = {(r[0], r[1]): r[2] for r in rows}
+        gpipe8 = by_label[("mpx gpipe", 8)]
+        for every in (1, 8):
+            ratio = gpipe8 / by_label[(f"mpx async step_every={every}", 8)]
+            print(f"\nasync (m=8, step_every={every}) ÷ gpipe m=8: {ratio:.2f}×", end="")
+        print()
         if "error" in torch_rows:
             print(
                 f"| torch.distributed.pipelining | 8 | failed: {torch_rows['error']} "

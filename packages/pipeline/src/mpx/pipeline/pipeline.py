@@ -16,6 +16,7 @@ micro-batches, the loss and gradients of the whole batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from mpx.pipeline.partition import (
 )
 from mpx.pipeline.schedule import SCHEDULES, Op, stage_ops
 from mpx.pipeline.stage import Stage
-from mpx.pipeline.transport import Inbox, Outbox
+from mpx.pipeline.transport import WAITED, Inbox, Outbox
 
 __all__ = ["Pipeline"]
 
@@ -262,8 +263,9 @@ class Pipeline(nn.Module):
 
         Without an optimizer, gradients accumulate into ``.grad`` (as
         ``loss.backward()`` would); with one, they are zeroed first and the
-        step follows the backward. ``scheduler`` (async only) is stepped after
-        every optimizer step and lets weight prediction see future rates.
+        step follows the backward. ``scheduler`` is stepped after every
+        optimizer step (async: after each of the call's steps, and weight
+        prediction reads its future rates).
 
         Returns:
             The mean micro-batch loss, the same on every rank (and replica).
@@ -279,11 +281,11 @@ class Pipeline(nn.Module):
             self._average_replica_grads()
             if optimizer is not None:
                 optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
         return self._share_loss(loss)
 
     def _sync_call(self, xs: list[torch.Tensor], ts: list[torch.Tensor], loss_fn: LossFn) -> float:
-        import time
-
         m, base = self.chunks, self._microbatches
         self._microbatches += m
         if self._act_in is not None:
@@ -292,14 +294,11 @@ class Pipeline(nn.Module):
             self._act_out.new_call()
         live: dict[int, Micro] = {}
         total = 0.0
-        self.busy_seconds = 0.0
+        start, waited = time.perf_counter(), WAITED[0]
         ops: list[Op] = stage_ops(self.schedule, self.stage_id, self.num_stages, m)
         for kind, j in ops:
             if kind == "F":
-                mb = self._input(
-                    j, xs[j] if self.first else None
-                )  # waits for the activation: not busy time
-                start = time.perf_counter()
+                mb = self._input(j, xs[j] if self.first else None)
                 mb.target = ts[j] if self.last else None
                 mb.recompute = self.checkpoint == "always" or (
                     self.checkpoint == "except_last" and j < m - 1
@@ -309,9 +308,9 @@ class Pipeline(nn.Module):
                     total += float(mb.loss.detach())
                 live[j] = mb
             else:
-                start = time.perf_counter()
                 self._backward(j, live.pop(j), base + j, loss_fn, 1.0 / m)
-            self.busy_seconds += time.perf_counter() - start
+        # Compute time: the ops' time less the time spent waiting for messages.
+        self.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
         self._finish_sends()
         return total / m
 

@@ -34,6 +34,7 @@ from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
 from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
 from mpx.pipeline.schedule import async_ops, flush_ops
 from mpx.pipeline.stage import Weights
+from mpx.pipeline.transport import WAITED
 
 if TYPE_CHECKING:
     from mpx.pipeline.pipeline import LossFn, Micro, Pipeline
@@ -231,9 +232,8 @@ class StaleRunner:
         if pipe._act_out is not None:
             pipe._act_out.new_call()
         losses: list[float] = []
-        pipe.busy_seconds = 0.0
+        start, waited = time.perf_counter(), WAITED[0]
         for kind, j in async_ops(self.depth, self.done_f, self.done_b, self.total):
-            start = time.perf_counter()
             if kind == "F":
                 k = j - first_id
                 x = xs[k] if pipe.first else None
@@ -245,7 +245,7 @@ class StaleRunner:
             else:
                 self._backward(j, loss_fn)
                 self._maybe_step(optimizer, scheduler)
-            pipe.busy_seconds += time.perf_counter() - start
+        pipe.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
         pipe._finish_sends()
         return sum(losses) / len(losses) if losses else 0.0
 

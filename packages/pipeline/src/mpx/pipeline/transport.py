@@ -22,6 +22,7 @@ polled and dropped as they finish and waited for at the end of each call.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -31,7 +32,7 @@ from mpx.collectives import Communicator, Handle, recv, send
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.pipeline.errors import PipelineError
 
-__all__ = ["Inbox", "Outbox", "decode_header", "encode_header"]
+__all__ = ["WAITED", "Inbox", "Outbox", "decode_header", "encode_header"]
 
 _MAX_DIMS = 8
 _HEADER_TAG = 1
@@ -40,11 +41,17 @@ _WINDOW = 8192  # micro-batches that may be in flight on one link at once
 _TAG_BASE = {"act": _WINDOW, "grad": 2 * _WINDOW}
 
 
+WAITED = [0.0]
+"""Seconds this process has spent waiting for pipeline messages (busy-time accounting)."""
+
+
 def _wait(handle: Handle[Any], comm: Communicator) -> None:
     """Waits politely: with a deadline, mpx polls and then sleeps between polls
     instead of spinning inside MPI. A pipeline stage waits a lot (the bubble), and
     a spinning rank takes the core from a computing one when ranks share cores."""
+    start = time.perf_counter()
     handle.wait(comm.timeout if comm.timeout is not None else _NO_LIMIT_S)
+    WAITED[0] += time.perf_counter() - start
 
 
 def _tag(kind: str, j: int) -> int:
