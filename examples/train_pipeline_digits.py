@@ -12,6 +12,7 @@ writes the curves to a PNG.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -110,7 +111,9 @@ def main() -> None:
         if pipe.last:
             assert out is not None
             accuracy = float((out[: len(x_test)].argmax(1) == y_test).float().mean())
-            loss = sum(losses) / len(losses)
+            # async reports each call's loss one call late (NaN on the first).
+            known = [v for v in losses if not math.isnan(v)]
+            loss = sum(known) / max(len(known), 1)
             history.append((loss, accuracy))
             print(
                 f"epoch {epoch:3d}  loss {loss:.4f}  test accuracy {accuracy:.4f}  "

@@ -153,12 +153,21 @@ def test_one_stage_async_is_plain_sgd_per_microbatch() -> None:
     pipe = Pipeline(model, balance, comm=solo, chunks=2, schedule="async", step_every=2)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    losses, ref_losses = [], []
     for x, y in batches(3, 4):
-        pipe.step(x, y, nn.functional.cross_entropy, opt)
+        losses.append(pipe.step(x, y, nn.functional.cross_entropy, opt))
         ref_opt.zero_grad()
+        total = 0.0
         for xj, yj in zip(x.chunk(2), y.chunk(2), strict=True):
-            (nn.functional.cross_entropy(ref(xj), yj) / 2).backward()
+            loss = nn.functional.cross_entropy(ref(xj), yj)
+            (loss / 2).backward()
+            total += loss.item() / 2
         ref_opt.step()
+        ref_losses.append(total)
+    # Losses come one call late (no synchronisation per call); flush gives the last.
+    losses.append(pipe.flush(opt))
+    assert losses[0] != losses[0]  # NaN
+    assert losses[1:] == pytest.approx(ref_losses, abs=1e-12)
     for (name, a), b in zip(pipe.stage.layers.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
 
@@ -236,7 +245,8 @@ def test_every_combination_runs_and_learns(
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     x, y = batches(1, 16)[0]
     losses = [pipe.step(x, y, nn.functional.cross_entropy, opt, sched) for _ in range(12)]
-    pipe.flush(opt, sched)
+    losses.append(pipe.flush(opt, sched))
+    losses = losses[1:]  # the first call has no earlier loss to report
     assert all(torch.isfinite(p).all() for p in pipe.parameters())
     assert losses[-1] < losses[0], (name, recompute, losses)
 

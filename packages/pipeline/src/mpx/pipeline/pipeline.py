@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, allreduce, broadcast, world
+from mpx.collectives import Communicator, Handle, allreduce, broadcast, world
 from mpx.pipeline.errors import PipelineError
 from mpx.pipeline.partition import (
     check_balance,
@@ -135,6 +135,7 @@ class Pipeline(nn.Module):
         self._eval_calls = 0
         self.busy_seconds = 0.0  # compute time of the last call (bubble measurements)
         self._stale: Any = None
+        self._pending_loss: tuple[torch.Tensor, Handle[torch.Tensor]] | None = None
         async_opts = (weight_prediction, gap_aware, step_every, recompute, weight_stashing)
         if schedule == "async":
             from mpx.pipeline.stale import StaleRunner
@@ -269,11 +270,14 @@ class Pipeline(nn.Module):
 
         Returns:
             The mean micro-batch loss, the same on every rank (and replica).
+            ``async`` returns the previous call's loss (NaN on the first call;
+            ``flush`` returns the last one): sharing it at once would make
+            every call wait for the last stage, a flush in all but name.
         """
         xs = self._split(inputs, "inputs", self.first)
         ts = self._split(target, "target", self.last)
         if self._stale is not None:
-            loss = self._stale.call(xs, ts, loss_fn, optimizer, scheduler)
+            return self._share_loss_later(self._stale.call(xs, ts, loss_fn, optimizer, scheduler))
         else:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
@@ -334,6 +338,21 @@ class Pipeline(nn.Module):
             allreduce(value, "avg", comm=self.dp_comm)
         return float(value)
 
+    def _share_loss_later(self, loss: float | None) -> float:
+        """Starts sharing ``loss``; returns the one shared before (NaN if none)."""
+        previous = self._pending_loss
+        self._pending_loss = None
+        if loss is not None:
+            value = torch.tensor([loss], dtype=torch.float64)
+            handle = broadcast(value, self.num_stages - 1, comm=self.comm, async_op=True)
+            self._pending_loss = (value, handle)
+        if previous is None:
+            return float("nan")
+        previous[1].wait()
+        if self.dp_comm is not None and self.dp_comm.size > 1:
+            allreduce(previous[0], "avg", comm=self.dp_comm)
+        return float(previous[0])
+
     def forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
         """Forward only, without gradients; the output on the last stage, None elsewhere.
 
@@ -368,10 +387,16 @@ class Pipeline(nn.Module):
         self,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
-    ) -> None:
-        """``async``: runs the backwards still owed (and their steps). Others: no-op."""
-        if self._stale is not None:
-            self._stale.flush(optimizer, scheduler)
+    ) -> float:
+        """``async``: runs the backwards still owed (and their steps).
+
+        Returns:
+            The loss of the last ``step`` (async), NaN for the other schedules.
+        """
+        if self._stale is None:
+            return float("nan")
+        self._stale.flush(optimizer, scheduler)
+        return self._share_loss_later(None)
 
     def __call__(self, inputs: torch.Tensor | None) -> torch.Tensor | None:  # typed call
         return super().__call__(inputs)  # type: ignore[no-any-return]

@@ -154,7 +154,9 @@ class StaleRunner:
         if self.recompute:
             mb.extra["weights"] = self._plain(values)
         else:
-            mb.extra["weights"] = self._leaves(values)
+            # Live parameters (nothing steps before the backward) go straight
+            # into the graph, and autograd accumulates into ``.grad`` itself.
+            mb.extra["weights"] = None if values is None else self._leaves(values)
         pipe._forward(j, mb, j, loss_fn)
         self.live[j] = mb
         return None if mb.loss is None else float(mb.loss.detach())
@@ -164,24 +166,32 @@ class StaleRunner:
         values = mb.extra["values"]
         if self.recompute:
             used = values if (self.stashing and values is not None) else None
-            leaves = self._leaves(used)
+        else:
+            used = values
+        gap_ref = values if self.gap_aware == "ga_jfl" else used
+        # The gap-aware penalty needs this micro-batch's gradient on its own.
+        separate = self._ga is not None and gap_ref is not None
+        if self.recompute:
+            leaves = self._leaves(used) if (used is not None or separate) else None
             mb.extra["backward_weights"] = leaves
         else:
-            used, leaves = values, mb.extra["weights"]
+            leaves = mb.extra["weights"]
         self.staleness.append(self.version - mb.extra["version"])
         self.pipe._backward(j, mb, j, loss_fn, 1.0 / self.step_every)
-        gap_ref = values if self.gap_aware == "ga_jfl" else used
-        with torch.no_grad():
-            for i, name, p in self.params:
-                g = leaves[i][name].grad
-                if g is None:
-                    continue
-                if self._ga is not None and gap_ref is not None:
-                    g = g / self._ga.penalty(p, gap_ref[p])
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.add_(g)
+        if leaves is not None:
+            with torch.no_grad():
+                for i, name, p in self.params:
+                    g = leaves[i][name].grad
+                    if g is None:
+                        continue
+                    if separate:
+                        assert self._ga is not None
+                        assert gap_ref is not None
+                        g = g / self._ga.penalty(p, gap_ref[p])
+                    if p.grad is None:
+                        p.grad = g  # the leaf's own gradient: nobody else holds it
+                    else:
+                        p.grad.add_(g)
         self.done_b += 1
 
     def _maybe_step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
