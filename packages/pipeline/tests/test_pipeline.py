@@ -157,14 +157,18 @@ def test_second_step_with_optimizer_and_forward_only() -> None:
     pipe = Pipeline(model, balance, chunks=2, schedule="gpipe")
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
     for seed in (1, 2, 3):
         x, y = data(seed)
-        loss = pipe.step(x, y, nn.functional.cross_entropy, opt)
+        loss = pipe.step(x, y, nn.functional.cross_entropy, opt, sched)
         ref_opt.zero_grad()
         ref_loss = nn.functional.cross_entropy(ref(x), y)
         ref_loss.backward()
         ref_opt.step()
+        ref_sched.step()
         assert abs(loss - ref_loss.item()) < TOL
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 / 8
     compare(pipe, ref)
     x, _ = data(9)
     out = pipe(x)
