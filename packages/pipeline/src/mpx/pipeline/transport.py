@@ -22,6 +22,7 @@ polled and dropped as they finish and waited for at the end of each call.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -45,12 +46,28 @@ WAITED = [0.0]
 """Seconds this process has spent waiting for pipeline messages (busy-time accounting)."""
 
 
+def _oversubscribed(comm: Communicator) -> bool:
+    """More ranks on this node than cores this process may run on (cached per comm)."""
+    known = comm.cached("pipeline.oversubscribed")
+    if known is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        known = comm.cache("pipeline.oversubscribed", comm.node_size > (cores or 1))
+    return bool(known)
+
+
 def _wait(handle: Handle[Any], comm: Communicator) -> None:
-    """Waits politely: with a deadline, mpx polls and then sleeps between polls
-    instead of spinning inside MPI. A pipeline stage waits a lot (the bubble), and
-    a spinning rank takes the core from a computing one when ranks share cores."""
+    """Waits for a message, spinning only when every rank has a core of its own.
+
+    A stage waits a lot (the bubble, a neighbour's compute). With a core per
+    rank, MPI's own spinning wait has the lowest latency. With more ranks than
+    cores (CI runs 3 ranks on 2) a spinning rank takes the core from a
+    computing one, so mpx's polling wait, which sleeps between polls, is used.
+    """
     start = time.perf_counter()
-    handle.wait(comm.timeout if comm.timeout is not None else _NO_LIMIT_S)
+    if comm.timeout is None and not _oversubscribed(comm):
+        handle.wait()
+    else:
+        handle.wait(comm.timeout if comm.timeout is not None else _NO_LIMIT_S)
     WAITED[0] += time.perf_counter() - start
 
 
