@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 WIDTH, DEPTH, BATCH = 768, 8, 256
-REPEATS = 6
+REPEATS = 10
 
 
 def build() -> object:

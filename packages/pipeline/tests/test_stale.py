@@ -305,3 +305,43 @@ def test_async_training_reaches_synchronous_accuracy() -> None:
     stale = digits_accuracy("async", weight_prediction="msnag", gap_aware="ga", step_every=4)
     assert sync > 0.85
     assert stale >= sync - 0.02, (sync, stale)
+
+
+def test_async_data_parallel_replicas_average_every_step() -> None:
+    # 1 stage x n replicas: each micro-batch step uses the replicas' average
+    # gradient, i.e. the gradient of the micro-batches of all replicas together.
+    comm = world()
+    n, chunks = comm.size, 2
+    replica_comm = comm.split(0, comm.rank)
+    solo = comm.split(comm.rank)
+    assert replica_comm is not None
+    assert solo is not None
+    model, balance = make_model(1)
+    ref, _ = make_model(1)
+    pipe = Pipeline(
+        model,
+        balance,
+        comm=solo,
+        chunks=chunks,
+        schedule="async",
+        data_parallel_comm=replica_comm,
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.5)
+    for x, y in batches(3, 4 * n):
+        per = len(x) // n
+        mine = slice(comm.rank * per, (comm.rank + 1) * per)
+        pipe.step(x[mine], y[mine], nn.functional.cross_entropy, opt)
+        parts = [
+            (x[r * per : (r + 1) * per].chunk(chunks), y[r * per : (r + 1) * per].chunk(chunks))
+            for r in range(n)
+        ]
+        for j in range(chunks):
+            xj = torch.cat([p[0][j] for p in parts])
+            yj = torch.cat([p[1][j] for p in parts])
+            ref_opt.zero_grad()
+            nn.functional.cross_entropy(ref(xj), yj).backward()
+            ref_opt.step()
+    pipe.flush(opt)
+    for a, b in zip(pipe.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
