@@ -264,3 +264,29 @@ def test_two_dimensional_pipeline_times_data_parallel() -> None:
         ref_loss.backward()
         compare(pipe, ref)
         assert abs(loss - ref_loss.item()) < TOL
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "async"])
+def test_batch_size_may_change_between_calls(schedule: str) -> None:
+    # Every call's header carries the shape; receive buffers follow it.
+    comm = world()
+    model, balance = make_model(comm.size)
+    ref, _ = make_model(comm.size)
+    pipe = Pipeline(model, balance, chunks=2, schedule=schedule)
+    for size in (12, 8, 12, 4):
+        x, y = data(size)
+        x, y = x[:size], y[:size]
+        pipe.step(x, y, nn.functional.cross_entropy)
+        nn.functional.cross_entropy(ref(x[: size // 2]), y[: size // 2]).backward()
+        nn.functional.cross_entropy(ref(x[size // 2 :]), y[size // 2 :]).backward()
+    pipe.flush()
+    if schedule == "gpipe":
+        # Gradients accumulate over the calls: sum of mean micro-batch losses / 2.
+        for index, layer in pipe.local_layers().items():
+            for (name, p), q in zip(layer.named_parameters(), ref[index].parameters(), strict=True):
+                assert p.grad is not None
+                torch.testing.assert_close(p.grad, q.grad / 2, rtol=0, atol=TOL, msg=name)
+    out = pipe(torch.zeros(6, D, dtype=torch.float64))
+    assert (out is not None) == pipe.last
+    if out is not None:
+        assert out.shape == (6, OUT)
