@@ -38,7 +38,7 @@ def test_second_step_running_mean_and_weight_decay() -> None:
         ga.after_step(opt, None)
     a = 0.999 * (0.001 * 9.0) + 0.001 * 1.0
     c = 0.1 * (math.sqrt(a / (1 - 0.999**2)) + 1e-8)
-    theta = float(p)
+    theta = p.item()
     phi = ga.penalty(p, torch.tensor([theta - 0.3], dtype=torch.float64))
     assert abs(float(phi) - (1 + 0.3 / c)) < 1e-12
     # Weight decay damped too: the step's gradient becomes (g + λθ)/Φ.
