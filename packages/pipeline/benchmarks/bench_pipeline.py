@@ -7,7 +7,10 @@ intra-op thread per rank), it times a training step (forward, backward, SGD
 step) of: the whole model in one process (rank 0 alone), mpx ``sequential``,
 ``gpipe`` with m = 1, 4, 8, ``1f1b`` and ``async`` with m = 8, and
 ``torch.distributed.pipelining`` ScheduleGPipe / Schedule1F1B on gloo with
-the same split. Time is the median step over repeats, the slowest rank's.
+the same split. Time is the median over samples of 3 consecutive steps (no
+barrier between them, which would flush the async pipeline), taken
+round-robin over the configurations so that load changes hit all alike; the
+slowest rank's.
 Measured bubble = 1 - (compute time / step time), averaged over stages
 (mpx only: torch's schedules do not expose their compute time).
 """
@@ -25,7 +28,8 @@ import time
 from collections.abc import Callable
 
 WIDTH, DEPTH, BATCH = 768, 8, 256
-REPEATS = 10
+REPEATS = 8
+STEPS = 3  # consecutive steps per sample: a barrier between steps would flush async
 
 
 def build() -> object:
@@ -60,25 +64,6 @@ def measure() -> None:
     loss_fn = nn.functional.mse_loss
     half = [2 * DEPTH // p] * p
 
-    def timed(
-        fn: Callable[[], object], busy: Callable[[], float] | None = None
-    ) -> tuple[float, float]:
-        fn()  # warm-up: allocations, buffers, connections
-        samples, bubbles = [], []
-        for _ in range(REPEATS):
-            polite_barrier()
-            start = time.perf_counter()
-            fn()
-            wall = time.perf_counter() - start
-            samples.append(wall)
-            if busy is not None:
-                bubbles.append(1 - busy() / wall)
-        worst = float(raw.allreduce(statistics.median(samples), op=MPI.MAX))
-        bubble = float(raw.allreduce(statistics.median(bubbles) if bubbles else 0.0)) / p
-        return worst, bubble
-
-    rows: list[tuple[str, int | None, float, float | None]] = []
-
     def polite_barrier() -> None:
         # Sleeps instead of spinning: in the single-process row the idle rank
         # must not take a core from the computing one.
@@ -86,8 +71,11 @@ def measure() -> None:
         while not request.Test():
             time.sleep(1e-4)
 
-    # The whole model in one process; the other rank waits.
-    serial = build()
+    # Every configuration first, then the repeats round-robin over them, so
+    # that a change in the machine's load hits all of them alike.
+    configs: list[tuple[str, int | None, Callable[[], object], Callable[[], float] | None]] = []
+
+    serial = build()  # the whole model in one process; the other rank waits
     opt = torch.optim.SGD(serial.parameters(), lr=1e-3)  # type: ignore[attr-defined]
 
     def serial_step() -> None:
@@ -96,9 +84,8 @@ def measure() -> None:
             loss_fn(serial(x), y).backward()  # type: ignore[operator]
             opt.step()
 
-    t_serial, _ = timed(serial_step)
-    rows.append(("single process (whole model)", None, t_serial, None))
-
+    configs.append(("single process (whole model)", None, serial_step, None))
+    pipes = []
     for schedule, m, every in [
         ("sequential", 1, 1),
         ("gpipe", 1, 1),
@@ -111,14 +98,16 @@ def measure() -> None:
         opts = {"step_every": every} if schedule == "async" else {}
         pipe = Pipeline(build(), half, chunks=m, schedule=schedule, **opts)  # type: ignore[arg-type]
         popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
-        t, bubble = timed(
-            lambda pipe=pipe, popt=popt: pipe.step(x, y, loss_fn, popt),
-            lambda pipe=pipe: pipe.busy_seconds,
-        )
-        if schedule == "async":
-            pipe.flush(popt)
+        pipes.append((pipe, popt))
         label = f"mpx {schedule}" + (f" step_every={every}" if schedule == "async" else "")
-        rows.append((label, m, t, bubble))
+        configs.append(
+            (
+                label,
+                m,
+                lambda pipe=pipe, popt=popt: pipe.step(x, y, loss_fn, popt),
+                lambda pipe=pipe: pipe.busy_seconds,
+            )
+        )
 
     init_torch_env()
     dist.init_process_group("gloo")
@@ -127,12 +116,11 @@ def measure() -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         for name, cls in [("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)]:
-            m = 8
             full = build()
             start_layer = sum(half[:rank])
             sub = nn.Sequential(*list(full)[start_layer : start_layer + half[rank]])  # type: ignore[call-overload]
             stage = PipelineStage(sub, rank, p, torch.device("cpu"))
-            sched = cls(stage, n_microbatches=m, loss_fn=loss_fn)
+            sched = cls(stage, n_microbatches=8, loss_fn=loss_fn)
             topt = torch.optim.SGD(sub.parameters(), lr=1e-3)
 
             def torch_step(sched: object = sched, topt: torch.optim.Optimizer = topt) -> None:
@@ -145,11 +133,39 @@ def measure() -> None:
                     sched.step()  # type: ignore[attr-defined]
                 topt.step()
 
-            t, _ = timed(torch_step)
-            rows.append((f"torch.distributed.pipelining {name}", m, t, None))
+            torch_step()  # a first step: torch's stages exchange shapes here
+            configs.append((f"torch.distributed.pipelining {name}", 8, torch_step, None))
     except Exception as error:
         torch_rows["error"] = f"{type(error).__name__}: {error}".replace("|", "/")[:200]
+
+    samples: list[list[float]] = [[] for _ in configs]
+    bubbles: list[list[float]] = [[] for _ in configs]
+    for repeat in range(REPEATS + 1):  # the first round warms up
+        for i, (_, _, fn, busy) in enumerate(configs):
+            polite_barrier()
+            busy_total = 0.0
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                fn()
+                busy_total += busy() if busy is not None else 0.0
+            wall = (time.perf_counter() - start) / STEPS
+            if repeat:
+                samples[i].append(wall)
+                if busy is not None:
+                    bubbles[i].append(1 - busy_total / STEPS / wall)
+    for pipe, popt in pipes:
+        pipe.flush(popt)
     dist.destroy_process_group()
+
+    rows: list[tuple[str, int | None, float, float | None]] = []
+    for i, (label, m, _, busy) in enumerate(configs):
+        # Every rank must agree on the figure: the slowest rank's median.
+        t = float(raw.allreduce(statistics.median(samples[i]), op=MPI.MAX))
+        bubble = None
+        if busy is not None:
+            bubble = float(raw.allreduce(statistics.median(bubbles[i]))) / p
+        rows.append((label, m, t, bubble))
+    t_serial = rows[0][2]
 
     if rank == 0:
         torch_time = {r[0].split()[-1]: r[2] for r in rows if r[0].startswith("torch")}
@@ -197,7 +213,8 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
         f"MLP {DEPTH}x Linear({WIDTH}, {WIDTH}) ({params:.1f} M params), batch {BATCH}, "
         f"1 thread per rank, split 4+4 layers; `python {os.path.basename(__file__)}` "
-        f"(`mpxrun -n 2`). Step = forward + backward + SGD step; median of {REPEATS}.\n"
+        f"(`mpxrun -n 2`). Step = forward + backward + SGD step; median of {REPEATS} "
+        f"samples of {STEPS} steps.\n"
     )
     print(
         "| config | micro-batches m | samples/s | × single process | mpx ÷ torch (same "

@@ -131,6 +131,9 @@ class Pipeline(nn.Module):
         self._act_out = Outbox(self.comm, nxt, "act") if not self.last else None
         self._grad_in = Inbox(self.comm, nxt, "grad") if not self.last else None
         self._grad_out = Outbox(self.comm, prev, "grad") if not self.first else None
+        self._boxes = [b for b in (self._act_in, self._act_out, self._grad_in, self._grad_out) if b]
+        if self._boxes:
+            self.stage.progress = self._progress
         self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
         self._eval_calls = 0
         self.busy_seconds = 0.0  # compute time of the last call (bubble measurements)
@@ -167,6 +170,10 @@ class Pipeline(nn.Module):
                 "sample=<one micro-batch> (on the first stage at least), or give balance"
             )
         return split_times(times.tolist(), self.num_stages)
+
+    def _progress(self) -> None:
+        for box in self._boxes:
+            box.progress()
 
     def local_layers(self) -> dict[int, nn.Module]:
         """This rank's layers by their index in the whole module."""

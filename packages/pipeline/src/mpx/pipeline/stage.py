@@ -22,7 +22,7 @@ put back after (the first forward is the one that counts, in micro-batch order).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -64,6 +64,14 @@ class Stage(nn.Module):
         # leaf we need for the backward), so it gets a copy.
         self.copy_input = has_inplace(self.layers[0]) if len(self.layers) else False
         self.batchnorms = [m for m in self.layers.modules() if is_batchnorm(m)]
+        # Called between layers (forward and backward): MPI moves a large
+        # message only while its sender or receiver is inside an MPI call, so
+        # a stage deep in compute would hold back the neighbour it just sent to.
+        self.progress: Callable[[], None] | None = None
+
+    def _progress_hook(self, grad: torch.Tensor) -> None:
+        if self.progress is not None:
+            self.progress()
 
     def layer_modules(self) -> dict[int, nn.Module]:
         return {self.start + k: layer for k, layer in enumerate(self.layers)}
@@ -102,6 +110,11 @@ class Stage(nn.Module):
                         f"layer {index} returned {type(x).__name__}; a pipelined "
                         "nn.Sequential must pass one tensor from layer to layer"
                     )
+                if self.progress is not None and k < len(self.layers) - 1:
+                    self.progress()
+                    if x.requires_grad:
+                        # The same between layers of the backward.
+                        x.register_hook(self._progress_hook)  # type: ignore[no-untyped-call]
         finally:
             torch.set_rng_state(saved)
         return x

@@ -164,6 +164,11 @@ class Inbox:
     def release(self, buf: torch.Tensor) -> None:
         self.pool.give(buf)
 
+    def progress(self) -> None:
+        """Lets MPI move the messages in flight (a test per pending receive)."""
+        for _, handle in self._pending.values():
+            handle.done()
+
 
 class Outbox:
     """Sends to one neighbour, asynchronously; holds each tensor until its send is done."""
@@ -187,6 +192,10 @@ class Outbox:
             self._needs_header = False
         handle = send(t, self.peer, _tag(self.kind, j), comm=self.comm, async_op=True)
         self._inflight[j] = (t, handle)
+        self._reap()
+
+    def progress(self) -> None:
+        """Lets MPI move the messages in flight; drops the finished ones."""
         self._reap()
 
     def _reap(self) -> None:
