@@ -1,10 +1,33 @@
-"""mpx-pipeline: Pipeline-parallel training over MPI: GPipe, 1F1B and asynchronous pipelines with
-weight stashing, prediction and gap-aware.
+"""mpx-pipeline: pipeline-parallel training over MPI.
 
-This release is the package skeleton of the mpx monorepo: it installs and
-imports, and declares its place among the layers; its API is being built.
+GPipe, 1F1B (PipeDream-flush) and the asynchronous 1F1B with weight stashing,
+weight prediction and gap-aware penalties; one stage of an ``nn.Sequential``
+per rank, activations and gradients sent point to point through mpx.collectives.
+
+Example::
+
+    pipe = Pipeline(nn.Sequential(*layers), balance=[3, 3], chunks=4, schedule="1f1b")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    loss = pipe.step(x, y, nn.functional.cross_entropy, opt)
 """
 
-__all__ = ["__version__"]
+from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.partition import balance_by_time, split_times
+from mpx.pipeline.pipeline import CHECKPOINTS, Pipeline
+from mpx.pipeline.schedule import SCHEDULES, bubble_fraction, grid
+from mpx.pipeline.stage import layer_seed
+
+__all__ = [
+    "CHECKPOINTS",
+    "SCHEDULES",
+    "Pipeline",
+    "PipelineError",
+    "__version__",
+    "balance_by_time",
+    "bubble_fraction",
+    "grid",
+    "layer_seed",
+    "split_times",
+]
 
 __version__ = "0.1.0"

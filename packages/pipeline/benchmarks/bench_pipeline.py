@@ -1,0 +1,243 @@
+"""Pipeline throughput on 2 ranks: mpx's schedules beside a single process and torch's.
+
+``python bench_pipeline.py`` starts itself under ``mpxrun -n 2`` and prints one
+markdown section (``nox -s bench`` writes it into BENCHMARKS.md). In one job,
+for an MLP of 8 Linear(W, W) layers + ReLU split evenly over 2 stages (one
+intra-op thread per rank), it times a training step (forward, backward, SGD
+step) of: the whole model in one process (rank 0 alone), mpx ``sequential``,
+``gpipe`` with m = 1, 4, 8, ``1f1b`` and ``async`` with m = 8, and
+``torch.distributed.pipelining`` ScheduleGPipe / Schedule1F1B on gloo with
+the same split. Time is the median over samples of 3 consecutive steps (no
+barrier between them, which would flush the async pipeline), taken
+round-robin over the configurations so that load changes hit all alike; the
+slowest rank's.
+Measured bubble = 1 - (compute time / step time), averaged over stages
+(mpx only: torch's schedules do not expose their compute time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+WIDTH, DEPTH, BATCH = 768, 8, 256
+REPEATS = 8
+STEPS = 3  # consecutive steps per sample: a barrier between steps would flush async
+
+
+def build() -> object:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def measure() -> None:
+    """Runs inside the job on 2 ranks; rank 0 prints table rows."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch import nn
+
+    from mpx.collectives import world
+    from mpx.launch import init_torch_env
+    from mpx.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    comm = world()
+    raw = MPI.COMM_WORLD
+    rank, p = comm.rank, comm.size
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, WIDTH, generator=gen)
+    y = torch.randn(BATCH, WIDTH, generator=gen)
+    loss_fn = nn.functional.mse_loss
+    half = [2 * DEPTH // p] * p
+
+    def polite_barrier() -> None:
+        # Sleeps instead of spinning: in the single-process row the idle rank
+        # must not take a core from the computing one.
+        request = raw.Ibarrier()
+        while not request.Test():
+            time.sleep(1e-4)
+
+    # Every configuration first, then the repeats round-robin over them, so
+    # that a change in the machine's load hits all of them alike.
+    configs: list[tuple[str, int | None, Callable[[], object], Callable[[], float] | None]] = []
+
+    serial = build()  # the whole model in one process; the other rank waits
+    opt = torch.optim.SGD(serial.parameters(), lr=1e-3)  # type: ignore[attr-defined]
+
+    def serial_step() -> None:
+        if rank == 0:
+            opt.zero_grad()
+            loss_fn(serial(x), y).backward()  # type: ignore[operator]
+            opt.step()
+
+    configs.append(("single process (whole model)", None, serial_step, None))
+    pipes = []
+    for schedule, m, every in [
+        ("sequential", 1, 1),
+        ("gpipe", 1, 1),
+        ("gpipe", 4, 1),
+        ("gpipe", 8, 1),
+        ("1f1b", 8, 1),
+        ("async", 8, 1),
+        ("async", 8, 8),
+    ]:
+        opts = {"step_every": every} if schedule == "async" else {}
+        pipe = Pipeline(build(), half, chunks=m, schedule=schedule, **opts)  # type: ignore[arg-type]
+        popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+        pipes.append((pipe, popt))
+        label = f"mpx {schedule}" + (f" step_every={every}" if schedule == "async" else "")
+        configs.append(
+            (
+                label,
+                m,
+                lambda pipe=pipe, popt=popt: pipe.step(x, y, loss_fn, popt),
+                lambda pipe=pipe: pipe.busy_seconds,
+            )
+        )
+
+    init_torch_env()
+    dist.init_process_group("gloo")
+    torch_rows: dict[str, str] = {}
+    try:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        for name, cls in [("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)]:
+            full = build()
+            start_layer = sum(half[:rank])
+            sub = nn.Sequential(*list(full)[start_layer : start_layer + half[rank]])  # type: ignore[call-overload]
+            stage = PipelineStage(sub, rank, p, torch.device("cpu"))
+            sched = cls(stage, n_microbatches=8, loss_fn=loss_fn)
+            topt = torch.optim.SGD(sub.parameters(), lr=1e-3)
+
+            def torch_step(sched: object = sched, topt: torch.optim.Optimizer = topt) -> None:
+                topt.zero_grad()
+                if rank == 0:
+                    sched.step(x)  # type: ignore[attr-defined]
+                elif rank == p - 1:
+                    sched.step(target=y)  # type: ignore[attr-defined]
+                else:
+                    sched.step()  # type: ignore[attr-defined]
+                topt.step()
+
+            torch_step()  # a first step: torch's stages exchange shapes here
+            configs.append((f"torch.distributed.pipelining {name}", 8, torch_step, None))
+    except Exception as error:
+        torch_rows["error"] = f"{type(error).__name__}: {error}".replace("|", "/")[:200]
+
+    samples: list[list[float]] = [[] for _ in configs]
+    bubbles: list[list[float]] = [[] for _ in configs]
+    for repeat in range(REPEATS + 1):  # the first round warms up
+        for i, (_, _, fn, busy) in enumerate(configs):
+            polite_barrier()
+            busy_total = 0.0
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                fn()
+                busy_total += busy() if busy is not None else 0.0
+            wall = (time.perf_counter() - start) / STEPS
+            if repeat:
+                samples[i].append(wall)
+                if busy is not None:
+                    bubbles[i].append(1 - busy_total / STEPS / wall)
+    for pipe, popt in pipes:
+        pipe.flush(popt)
+    dist.destroy_process_group()
+
+    rows: list[tuple[str, int | None, float, float | None]] = []
+    for i, (label, m, _, busy) in enumerate(configs):
+        # Every rank must agree on the figure: the slowest rank's median.
+        t = float(raw.allreduce(statistics.median(samples[i]), op=MPI.MAX))
+        bubble = None
+        if busy is not None:
+            bubble = float(raw.allreduce(statistics.median(bubbles[i]))) / p
+        rows.append((label, m, t, bubble))
+    t_serial = rows[0][2]
+
+    if rank == 0:
+        torch_time = {r[0].split()[-1]: r[2] for r in rows if r[0].startswith("torch")}
+        peer_of = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+        for label, m, t, bubble in rows:
+            theory = (
+                f"{(p - 1) / (m + p - 1):.2f}" if m is not None and "async" not in label else "-"
+            )
+            if "sequential" in label:
+                theory = f"{(p - 1) / p:.2f}"
+            if "async" in label:
+                theory = "0 (steady state)"
+            peer = peer_of.get(label.split()[-1]) if label.startswith("mpx") and m == 8 else None
+            vs_torch = f"{torch_time[peer] / t:.2f}" if peer and peer in torch_time else "-"
+            print(
+                f"| {label} | {m if m is not None else '-'} | {BATCH / t:.0f} | "
+                f"{t_serial / t:.2f} | {vs_torch} | "
+                f"{'-' if bubble is None else f'{bubble:.2f}'} | {theory if m else '-'} |",
+                flush=True,
+            )
+        by_label = {(r[0], r[1]): r[2] for r in rows}
+        gpipe8 = by_label[("mpx gpipe", 8)]
+        for every in (1, 8):
+            ratio = gpipe8 / by_label[(f"mpx async step_every={every}", 8)]
+            print(f"\nasync (m=8, step_every={every}) ÷ gpipe m=8: {ratio:.2f}×", end="")
+        print()
+        if "error" in torch_rows:
+            print(
+                f"| torch.distributed.pipelining | 8 | failed: {torch_rows['error']} "
+                "| - | - | - | - |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inner", action="store_true", help="run inside an mpxrun job")
+    args = parser.parse_args()
+    if args.inner:
+        measure()
+        return
+    mpxrun = shutil.which("mpxrun") or os.path.join(os.path.dirname(sys.executable), "mpxrun")
+    params = DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6
+    print("## mpx-pipeline: pipeline throughput, 2 stages\n")
+    print(
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
+        f"MLP {DEPTH}x Linear({WIDTH}, {WIDTH}) ({params:.1f} M params), batch {BATCH}, "
+        f"1 thread per rank, split 4+4 layers; `python {os.path.basename(__file__)}` "
+        f"(`mpxrun -n 2`). Step = forward + backward + SGD step; median of {REPEATS} "
+        f"samples of {STEPS} steps.\n"
+    )
+    print(
+        "| config | micro-batches m | samples/s | × single process | mpx ÷ torch (same "
+        "schedule, m=8) | measured bubble | theory (p-1)/(m+p-1) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    start = time.perf_counter()
+    subprocess.run(
+        [
+            mpxrun,
+            "-n",
+            "2",
+            "--timeout",
+            "600",
+            "--",
+            sys.executable,
+            os.path.abspath(__file__),
+            "--inner",
+        ],
+        check=True,
+    )
+    print(f"\n(run took {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""The errors mpx-pipeline raises.
+
+:class:`PipelineError` derives from both :class:`mpx.collectives.MPXError` (so one
+``except MPXError`` catches every mpx failure) and :class:`ValueError` (almost all
+of them are bad arguments: a balance that does not match the module, chunks that
+do not divide the batch, weights tied across stages).
+"""
+
+from __future__ import annotations
+
+from mpx.collectives import MPXError
+
+__all__ = ["PipelineError"]
+
+
+class PipelineError(MPXError, ValueError):
+    """A pipeline cannot be built or run as asked; the message names the bad value."""

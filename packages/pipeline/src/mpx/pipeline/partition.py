@@ -1,0 +1,145 @@
+"""Splitting an ``nn.Sequential`` into contiguous stages.
+
+::
+
+    module:   [ L0 | L1 | L2 | L3 | L4 | L5 | L6 ]
+    balance:  [    3         |  2      |   2     ]      sum(balance) == len(module)
+    stages:      rank 0        rank 1     rank 2        len(balance) == ranks
+
+``balance_by_time`` measures each layer's forward + backward time on a sample
+and picks the contiguous split whose slowest stage is fastest (the classic
+linear-partition dynamic program).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mpx.pipeline.errors import PipelineError
+
+__all__ = [
+    "balance_by_time",
+    "check_balance",
+    "check_no_tied_weights",
+    "has_inplace",
+    "layer_times",
+    "split_times",
+    "stage_bounds",
+]
+
+
+def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    """Validates ``balance``; returns it as a list.
+
+    Raises:
+        PipelineError: wrong length, a stage without layers, or a sum that is
+            not the number of layers.
+    """
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise PipelineError(
+            f"balance={balance} has {len(balance)} stages but the communicator has "
+            f"{num_stages} ranks; give one entry per rank"
+        )
+    if any((not isinstance(b, int)) or b < 1 for b in balance):
+        raise PipelineError(f"balance={balance}: every stage needs at least one layer")
+    if sum(balance) != num_layers:
+        raise PipelineError(
+            f"balance={balance} sums to {sum(balance)} but the module has {num_layers} "
+            "layers; the entries must add up to len(module)"
+        )
+    return balance
+
+
+def stage_bounds(balance: Sequence[int], stage: int) -> tuple[int, int]:
+    """``[start, stop)`` global layer indices of ``stage``."""
+    start = sum(balance[:stage])
+    return start, start + balance[stage]
+
+
+def check_no_tied_weights(module: nn.Sequential, balance: Sequence[int]) -> None:
+    """Raises if a parameter (or a whole layer) is shared by two stages.
+
+    Tied weights across stages would need their gradients summed and their
+    updates kept in step across ranks; mpx-pipeline refuses them instead.
+    """
+    owner: dict[int, tuple[int, int]] = {}  # id(param) -> (stage, layer)
+    stage = 0
+    for index, layer in enumerate(module):
+        while index >= sum(balance[: stage + 1]):
+            stage += 1
+        for param in layer.parameters():
+            seen = owner.setdefault(id(param), (stage, index))
+            if seen[0] != stage:
+                raise PipelineError(
+                    f"layer {index} (stage {stage}) shares a parameter of shape "
+                    f"{tuple(param.shape)} with layer {seen[1]} (stage {seen[0]}): tied weights "
+                    "across stages are not supported; put both layers in one stage (change "
+                    "balance) or untie them"
+                )
+
+
+def has_inplace(layer: nn.Module) -> bool:
+    """True if ``layer`` (or a submodule) is flagged ``inplace=True`` (ReLU, Dropout, ...)."""
+    return any(getattr(m, "inplace", False) is True for m in layer.modules())
+
+
+def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward per layer on ``sample`` (the median of ``repeats``)."""
+    times: list[list[float]] = [[] for _ in module]
+    for _ in range(repeats):
+        x = sample
+        for i, layer in enumerate(module):
+            x = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            y = layer(x.clone() if has_inplace(layer) else x)
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                torch.autograd.backward(y, torch.ones_like(y))
+            times[i].append(time.perf_counter() - start)
+            x = y.detach() if isinstance(y, torch.Tensor) else y
+    module.zero_grad(set_to_none=True)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def split_times(times: Sequence[float], num_stages: int) -> list[int]:
+    """The contiguous split of ``times`` into ``num_stages`` non-empty parts
+    whose largest sum is smallest.
+
+    Raises:
+        PipelineError: fewer layers than stages.
+    """
+    n = len(times)
+    if n < num_stages:
+        raise PipelineError(
+            f"the module has {n} layers, fewer than the {num_stages} stages (ranks); "
+            "use fewer ranks or split the model into more layers"
+        )
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    inf = float("inf")
+    # best[k][i]: the smallest possible slowest stage for layers [0, i) in k stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    balance, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        balance.append(i - j)
+        i = j
+    return balance[::-1]
+
+
+def balance_by_time(module: nn.Sequential, sample: torch.Tensor, num_stages: int) -> list[int]:
+    """Profiles ``module`` on ``sample`` and balances it over ``num_stages``."""
+    return split_times(layer_times(module, sample), num_stages)

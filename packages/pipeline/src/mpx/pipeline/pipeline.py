@@ -1,0 +1,415 @@
+"""The :class:`Pipeline`: one stage of a sequential model per rank.
+
+::
+
+    rank 0 (stage 0)       rank 1 (stage 1)       rank 2 (stage 2)
+    inputs -> L0..L2  -->  L3..L4            -->  L5..L6 -> loss_fn(., target)
+              grads   <--  grads             <--  backward
+
+Every rank calls ``step`` with the same arguments (``inputs`` is read on the
+first stage, ``target`` on the last; other ranks may pass None). The batch is
+cut into ``chunks`` micro-batches; the schedule (see :mod:`mpx.pipeline.schedule`)
+orders their forward and backward passes. The loss is the mean over
+micro-batches of ``loss_fn(output, target)``: for a mean-reduced loss and equal
+micro-batches, the loss and gradients of the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpx.collectives import Communicator, Handle, allreduce, broadcast, world
+from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.partition import (
+    check_balance,
+    check_no_tied_weights,
+    layer_times,
+    split_times,
+    stage_bounds,
+)
+from mpx.pipeline.schedule import SCHEDULES, Op, stage_ops
+from mpx.pipeline.stage import Stage
+from mpx.pipeline.transport import WAITED, Inbox, Outbox
+
+__all__ = ["Pipeline"]
+
+CHECKPOINTS = ("never", "except_last", "always")
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Micro:
+    """What a stage keeps of one micro-batch between its forward and backward."""
+
+    feed: torch.Tensor  # the stage input (a leaf requiring grad past stage 0)
+    buf: torch.Tensor | None = None  # pooled receive buffer behind ``feed``
+    out: torch.Tensor | None = None  # output with its graph (None if recomputed)
+    loss: torch.Tensor | None = None  # last stage: the loss with its graph
+    target: torch.Tensor | None = None
+    recompute: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # the async schedule's state
+
+
+class Pipeline(nn.Module):
+    """A sequential model cut into stages, one per rank of ``comm``.
+
+    Args:
+        module: the whole model, built identically on every rank (same seed).
+        balance: layers per stage; None measures the layers' times on
+            ``sample`` and balances them.
+        comm: the pipeline's ranks (stage = rank); the world by default.
+        chunks: micro-batches per mini-batch; must divide the batch size.
+        schedule: ``"sequential"``, ``"gpipe"``, ``"1f1b"`` or ``"async"``.
+        checkpoint: recompute activations in the backward for
+            ``"always"``, all but the last micro-batch (``"except_last"``), or
+            ``"never"`` (synchronous schedules).
+        seed: base of the per-layer dropout seeds (see :mod:`mpx.pipeline.stage`).
+        data_parallel_comm: replicas of this stage in other pipelines; gradients
+            are averaged over it before each optimizer step.
+        sample: a micro-batch sized input for ``balance=None``.
+        weight_stashing, weight_prediction, gap_aware, step_every, recompute:
+            options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`).
+
+    Example::
+
+        pipe = Pipeline(nn.Sequential(a, b, c, d), balance=[2, 2], chunks=4)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        loss = pipe.step(x, y, nn.functional.cross_entropy, opt)
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: list[int] | None = None,
+        comm: Communicator | None = None,
+        chunks: int = 1,
+        schedule: str = "gpipe",
+        checkpoint: str = "never",
+        *,
+        seed: int = 0,
+        data_parallel_comm: Communicator | None = None,
+        sample: torch.Tensor | None = None,
+        weight_stashing: bool = True,
+        weight_prediction: str | None = None,
+        gap_aware: str | None = None,
+        step_every: int = 1,
+        recompute: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise PipelineError(
+                f"module must be an nn.Sequential, got {type(module).__name__}; wrap the "
+                "layers in nn.Sequential(...)"
+            )
+        if schedule not in SCHEDULES:
+            raise PipelineError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if checkpoint not in CHECKPOINTS:
+            raise PipelineError(f"checkpoint={checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise PipelineError(f"chunks={chunks!r} must be a positive int")
+        base = world() if comm is None else comm
+        # A private duplicate: the pipeline's messages never match the user's.
+        self.comm = Communicator.from_mpi(base.mpi, base.timeout)
+        self.dp_comm = data_parallel_comm
+        self.num_stages, self.stage_id = self.comm.size, self.comm.rank
+        self.first, self.last = self.stage_id == 0, self.stage_id == self.num_stages - 1
+        self.chunks, self.schedule, self.checkpoint = chunks, schedule, checkpoint
+        if balance is None:
+            balance = self._profile(module, sample)
+        self.balance = check_balance(balance, len(module), self.num_stages)
+        check_no_tied_weights(module, self.balance)
+        start, stop = stage_bounds(self.balance, self.stage_id)
+        self.stage = Stage(module, start, stop, seed)
+        prev, nxt = self.stage_id - 1, self.stage_id + 1
+        self._act_in = Inbox(self.comm, prev, "act") if not self.first else None
+        self._act_out = Outbox(self.comm, nxt, "act") if not self.last else None
+        self._grad_in = Inbox(self.comm, nxt, "grad") if not self.last else None
+        self._grad_out = Outbox(self.comm, prev, "grad") if not self.first else None
+        self._boxes = [b for b in (self._act_in, self._act_out, self._grad_in, self._grad_out) if b]
+        if self._boxes:
+            self.stage.progress = self._progress
+        self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
+        self._eval_calls = 0
+        self.busy_seconds = 0.0  # compute time of the last call (bubble measurements)
+        self._stale: Any = None
+        self._pending_loss: tuple[torch.Tensor, Handle[torch.Tensor]] | None = None
+        async_opts = (weight_prediction, gap_aware, step_every, recompute, weight_stashing)
+        if schedule == "async":
+            from mpx.pipeline.stale import StaleRunner
+
+            self._stale = StaleRunner(self, *async_opts)
+        elif async_opts != (None, None, 1, False, True):
+            raise PipelineError(
+                "weight_stashing, weight_prediction, gap_aware, step_every and recompute "
+                f"are options of schedule='async', not of schedule={schedule!r}"
+            )
+
+    # -- construction ---------------------------------------------------------
+
+    def _profile(self, module: nn.Sequential, sample: torch.Tensor | None) -> list[int]:
+        """The first stage times every layer on ``sample``; everyone gets its balance."""
+        times = torch.zeros(len(module), dtype=torch.float64)
+        if self.first:
+            # NaN tells the other ranks that there is nothing to measure, so
+            # every rank raises instead of one raising and the rest waiting.
+            times = (
+                torch.full_like(times, float("nan"))
+                if sample is None
+                else torch.tensor(layer_times(module, sample), dtype=torch.float64)
+            )
+        broadcast(times, 0, comm=self.comm)
+        if bool(times.isnan().any()):
+            raise PipelineError(
+                "balance=None measures layer times on a sample input: pass "
+                "sample=<one micro-batch> (on the first stage at least), or give balance"
+            )
+        return split_times(times.tolist(), self.num_stages)
+
+    def _progress(self) -> None:
+        for box in self._boxes:
+            box.progress()
+
+    def local_layers(self) -> dict[int, nn.Module]:
+        """This rank's layers by their index in the whole module."""
+        return self.stage.layer_modules()
+
+    # -- inputs ---------------------------------------------------------------
+
+    def _split(self, t: torch.Tensor | None, what: str, needed: bool) -> list[torch.Tensor]:
+        if t is None:
+            if needed:
+                raise PipelineError(f"{what} is None on stage {self.stage_id}, which reads it")
+            return []
+        if t.dim() == 0 or t.shape[0] % self.chunks:
+            raise PipelineError(
+                f"{what} has batch size {t.shape[0] if t.dim() else 'none'}, not divisible by "
+                f"chunks={self.chunks}; use a batch size that is a multiple of chunks"
+            )
+        return list(t.chunk(self.chunks))
+
+    # -- one micro-batch --------------------------------------------------------
+
+    def _input(self, j: int, x: torch.Tensor | None) -> Micro:
+        """Micro-batch ``j``'s input: ``x`` on the first stage, else received."""
+        if self.first:
+            assert x is not None
+            return Micro(feed=x)
+        assert self._act_in is not None
+        buf = self._act_in.get(j)
+        feed = buf.detach()
+        if feed.is_floating_point():
+            feed.requires_grad_(True)
+        return Micro(feed=feed, buf=buf)
+
+    def _forward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None) -> None:
+        with torch.set_grad_enabled(not mb.recompute):
+            y = self.stage.run(mb.feed, g, mb.extra.get("weights"))
+            if self.last:
+                if loss_fn is not None:
+                    assert mb.target is not None
+                    mb.loss = loss_fn(y, mb.target)
+            else:
+                assert self._act_out is not None
+                assert self._grad_in is not None
+                self._act_out.send(j, y)
+                self._grad_in.post(j, y.shape, y.dtype)
+        if not mb.recompute:
+            mb.out = y
+        elif mb.loss is not None:
+            mb.loss = mb.loss.detach()
+
+    def _backward(
+        self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float
+    ) -> torch.Tensor | None:
+        """Runs the backward of micro-batch ``j``; returns the gradient sent back."""
+        if mb.recompute:
+            with self.stage.frozen_statistics(), torch.enable_grad():
+                mb.out = self.stage.run(mb.feed, g, mb.extra.get("backward_weights"))
+                if self.last and loss_fn is not None:
+                    assert mb.target is not None
+                    mb.loss = loss_fn(mb.out, mb.target)
+        assert mb.out is not None
+        if self.last:
+            assert mb.loss is not None
+            torch.autograd.backward(mb.loss * scale)
+        else:
+            assert self._grad_in is not None
+            assert self._act_out is not None
+            grad = self._grad_in.get(j)
+            if mb.out.requires_grad:
+                torch.autograd.backward(mb.out, grad)
+            self._grad_in.release(grad)
+            self._act_out.wait(j)  # the output may alias ``buf``: done before reuse
+        sent = None
+        if not self.first:
+            assert self._grad_out is not None
+            assert self._act_in is not None
+            sent = mb.feed.grad if mb.feed.grad is not None else torch.zeros_like(mb.feed)
+            self._grad_out.send(j, sent)
+            assert mb.buf is not None
+            self._act_in.release(mb.buf)
+        mb.out = mb.loss = None
+        return sent
+
+    # -- public API -------------------------------------------------------------
+
+    def step(
+        self,
+        inputs: torch.Tensor | None,
+        target: torch.Tensor | None,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> float:
+        """One mini-batch: forward, backward, and an optimizer step if given.
+
+        Without an optimizer, gradients accumulate into ``.grad`` (as
+        ``loss.backward()`` would); with one, they are zeroed first and the
+        step follows the backward. ``scheduler`` is stepped after every
+        optimizer step (async: after each of the call's steps, and weight
+        prediction reads its future rates).
+
+        Returns:
+            The mean micro-batch loss, the same on every rank (and replica).
+            ``async`` returns the previous call's loss (NaN on the first call;
+            ``flush`` returns the last one): sharing it at once would make
+            every call wait for the last stage, a flush in all but name.
+        """
+        xs = self._split(inputs, "inputs", self.first)
+        ts = self._split(target, "target", self.last)
+        if self._stale is not None:
+            return self._share_loss_later(self._stale.call(xs, ts, loss_fn, optimizer, scheduler))
+        else:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            loss = self._sync_call(xs, ts, loss_fn)
+            self._average_replica_grads()
+            if optimizer is not None:
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+        return self._share_loss(loss)
+
+    def _sync_call(self, xs: list[torch.Tensor], ts: list[torch.Tensor], loss_fn: LossFn) -> float:
+        m, base = self.chunks, self._microbatches
+        self._microbatches += m
+        if self._act_in is not None:
+            self._act_in.expect(list(range(m)))
+        if self._act_out is not None:
+            self._act_out.new_call()
+        live: dict[int, Micro] = {}
+        total = 0.0
+        start, waited = time.perf_counter(), WAITED[0]
+        ops: list[Op] = stage_ops(self.schedule, self.stage_id, self.num_stages, m)
+        for kind, j in ops:
+            if kind == "F":
+                mb = self._input(j, xs[j] if self.first else None)
+                mb.target = ts[j] if self.last else None
+                mb.recompute = self.checkpoint == "always" or (
+                    self.checkpoint == "except_last" and j < m - 1
+                )
+                self._forward(j, mb, base + j, loss_fn)
+                if mb.loss is not None:
+                    total += float(mb.loss.detach())
+                live[j] = mb
+            else:
+                self._backward(j, live.pop(j), base + j, loss_fn, 1.0 / m)
+        # Compute time: the ops' time less the time spent waiting for messages.
+        self.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
+        self._finish_sends()
+        return total / m
+
+    def _finish_sends(self) -> None:
+        for box in (self._act_out, self._grad_out):
+            if box is not None:
+                box.wait_all()
+
+    def _average_replica_grads(self) -> None:
+        if self.dp_comm is None or self.dp_comm.size == 1:
+            return
+        for p in self.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            allreduce(p.grad, "avg", comm=self.dp_comm)
+
+    def _share_loss(self, loss: float) -> float:
+        value = torch.tensor([loss], dtype=torch.float64)
+        broadcast(value, self.num_stages - 1, comm=self.comm)
+        if self.dp_comm is not None and self.dp_comm.size > 1:
+            allreduce(value, "avg", comm=self.dp_comm)
+        return float(value)
+
+    def _share_loss_later(self, loss: float | None) -> float:
+        """Starts sharing ``loss``; returns the one shared before (NaN if none)."""
+        previous = self._pending_loss
+        self._pending_loss = None
+        if loss is not None:
+            value = torch.tensor([loss], dtype=torch.float64)
+            handle = broadcast(value, self.num_stages - 1, comm=self.comm, async_op=True)
+            self._pending_loss = (value, handle)
+        if previous is None:
+            return float("nan")
+        previous[1].wait()
+        if self.dp_comm is not None and self.dp_comm.size > 1:
+            allreduce(previous[0], "avg", comm=self.dp_comm)
+        return float(previous[0])
+
+    def forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward only, without gradients; the output on the last stage, None elsewhere.
+
+        Micro-batches follow ``chunks`` (the batch must divide). In training
+        mode dropout draws from a stream apart from ``step``'s.
+        """
+        xs = self._split(inputs, "inputs", self.first)
+        m = self.chunks
+        if self._act_in is not None:
+            self._act_in.expect(list(range(m)))
+        if self._act_out is not None:
+            self._act_out.new_call()
+        self._eval_calls += 1
+        outs = []
+        with torch.no_grad():
+            for j in range(m):
+                mb = self._input(j, xs[j] if self.first else None)
+                y = self.stage.run(mb.feed, -self._eval_calls * m - j)
+                if self.last:
+                    outs.append(y)
+                else:
+                    assert self._act_out is not None
+                    self._act_out.send(j, y)
+                    self._act_out.wait(j)
+                if mb.buf is not None:
+                    assert self._act_in is not None
+                    self._act_in.release(mb.buf)
+        self._finish_sends()
+        return torch.cat(outs) if self.last else None
+
+    def flush(
+        self,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> float:
+        """``async``: runs the backwards still owed (and their steps).
+
+        Returns:
+            The loss of the last ``step`` (async), NaN for the other schedules.
+        """
+        if self._stale is None:
+            return float("nan")
+        self._stale.flush(optimizer, scheduler)
+        return self._share_loss_later(None)
+
+    def __call__(self, inputs: torch.Tensor | None) -> torch.Tensor | None:  # typed call
+        return super().__call__(inputs)  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        return (
+            f"stage={self.stage_id}/{self.num_stages}, balance={self.balance}, "
+            f"chunks={self.chunks}, schedule={self.schedule!r}"
+        )

@@ -1,0 +1,135 @@
+"""One stage's layers and how a micro-batch runs through them.
+
+Random numbers. Before layer ``i`` runs on micro-batch number ``g``, the
+global CPU generator is seeded with::
+
+    layer_seed(seed, g, i) = ((seed * 1_000_003 + g) * 1_000_003 + i) mod 2**63
+
+and the caller's generator state is restored when the stage is done. So a
+layer's dropout mask depends only on (seed, micro-batch, layer), not on the
+partition, the schedule, or whether this is the first forward or the
+recomputation. ``g`` counts the micro-batches of every training call
+(``step`` number × chunks + index in the step; the asynchronous schedule
+numbers its stream the same way). The unpartitioned model therefore
+reproduces a pipeline's draws by running each micro-batch through the layers
+with those seeds (see ``tests/test_pipeline.py``).
+
+BatchNorm. A recomputation is a second forward of the same micro-batch; it
+must not move the running statistics again, so they are saved before it and
+put back after (the first forward is the one that counts, in micro-batch order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from mpx.pipeline._torch_private import is_batchnorm
+from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.partition import has_inplace
+
+__all__ = ["Stage", "Weights", "layer_seed"]
+
+_MOD = 2**63
+_PRIME = 1_000_003
+
+Weights = dict[int, dict[str, torch.Tensor]]
+"""Per global layer index, a tensor for each of the layer's parameter names."""
+
+
+def layer_seed(seed: int, microbatch: int, layer: int) -> int:
+    """The seed of ``layer`` when it runs micro-batch number ``microbatch``."""
+    return ((seed * _PRIME + microbatch) * _PRIME + layer) % _MOD
+
+
+class Stage(nn.Module):
+    """The consecutive layers ``[start, stop)`` of a sequential model.
+
+    Example::
+
+        stage = Stage(model, 2, 5, seed=0)
+        y = stage.run(x, microbatch=0)
+        stage.layer_modules()  # {2: ..., 3: ..., 4: ...}
+    """
+
+    def __init__(self, module: nn.Sequential, start: int, stop: int, seed: int) -> None:
+        super().__init__()
+        self.start, self.stop, self.seed = start, stop, seed
+        self.layers = nn.ModuleList(module[i] for i in range(start, stop))
+        # An in-place first layer would overwrite the received activation (a
+        # leaf we need for the backward), so it gets a copy.
+        self.copy_input = has_inplace(self.layers[0]) if len(self.layers) else False
+        self.batchnorms = [m for m in self.layers.modules() if is_batchnorm(m)]
+        # Called between layers (forward and backward): MPI moves a large
+        # message only while its sender or receiver is inside an MPI call, so
+        # a stage deep in compute would hold back the neighbour it just sent to.
+        self.progress: Callable[[], None] | None = None
+
+    def _progress_hook(self, grad: torch.Tensor) -> None:
+        if self.progress is not None:
+            self.progress()
+
+    def layer_modules(self) -> dict[int, nn.Module]:
+        return {self.start + k: layer for k, layer in enumerate(self.layers)}
+
+    def named_layer_params(self) -> dict[int, dict[str, nn.Parameter]]:
+        return {
+            self.start + k: dict(layer.named_parameters()) for k, layer in enumerate(self.layers)
+        }
+
+    def run(
+        self,
+        x: torch.Tensor,
+        microbatch: int,
+        weights: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Runs ``x`` through the layers with the seeds of ``microbatch``.
+
+        Args:
+            weights: run with these tensors instead of the layers' parameters.
+        """
+        if self.copy_input:
+            x = x.clone()
+        saved = torch.get_rng_state()
+        try:
+            for k, layer in enumerate(self.layers):
+                index = self.start + k
+                # The CPU generator only: torch.manual_seed also queues CUDA
+                # seeding and records a stack trace each time (slow).
+                torch.default_generator.manual_seed(layer_seed(self.seed, microbatch, index))
+                if weights is None or index not in weights:
+                    x = layer(x)
+                else:
+                    x = functional_call(layer, dict(weights[index]), (x,))
+                if not isinstance(x, torch.Tensor):
+                    raise PipelineError(
+                        f"layer {index} returned {type(x).__name__}; a pipelined "
+                        "nn.Sequential must pass one tensor from layer to layer"
+                    )
+                if self.progress is not None and k < len(self.layers) - 1:
+                    self.progress()
+                    if x.requires_grad:
+                        # The same between layers of the backward.
+                        x.register_hook(self._progress_hook)  # type: ignore[no-untyped-call]
+        finally:
+            torch.set_rng_state(saved)
+        return x
+
+    @contextlib.contextmanager
+    def frozen_statistics(self) -> Iterator[None]:
+        """BatchNorm running statistics are left as they were (for recomputation)."""
+        saved = [
+            {k: b.clone() for k, b in bn.named_buffers() if b is not None} for bn in self.batchnorms
+        ]
+        try:
+            yield
+        finally:
+            # Through ``.data``: an unrecomputed micro-batch's graph holds these
+            # buffers, and a tracked write would fail its backward's version check.
+            for bn, buffers in zip(self.batchnorms, saved, strict=True):
+                for k, b in bn.named_buffers():
+                    b.data.copy_(buffers[k])

@@ -1,0 +1,273 @@
+"""``schedule="async"``: 1F1B without a flush, and what makes stale gradients usable.
+
+The stream of micro-batches never drains: stage ``s`` (``depth = p − 1 − s``
+stages after it) runs a forward iff ``done_fwds − done_bwds <= depth`` and
+steps its optimizer after every ``step_every`` backwards, so the gradient of
+micro-batch ``j`` is computed on weights ``depth`` updates (steps, with
+``step_every=1``) older than those it is applied to.
+
+Which weights each pass uses::
+
+                              forward of j          backward of j
+    recompute=False           W_f                   W_f (its graph holds them)
+    recompute=True            W_f (no grad)         W_f if weight_stashing, else current
+    W_f = prediction of the weights at B(j) if weight_prediction, else current
+
+``gap_aware`` damps each micro-batch's gradient by the gap between the
+current weights and ``θ_used``: the weights the backward used (``"ga"``), or
+the forward's (``"ga_jfl"``, which keeps a stash only for that). The step
+always applies to the current weights. Gradients are taken with respect to
+explicit leaf tensors (``torch.func.functional_call``), never the
+parameters themselves, so optimizer updates between a forward and its
+backward cannot touch a saved graph.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
+from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
+from mpx.pipeline.schedule import async_ops, flush_ops
+from mpx.pipeline.stage import Weights
+from mpx.pipeline.transport import WAITED
+
+if TYPE_CHECKING:
+    from mpx.pipeline.pipeline import LossFn, Micro, Pipeline
+
+__all__ = ["StaleRunner"]
+
+
+class StaleRunner:
+    """The asynchronous schedule's state on one stage (owned by a Pipeline).
+
+    Example::
+
+        pipe = Pipeline(model, balance, chunks=4, schedule="async", weight_prediction="msnag")
+        for x, y in batches:
+            pipe.step(x, y, loss_fn, optimizer)
+        pipe.flush(optimizer)
+    """
+
+    def __init__(
+        self,
+        pipe: Pipeline,
+        weight_prediction: str | None,
+        gap_aware: str | None,
+        step_every: int,
+        recompute: bool,
+        weight_stashing: bool,
+    ) -> None:
+        if weight_prediction is not None and weight_prediction not in PREDICTIONS:
+            raise PipelineError(
+                f"weight_prediction={weight_prediction!r} is not one of "
+                f"{', '.join(PREDICTIONS)} or None"
+            )
+        if gap_aware is not None and gap_aware not in GAP_AWARE:
+            raise PipelineError(
+                f"gap_aware={gap_aware!r} is not one of {', '.join(GAP_AWARE)} or None"
+            )
+        if not isinstance(step_every, int) or step_every < 1:
+            raise PipelineError(f"step_every={step_every!r} must be a positive int")
+        if pipe.checkpoint != "never":
+            raise PipelineError(
+                f"checkpoint={pipe.checkpoint!r} is for the synchronous schedules; "
+                "schedule='async' takes recompute=True|False"
+            )
+        self.pipe = pipe
+        self.prediction, self.gap_aware = weight_prediction, gap_aware
+        self.step_every, self.recompute, self.stashing = step_every, recompute, weight_stashing
+        self.depth = pipe.num_stages - 1 - pipe.stage_id
+        self.done_f = self.done_b = self.total = 0
+        self.version = 0  # optimizer steps taken by this stage
+        self.staleness: list[int] = []  # per backward: steps since its forward
+        self.live: dict[int, Micro] = {}
+        self.params = [
+            (i, name, p)
+            for i, d in pipe.stage.named_layer_params().items()
+            for name, p in d.items()
+        ]
+        self._ga: GapAware | None = None
+        self._ga_optimizer: torch.optim.Optimizer | None = None
+
+    # -- weights ---------------------------------------------------------------
+
+    def _steps_before_backward(self, j: int) -> int:
+        """Optimizer steps between now and the backward of ``j`` (backwards run in order)."""
+        k = self.step_every
+        return sum(1 for b in range(self.done_b, j) if (b + 1) % k == 0)
+
+    def _forward_weights(
+        self, j: int, optimizer: torch.optim.Optimizer | None, scheduler: Any
+    ) -> dict[torch.nn.Parameter, torch.Tensor] | None:
+        """Values for the forward of ``j``; None means the live parameters will do."""
+        d = self._steps_before_backward(j) if optimizer is not None else 0
+        if d == 0:
+            return None  # nothing changes before the backward
+        plist = [p for _, _, p in self.params]
+        if self.prediction is not None:
+            assert optimizer is not None
+            lrs = future_lrs(optimizer, scheduler, d)
+            return predict(optimizer, plist, d, self.prediction, lrs)
+        if self.stashing or not self.recompute or self.gap_aware == "ga_jfl":
+            return {p: p.detach().clone() for p in plist}
+        return None
+
+    def _leaves(self, values: dict[torch.nn.Parameter, torch.Tensor] | None) -> Weights:
+        """Leaf tensors requiring grad, one per parameter (no copy for live ones)."""
+        out: Weights = {}
+        for i, name, p in self.params:
+            t = p.detach() if values is None else values[p].detach()
+            out.setdefault(i, {})[name] = t.requires_grad_(p.requires_grad)
+        return out
+
+    def _plain(self, values: dict[torch.nn.Parameter, torch.Tensor] | None) -> Weights | None:
+        if values is None:
+            return None
+        out: Weights = {}
+        for i, name, p in self.params:
+            out.setdefault(i, {})[name] = values[p]
+        return out
+
+    # -- passes ----------------------------------------------------------------
+
+    def _forward(
+        self,
+        j: int,
+        x: torch.Tensor | None,
+        target: torch.Tensor | None,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+    ) -> float | None:
+        pipe = self.pipe
+        mb = pipe._input(j, x)
+        mb.target = target
+        mb.recompute = self.recompute
+        values = self._forward_weights(j, optimizer, scheduler)
+        mb.extra["values"] = values
+        mb.extra["version"] = self.version
+        if self.recompute:
+            mb.extra["weights"] = self._plain(values)
+        else:
+            # Live parameters (nothing steps before the backward) go straight
+            # into the graph, and autograd accumulates into ``.grad`` itself.
+            mb.extra["weights"] = None if values is None else self._leaves(values)
+        pipe._forward(j, mb, j, loss_fn)
+        self.live[j] = mb
+        return None if mb.loss is None else float(mb.loss.detach())
+
+    def _backward(self, j: int, loss_fn: LossFn) -> None:
+        mb = self.live.pop(j)
+        values = mb.extra["values"]
+        if self.recompute:
+            used = values if (self.stashing and values is not None) else None
+        else:
+            used = values
+        gap_ref = values if self.gap_aware == "ga_jfl" else used
+        # The gap-aware penalty needs this micro-batch's gradient on its own.
+        separate = self._ga is not None and gap_ref is not None
+        if self.recompute:
+            leaves = self._leaves(used) if (used is not None or separate) else None
+            mb.extra["backward_weights"] = leaves
+        else:
+            leaves = mb.extra["weights"]
+        self.staleness.append(self.version - mb.extra["version"])
+        self.pipe._backward(j, mb, j, loss_fn, 1.0 / self.step_every)
+        if leaves is not None:
+            with torch.no_grad():
+                for i, name, p in self.params:
+                    g = leaves[i][name].grad
+                    if g is None:
+                        continue
+                    if separate:
+                        assert self._ga is not None
+                        assert gap_ref is not None
+                        g = g / self._ga.penalty(p, gap_ref[p])
+                    if p.grad is None:
+                        p.grad = g  # the leaf's own gradient: nobody else holds it
+                    else:
+                        p.grad.add_(g)
+        self.done_b += 1
+
+    def _maybe_step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
+        if optimizer is not None and self.done_b % self.step_every == 0:
+            self._step(optimizer, scheduler)
+
+    def _step(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        ga = self._gap(optimizer)
+        if ga is not None:
+            ga.damp_weight_decay(optimizer)
+        self.pipe._average_replica_grads()
+        before: dict[torch.Tensor, torch.Tensor] | None = None
+        if ga is not None and ga.kind == "adam":
+            before = {p: p.detach().clone() for _, _, p in self.params}
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if ga is not None:
+            ga.after_step(optimizer, before)
+        optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def _gap(self, optimizer: torch.optim.Optimizer) -> GapAware | None:
+        if self.gap_aware is None:
+            return None
+        if self._ga is None or self._ga_optimizer is not optimizer:
+            self._ga, self._ga_optimizer = GapAware(optimizer), optimizer
+        return self._ga
+
+    # -- calls -----------------------------------------------------------------
+
+    def call(
+        self,
+        xs: list[torch.Tensor],
+        ts: list[torch.Tensor],
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+    ) -> float:
+        pipe = self.pipe
+        first_id = self.total
+        ids = list(range(first_id, first_id + pipe.chunks))
+        self.total += pipe.chunks
+        if optimizer is not None:
+            self._gap(optimizer)
+        if pipe._act_in is not None:
+            pipe._act_in.expect(ids)
+        if pipe._act_out is not None:
+            pipe._act_out.new_call()
+        losses: list[float] = []
+        start, waited = time.perf_counter(), WAITED[0]
+        for kind, j in async_ops(self.depth, self.done_f, self.done_b, self.total):
+            if kind == "F":
+                k = j - first_id
+                x = xs[k] if pipe.first else None
+                t = ts[k] if pipe.last else None
+                loss = self._forward(j, x, t, loss_fn, optimizer, scheduler)
+                self.done_f += 1
+                if loss is not None:
+                    losses.append(loss)
+            else:
+                self._backward(j, loss_fn)
+                self._maybe_step(optimizer, scheduler)
+        pipe.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
+        pipe._finish_sends()
+        return sum(losses) / len(losses) if losses else 0.0
+
+    def flush(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
+        """Runs the backwards still owed; a last partial accumulation steps too."""
+        for _, j in flush_ops(self.done_f, self.done_b):
+            self._backward(j, _no_loss)
+            self._maybe_step(optimizer, scheduler)
+        if optimizer is not None and self.done_b % self.step_every:
+            self._step(optimizer, scheduler)
+        self.pipe._finish_sends()
+
+
+def _no_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    raise PipelineError("internal: the last stage never owes a backward")

@@ -1,0 +1,100 @@
+"""Schedules: the grids in the docstring, bubbles, memory bound, async rule."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import mpx.pipeline.schedule as schedule_module
+from mpx.pipeline import PipelineError
+from mpx.pipeline.schedule import (
+    SCHEDULES,
+    async_ops,
+    bubble_fraction,
+    flush_ops,
+    grid,
+    max_alive,
+    simulate,
+    stage_ops,
+)
+
+
+def docstring_grid(name: str) -> str:
+    doc = schedule_module.__doc__ or ""
+    block = doc.split(f"``{name}``", 1)[1]
+    lines = re.findall(r"^    (stage \d \|.*)$", block, flags=re.M)[:3]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_docstring_grids_are_the_rules_output(name: str) -> None:
+    assert grid(name, 3, 4) == docstring_grid(name)
+
+
+def test_gpipe_grid_by_hand() -> None:
+    assert grid("gpipe", 2, 2) == "stage 0 | F0 F1 .  .  B1 B0\nstage 1 | .  F0 F1 B1 B0 ."
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 1), (2, 4), (3, 4), (4, 8), (5, 3)])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_is_the_textbook_fraction(name: str, p: int, m: int) -> None:
+    assert bubble_fraction(name, p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 4), (4, 8), (3, 2)])
+def test_1f1b_keeps_at_most_p_minus_s_alive(p: int, m: int) -> None:
+    for s in range(p):
+        assert max_alive(stage_ops("1f1b", s, p, m)) == min(p - s, m)
+        assert max_alive(stage_ops("gpipe", s, p, m)) == m
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 5), (4, 4)])
+def test_every_sync_schedule_runs_each_pass_once(name: str, p: int, m: int) -> None:
+    if name == "async":
+        return
+    for s in range(p):
+        ops = stage_ops(name, s, p, m)
+        assert sorted(ops) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+        # A backward never precedes its own forward.
+        assert all(ops.index(("F", j)) < ops.index(("B", j)) for j in range(m))
+
+
+def test_async_rule_and_staleness_equal_to_depth() -> None:
+    p, calls, m = 3, 5, 4
+    done = [[0, 0] for _ in range(p)]
+    streams: list[list[tuple[str, int]]] = [[] for _ in range(p)]
+    for c in range(calls):
+        for s in range(p):
+            ops = async_ops(p - s - 1, done[s][0], done[s][1], (c + 1) * m)
+            streams[s] += ops
+            done[s][0] += sum(k == "F" for k, _ in ops)
+            done[s][1] += sum(k == "B" for k, _ in ops)
+    for s in range(p):
+        depth = p - s - 1
+        assert done[s][0] == calls * m
+        assert done[s][1] == calls * m - depth
+        ops = streams[s]
+        # Weight version = backwards done (one step each); between F(j) and
+        # B(j) exactly ``depth`` other backwards run, once past the warm-up.
+        for j in range(depth, calls * m - depth):
+            between = ops[ops.index(("F", j)) : ops.index(("B", j))]
+            assert sum(k == "B" for k, _ in between) == depth
+        assert flush_ops(*done[s]) == [("B", j) for j in range(calls * m - depth, calls * m)]
+    # The concatenated calls never deadlock.
+    simulate(streams)
+
+
+def test_simulate_reports_a_deadlock() -> None:
+    with pytest.raises(PipelineError, match="deadlock"):
+        simulate([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(PipelineError, match="zigzag"):
+        stage_ops("zigzag", 0, 2, 2)
+    with pytest.raises(PipelineError, match="stage=2"):
+        stage_ops("gpipe", 2, 2, 2)
+    with pytest.raises(PipelineError, match="chunks=0"):
+        stage_ops("gpipe", 0, 2, 0)
