@@ -179,7 +179,8 @@ def _pipeline_epoch(
         for batch in batches(data, index, args.batch_size):
             losses.append(pipe.step(data.x_train[batch], data.y_train[batch], loss_fn, opt))
         if args.schedule == "async":
-            pipe.flush(opt)
+            # async step() returns the previous call's loss (NaN first): flush adds the last.
+            losses = [*losses[1:], pipe.flush(opt)]
         # The last stage predicts; its accuracy goes to every rank.
         with torch.no_grad():
             out = pipe(data.x_test)
@@ -228,7 +229,7 @@ def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) ->
             mine = batch[replica::replicas]  # this replica's share of the global batch
             losses.append(pipe.step(data.x_train[mine], data.y_train[mine], loss_fn, opt))
         if args.schedule == "async":
-            pipe.flush(opt)
+            losses = [*losses[1:], pipe.flush(opt)]
         with torch.no_grad():
             out = pipe(data.x_test)
         acc = torch.tensor([accuracy_of(lambda _: out, data) if out is not None else -1.0])
