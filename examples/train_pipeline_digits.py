@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import Any
 
 import torch
 from sklearn.datasets import load_digits
@@ -64,7 +65,7 @@ def main() -> None:
         test_size=0.25,
         random_state=0,
     )
-    async_opts = {}
+    async_opts: dict[str, Any] = {}
     if args.schedule == "async":
         async_opts = {
             "weight_stashing": not args.no_stashing,
@@ -80,7 +81,7 @@ def main() -> None:
         chunks=args.chunks,
         schedule=args.schedule,
         checkpoint="never" if args.schedule == "async" else args.checkpoint,
-        **async_opts,  # type: ignore[arg-type]
+        **async_opts,
     )
     # Balancing by time may leave a stage with only activations: no optimizer there.
     params = list(pipe.parameters())

@@ -30,7 +30,9 @@ def test_bad_op_root_impl() -> None:
         allreduce(torch.zeros(3), "mean")
     with pytest.raises(ValueError, match=r"root must be a rank in \[0, 1\), got 5"):
         broadcast(torch.zeros(3), 5)
-    with pytest.raises(ValueError, match=r"impl must be one of auto, mpi, ring, shm, hier, staged, ipc, got 'nccl'"):
+    with pytest.raises(
+        ValueError, match=r"impl must be one of auto, mpi, ring, shm, hier, staged, ipc, got 'nccl'"
+    ):
         allreduce(torch.zeros(3), impl="nccl")
     with pytest.raises(ValueError, match=r"dest must be a rank in \[0, 1\), got -1"):
         send(torch.zeros(3), -1)
