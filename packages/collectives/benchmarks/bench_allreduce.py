@@ -93,6 +93,9 @@ def measure() -> None:
                 btimes[f"mpx {impl}"] = timed(
                     lambda impl=impl, x=x: broadcast(x, 0, impl=impl), reps
                 )
+            btimes["mpx shm, empty_shared tensor"] = timed(
+                lambda s=shared: broadcast(s, 0, impl="shm"), reps
+            )
             for name, seconds in btimes.items():
                 if comm.rank == 0:
                     print(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpx.collectives import MismatchError, allreduce, empty_shared, world
+from mpx.collectives import MismatchError, allreduce, broadcast, empty_shared, world
 from mpx.collectives.shared_memory import SharedBuffers
 
 pytestmark = pytest.mark.mpi
@@ -63,6 +63,17 @@ def test_slice_of_a_shared_tensor_touches_only_the_slice() -> None:
     assert float(base[1, 0]) == sum(range(comm.size))
     assert torch.all(base[0] == 7.0)
     assert torch.all(base[2] == 7.0)
+
+
+@pytest.mark.parametrize("n", [1, 300_001, (5 << 20) + 1])
+def test_broadcast_from_a_shared_tensor(n: int) -> None:
+    comm = world()
+    for root in range(comm.size):
+        t = empty_shared(n, dtype=torch.float64)  # peers copy straight out of root's
+        t.fill_(float(comm.rank))
+        broadcast(t, root, impl="shm")
+        assert bool(torch.all(t == root))
+        t.fill_(-1.0)  # the root may write at once: every peer has its copy
 
 
 def test_sizes_that_differ_across_ranks_are_refused() -> None:

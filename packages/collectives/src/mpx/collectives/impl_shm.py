@@ -208,19 +208,20 @@ def slotted_allreduce(
 
 
 def slotted_broadcast(ws: Slots, rank: int, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
-    """Root copies each piece into its slot; after a barrier everyone copies it out."""
+    """Root publishes each piece (its slot, or its shared tensor in place); everyone copies it."""
     flat = t.reshape(-1)
     per_piece = ws.bytes // t.element_size()
     for start in range(0, flat.numel(), per_piece):
         piece = flat[start : start + per_piece]
         buf = ws.calls % 2
         ws.calls += 1
-        source = ws.slot(root, buf, t.dtype)[: piece.numel()]
-        if rank == root:
-            source.copy_(piece)
+        if rank == root and not ws.publish(root, buf, piece):
+            ws.slot(root, buf, t.dtype)[: piece.numel()].copy_(piece)
         yield ws.barrier()
         if rank != root:
-            piece.copy_(source)
+            piece.copy_(ws.source(root, buf, t.dtype, piece.numel()))
+    # The root's tensor may be read in place: it must outlive the peers' copies.
+    yield ws.barrier()
     return t
 
 
