@@ -28,6 +28,7 @@ from mpx.collectives import progress
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.errors import CommunicatorBroken, MismatchError
 from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
+from mpx.collectives.settings import read
 
 __all__ = ["Communicator", "check_enabled", "default_timeout", "world"]
 
@@ -60,7 +61,7 @@ def default_timeout() -> float | None:
 
 def check_enabled() -> bool:
     """Whether ``MPX_CHECK=1`` asks for cross-rank argument checks."""
-    return os.environ.get("MPX_CHECK", "0") not in ("", "0", "false", "False")
+    return read("MPX_CHECK", "0") not in ("", "0", "false", "False")
 
 
 class Communicator:

@@ -78,10 +78,15 @@ class Requests(Pending):
         self.peers = peers
 
     def test(self) -> bool:
+        if len(self.requests) == 1:  # the common case, without building an array
+            return bool(self.requests[0].Test())
         return bool(MPI.Request.Testall(self.requests))
 
     def wait(self) -> None:
-        MPI.Request.Waitall(self.requests)
+        if len(self.requests) == 1:
+            self.requests[0].Wait()
+        else:
+            MPI.Request.Waitall(self.requests)
 
 
 class Done(Pending):

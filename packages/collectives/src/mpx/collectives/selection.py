@@ -18,13 +18,13 @@ run on ``mpi`` for CPU tensors and ``staged`` for CUDA ones.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
 from mpx.collectives import impl_hier, impl_ipc, impl_mpi, impl_ring, impl_shm, impl_staged
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.settings import read
 from mpx.collectives.thresholds import small_bytes
 
 __all__ = ["IMPLEMENTATIONS", "choose", "small_bytes"]
@@ -62,7 +62,7 @@ def choose(
         ValueError: an unknown name, ``shm``/``ipc`` across nodes, ``hier``
             on one node, or a device the implementation cannot take.
     """
-    name = impl or os.environ.get("MPX_COLLECTIVES_IMPL", "auto") or "auto"
+    name = impl or read("MPX_COLLECTIVES_IMPL", "auto") or "auto"
     if name not in _NAMES:
         raise ValueError(
             f"{op}: impl must be one of {', '.join(_NAMES)}, got {name!r} "

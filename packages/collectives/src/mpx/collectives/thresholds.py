@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
+from mpx.collectives.settings import read_int
 
 __all__ = ["small_bytes"]
 
 
 def small_bytes() -> int:
     """Below this many bytes (``MPX_AUTO_SMALL_BYTES``, 256 KiB) MPI's own collectives win."""
-    return int(os.environ.get("MPX_AUTO_SMALL_BYTES", str(256 << 10)))
+    return read_int("MPX_AUTO_SMALL_BYTES", 256 << 10)
