@@ -18,17 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mpx.launch.virtual_cluster import VirtualCluster
+
 JOB = Path(__file__).with_name("multinode_job.py")
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
-
-
-def _can_make_namespaces() -> bool:
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        return False
-    name = f"mpxprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-    return made.returncode == 0
 
 
 def _run(tmp_path: Path, *placement: str) -> dict[str, torch.Tensor]:
@@ -42,7 +35,7 @@ def _run(tmp_path: Path, *placement: str) -> dict[str, torch.Tensor]:
     return torch.load(out)  # type: ignore[no-any-return]
 
 
-@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and iproute2 (netns)")
+@pytest.mark.skipif(not VirtualCluster.supported(), reason="needs root and iproute2 (netns)")
 def test_two_virtual_nodes_match_one_node(tmp_path: Path) -> None:
     one = _run(tmp_path)
     two = _run(tmp_path, "--virtual-nodes", "2")

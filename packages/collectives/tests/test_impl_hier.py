@@ -9,7 +9,6 @@ test starts that job itself (2 nodes x 2 ranks).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from mpi4py import MPI
 
 from mpx.collectives import Communicator, allreduce, broadcast
 from mpx.collectives.selection import choose
+from mpx.launch.virtual_cluster import VirtualCluster
 
 JOB = Path(__file__).with_name("hier_job.py")
 
@@ -85,15 +85,6 @@ def test_broadcast_and_auto_across_simulated_nodes(simulated: Communicator) -> N
         assert float(big[-1]) == comm.size
 
 
-def _can_make_namespaces() -> bool:
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        return False
-    name = f"mpxprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-    return made.returncode == 0
-
-
 @pytest.mark.parametrize(
     "where",
     [
@@ -101,7 +92,7 @@ def _can_make_namespaces() -> bool:
         pytest.param(
             "virtual",
             marks=pytest.mark.skipif(
-                not _can_make_namespaces(), reason="virtual nodes need root and iproute2"
+                not VirtualCluster.supported(), reason="virtual nodes need root and iproute2"
             ),
         ),
     ],

@@ -18,20 +18,8 @@ from mpx.launch.virtual_cluster import VirtualCluster
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 
 
-def _can_make_namespaces() -> bool:
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        return False
-    probe = subprocess.run(
-        ["ip", "netns", "add", f"mpxprobe{os.getpid()}"], capture_output=True, check=False
-    )
-    subprocess.run(
-        ["ip", "netns", "del", f"mpxprobe{os.getpid()}"], capture_output=True, check=False
-    )
-    return probe.returncode == 0
-
-
 needs_netns = pytest.mark.skipif(
-    not _can_make_namespaces(), reason="needs root and iproute2 (network namespaces)"
+    not VirtualCluster.supported(), reason="needs root and iproute2 (network namespaces)"
 )
 
 PROGRAM = textwrap.dedent(

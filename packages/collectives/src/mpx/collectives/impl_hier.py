@@ -29,8 +29,7 @@ from mpx.collectives import impl_mpi, impl_ring, impl_shm
 from mpx.collectives.communicator import Communicator, Hierarchy
 from mpx.collectives.dtypes import accumulation_dtype
 from mpx.collectives.handle import Steps
-from mpx.collectives.impl_shm import Workspace, segment
-from mpx.collectives.reduction import reduce_into
+from mpx.collectives.impl_shm import Workspace, slotted_allreduce
 from mpx.collectives.thresholds import small_bytes
 
 __all__ = ["allreduce", "broadcast"]
@@ -60,40 +59,18 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tenso
         return t
     if hier.lanes is None:
         return (yield from _allreduce_by_leaders(comm, hier, t, op))
-    node, lane = hier.node, hier.lanes
-    p, me = node.size, node.rank
-    ws = Workspace.of(node)
-    flat = t.reshape(-1)
-    acc_dtype = accumulation_dtype(t.dtype)
-    per_piece = ws.bytes // t.element_size()
-    for start in range(0, flat.numel(), per_piece):
-        piece = flat[start : start + per_piece]
-        n = piece.numel()
-        buf = ws.calls % 2
-        ws.calls += 1
-        mine = ws.slot(me, buf, t.dtype)
-        for j in range(p):
-            if j != me:
-                lo, hi = segment(n, p, j)
-                mine[lo:hi].copy_(piece[lo:hi])
-        yield ws.barrier()
-        lo, hi = segment(n, p, me)
-        acc = piece[lo:hi].to(acc_dtype, copy=True)
-        for j in range(p):
-            if j != me:
-                reduce_into(acc, ws.slot(j, buf, t.dtype)[lo:hi], op)
-        if acc.numel():
-            acc = yield from _across(lane, acc, op)
-        if op == "avg":
-            acc.div_(comm.size)
-        mine[lo:hi].copy_(acc)
-        piece[lo:hi].copy_(mine[lo:hi])
-        yield ws.barrier()
-        for j in range(p):
-            if j != me:
-                lo, hi = segment(n, p, j)
-                piece[lo:hi].copy_(ws.slot(j, buf, t.dtype)[lo:hi])
-    return t
+    lane = hier.lanes
+    return (
+        yield from slotted_allreduce(
+            Workspace.of(hier.node),
+            hier.node.rank,
+            hier.node.size,
+            t,
+            op,
+            across=lambda chunk: _across(lane, chunk, op),
+            divisor=comm.size,
+        )
+    )
 
 
 def _allreduce_by_leaders(

@@ -32,6 +32,7 @@ its result out.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -160,9 +161,22 @@ class Slots(Protocol):
 
 
 def slotted_allreduce(
-    ws: Slots, rank: int, size: int, t: torch.Tensor, op: str
+    ws: Slots,
+    rank: int,
+    size: int,
+    t: torch.Tensor,
+    op: str,
+    across: Callable[[torch.Tensor], Steps[torch.Tensor]] | None = None,
+    divisor: int | None = None,
 ) -> Steps[torch.Tensor]:
-    """The allreduce of the module docstring over any workspace of slots."""
+    """The allreduce of the module docstring over any workspace of slots.
+
+    Args:
+        across: run on this rank's reduced chunk before it is published (the
+            hierarchical implementation reduces it across nodes there); reduces
+            in place.
+        divisor: what ``avg`` divides by (the number of ranks, ``size`` by default).
+    """
     p, me = size, rank
     flat = t.reshape(-1)
     acc_dtype = accumulation_dtype(t.dtype)
@@ -191,8 +205,10 @@ def slotted_allreduce(
             reduce_into(acc, peers[0], op)
         for other in peers[1:]:
             reduce_into(acc, other, op)
+        if across is not None and acc.numel():
+            acc = yield from across(acc)
         if op == "avg":
-            acc.div_(p)
+            acc.div_(divisor or p)
         if acc_dtype != t.dtype:
             mine[lo:hi].copy_(acc)
         if not in_place:

@@ -73,6 +73,16 @@ class VirtualCluster:
         self._dir = tempfile.mkdtemp(prefix="mpx-vcluster-")
         self.shim = os.path.join(self._dir, "netns-ssh")
 
+    @staticmethod
+    def supported() -> bool:
+        """Whether this machine lets us make network namespaces (root, iproute2)."""
+        if shutil.which("ip") is None or os.geteuid() != 0:
+            return False
+        name = f"mpxprobe{os.getpid()}"
+        made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        return made.returncode == 0
+
     def __enter__(self) -> VirtualCluster:
         try:
             self._create()
