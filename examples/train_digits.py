@@ -121,35 +121,22 @@ def data_parallel(args: argparse.Namespace, data: Data, comm: Communicator) -> C
         compression = CompressionConfig(bits=args.bits, bucket_size=512, minimal_size=0)
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     opt = dp.DistributedOptimizer(inner, model, compression=compression)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def epoch(index: int) -> tuple[float, float]:
-        model.train()
-        total = torch.zeros(2, dtype=torch.float64)
-        for batch in batches(data, index, args.batch_size):
-            mine = batch[comm.rank :: comm.size]
-            opt.zero_grad()
-            loss = loss_fn(model(data.x_train[mine]), data.y_train[mine])
-            loss.backward()
-            opt.step()
-            total += torch.tensor([loss.item() * len(mine), len(mine)], dtype=torch.float64)
-        allreduce(total, comm=comm)
-        model.eval()
-        return float(total[0] / total[1]), accuracy_of(model, data)
-
-    return epoch
+    return _replicated_epoch(args, data, comm, model, model, opt)
 
 
-def torch_ddp(args: argparse.Namespace, data: Data, comm: Communicator) -> Callable[..., Any]:
-    import torch.distributed as dist
+def _replicated_epoch(
+    args: argparse.Namespace,
+    data: Data,
+    comm: Communicator,
+    model: nn.Module,
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+) -> Callable[..., Any]:
+    """One epoch of data parallel training: rank r takes every P-th sample of each batch.
 
-    from mpx.collectives import init_process_group
-
-    init_process_group()
-    torch.manual_seed(args.seed)
-    net = mlp()
-    model = nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    ``model`` is what runs forward (DDP's wrapper, or the network itself), ``net``
+    the network (for train/eval and the accuracy).
+    """
     loss_fn = nn.CrossEntropyLoss()
 
     def epoch(index: int) -> tuple[float, float]:
@@ -162,11 +149,22 @@ def torch_ddp(args: argparse.Namespace, data: Data, comm: Communicator) -> Calla
             loss.backward()
             opt.step()
             total += torch.tensor([loss.item() * len(mine), len(mine)], dtype=torch.float64)
-        dist.all_reduce(total)
+        allreduce(total, comm=comm)
         net.eval()
         return float(total[0] / total[1]), accuracy_of(net, data)
 
     return epoch
+
+
+def torch_ddp(args: argparse.Namespace, data: Data, comm: Communicator) -> Callable[..., Any]:
+    from mpx.collectives import init_process_group
+
+    init_process_group()
+    torch.manual_seed(args.seed)
+    net = mlp()
+    model = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return _replicated_epoch(args, data, comm, model, net, opt)
 
 
 def _pipeline_epoch(
