@@ -7,6 +7,7 @@ ranks and produce the plot.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -44,6 +45,10 @@ def test_default_job_trains_to_95_percent(tmp_path: Path) -> None:
     assert accuracy >= 0.95
     assert spread == 0.0
     assert (tmp_path / "digits_dp.png").stat().st_size > 10_000
+    summary = json.loads((tmp_path / "digits_dp.json").read_text())
+    assert summary["test_accuracy"] == accuracy
+    assert summary["bytes_communicated"] > 0
+    assert len(summary["loss"]) == 20
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,8 @@ def test_cluster_is_removed_on_exit() -> None:
         ).stdout
         assert all(ns in names for ns in cluster.namespaces)
         assert "-launcher-exec" in cluster.mpich_arguments(2)
+        with open(cluster.hostfile(2)) as f:
+            assert f.read().split() == [f"{a}:2" for a in cluster.addresses]
     names = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True, check=False
     ).stdout

@@ -28,11 +28,30 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "bytes_communicated",
     "recv",
     "reduce",
     "reduce_scatter",
     "send",
 ]
+
+
+_payload = [0]  # bytes of tensors handed to operations by this process
+
+
+def bytes_communicated() -> int:
+    """Bytes of the tensors this process has handed to mpx operations so far.
+
+    The payload, whatever the algorithm moves on the wire: an allreduce of a
+    4 MiB tensor counts 4 MiB (a ring sends 2(P-1)/P of it; a quantized
+    allreduce hands over its compressed buffers, and those are what count).
+
+    Example::
+
+        before = bytes_communicated(); train_one_epoch()
+        print(bytes_communicated() - before)
+    """
+    return _payload[0]
 
 
 def _run(
@@ -48,6 +67,8 @@ def _run(
 ) -> Any:
     comm = world() if comm is None else comm
     name, module = choose(op, t, comm, impl)
+    if t is not None:
+        _payload[0] += t.numel() * t.element_size()
     if check_enabled():
         comm.check_signature(op, t, reduce_op, root, timeout)
     steps = getattr(module, op)(comm, *(() if t is None else (t,)), *args)

@@ -133,9 +133,15 @@ class VirtualCluster:
             )
         os.chmod(self.shim, stat.S_IRWXU)
 
+    def hostfile(self, ranks_per_node: int) -> str:
+        """A hostfile (``address:slots`` per line) of the virtual nodes, as on a cluster."""
+        path = os.path.join(self._dir, "hosts")
+        with open(path, "w") as f:
+            f.writelines(f"{address}:{ranks_per_node}\n" for address in self.addresses)
+        return path
+
     def mpich_arguments(self, ranks_per_node: int) -> list[str]:
         """Hydra options that place ``ranks_per_node`` ranks on each virtual node."""
-        hosts = ",".join(f"{address}:{ranks_per_node}" for address in self.addresses)
         return [
             "-launcher",
             "ssh",
@@ -143,8 +149,8 @@ class VirtualCluster:
             self.shim,
             "-iface",
             self.bridge,
-            "-hosts",
-            hosts,
+            "-f",
+            self.hostfile(ranks_per_node),
         ]
 
     def close(self) -> None:
