@@ -124,3 +124,16 @@ def pytest_runtest_makereport(
     if failed_on and not item.stash.get(_FAILED_KEY, False):
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} failed on rank(s) {failed_on} (see their output)"
+
+
+# torch's rendezvous variables: a launcher, or a test of init_torch_env, may leave them set.
+_RENDEZVOUS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT",
+)  # fmt: skip
+
+
+@pytest.fixture
+def user_environment() -> dict[str, str]:
+    """This process's environment as a user's shell has it, for the jobs a test starts."""
+    return {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}

@@ -23,7 +23,9 @@ MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun
 SUMMARY = re.compile(r"final test accuracy ([\d.]+)%.*loss spread across ranks ([\d.e+-]+)")
 
 
-def _run(tmp_path: Path, *args: str, ranks: int = 2) -> tuple[float, float, str]:
+def _run(
+    tmp_path: Path, env: dict[str, str], *args: str, ranks: int = 2
+) -> tuple[float, float, str]:
     proc = subprocess.run(
         [MPXRUN, "-n", str(ranks), "--timeout", "400", "--", sys.executable, str(DEMO), *args],
         capture_output=True,
@@ -31,6 +33,7 @@ def _run(tmp_path: Path, *args: str, ranks: int = 2) -> tuple[float, float, str]
         timeout=450,
         check=False,
         cwd=tmp_path,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     found = SUMMARY.search(proc.stdout)
@@ -38,15 +41,15 @@ def _run(tmp_path: Path, *args: str, ranks: int = 2) -> tuple[float, float, str]
     return float(found[1]) / 100, float(found[2]), proc.stdout
 
 
-def test_default_job_trains_to_95_percent(tmp_path: Path) -> None:
-    accuracy, spread, out = _run(tmp_path)
+def test_default_job_trains_to_95_percent(tmp_path: Path, user_environment: dict[str, str]) -> None:
+    accuracy, spread, out = _run(tmp_path, user_environment)
     assert "data parallel, 4-bit gradients" in out
     assert out.count("] epoch ") == 20  # one progress line per epoch, on rank 0 only
     assert accuracy >= 0.95
     assert spread == 0.0
     assert (tmp_path / "digits_dp.png").stat().st_size > 10_000
     summary = json.loads((tmp_path / "digits_dp.json").read_text())
-    assert summary["test_accuracy"] == accuracy
+    assert abs(summary["test_accuracy"] - accuracy) < 1e-3  # printed with one decimal
     assert summary["bytes_communicated"] > 0
     assert len(summary["loss"]) == 20
 
@@ -62,8 +65,10 @@ def test_default_job_trains_to_95_percent(tmp_path: Path) -> None:
     ],
     ids=lambda a: "-".join(x.lstrip("-") for x in a[1::2]),
 )
-def test_other_modes_train(tmp_path: Path, args: list[str]) -> None:
-    accuracy, spread, _ = _run(tmp_path, *args, "--epochs", "4")
+def test_other_modes_train(
+    tmp_path: Path, user_environment: dict[str, str], args: list[str]
+) -> None:
+    accuracy, spread, _ = _run(tmp_path, user_environment, *args, "--epochs", "4")
     assert accuracy > 0.5  # learning, after 4 epochs
     assert spread == 0.0
     assert (tmp_path / f"digits_{args[1]}.png").exists()

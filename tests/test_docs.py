@@ -39,7 +39,9 @@ def test_there_are_snippets_to_run() -> None:
 
 
 @pytest.mark.parametrize(("name", "ranks", "code"), SNIPPETS, ids=[s[0] for s in SNIPPETS])
-def test_snippet_runs(name: str, ranks: int, code: str, tmp_path: Path) -> None:
+def test_snippet_runs(
+    name: str, ranks: int, code: str, tmp_path: Path, user_environment: dict[str, str]
+) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(code)
     proc = subprocess.run(
@@ -49,5 +51,6 @@ def test_snippet_runs(name: str, ranks: int, code: str, tmp_path: Path) -> None:
         timeout=300,
         check=False,
         cwd=tmp_path,
+        env=user_environment,
     )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

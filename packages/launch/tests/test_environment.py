@@ -125,7 +125,10 @@ def test_init_torch_env_uses_mpxrun_master(monkeypatch: pytest.MonkeyPatch) -> N
         "MASTER_PORT",
         "GROUP_RANK",
     ):
-        monkeypatch.delenv(key, raising=False)
+        # setenv first: monkeypatch then removes what init_torch_env writes, at teardown
+        # (a plain delenv of an absent name would leave it set for later tests).
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("MPX_MASTER_ADDR", "node17")
     monkeypatch.setenv("MPX_MASTER_PORT", "29511")
     got = init_torch_env(Environment(3, 1, 4, 2, 1, "mpich"))
