@@ -173,14 +173,22 @@ def torch_ddp(args: argparse.Namespace, data: Data, comm: Communicator) -> Calla
 
 
 def _pipeline_epoch(
-    args: argparse.Namespace, data: Data, pipe: Any, opt: torch.optim.Optimizer, comm: Communicator
+    args: argparse.Namespace,
+    data: Data,
+    pipe: Any,
+    opt: torch.optim.Optimizer,
+    comm: Communicator,
+    replica: int = 0,
+    replicas: int = 1,
 ) -> Callable[..., Any]:
+    """One epoch of a pipeline; replica r of R (2-D) takes every R-th sample of each batch."""
     loss_fn = nn.CrossEntropyLoss()
 
     def epoch(index: int) -> tuple[float, float]:
         losses = []
         for batch in batches(data, index, args.batch_size):
-            losses.append(pipe.step(data.x_train[batch], data.y_train[batch], loss_fn, opt))
+            mine = batch[replica::replicas]
+            losses.append(pipe.step(data.x_train[mine], data.y_train[mine], loss_fn, opt))
         if args.schedule == "async":
             # async step() returns the previous call's loss (NaN first): flush adds the last.
             losses = [*losses[1:], pipe.flush(opt)]
@@ -189,7 +197,10 @@ def _pipeline_epoch(
             out = pipe(data.x_test)
         acc = torch.tensor([accuracy_of(lambda _: out, data) if out is not None else -1.0])
         allreduce(acc, "max", comm=comm)
-        return float(np.mean(losses)), float(acc[0])
+        # Stages of one replica agree on the loss; replicas average theirs.
+        loss = torch.tensor([float(np.mean(losses))], dtype=torch.float64)
+        allreduce(loss, "avg", comm=comm)
+        return float(loss[0]), float(acc[0])
 
     return epoch
 
@@ -224,24 +235,7 @@ def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) ->
                     chunks=args.chunks, schedule=args.schedule,
                     data_parallel_comm=replica_comm)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def epoch(index: int) -> tuple[float, float]:
-        losses = []
-        for batch in batches(data, index, args.batch_size):
-            mine = batch[replica::replicas]  # this replica's share of the global batch
-            losses.append(pipe.step(data.x_train[mine], data.y_train[mine], loss_fn, opt))
-        if args.schedule == "async":
-            losses = [*losses[1:], pipe.flush(opt)]
-        with torch.no_grad():
-            out = pipe(data.x_test)
-        acc = torch.tensor([accuracy_of(lambda _: out, data) if out is not None else -1.0])
-        allreduce(acc, "max", comm=comm)
-        loss = torch.tensor([float(np.mean(losses))])
-        allreduce(loss, "avg", comm=comm)
-        return float(loss[0]), float(acc[0])
-
-    return epoch
+    return _pipeline_epoch(args, data, pipe, opt, comm, replica, replicas)
 
 
 def layer_parallel(

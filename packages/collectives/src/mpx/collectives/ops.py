@@ -209,10 +209,7 @@ def send(
     timeout: float | None = None,
 ) -> Any:
     """Sends ``t`` to rank ``dest`` (point to point, through MPI)."""
-    check_tensor(t, "send")
-    size = (world() if comm is None else comm).size
-    check_rank(dest, size, "dest", "send")
-    return _run("send", comm, t, _p2p_impl(t), async_op, timeout, dest, tag)
+    return _point_to_point("send", t, dest, "dest", tag, comm, async_op, timeout)
 
 
 def recv(
@@ -225,10 +222,22 @@ def recv(
     timeout: float | None = None,
 ) -> Any:
     """Receives into ``t`` from rank ``source``; returns ``t``."""
-    check_tensor(t, "recv")
-    size = (world() if comm is None else comm).size
-    check_rank(source, size, "source", "recv")
-    return _run("recv", comm, t, _p2p_impl(t), async_op, timeout, source, tag)
+    return _point_to_point("recv", t, source, "source", tag, comm, async_op, timeout)
+
+
+def _point_to_point(
+    op: str,
+    t: torch.Tensor,
+    peer: int,
+    what: str,
+    tag: int,
+    comm: Communicator | None,
+    async_op: bool,
+    timeout: float | None,
+) -> Any:
+    check_tensor(t, op)
+    check_rank(peer, (world() if comm is None else comm).size, what, op)
+    return _run(op, comm, t, _p2p_impl(t), async_op, timeout, peer, tag)
 
 
 def barrier(
