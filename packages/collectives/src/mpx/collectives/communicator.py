@@ -72,6 +72,11 @@ class Communicator:
         rank: this rank's index in the group.
         size: number of ranks.
         timeout: default timeout of every operation (``MPX_TIMEOUT``).
+        background_progress: hand unfinished asynchronous operations to the
+            progress thread (True by default). A caller that drives its own
+            traffic between compute steps (``mpx.pipeline`` polls between
+            layers) sets it False: a thread waking every millisecond to poll
+            costs a computing core more than it saves there.
 
     Example::
 
@@ -107,6 +112,7 @@ class Communicator:
         self.collective_mpi = MPI.Intracomm(mpi_comm.Dup())
         self.collective_count = 0
         self._broken: str | None = None
+        self.background_progress = True
         self._cache: dict[str, Any] = {}
         self.hierarchy = Hierarchy.build(self) if self.num_nodes > 1 else None
         self._node_comm.Barrier()
@@ -226,7 +232,7 @@ class Communicator:
         )
         if not async_op:
             return handle.wait()
-        if not handle.done():
+        if self.background_progress and not handle.done():
             progress.watch(self._queue if op not in _UNORDERED else handle)
         return handle
 

@@ -116,6 +116,10 @@ class Pipeline(nn.Module):
         base = world() if comm is None else comm
         # A private duplicate: the pipeline's messages never match the user's.
         self.comm = Communicator.from_mpi(base.mpi, base.timeout)
+        # The stages poll their messages between layers (Stage.progress) and
+        # wait for them where the schedule needs them; a background thread
+        # polling the same handles would only take time from the compute.
+        self.comm.background_progress = False
         self.dp_comm = data_parallel_comm
         self.num_stages, self.stage_id = self.comm.size, self.comm.rank
         self.first, self.last = self.stage_id == 0, self.stage_id == self.num_stages - 1
@@ -174,6 +178,10 @@ class Pipeline(nn.Module):
     def _progress(self) -> None:
         for box in self._boxes:
             box.progress()
+        if self._pending_loss is not None:
+            # async: the loss broadcast started at the end of the last call
+            # moves only when polled (no background thread on this comm).
+            self._pending_loss[1].done()
 
     def local_layers(self) -> dict[int, nn.Module]:
         """This rank's layers by their index in the whole module."""
@@ -325,6 +333,11 @@ class Pipeline(nn.Module):
         self._finish_sends()
         return total / m
 
+    def _reap_sends(self) -> None:
+        for box in (self._act_out, self._grad_out):
+            if box is not None:
+                box.progress()
+
     def _finish_sends(self) -> None:
         for box in (self._act_out, self._grad_out):
             if box is not None:
@@ -368,6 +381,8 @@ class Pipeline(nn.Module):
         """
         xs = self._split(inputs, "inputs", self.first)
         m = self.chunks
+        # ``async`` leaves its last sends in flight; their slots are reused here.
+        self._finish_sends()
         if self._act_in is not None:
             self._act_in.expect(list(range(m)))
         if self._act_out is not None:
@@ -396,6 +411,9 @@ class Pipeline(nn.Module):
         scheduler: Any = None,
     ) -> float:
         """``async``: runs the backwards still owed (and their steps).
+
+        It also waits for the messages still in flight (a ``step`` leaves its
+        last sends going), so call it before the end of training.
 
         Returns:
             The loss of the last ``step`` (async), NaN for the other schedules.

@@ -256,7 +256,10 @@ class StaleRunner:
                 self._backward(j, loss_fn)
                 self._maybe_step(optimizer, scheduler)
         pipe.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
-        pipe._finish_sends()
+        # The last sends stay in flight into the next call (the Outboxes hold
+        # their tensors): waiting here would stall this stage until its
+        # neighbour, busy computing, polls for them. ``flush`` waits for them.
+        pipe._reap_sends()
         return sum(losses) / len(losses) if losses else 0.0
 
     def flush(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
