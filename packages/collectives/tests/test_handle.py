@@ -99,6 +99,26 @@ def test_progress_thread_finishes_operations_nobody_polls() -> None:
         assert float(t[-1]) == comm.size
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_background_progress_switch(background: bool) -> None:
+    """``background_progress = False``: nothing moves until the caller polls."""
+    from mpx.collectives import Communicator
+
+    if background and not enabled():
+        pytest.skip("MPI_THREAD_MULTIPLE not available: no progress thread")
+    comm = Communicator.from_mpi(world().mpi)
+    comm.background_progress = background
+    t = torch.ones(1 << 16)
+    handle = allreduce(t, comm=comm, impl="mpi", async_op=True)
+    deadline = time.monotonic() + (60 if background else 0.3)
+    while not handle.completed and time.monotonic() < deadline:
+        time.sleep(0.01)  # never polls: only a progress thread could finish it
+    if comm.size > 1:  # on one rank there is nothing to communicate: done at once
+        assert handle.completed == background
+    assert handle.wait(timeout=60) is t
+    assert float(t[-1]) == comm.size
+
+
 def test_queue_starts_only_the_head() -> None:
     started: list[str] = []
 

@@ -144,6 +144,31 @@ def test_async_equals_the_serial_pipedream_reference(stashing: bool, recompute: 
         assert bool(flags.any())
 
 
+def test_forward_between_async_steps_leaves_training_unchanged() -> None:
+    """A ``step`` leaves its last sends in flight; an evaluation pass between
+    steps (no flush) must neither mix its messages with them nor change the
+    training (the PipeDream reference still holds)."""
+    comm = world()
+    model, balance = make_model(comm.size)
+    ref_model, _ = make_model(comm.size)
+    calls, chunks = 4, 3
+    data = batches(calls, 6)
+    pipe = Pipeline(model, balance, chunks=chunks, schedule="async")
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    for x, y in data:
+        pipe.step(x, y, nn.functional.cross_entropy, opt)
+        out = pipe(x)
+        if comm.rank == comm.size - 1:
+            assert out is not None and out.shape == (6, OUT) and bool(out.isfinite().all())
+        else:
+            assert out is None
+    pipe.flush(opt)
+    expected = serial_reference(ref_model, balance, data, chunks, True, False)[comm.rank]
+    mine = pipe.stage.layers.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-10)
+
+
 def test_one_stage_async_is_plain_sgd_per_microbatch() -> None:
     # Each rank alone: depth 0, no staleness; every micro-batch is a step.
     comm = world()
