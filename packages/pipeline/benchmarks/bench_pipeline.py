@@ -8,9 +8,13 @@ step) of: the whole model in one process (rank 0 alone), mpx ``sequential``,
 ``gpipe`` with m = 1, 4, 8, ``1f1b`` and ``async`` with m = 8, and
 ``torch.distributed.pipelining`` ScheduleGPipe / Schedule1F1B on gloo with
 the same split. Time is the median over samples of 3 consecutive steps (no
-barrier between them, which would flush the async pipeline), taken
-round-robin over the configurations so that load changes hit all alike; the
-slowest rank's.
+barrier between them, which would drain the async pipeline; each sample
+follows a barrier and one untimed step that refills it), taken round-robin
+over the configurations so that load changes hit all alike; the slowest
+rank's. The batch (``MPX_BENCH_BATCH``, default 2048) is cut into micro-batches
+of 256 rows at m = 8: a table at the end measures what smaller micro-batches
+cost the compute itself. ``MPX_BENCH_ONLY=gpipe,async`` times only the rows
+whose label contains one of the words (and skips that table).
 Measured bubble = 1 - (compute time / step time), averaged over stages
 (mpx only: torch's schedules do not expose their compute time).
 """
@@ -28,7 +32,10 @@ import time
 from collections.abc import Callable
 
 WIDTH, DEPTH = 768, 8
-BATCH = int(os.environ.get("MPX_BENCH_BATCH", "256"))
+# 2048 rows: 8 micro-batches of 256. Smaller micro-batches run the GEMMs of a
+# 768-wide layer well below a core's speed; the efficiency table shows how much.
+BATCH = int(os.environ.get("MPX_BENCH_BATCH", "2048"))
+EFFICIENCY_BATCHES = (256, 1024, 2048)
 REPEATS = 8
 STEPS = 3  # consecutive steps per sample: a barrier between steps would flush async
 
@@ -42,6 +49,48 @@ def build() -> object:
     for _ in range(DEPTH):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     return nn.Sequential(*layers)
+
+
+def micro_batch_efficiency(
+    rank: int, polite_barrier: Callable[[], None]
+) -> list[tuple[int, float, float]]:
+    """What micro-batching costs before any communication, on rank 0 alone.
+
+    For each batch B: the whole model's step on B rows, and the last stage's
+    (half the layers, input needing a gradient) step on 8 micro-batches of B/8
+    rows. Their ratio bounds the
+    2-stage pipeline's speed-up with no bubble and free messages.
+    """
+    import torch
+    from torch import nn
+
+    out: list[tuple[int, float, float]] = []
+    whole, stage = build(), nn.Sequential(*list(build())[:DEPTH])  # type: ignore[call-overload]
+    for batch in EFFICIENCY_BATCHES:
+        polite_barrier()
+        if rank != 0:
+            continue
+        gen = torch.Generator().manual_seed(2)
+        x, y = torch.randn(batch, WIDTH, generator=gen), torch.randn(batch, WIDTH, generator=gen)
+        times = []
+        for model, chunks in ((whole, 1), (stage, 8)):
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # type: ignore[attr-defined]
+            samples = []
+            for repeat in range(6):
+                start = time.perf_counter()
+                opt.zero_grad()
+                for xs, ys in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+                    # The stage's input needs a gradient (the last stage's
+                    # does: the slower of the two, which sets the pace).
+                    feed = xs.requires_grad_(chunks > 1)
+                    nn.functional.mse_loss(model(feed), ys).backward()  # type: ignore[operator]
+                opt.step()
+                if repeat:
+                    samples.append(time.perf_counter() - start)
+            times.append(statistics.median(samples))
+        out.append((batch, times[0], times[1]))
+    polite_barrier()
+    return out
 
 
 def measure() -> None:
@@ -71,6 +120,10 @@ def measure() -> None:
         request = raw.Ibarrier()
         while not request.Test():
             time.sleep(1e-4)
+
+    efficiency = (
+        micro_batch_efficiency(rank, polite_barrier) if not os.environ.get("MPX_BENCH_ONLY") else []
+    )
 
     # Every configuration first, then the repeats round-robin over them, so
     # that a change in the machine's load hits all of them alike.
@@ -202,8 +255,49 @@ def measure() -> None:
         for every in (1, 8):
             async8 = by_label.get((f"mpx async step_every={every}", 8))
             if gpipe8 is not None and async8 is not None:
-                print(f"\nasync (m=8, step_every={every}) ÷ gpipe m=8: {gpipe8 / async8:.2f}×", end="")
+                ratio = gpipe8 / async8
+                print(f"\nasync (m=8, step_every={every}) ÷ gpipe m=8: {ratio:.2f}×", end="")
         print()
+        single = by_label.get(("single process (whole model)", None))
+        torch_gpipe = torch_time.get("ScheduleGPipe")
+        async8 = by_label.get(("mpx async step_every=8", 8))
+        if (
+            single is not None
+            and gpipe8 is not None
+            and torch_gpipe is not None
+            and async8 is not None
+        ):
+            print(
+                "\n| target (2 stages) | measured |\n|---|---|\n"
+                f"| gpipe m=8 ≥ 1.5× the single process | {single / gpipe8:.2f}× |\n"
+                f"| gpipe m=8 ≥ 1× torch ScheduleGPipe | {torch_gpipe / gpipe8:.2f}× |\n"
+                f"| async (m=8, step_every=8) ≥ 1.1× gpipe m=8 | {gpipe8 / async8:.2f}× |"
+            )
+            print(
+                "\nIn ideal schedules async's gain over gpipe is the flush it skips: "
+                f"(m+p-1)/m = {(8 + p - 1) / 8:.3f} at m=8 with stages of equal cost. Here "
+                "the first stage's backward skips its input's gradient, so the last stage "
+                "sets the pace of both schedules and gpipe's flush costs only the first "
+                "stage's (shorter) forward and backward of one micro-batch; gpipe's message "
+                "waits at the flush count against it too."
+            )
+        if efficiency:
+            print(
+                "\nWhat micro-batching costs (rank 0 alone, before any message): the whole "
+                "model's step on B rows beside one stage's step on 8 micro-batches of B/8 "
+                "rows; the ratio bounds the 2-stage speed-up.\n"
+            )
+            print(
+                "| batch B | micro-batch | whole model, ms | one stage (8 micro-batches), ms "
+                "| bound, no bubble | bound with gpipe's bubble (m=8) |"
+            )
+            print("|---|---|---|---|---|---|")
+            for batch, t_whole, t_stage in efficiency:
+                bound = t_whole / t_stage
+                print(
+                    f"| {batch} | {batch // 8} | {t_whole * 1e3:.0f} | {t_stage * 1e3:.0f} | "
+                    f"{bound:.2f} | {bound * 8 / (8 + p - 1):.2f} |"
+                )
         if "error" in torch_rows:
             print(
                 f"| torch.distributed.pipelining | 8 | failed: {torch_rows['error']} "
@@ -226,7 +320,8 @@ def main() -> None:
         f"MLP {DEPTH}x Linear({WIDTH}, {WIDTH}) ({params:.1f} M params), batch {BATCH}, "
         f"1 thread per rank, split 4+4 layers; `python {os.path.basename(__file__)}` "
         f"(`mpxrun -n 2`). Step = forward + backward + SGD step; median of {REPEATS} "
-        f"samples of {STEPS} steps.\n"
+        f"samples of {STEPS} steps, each sample after a barrier and one untimed step "
+        "(steady state).\n"
     )
     print(
         "| config | micro-batches m | samples/s | × single process | mpx ÷ torch (same "

@@ -159,7 +159,9 @@ def test_forward_between_async_steps_leaves_training_unchanged() -> None:
         pipe.step(x, y, nn.functional.cross_entropy, opt)
         out = pipe(x)
         if comm.rank == comm.size - 1:
-            assert out is not None and out.shape == (6, OUT) and bool(out.isfinite().all())
+            assert out is not None
+            assert out.shape == (6, OUT)
+            assert bool(out.isfinite().all())
         else:
             assert out is None
     pipe.flush(opt)

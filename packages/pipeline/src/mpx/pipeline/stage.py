@@ -1,7 +1,8 @@
 """One stage's layers and how a micro-batch runs through them.
 
 Random numbers. Before layer ``i`` runs on micro-batch number ``g``, the
-global CPU generator is seeded with::
+global CPU generator (and, for an input on a GPU, that device's generator) is
+seeded with::
 
     layer_seed(seed, g, i) = ((seed * 1_000_003 + g) * 1_000_003 + i) mod 2**63
 
@@ -39,6 +40,12 @@ _PRIME = 1_000_003
 
 Weights = dict[int, dict[str, torch.Tensor]]
 """Per global layer index, a tensor for each of the layer's parameter names."""
+
+
+def cuda_generator(device: torch.device) -> torch.Generator:
+    """The default generator of a CUDA device (the current one for ``cuda``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
 
 
 def layer_seed(seed: int, microbatch: int, layer: int) -> int:
@@ -94,13 +101,18 @@ class Stage(nn.Module):
         """
         if self.copy_input:
             x = x.clone()
-        saved = torch.get_rng_state()
+        # The CPU generator, and the input's CUDA device's (dropout on a GPU
+        # draws from it). Not torch.manual_seed: it queues seeding for every
+        # CUDA device and records a stack trace each time (slow).
+        generators = [torch.default_generator]
+        if x.is_cuda:
+            generators.append(cuda_generator(x.device))
+        saved = [g.get_state() for g in generators]
         try:
             for k, layer in enumerate(self.layers):
                 index = self.start + k
-                # The CPU generator only: torch.manual_seed also queues CUDA
-                # seeding and records a stack trace each time (slow).
-                torch.default_generator.manual_seed(layer_seed(self.seed, microbatch, index))
+                for g in generators:
+                    g.manual_seed(layer_seed(self.seed, microbatch, index))
                 if weights is None or index not in weights:
                     x = layer(x)
                 else:
@@ -116,7 +128,8 @@ class Stage(nn.Module):
                         # The same between layers of the backward.
                         x.register_hook(self._progress_hook)  # type: ignore[no-untyped-call]
         finally:
-            torch.set_rng_state(saved)
+            for g, state in zip(generators, saved, strict=True):
+                g.set_state(state)
         return x
 
     @contextlib.contextmanager
