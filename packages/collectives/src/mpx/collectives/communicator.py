@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -235,6 +235,26 @@ class Communicator:
         if self.background_progress and not handle.done():
             progress.watch(self._queue if op not in _UNORDERED else handle)
         return handle
+
+    def run_now(self, start: Callable[[], MPI.Request]) -> bool:
+        """Starts one MPI request and waits for it, if nothing is queued before it.
+
+        The small-call fast path (:mod:`mpx.collectives.fast_path`): the same
+        non-blocking MPI call the ``mpi`` implementation makes, without a
+        generator or a handle. Returns False, having done nothing, when the
+        communicator has a deadline (``MPX_TIMEOUT``), is broken, or has
+        collectives queued: the caller then takes the general path, which
+        orders, times out and reports.
+        """
+        if self.timeout is not None or self._broken is not None:
+            return False
+        with LOCK:
+            if self._queue:
+                return False
+            self._seq += 1
+            self._board[self.node_rank] = self._seq
+            start().Wait()
+        return True
 
     def check_signature(
         self,

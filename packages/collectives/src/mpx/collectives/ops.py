@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mpx.collectives import impl_mpi
+from mpx.collectives import fast_path, impl_mpi
 from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import Communicator, check_enabled, world
 from mpx.collectives.dtypes import check_op_for_dtype
@@ -103,6 +103,9 @@ def allreduce(
         grad = allreduce(grad, "avg")
         handle = allreduce(buf, async_op=True); ...; handle.wait(timeout=60)
     """
+    if not async_op and timeout is None and fast_path.allreduce(t, op, comm, impl):
+        _payload[0] += t.nbytes
+        return t
     check_tensor(t, "allreduce")
     check_op_for_dtype(op, t.dtype)
     return _run("allreduce", comm, t, impl, async_op, timeout, op, reduce_op=op)
@@ -118,6 +121,9 @@ def broadcast(
     timeout: float | None = None,
 ) -> Any:
     """Copies ``root``'s ``t`` into ``t`` on every rank, in place."""
+    if not async_op and timeout is None and fast_path.broadcast(t, root, comm, impl):
+        _payload[0] += t.nbytes
+        return t
     check_tensor(t, "broadcast")
     size = (world() if comm is None else comm).size
     check_rank(root, size, "root", "broadcast")
