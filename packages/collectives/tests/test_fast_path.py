@@ -77,6 +77,8 @@ def _declined(t: torch.Tensor, **kw: object) -> None:
 def test_declines_what_it_cannot_take() -> None:
     _declined(torch.ones(4, dtype=torch.bfloat16))  # MPI cannot reduce it
     _declined(torch.ones(4, dtype=torch.float16))
+    _declined(torch.ones(4, dtype=torch.int16))  # unsupported: the general path raises
+    _declined(torch.ones(4, dtype=torch.complex64))
     _declined(torch.ones(4, requires_grad=True))
     _declined(torch.ones(4, 4).t()[0])  # not contiguous
     _declined(torch.ones(0))  # empty: the general path decides

@@ -26,22 +26,27 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator, check_enabled, world
+from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.impl_mpi import MPI_OPS
 from mpx.collectives.settings import read
 from mpx.collectives.thresholds import small_bytes
 
 __all__ = ["allreduce", "broadcast"]
 
-# dtypes MPI reduces natively, with their MPI datatypes (float16 and bfloat16
-# need the general path's float32 detour).
+# Supported dtypes that MPI reduces natively, with their MPI datatypes
+# (float16 and bfloat16 need the general path's float32 detour; the rest of
+# torch's dtypes get the general path's error).
 _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
-    torch.float32: MPI.FLOAT,
-    torch.float64: MPI.DOUBLE,
-    torch.int8: MPI.INT8_T,
-    torch.int16: MPI.INT16_T,
-    torch.int32: MPI.INT32_T,
-    torch.int64: MPI.INT64_T,
-    torch.uint8: MPI.UINT8_T,
+    dtype: kind
+    for dtype, kind in (
+        (torch.float32, MPI.FLOAT),
+        (torch.float64, MPI.DOUBLE),
+        (torch.int8, MPI.INT8_T),
+        (torch.int32, MPI.INT32_T),
+        (torch.int64, MPI.INT64_T),
+        (torch.uint8, MPI.UINT8_T),
+    )
+    if dtype in SUPPORTED_DTYPES
 }
 
 
