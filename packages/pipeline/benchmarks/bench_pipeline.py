@@ -1,8 +1,9 @@
-"""Pipeline throughput on 2 ranks: mpx's schedules beside a single process and torch's.
+"""Pipeline throughput on p ranks: mpx's schedules beside a single process and torch's.
 
-``python bench_pipeline.py`` starts itself under ``mpxrun -n 2`` and prints one
+``python bench_pipeline.py [--stages p]`` starts itself under ``mpxrun -n p``
+(p = 2 by default; 1, 2, 4 or 8) and prints one
 markdown section (``nox -s bench`` writes it into BENCHMARKS.md). In one job,
-for an MLP of 8 Linear(W, W) layers + ReLU split evenly over 2 stages (one
+for an MLP of 8 Linear(W, W) layers + ReLU split evenly over p stages (one
 intra-op thread per rank), it times a training step (forward, backward, SGD
 step) of: the whole model in one process (rank 0 alone), mpx ``sequential``,
 ``gpipe`` with m = 1, 4, 8, ``1f1b`` and ``async`` with m = 8, and
@@ -52,20 +53,21 @@ def build() -> object:
 
 
 def micro_batch_efficiency(
-    rank: int, polite_barrier: Callable[[], None]
+    rank: int, stages: int, polite_barrier: Callable[[], None]
 ) -> list[tuple[int, float, float]]:
     """What micro-batching costs before any communication, on rank 0 alone.
 
     For each batch B: the whole model's step on B rows, and the last stage's
-    (half the layers, input needing a gradient) step on 8 micro-batches of B/8
-    rows. Their ratio bounds the
-    2-stage pipeline's speed-up with no bubble and free messages.
+    (1/p of the layers, input needing a gradient) step on 8 micro-batches of
+    B/8 rows. Their ratio bounds the p-stage pipeline's speed-up with no
+    bubble and free messages.
     """
     import torch
     from torch import nn
 
     out: list[tuple[int, float, float]] = []
-    whole, stage = build(), nn.Sequential(*list(build())[:DEPTH])  # type: ignore[call-overload]
+    per_stage = 2 * DEPTH // stages
+    whole, stage = build(), nn.Sequential(*list(build())[:per_stage])  # type: ignore[call-overload]
     for batch in EFFICIENCY_BATCHES:
         polite_barrier()
         if rank != 0:
@@ -94,7 +96,7 @@ def micro_batch_efficiency(
 
 
 def measure() -> None:
-    """Runs inside the job on 2 ranks; rank 0 prints table rows."""
+    """Runs inside the job on p ranks; rank 0 prints table rows."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -121,9 +123,8 @@ def measure() -> None:
         while not request.Test():
             time.sleep(1e-4)
 
-    efficiency = (
-        micro_batch_efficiency(rank, polite_barrier) if not os.environ.get("MPX_BENCH_ONLY") else []
-    )
+    only_some = bool(os.environ.get("MPX_BENCH_ONLY"))
+    efficiency = [] if only_some else micro_batch_efficiency(rank, p, polite_barrier)
 
     # Every configuration first, then the repeats round-robin over them, so
     # that a change in the machine's load hits all of them alike.
@@ -268,7 +269,7 @@ def measure() -> None:
             and async8 is not None
         ):
             print(
-                "\n| target (2 stages) | measured |\n|---|---|\n"
+                f"\n| target ({p} stages; the issue's are for 2) | measured |\n|---|---|\n"
                 f"| gpipe m=8 ≥ 1.5× the single process | {single / gpipe8:.2f}× |\n"
                 f"| gpipe m=8 ≥ 1× torch ScheduleGPipe | {torch_gpipe / gpipe8:.2f}× |\n"
                 f"| async (m=8, step_every=8) ≥ 1.1× gpipe m=8 | {gpipe8 / async8:.2f}× |"
@@ -285,7 +286,7 @@ def measure() -> None:
             print(
                 "\nWhat micro-batching costs (rank 0 alone, before any message): the whole "
                 "model's step on B rows beside one stage's step on 8 micro-batches of B/8 "
-                "rows; the ratio bounds the 2-stage speed-up.\n"
+                f"rows; the ratio bounds the {p}-stage speed-up.\n"
             )
             print(
                 "| batch B | micro-batch | whole model, ms | one stage (8 micro-batches), ms "
@@ -308,18 +309,24 @@ def measure() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner", action="store_true", help="run inside an mpxrun job")
+    parser.add_argument(
+        "--stages", type=int, default=2, choices=[1, 2, 4, 8], help="ranks (one stage each)"
+    )
     args = parser.parse_args()
     if args.inner:
         measure()
         return
     mpxrun = shutil.which("mpxrun") or os.path.join(os.path.dirname(sys.executable), "mpxrun")
     params = DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6
-    print("## mpx-pipeline: pipeline throughput, 2 stages\n")
+    p = args.stages
+    title = "2 stages" if p == 2 else f"{p} stages (`--stages {p}`)"
+    print(f"## mpx-pipeline: pipeline throughput, {title}\n")
     print(
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
         f"MLP {DEPTH}x Linear({WIDTH}, {WIDTH}) ({params:.1f} M params), batch {BATCH}, "
-        f"1 thread per rank, split 4+4 layers; `python {os.path.basename(__file__)}` "
-        f"(`mpxrun -n 2`). Step = forward + backward + SGD step; median of {REPEATS} "
+        f"1 thread per rank, split {'+'.join([str(DEPTH // p)] * p)} Linear layers; "
+        f"`python {os.path.basename(__file__)}` (`mpxrun -n {p}`). "
+        f"Step = forward + backward + SGD step; median of {REPEATS} "
         f"samples of {STEPS} steps, each sample after a barrier and one untimed step "
         "(steady state).\n"
     )
@@ -333,7 +340,7 @@ def main() -> None:
         [
             mpxrun,
             "-n",
-            "2",
+            str(p),
             "--timeout",
             "600",
             "--",
