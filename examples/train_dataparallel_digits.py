@@ -96,7 +96,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed + dp.rank())  # deliberately different: synchronize fixes it
     model = dp.synchronize(make_model())  # 2. root's weights and buffers everywhere
-    optimizer = dp.DistributedOptimizer(  # 4. averaged gradients, overlapped with backward
+    optimizer = dp.DistributedOptimizer(  # 4. averaged gradients (overlapped where it pays)
         torch.optim.Adam(model.parameters(), lr=args.lr), model
     )
     dp.synchronize(optimizer)  # 5. optimizer state (trivial here: a fresh Adam)

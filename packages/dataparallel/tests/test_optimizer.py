@@ -49,9 +49,9 @@ def _assert_same_everywhere(model: nn.Module) -> None:
         assert torch.equal(other, mine)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, "auto"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_steps_equal_single_process_on_concatenated_batch(name: str, overlap: bool) -> None:
+def test_steps_equal_single_process_on_concatenated_batch(name: str, overlap: bool | str) -> None:
     size = dp.world_size()
     reference = _model()
     ref_opt = OPTIMIZERS[name](list(reference.parameters()))
@@ -251,6 +251,47 @@ def test_bad_arguments() -> None:
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter requires grad"):
         dp.DistributedOptimizer(torch.optim.SGD(frozen.parameters(), lr=1), frozen)
+    with pytest.raises(ValueError, match="overlap must be True, False or 'auto', got 'yes'"):
+        dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), overlap="yes")
+
+
+def test_zero_grad_drops_bucket_aliases_and_backward_restores_them() -> None:
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = dp.DistributedOptimizer(inner, model, bucket_mb=1e-3)
+    x, y = _batch(0, dp.world_size())
+    for _ in range(2):
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+        for bucket in opt._buckets:
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                assert p.grad is view  # reduced in place, no copy out
+        opt.step()
+    opt.zero_grad(set_to_none=False)
+    for p in model.parameters():
+        assert p.grad is not None
+        assert not bool(p.grad.any())
+
+
+def test_overlap_auto_uses_idle_hardware_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    from types import SimpleNamespace as NS
+
+    from mpx.dataparallel.optimizer import overlap_pays
+
+    cpu, gpu = [NS(device=torch.device("cpu"))], [NS(device=torch.device("cuda", 0))]
+    one_node = NS(size=2, single_node=True, node_size=2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not overlap_pays(cpu, one_node)  # type: ignore[arg-type]  # 2 ranks x 1 thread, 2 cores
+    assert overlap_pays(gpu, one_node)  # type: ignore[arg-type]  # the device computes
+    assert overlap_pays(cpu, NS(size=4, single_node=False, node_size=2))  # type: ignore[arg-type]
+    assert not overlap_pays(cpu, NS(size=1, single_node=True, node_size=1))  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert overlap_pays(cpu, one_node)  # type: ignore[arg-type]  # idle cores left
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert not overlap_pays(cpu, one_node)  # type: ignore[arg-type]
 
 
 def test_compressed_buckets_through_mpx_quantize() -> None:

@@ -12,10 +12,13 @@ backward produces their gradients), one dtype and device per bucket, about
     allreduce         [== #0 ==]  [== #1 ==]    [== #2 ==] wait all, copy back, step
 
 A per-parameter ``post_accumulate_grad`` hook counts arrivals; a full bucket
-starts its non-blocking allreduce at once (on CPU each gradient already lives
-in its bucket slot, so nothing is copied). The buckets in flight advance on
-mpx-collectives' progress thread where it has one, else by polling from the
-hooks.
+starts its non-blocking allreduce at once (on CPU the hook moves a fresh
+gradient into its bucket slot and makes ``p.grad`` a view of it, so further
+accumulation happens in place and the allreduce copies nothing in or out).
+The buckets in flight advance on mpx-collectives' progress thread where it
+has one, else by polling from the hooks. Where every core of a node already
+computes, ``overlap="auto"`` leaves all buckets to ``step()`` instead (see
+:func:`overlap_pays`).
 Buckets start strictly in index order (a full bucket waits for the ones
 before it), so every rank starts the same collectives in the same order and
 MPI matches them.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +50,7 @@ from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
 from mpx.dataparallel.runtime import default_comm
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "overlap_pays"]
 
 _FIRST_BUCKET_MB = 1.0
 
@@ -58,6 +62,21 @@ def _collectives_progress_thread() -> bool:
     except ImportError:
         return False
     return bool(getattr(progress, "enabled", lambda: False)())
+
+
+def overlap_pays(buckets: list[_Bucket], comm: Communicator) -> bool:
+    """``overlap="auto"``: whether reducing during backward can use idle hardware.
+
+    GPU buckets (the device computes, the host communicates) and several nodes
+    (the network carries the data) always gain. CPU buckets on one node are
+    reduced by the CPU itself: that gains only while some core is idle.
+    """
+    if comm.size == 1:
+        return False  # nothing to communicate
+    if any(b.device.type != "cpu" for b in buckets) or not comm.single_node:
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) > comm.node_size * torch.get_num_threads()
 
 
 @dataclass
@@ -92,7 +111,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             reduced by ``mpx.quantize.allreduce`` (needs mpx-quantize).
         bucket_mb: target bucket size in MiB.
         overlap: start each bucket's allreduce from the gradient hooks during
-            backward (True), or all of them in ``step()`` (False).
+            backward (True), or all of them in ``step()`` (False). ``"auto"``
+            (the default): True, unless every bucket is on the CPU of one node
+            whose cores are all computing (ranks on the node x torch threads
+            >= cores): there the shared-memory reduction is CPU work too and
+            would only take turns with backward (measured in BENCHMARKS.md).
         comm: the ranks taking part (world by default).
 
     Example::
@@ -109,7 +132,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         average: bool = True,
         compression: Any | None = None,
         bucket_mb: float = 25.0,
-        overlap: bool = True,
+        overlap: bool | str = "auto",
         *,
         comm: Communicator | None = None,
     ) -> None:
@@ -141,17 +164,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm = default_comm(comm)
         self.op = "avg" if average else "sum"
         self.compression = compression
-        self.overlap = overlap
+        if overlap not in (True, False, "auto"):
+            raise ValueError(
+                f"DistributedOptimizer: overlap must be True, False or 'auto', got {overlap!r}"
+            )
         self._sync = True
         self._next = 0  # the first bucket not started yet
         self._poll = not _collectives_progress_thread()
         params, names = self._parameters(optimizer, model)
         self._names = names
         self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))
+        self.overlap = (
+            overlap_pays(self._buckets, self.comm) if overlap == "auto" else bool(overlap)
+        )
         self._used = torch.zeros(len(params), dtype=torch.int32)
-        # A zero_grad(set_to_none=True) zeroes the bucket a gradient aliases instead
-        # of dropping it; until its next hook the gradient counts as None.
-        self._present = [True] * len(params)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
             for p in params
@@ -191,23 +217,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Completes a reduction in flight (it is collective), then zeroes the gradients.
 
         Call it on every rank alike: a rank that started buckets finishes all of
-        them here, as ``step()`` would. Gradients that alias a bucket are zeroed
-        in place (one memset per bucket) and count as None until backward
-        writes them again, as ``set_to_none=True`` promises.
+        them here, as ``step()`` would. With ``set_to_none=True`` (the default)
+        gradients become None, bucket aliases included: the next backward then
+        hands over fresh gradients, which the hooks copy into the bucket slots
+        (one pass over memory). Zeroing the slots instead would cost a memset
+        and make backward add into them (two passes). With ``set_to_none=False``
+        the aliased slots are zeroed in place.
         """
         if any(b.handle is not None for b in self._buckets):
             self._finish()
         self._reset()
         aliased: set[int] = set()
-        for bucket in self._buckets:
-            if not bucket.views:
-                continue
-            assert bucket.flat is not None
-            bucket.flat.zero_()
-            for p, pid, view in zip(bucket.params, bucket.ids, bucket.views, strict=True):
-                if p.grad is view:
-                    aliased.add(id(p))
-                    self._present[pid] = not set_to_none
+        if not set_to_none:
+            for bucket in self._buckets:
+                if not bucket.views:
+                    continue
+                assert bucket.flat is not None
+                bucket.flat.zero_()
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    if p.grad is view:
+                        aliased.add(id(p))
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None or id(p) in aliased:
@@ -362,8 +391,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The post-accumulate-grad hook: ``p.grad`` is final for this backward."""
         index, i = self._where[id(p)]
         bucket = self._buckets[index]
-        pid = bucket.ids[i]
-        self._present[pid] = True
         if bucket.views and p.grad is not bucket.views[i] and p.grad is not None:
             # Alias the gradient to its bucket slot: later backwards accumulate in
             # place there, and the allreduce needs no copy in or out.
@@ -400,11 +427,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 zip(bucket.params, bucket.ids, bucket.offsets, strict=True)
             ):
                 aliased = bool(bucket.views) and p.grad is bucket.views[i]
-                if p.grad is None or (aliased and not self._present[pid]):
+                if p.grad is None:
                     self._used[pid] = 0
-                    if not aliased:
-                        flat[offset : offset + p.numel()].zero_()
-                    # (an aliased slot was zeroed by zero_grad)
+                    flat[offset : offset + p.numel()].zero_()
                 else:
                     self._used[pid] = 1
                     if not aliased:
@@ -433,7 +458,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         if aliased:
                             p.grad = None
                         continue
-                    self._present[pid] = True
                     if aliased:
                         continue  # reduced in place
                     if bucket.views:
