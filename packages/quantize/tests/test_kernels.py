@@ -235,6 +235,32 @@ def test_non_contiguous_input_is_accepted() -> None:
     assert q.shape == (32, 64)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("skip", [False, True])
+def test_quantize_into_out_gives_the_same_bytes(backend: str, skip: bool) -> None:
+    device = _device(backend)
+    x = torch.randn(1000, device=device)
+    fresh = mq.quantize(x, 3, 64, seed=7, skip_incomplete_buckets=skip, backend=backend)
+    # A view of a larger buffer, as the compressed allreduce's send rows are.
+    host = torch.full((fresh.nbytes + 16,), 0xAB, dtype=torch.uint8, device=device)
+    target = mq.QuantizedTensor(host[: fresh.nbytes], (1000,), torch.float32, 3, 64, skip)
+    got = mq.quantize(x, 3, 64, seed=7, skip_incomplete_buckets=skip, backend=backend, out=target)
+    assert got is target
+    assert torch.equal(host[: fresh.nbytes], fresh.buffer)
+    assert bool((host[fresh.nbytes :] == 0xAB).all())  # nothing written past it
+
+
+def test_quantize_out_that_does_not_fit_names_the_difference() -> None:
+    x = torch.randn(100)
+    wrong = mq.QuantizedTensor.empty((100,), torch.float32, 4, 32)
+    with pytest.raises(mq.QuantizeValueError, match=r"bits=4 \(needs 3\).*QuantizedTensor\.empty"):
+        mq.quantize(x, 3, 32, out=wrong)
+    with pytest.raises(mq.QuantizeValueError, match=r"shape=\(100,\) \(needs \(10, 10\)\)"):
+        mq.quantize(x.view(10, 10), 4, 32, out=wrong)
+    with pytest.raises(mq.QuantizeTypeError, match="out must be a QuantizedTensor, got Tensor"):
+        mq.quantize(x, 4, 32, out=torch.empty(10))  # type: ignore[arg-type]
+
+
 def test_bad_arguments_name_the_value() -> None:
     x = torch.randn(10)
     for bits in (0, 9, 2.5, True):

@@ -104,14 +104,17 @@ def _compressed(
         residual = state.residual(key, flat)
         flat.copy_((flat.to(torch.float32) + residual).to(dtype))
 
-    def encode(x: torch.Tensor) -> QuantizedTensor:
+    def encode(x: torch.Tensor, row: torch.Tensor, j: int) -> QuantizedTensor:
+        """Quantizes chunk ``j``'s values ``x`` into the host buffer ``row``."""
+        if device.type != "cpu":  # quantized on the device, then copied to the host
+            q = quantize(x, bits, bs, config.stochastic, gen, skip_incomplete_buckets=skip)
+            row[: q.nbytes].copy_(q.buffer)
+            return q
+        # On the CPU straight into the row: no buffer to allocate, nothing to copy.
+        s, e = bounds[j]
+        target = QuantizedTensor(row[: lays[j].nbytes], (e - s,), dtype, bits, bs, skip)
         return quantize(
-            x,
-            bits,
-            bs,
-            config.stochastic,
-            gen,
-            skip_incomplete_buckets=skip,
+            x, bits, bs, config.stochastic, gen, skip_incomplete_buckets=skip, out=target
         )
 
     def decode_view(buf: torch.Tensor, j: int) -> QuantizedTensor:
@@ -123,8 +126,7 @@ def _compressed(
     for j, (s, e) in enumerate(bounds):
         if j == r:
             continue
-        q = encode(flat[s:e])
-        send[j, : q.nbytes].copy_(q.buffer)
+        q = encode(flat[s:e], send[j], j)
         if residual is not None:
             residual[s:e] = flat[s:e].to(torch.float32) - dequantize(
                 q, out=torch.empty(e - s, dtype=torch.float32, device=device)
@@ -140,7 +142,7 @@ def _compressed(
     if op == "avg":
         acc.div_(p)
     mine = torch.zeros(block, dtype=torch.uint8)
-    mine[: lays[r].nbytes].copy_(encode(acc.to(dtype)).buffer)
+    encode(acc.to(dtype), mine, r)
 
     # 3. everyone (the owner included) decodes every reduced chunk
     gathered = allgather(mine, comm=comm)

@@ -69,6 +69,7 @@ def quantize(
     skip_incomplete_buckets: bool = False,
     seed: int | None = None,
     backend: str = "auto",
+    out: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """Quantizes ``x`` to ``bits`` bits per value in buckets of ``bucket_size``.
 
@@ -83,9 +84,13 @@ def quantize(
         skip_incomplete_buckets: keep a short last bucket raw (CGX's option).
         seed: the stochastic-rounding seed itself, instead of drawing one.
         backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"torch"`` (the reference).
+        out: write into this quantized tensor (same shape, dtype, bits, bucket
+            size and option, on ``x``'s device; e.g. a view of a send buffer)
+            instead of allocating one: a new large buffer costs its page
+            faults on every call.
 
     Returns:
-        A :class:`QuantizedTensor` on ``x``'s device.
+        A :class:`QuantizedTensor` on ``x``'s device (``out`` when given).
 
     Raises:
         QuantizeValueError: bits outside 1-8, bucket_size < 1, unknown backend.
@@ -107,9 +112,11 @@ def quantize(
         raise QuantizeValueError(f"seed={seed!r} must be an integer in [0, 2**64)")
     if stochastic and seed is None:
         seed = reference.draw_seed(generator)
+    if out is not None:
+        _check_out(out, x, bits, bucket_size, skip_incomplete_buckets)
     name, module = _backend(x.device, backend)
     if module is None:
-        return reference.quantize(
+        q = reference.quantize(
             x,
             bits,
             bucket_size,
@@ -117,8 +124,12 @@ def quantize(
             skip_incomplete_buckets=skip_incomplete_buckets,
             seed=seed,
         )
+        if out is None:
+            return q
+        out.buffer.copy_(q.buffer)
+        return out
     x = x.contiguous()
-    q = QuantizedTensor.empty(
+    q = out or QuantizedTensor.empty(
         x.shape, dtype, bits, bucket_size, skip_incomplete_buckets, device=x.device
     )
     lay = q.layout
@@ -141,6 +152,32 @@ def quantize(
     if lay.tail:
         q.tail.copy_(x.view(-1)[lay.quantized :])
     return q
+
+
+def _check_out(
+    out: QuantizedTensor, x: torch.Tensor, bits: int, bucket_size: int, skip: bool
+) -> None:
+    """``quantize(..., out=)``: the header must be the one quantize would make."""
+    if not isinstance(out, QuantizedTensor):
+        raise QuantizeTypeError(f"out must be a QuantizedTensor, got {type(out).__name__}")
+    want = (tuple(x.shape), x.dtype, bits, bucket_size, skip, x.device)
+    have = (
+        tuple(out.shape),
+        out.dtype,
+        out.bits,
+        out.bucket_size,
+        out.skip_incomplete_buckets,
+        out.buffer.device,
+    )
+    if want != have:
+        names = ("shape", "dtype", "bits", "bucket_size", "skip_incomplete_buckets", "device")
+        diffs = ", ".join(
+            f"{n}={h!r} (needs {w!r})" for n, w, h in zip(names, want, have, strict=True) if w != h
+        )
+        raise QuantizeValueError(
+            f"out does not fit this quantization: {diffs}; make it with "
+            "QuantizedTensor.empty(x.shape, x.dtype, bits, bucket_size, ...) on x's device"
+        )
 
 
 def _decode(q: QuantizedTensor, out: torch.Tensor, accumulate: bool, backend: str) -> None:
