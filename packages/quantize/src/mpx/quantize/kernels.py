@@ -129,8 +129,12 @@ def quantize(
         out.buffer.copy_(q.buffer)
         return out
     x = x.contiguous()
-    q = out or QuantizedTensor.empty(
-        x.shape, dtype, bits, bucket_size, skip_incomplete_buckets, device=x.device
+    q = (
+        out
+        if out is not None
+        else QuantizedTensor.empty(
+            x.shape, dtype, bits, bucket_size, skip_incomplete_buckets, device=x.device
+        )
     )
     lay = q.layout
     args = (
