@@ -55,3 +55,38 @@ def test_send_to_self_with_header_and_reuse() -> None:
             inbox.release(buf)
         out.wait_all()
     assert inbox.pool.allocated == 2  # buffers reused across calls
+
+
+def test_dropped_boxes_keep_messages_in_flight_alive() -> None:
+    """A Pipeline discarded without flush must not free what MPI still reads or writes."""
+    import gc
+
+    from mpx.pipeline import transport
+
+    comm = world().split(world().rank)  # a rank talking to itself
+    assert comm is not None
+    sent = torch.randn(1 << 18)  # 1 MiB: MPI waits for the receiver (rendezvous)
+    out = Outbox(comm, 0, "act")
+    out.new_call()
+    out.send(3, sent.clone())
+    in_flight = [h for _, h in out._inflight.values() if not h.completed]
+    del out
+    gc.collect()
+    adopted = [t for t, h in transport._ORPHANS if any(h is g for g in in_flight)]
+    assert len(adopted) == len(in_flight)  # unfinished sends (MPICH: this one) now held here
+    # The message is still intact for a receiver that comes later.
+    inbox = Inbox(comm, 0, "act")
+    inbox.expect([3])
+    assert torch.equal(inbox.get(3), sent)
+    # A dropped inbox keeps its posted receive buffers alive the same way.
+    inbox.post(5, sent.shape, sent.dtype)  # posted, never waited for
+    buf = inbox._pending[5][0]
+    del inbox
+    gc.collect()
+    assert any(t is buf for t, _ in transport._ORPHANS)
+    later = Outbox(comm, 0, "act")
+    later.send(5, sent.clone())  # (no header: not a new call)
+    later.wait_all()  # the orphaned receive takes it
+    transport._reap_orphans()
+    assert torch.equal(buf, sent)
+    assert not any(t is buf for t, _ in transport._ORPHANS)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -98,6 +99,29 @@ def decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     return torch.Size(int(d) for d in header[2 : 2 + ndim]), SUPPORTED_DTYPES[int(header[0])]
 
 
+_ORPHANS: list[tuple[torch.Tensor, Handle[Any]]] = []
+"""Messages still in flight when their box was dropped (a Pipeline discarded
+without ``flush``): their tensors stay alive here until MPI is done with them,
+so MPI never reads or writes freed memory. Reaped by every box's progress."""
+
+
+def _adopt(state: dict[str, Any]) -> None:
+    """A box's finalizer: keeps the tensors of its unfinished messages alive."""
+    entries: list[tuple[torch.Tensor, Handle[Any]]] = [
+        *state.get("_inflight", {}).values(),
+        *state.get("_headers", []),
+        *state.get("_pending", {}).values(),
+    ]
+    if state.get("_header_handle") is not None:
+        entries.append((state["_header"], state["_header_handle"]))
+    _ORPHANS.extend(entry for entry in entries if not entry[1].completed)
+
+
+def _reap_orphans() -> None:
+    if _ORPHANS:
+        _ORPHANS[:] = [(t, h) for t, h in _ORPHANS if not h.done()]
+
+
 class _Pool:
     """Free receive buffers by (shape, dtype)."""
 
@@ -126,6 +150,8 @@ class Inbox:
         self._header_handle: Handle[torch.Tensor] | None = None
         self._expect: list[int] = []
         self._pending: dict[int, tuple[torch.Tensor, Handle[torch.Tensor]]] = {}
+        # Dropped with receives posted: their buffers must outlive them.
+        weakref.finalize(self, _adopt, self.__dict__)
 
     def expect(self, ids: list[int]) -> None:
         """Activations: posts the header receive of a call carrying micro-batches ``ids``."""
@@ -168,6 +194,7 @@ class Inbox:
         """Lets MPI move the messages in flight (a test per pending receive)."""
         for _, handle in self._pending.values():
             handle.done()
+        _reap_orphans()
 
 
 class Outbox:
@@ -178,6 +205,8 @@ class Outbox:
         self._needs_header = False
         self._inflight: dict[int, tuple[torch.Tensor, Handle[None]]] = {}
         self._headers: list[tuple[torch.Tensor, Handle[None]]] = []
+        # Dropped with sends in flight: hand them over instead of freeing them.
+        weakref.finalize(self, _adopt, self.__dict__)
 
     def new_call(self) -> None:
         """Activations: the next send opens with a header."""
@@ -202,6 +231,7 @@ class Outbox:
         for j in [j for j, (_, h) in self._inflight.items() if h.done()]:
             del self._inflight[j]
         self._headers = [(t, h) for t, h in self._headers if not h.done()]
+        _reap_orphans()
 
     def wait(self, j: int) -> None:
         entry = self._inflight.pop(j, None)
