@@ -119,6 +119,42 @@ def test_background_progress_switch(background: bool) -> None:
     assert float(t[-1]) == comm.size
 
 
+@pytest.mark.skipif(not enabled(), reason="MPI_THREAD_MULTIPLE not available")
+def test_blocking_waits_leave_the_progress_thread_free_for_other_communicators() -> None:
+    """Rank 0 blocks on X while the others first need rank 0's part of Y.
+
+    Only rank 0's progress thread can advance its shm allreduce on Y; a
+    blocking wait holding the lock would stop it, and the job would deadlock
+    (the others' timeouts turn that into a failure here).
+    """
+    from mpx.collectives import Communicator
+
+    comm = world()
+    x_comm, y_comm = Communicator.from_mpi(comm.mpi), Communicator.from_mpi(comm.mpi)
+    # Each communicator's shm workspace exists before the scenario: creating
+    # one is itself a blocking collective (on first use, inside the step).
+    for c in (x_comm, y_comm):
+        allreduce(torch.ones(4), comm=c, impl="shm")
+    for blocking in ("fast path", "handle.wait()"):
+        big = torch.ones(1 << 22)
+        small = torch.ones(16)
+        handle = allreduce(big, comm=y_comm, impl="shm", async_op=True)
+        if comm.rank == 0:
+            if blocking == "fast path":
+                allreduce(small, comm=x_comm)
+            else:
+                allreduce(small, comm=x_comm, impl="shm", async_op=True).wait()  # no timeout
+            handle.wait(timeout=60)
+        else:
+            handle.wait(timeout=60)
+            if blocking == "fast path":
+                allreduce(small, comm=x_comm)
+            else:
+                allreduce(small, comm=x_comm, impl="shm", async_op=True).wait(timeout=60)
+        assert float(big[-1]) == comm.size
+        assert float(small[0]) == comm.size
+
+
 def test_queue_starts_only_the_head() -> None:
     started: list[str] = []
 

@@ -216,10 +216,13 @@ class Communicator:
         limit = self.timeout if timeout is None else timeout
         if not async_op and limit is None:
             with LOCK:
-                if not self._queue:
-                    # Fast path for small blocking calls: nothing queued before
-                    # us, no deadline, so drive the steps right here.
-                    return drive(steps)
+                idle = not self._queue
+            if idle:
+                # Fast path for blocking calls: nothing queued before us, no
+                # deadline, so drive the steps right here -- without the lock,
+                # which the progress thread may need meanwhile for another
+                # communicator's operation that a peer must finish first.
+                return drive(steps)
         handle = Handle(
             op,
             impl,
@@ -253,7 +256,8 @@ class Communicator:
                 return False
             self._seq += 1
             self._board[self.node_rank] = self._seq
-            start().Wait()
+            request = start()
+        request.Wait()  # not under the lock: see run()
         return True
 
     def check_signature(

@@ -13,7 +13,9 @@ that is complete. A :class:`Handle` drives the generator::
     return result      -->  done; wait() returns it
 
 A blocking call without a timeout drives the same generator with
-``Pending.wait()``, so there is one code path for sync and async. On a
+``Pending.wait()``, so there is one code path for sync and async; it blocks
+without holding the lock (the step it waits on is *claimed* instead), so the
+progress thread keeps driving other communicators' operations meanwhile. On a
 deadline the handle raises :class:`CollectiveTimeout` naming the peers it was
 waiting for.
 
@@ -143,6 +145,9 @@ class Handle(Generic[T]):
         self._pending: Pending | None = None
         self._started = False
         self._finished = False
+        # True while a thread blocks in MPI on this handle's step without
+        # holding LOCK: nobody else may test or advance it meanwhile.
+        self._claimed = False
         self._result: Any = None
         self._error: BaseException | None = None
         with LOCK:
@@ -182,19 +187,6 @@ class Handle(Generic[T]):
             self._advance()
         return True
 
-    def _block(self) -> None:
-        """Advances to the end, blocking in MPI (no timeout)."""
-        if not self._started:
-            self._advance()
-        while not self._finished:
-            assert self._pending is not None
-            try:
-                self._pending.wait()
-            except BaseException as error:
-                self._pending, self._finished, self._error = None, True, error
-                break
-            self._advance()
-
     def _progress(self) -> None:
         if self._queue is not None:
             self._queue.progress()
@@ -217,7 +209,8 @@ class Handle(Generic[T]):
         """Makes progress; True once the operation is complete."""
         if not self._finished:
             with LOCK:
-                self._progress()
+                if not self._claimed:
+                    self._progress()
         return self._finished
 
     def wait(self, timeout: float | None = None) -> T:
@@ -232,11 +225,7 @@ class Handle(Generic[T]):
         """
         limit = self._timeout if timeout is None else timeout
         if limit is None:
-            with LOCK:
-                if self._queue is not None:
-                    self._queue.block_until(self)
-                else:
-                    self._block()
+            self._wait_unbounded()
             return self._result_or_raise()
         deadline = time.monotonic() + limit
         spins = 0
@@ -248,6 +237,40 @@ class Handle(Generic[T]):
             if spins > 200:
                 time.sleep(min(1e-3, 1e-5 * (spins - 200)))
         return self._result_or_raise()
+
+    def _wait_unbounded(self) -> None:
+        """Blocks in MPI until finished, without holding LOCK while blocked.
+
+        Holding it would stop the progress thread from driving the operations
+        of other communicators, which a peer may need to finish before it
+        ever joins this one: a deadlock. The step being waited on is claimed
+        instead, so that nobody else touches it meanwhile.
+        """
+        while True:
+            with LOCK:
+                if self._queue is not None:
+                    self._queue.progress()
+                    target = self._queue.head() if not self._finished else None
+                else:
+                    target = None if self._finished or self._poll() else self
+                if target is None:
+                    return
+                busy = target._claimed or target._pending is None
+                if not busy:
+                    pending = target._pending
+                    target._claimed = True
+            if busy:  # another thread blocks on it: let that thread finish it
+                time.sleep(1e-5)
+                continue
+            assert pending is not None
+            try:
+                pending.wait()
+            except BaseException as error:
+                with LOCK:
+                    target._pending, target._finished, target._error = None, True, error
+            finally:
+                with LOCK:
+                    target._claimed = False
 
     def _expire(self, limit: float) -> None:
         with LOCK:
@@ -290,12 +313,5 @@ class Queue:
 
     def progress(self) -> None:
         """Advances the oldest operations as far as they go without blocking."""
-        while self._handles and self._handles[0]._poll():
-            self._handles.popleft()
-
-    def block_until(self, handle: Handle[Any]) -> None:
-        """Drives every operation up to ``handle`` to its end, blocking in MPI."""
-        while not handle._finished:
-            head = self._handles[0]
-            head._block()
+        while self._handles and not self._handles[0]._claimed and self._handles[0]._poll():
             self._handles.popleft()
