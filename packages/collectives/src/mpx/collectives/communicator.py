@@ -30,7 +30,7 @@ from mpx.collectives.errors import CommunicatorBroken, MismatchError
 from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
 from mpx.collectives.settings import read
 
-__all__ = ["Communicator", "check_enabled", "default_timeout", "world"]
+__all__ = ["Communicator", "check_enabled", "default_timeout", "usable_cores", "world"]
 
 T = TypeVar("T")
 
@@ -43,6 +43,14 @@ _OPS = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "allt
 _REDUCE = ["", "sum", "avg", "max", "min", "prod"]
 _DTYPES: list[torch.dtype | None] = [None, *SUPPORTED_DTYPES]
 _UNORDERED = frozenset({"send", "recv"})
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask; all of them off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def default_timeout() -> float | None:
@@ -211,8 +219,7 @@ class Communicator:
                 f"{op}: an earlier {self._broken} on this communicator timed out, so its "
                 "state is unknown; create a new communicator (or restart the job)"
             )
-        self._seq += 1
-        self._board[self.node_rank] = self._seq
+        self._announce()
         limit = self.timeout if timeout is None else timeout
         if not async_op and limit is None:
             with LOCK:
@@ -239,6 +246,11 @@ class Communicator:
             progress.watch(self._queue if op not in _UNORDERED else handle)
         return handle
 
+    def _announce(self) -> None:
+        """Counts one more operation, on the node's board (timeouts name who is behind)."""
+        self._seq += 1
+        self._board[self.node_rank] = self._seq
+
     def run_now(self, start: Callable[[], MPI.Request]) -> bool:
         """Starts one MPI request and waits for it, if nothing is queued before it.
 
@@ -254,8 +266,7 @@ class Communicator:
         with LOCK:
             if self._queue:
                 return False
-            self._seq += 1
-            self._board[self.node_rank] = self._seq
+            self._announce()
             request = start()
         request.Wait()  # not under the lock: see run()
         return True

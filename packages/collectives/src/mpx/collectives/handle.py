@@ -167,9 +167,11 @@ class Handle(Generic[T]):
             self._finished = True
             self._result = stop.value
         except BaseException as error:  # kept for wait(): the driver may be another thread
-            self._pending = None
-            self._finished = True
-            self._error = error
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        """Finished, with ``error`` for ``wait()`` to raise."""
+        self._pending, self._finished, self._error = None, True, error
 
     def _poll(self) -> bool:
         """Advances as far as possible without blocking; True once finished."""
@@ -180,7 +182,7 @@ class Handle(Generic[T]):
             try:
                 ready = self._pending.test()
             except BaseException as error:
-                self._pending, self._finished, self._error = None, True, error
+                self._fail(error)
                 break
             if not ready:
                 return False
@@ -267,7 +269,7 @@ class Handle(Generic[T]):
                 pending.wait()
             except BaseException as error:
                 with LOCK:
-                    target._pending, target._finished, target._error = None, True, error
+                    target._fail(error)
             finally:
                 with LOCK:
                     target._claimed = False

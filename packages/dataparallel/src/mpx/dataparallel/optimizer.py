@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, allreduce, empty_shared
+from mpx.collectives.communicator import usable_cores
 from mpx.collectives.thresholds import small_bytes
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
@@ -75,8 +75,7 @@ def overlap_pays(buckets: list[_Bucket], comm: Communicator) -> bool:
         return False  # nothing to communicate
     if any(b.device.type != "cpu" for b in buckets) or not comm.single_node:
         return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) > comm.node_size * torch.get_num_threads()
+    return usable_cores() > comm.node_size * torch.get_num_threads()
 
 
 @dataclass

@@ -39,7 +39,7 @@ from mpx.launch.check import run_check
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS, Launcher, find_launcher
-from mpx.launch.rank import die_with_parent, parse_status
+from mpx.launch.rank import die_with_parent, parse_status, usable_cores
 from mpx.launch.virtual_cluster import VirtualCluster
 
 __all__ = ["Job", "RankFailure", "build_parser", "main"]
@@ -174,13 +174,6 @@ def _hosts_in(hostfile: str) -> list[str]:
     return hosts
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 @dataclass
 class RankFailure:
     """A rank that exited non-zero or was killed."""
@@ -294,7 +287,7 @@ def _job_environment(
     hosts = _hosts_in(hostfile) if hostfile else []
     if virtual is not None:
         hosts = list(virtual.addresses)
-    oversubscribed = (local or virtual is not None) and nprocs > _cores()
+    oversubscribed = (local or virtual is not None) and nprocs > usable_cores()
     env = dict(os.environ)
     for key, value in launcher.environment(
         nprocs, oversubscribed=oversubscribed, local=local

@@ -48,12 +48,21 @@ __all__ = [
     "main",
     "parse_status",
     "rank_environment",
+    "usable_cores",
 ]
 
 STATUS_PATTERN = re.compile(r"MPXRUN-RANK-FAILED (\d+) (-?\d+) ([A-Za-z0-9+/=]*)")
 TAIL_LINES = 20
 KILL_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask; all of them off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def format_status(rank: int, code: int, tail: Sequence[str]) -> str:
@@ -97,10 +106,7 @@ def rank_environment(
     """
     out = dict(base)
     if "OMP_NUM_THREADS" not in out:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
+        cores = usable_cores()
         out["OMP_NUM_THREADS"] = str(max(1, cores // max(env.local_world_size, 1)))
     if gpus == "none":
         out["CUDA_VISIBLE_DEVICES"] = ""

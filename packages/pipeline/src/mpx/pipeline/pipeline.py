@@ -333,11 +333,6 @@ class Pipeline(nn.Module):
         self._finish_sends()
         return total / m
 
-    def _reap_sends(self) -> None:
-        for box in (self._act_out, self._grad_out):
-            if box is not None:
-                box.progress()
-
     def _finish_sends(self) -> None:
         for box in (self._act_out, self._grad_out):
             if box is not None:

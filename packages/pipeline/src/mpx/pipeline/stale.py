@@ -259,7 +259,7 @@ class StaleRunner:
         # The last sends stay in flight into the next call (the Outboxes hold
         # their tensors): waiting here would stall this stage until its
         # neighbour, busy computing, polls for them. ``flush`` waits for them.
-        pipe._reap_sends()
+        pipe._progress()
         return sum(losses) / len(losses) if losses else 0.0
 
     def flush(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:

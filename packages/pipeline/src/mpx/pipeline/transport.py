@@ -22,7 +22,6 @@ polled and dropped as they finish and waited for at the end of each call.
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from collections import defaultdict
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from mpx.collectives import Communicator, Handle, recv, send
+from mpx.collectives.communicator import usable_cores
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.pipeline.errors import PipelineError
 
@@ -51,8 +51,7 @@ def _oversubscribed(comm: Communicator) -> bool:
     """More ranks on this node than cores this process may run on (cached per comm)."""
     known = comm.cached("pipeline.oversubscribed")
     if known is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        known = comm.cache("pipeline.oversubscribed", comm.node_size > (cores or 1))
+        known = comm.cache("pipeline.oversubscribed", comm.node_size > usable_cores())
     return bool(known)
 
 
