@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mpx.collectives import Communicator, allreduce, broadcast, fast_path, world
+from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi
 
@@ -93,6 +94,7 @@ def test_declines_large_tensors_under_auto_on_several_ranks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MPX_AUTO_SMALL_BYTES", "64")
+    reload_settings()
     t = torch.ones(32)  # 128 bytes: auto picks shm/hier/ring on several ranks
     if world().size > 1:
         _declined(t)
@@ -103,8 +105,10 @@ def test_declines_large_tensors_under_auto_on_several_ranks(
 
 def test_declines_under_mpx_check_and_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPX_CHECK", "1")
+    reload_settings()
     _declined(torch.ones(4))
     monkeypatch.delenv("MPX_CHECK")
+    reload_settings()
     timed = Communicator(world().mpi.Dup(), timeout=30.0)
     before = torch.ones(4)
     assert not fast_path.allreduce(before, "sum", timed, None)

@@ -22,7 +22,7 @@ from mpx.collectives.ops import (
     reduce_scatter,
     send,
 )
-from mpx.collectives.selection import IMPLEMENTATIONS
+from mpx.collectives.policy import IMPLEMENTATIONS
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.torch_backend import init_process_group, register_torch_backend
 

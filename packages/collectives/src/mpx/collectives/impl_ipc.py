@@ -19,10 +19,9 @@ the device by local rank, or put several ranks on one GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mpx.collectives import settings
 from mpx.collectives._torch_private import export_cuda_storage, open_cuda_storage
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.handle import Requests, Steps
@@ -34,8 +33,7 @@ _ALIGN = 256
 
 
 def _slot_bytes() -> int:
-    mib = float(os.environ.get("MPX_IPC_SLOT_MB", "16"))
-    return max(_ALIGN, int(mib * (1 << 20)) // _ALIGN * _ALIGN)
+    return settings.IPC_SLOT.get() // _ALIGN * _ALIGN
 
 
 class IpcWorkspace:

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from mpx.collectives import fast_path, impl_mpi
+from mpx.collectives import fast_path
 from mpx.collectives.checks import check_rank, check_tensor
-from mpx.collectives.communicator import Communicator, check_enabled, world
+from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.dtypes import check_op_for_dtype
-from mpx.collectives.selection import choose
+from mpx.collectives.policy import choose
+from mpx.collectives.policy import current as current_policy
 
 __all__ = [
     "allgather",
@@ -66,18 +67,14 @@ def _run(
     root: int = -1,
 ) -> Any:
     comm = world() if comm is None else comm
-    name, module = choose(op, t, comm, impl)
-    if t is not None:
-        _payload[0] += t.numel() * t.element_size()
-    if check_enabled():
+    nbytes = 0 if t is None else t.numel() * t.element_size()
+    # The one decision of this call: the policy is consulted here, once.
+    choice = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
+    _payload[0] += nbytes
+    if current_policy().check:
         comm.check_signature(op, t, reduce_op, root, timeout)
-    steps = getattr(module, op)(comm, *(() if t is None else (t,)), *args)
-    return comm.run(op, name, steps, async_op, timeout)
-
-
-def _p2p_impl(t: torch.Tensor) -> str:
-    """Point to point runs on MPI; CUDA tensors through pinned host memory unless CUDA-aware."""
-    return "staged" if t.is_cuda and not impl_mpi.cuda_aware() else "mpi"
+    steps = getattr(choice.module, op)(comm, *(() if t is None else (t,)), *args)
+    return comm.run(op, choice.name, steps, async_op, timeout)
 
 
 def allreduce(
@@ -243,11 +240,11 @@ def _point_to_point(
 ) -> Any:
     check_tensor(t, op)
     check_rank(peer, (world() if comm is None else comm).size, what, op)
-    return _run(op, comm, t, _p2p_impl(t), async_op, timeout, peer, tag)
+    return _run(op, comm, t, None, async_op, timeout, peer, tag)
 
 
 def barrier(
     *, comm: Communicator | None = None, async_op: bool = False, timeout: float | None = None
 ) -> Any:
     """Waits until every rank has called ``barrier``."""
-    return _run("barrier", comm, None, "mpi", async_op, timeout)
+    return _run("barrier", comm, None, None, async_op, timeout)

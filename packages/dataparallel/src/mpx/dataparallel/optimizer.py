@@ -45,7 +45,7 @@ from torch import nn
 
 from mpx.collectives import Communicator, allreduce, empty_shared
 from mpx.collectives.communicator import usable_cores
-from mpx.collectives.thresholds import small_bytes
+from mpx.collectives.policy import small_bytes
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
 from mpx.dataparallel.runtime import default_comm

@@ -1,11 +1,35 @@
-"""The errors mpx-launch raises; all derive from :class:`LaunchError`."""
+"""The errors mpx-launch raises, and :class:`MPXError`, the root of every mpx error.
+
+``MPXError`` is defined here because mpx-launch is the dependency-free bottom
+of the stack: every package's base error derives from it (mpx.collectives
+re-exports it), so ``except MPXError`` catches whatever any mpx package raises::
+
+    MPXError
+    ├── LaunchError                 mpx.launch
+    │   ├── LaunchEnvironmentError
+    │   ├── UsageError
+    │   ├── LauncherNotFound
+    │   └── SettingError            (also ValueError)
+    ├── CollectivesError ...        mpx.collectives, and each upper package's own base
+"""
 
 from __future__ import annotations
 
-__all__ = ["LaunchEnvironmentError", "LaunchError", "LauncherNotFound", "UsageError"]
+__all__ = [
+    "LaunchEnvironmentError",
+    "LaunchError",
+    "LauncherNotFound",
+    "MPXError",
+    "SettingError",
+    "UsageError",
+]
 
 
-class LaunchError(Exception):
+class MPXError(Exception):
+    """Base class of every error raised by any mpx package."""
+
+
+class LaunchError(MPXError):
     """Base class of every error raised by ``mpx.launch``."""
 
 
@@ -19,3 +43,7 @@ class UsageError(LaunchError):
 
 class LauncherNotFound(LaunchError):
     """No MPI launcher (``mpiexec``, ``mpirun``, ``srun``) could be found."""
+
+
+class SettingError(LaunchError, ValueError):
+    """An ``MPX_*`` environment variable has a value that cannot be parsed or is out of range."""
