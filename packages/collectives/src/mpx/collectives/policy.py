@@ -124,6 +124,8 @@ def _cpu(call: Call) -> bool:
 def _mpi_small(call: Call, policy: Policy) -> bool:
     if call.cuda:
         return False
+    if call.comm.size == 1:
+        return True  # nothing to communicate: no algorithm beats MPI's copy
     won = policy.tuned_winner(call)
     if won is not None:
         return won == "mpi"
@@ -176,11 +178,15 @@ def layout_key(comm: Communicator) -> str:
     return f"ranks={comm.size},nodes={comm.num_nodes},node_size={comm.node_size}"
 
 
+# MPX_POLICY_FILE=none: the built-in rules, whatever tuning files exist.
+_NO_FILE = frozenset({"none", "builtin", "built-in"})
+
+
 def default_policy_file() -> Path:
     """Where ``mpxrun --tune`` writes and ``auto`` reads: ``MPX_POLICY_FILE``, else
     ``$XDG_CACHE_HOME/mpx/policy-<host>.json`` (``~/.cache`` without XDG_CACHE_HOME)."""
     chosen = settings.POLICY_FILE.get()
-    if chosen:
+    if chosen and chosen.lower() not in _NO_FILE:
         return Path(chosen)
     cache = settings.XDG_CACHE_HOME.get() or str(Path.home() / ".cache")
     return Path(cache) / "mpx" / f"policy-{socket.gethostname()}.json"
@@ -221,7 +227,9 @@ class Policy:
         path = default_policy_file()
         tuned: dict[str, dict[str, list[tuple[int, str]]]] = {}
         source = "built-in"
-        if path.is_file():
+        if settings.POLICY_FILE.get().lower() in _NO_FILE:
+            pass
+        elif path.is_file():
             tuned = load_bands(path)
             source = str(path)
         elif settings.POLICY_FILE.get():

@@ -75,7 +75,7 @@ POLICY_FILE = declare(
     "str",
     "",
     "tuned policy that impl='auto' reads (default: the file mpxrun --tune writes, see "
-    "mpx.collectives.policy)",
+    "mpx.collectives.policy; none: the built-in rules)",
     package=_PACKAGE,
 )
 XDG_CACHE_HOME = declare(
