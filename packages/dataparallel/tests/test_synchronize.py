@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_tensors_and_nested_containers() -> None:
     tensor = torch.full((3, 2), float(r))
     half = torch.arange(5, dtype=torch.float16) + r
     flags = torch.tensor([True, r == 0, False])
-    tree = {
+    tree: dict[str, Any] = {
         "a": [tensor, {"b": half}],
         "c": (torch.tensor(r, dtype=torch.int64), r, f"text-{r}"),
         "d": collections.OrderedDict(e=flags),
