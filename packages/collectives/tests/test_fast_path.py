@@ -8,6 +8,8 @@ Run under mpxrun -n 1, 2, 3.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,12 @@ from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi
 
-NUMPY_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+NUMPY_REDUCE: dict[str, Callable[..., np.ndarray]] = {
+    "sum": np.sum,
+    "max": np.max,
+    "min": np.min,
+    "prod": np.prod,
+}
 
 
 def _inputs(size: int, dtype: torch.dtype, salt: int) -> list[torch.Tensor]:
@@ -69,9 +76,9 @@ def test_public_operations_count_their_payload() -> None:
     assert bytes_communicated() - before == 8 * 4 + 4 * 8
 
 
-def _declined(t: torch.Tensor, **kw: object) -> None:
+def _declined(t: torch.Tensor, op: str = "sum", impl: str | None = None) -> None:
     before = t.detach().clone()
-    assert not fast_path.allreduce(t, str(kw.get("op", "sum")), None, kw.get("impl"))  # type: ignore[arg-type]
+    assert not fast_path.allreduce(t, op, None, impl)
     assert torch.equal(t.detach(), before)  # nothing was done
 
 

@@ -47,12 +47,10 @@ class _ServerOptimizer(torch.optim.Optimizer):
         broadcast_tensors(self._params, 0, comm=server.comm)
         self._keys = [server.register(p.detach()) for p in self._params]
         self._steps = 0
-        self._pushes: list[PSHandle] = []
+        self._pushes: list[PSHandle[None]] = []
 
     def _push(self, p: torch.Tensor, key: int, delta: torch.Tensor) -> None:
-        handle = self.server.push(key, delta, "add", async_op=True)
-        assert handle is not None
-        self._pushes.append(handle)
+        self._pushes.append(self.server.push(key, delta, "add", async_op=True))
 
     def _wait_pushes(self) -> None:
         for handle in self._pushes:
@@ -168,7 +166,6 @@ class EASGD(_ServerOptimizer):
             self._wait_pushes()
             for p, key in zip(self._params, self._keys, strict=True):
                 center = self.server.pull(key)
-                assert isinstance(center, torch.Tensor)
                 delta = (p.detach().cpu() - center.view(p.shape)) * self.alpha
                 p.sub_(delta.to(p.device))
                 self._push(p, key, delta)
