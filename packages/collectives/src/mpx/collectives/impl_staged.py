@@ -22,7 +22,6 @@ pinned copy of the whole tensor, then MPI.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from mpx.collectives import impl_mpi, settings
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.handle import Pending, Steps
-from mpx.collectives.policy import choose
+from mpx.collectives.policy import Implementation, choose
 
 __all__ = [
     "CudaEvent",
@@ -64,7 +63,7 @@ class CudaEvent(Pending):
         self.event.synchronize()
 
 
-def _host_impl(op: str, comm: Communicator, nbytes: int) -> ModuleType:
+def _host_impl(op: str, comm: Communicator, nbytes: int) -> Implementation:
     """The host algorithm for one staged chunk: what the policy picks for a CPU tensor."""
     return choose(op, False, nbytes, comm).module
 

@@ -48,21 +48,24 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mpx.collectives import settings
 from mpx.collectives.errors import MPXError
 from mpx.launch.settings import on_reload
 
 if TYPE_CHECKING:
+    import torch
+
     from mpx.collectives.communicator import Communicator
+    from mpx.collectives.handle import Steps
 
 __all__ = [
     "IMPLEMENTATIONS",
     "ORDER",
     "Choice",
     "Entry",
+    "Implementation",
     "Policy",
     "PolicyError",
     "choose",
@@ -332,15 +335,29 @@ def small_bytes() -> int:
 _CUDA_IMPLS = frozenset({"staged", "ipc"})
 
 
+class Implementation(Protocol):
+    """An implementation module: each op it provides is a generator of steps.
+
+    Every implementation provides allreduce and broadcast (mypy checks each
+    module against this protocol in :func:`_modules`); the others, where
+    present, have the same shape with their own arguments (``reduce(comm, t,
+    root, op)``, ``send(comm, t, dest, tag)``, ...) and are found by name.
+    """
+
+    def allreduce(self, comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]: ...
+
+    def broadcast(self, comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Choice:
     """The decision for a call: the implementation's name and its module."""
 
     name: str
-    module: ModuleType
+    module: Implementation
 
 
-def _modules() -> Mapping[str, ModuleType]:
+def _modules() -> Mapping[str, Implementation]:
     from mpx.collectives import impl_hier, impl_ipc, impl_mpi, impl_ring, impl_shm, impl_staged
 
     return {
@@ -353,10 +370,10 @@ def _modules() -> Mapping[str, ModuleType]:
     }
 
 
-_MODULES: dict[str, ModuleType] = {}
+_MODULES: dict[str, Implementation] = {}
 
 
-def module_of(name: str) -> ModuleType:
+def module_of(name: str) -> Implementation:
     if not _MODULES:
         _MODULES.update(_modules())
     return _MODULES[name]
