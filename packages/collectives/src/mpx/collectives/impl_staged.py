@@ -30,6 +30,7 @@ import torch
 
 from mpx.collectives import impl_hier, impl_mpi, impl_ring, impl_shm
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Pending, Steps
 from mpx.collectives.thresholds import small_bytes
 
@@ -96,7 +97,10 @@ class _Stager:
 
 def _check_cuda(t: torch.Tensor, op: str) -> None:
     if not t.is_cuda:
-        raise ValueError(f"{op}: impl='staged' takes CUDA tensors, got one on {t.device}")
+        raise MPXValueError(
+            f"{op}: impl='staged' takes CUDA tensors, got one on {t.device}; "
+            "use impl='auto' for other tensors"
+        )
 
 
 def _chunked(
