@@ -8,7 +8,14 @@ Example::
 """
 
 from mpx.collectives.communicator import Communicator, world
-from mpx.collectives.errors import CollectiveTimeout, CommunicatorBroken, MismatchError, MPXError
+from mpx.collectives.errors import (
+    CollectiveTimeout,
+    CommunicatorBroken,
+    MismatchError,
+    MPXError,
+    MPXTypeError,
+    MPXValueError,
+)
 from mpx.collectives.handle import Handle
 from mpx.collectives.ops import (
     allgather,
@@ -33,6 +40,8 @@ __all__ = [
     "CommunicatorBroken",
     "Handle",
     "MPXError",
+    "MPXTypeError",
+    "MPXValueError",
     "MismatchError",
     "__version__",
     "allgather",

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from mpx.collectives import progress, settings
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.collectives.errors import CommunicatorBroken, MismatchError
+from mpx.collectives.errors import CommunicatorBroken, MismatchError, MPXValueError
 from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
 from mpx.collectives.policy import ChoiceCache
 from mpx.collectives.policy import current as current_policy
@@ -136,7 +136,7 @@ class Communicator:
     def from_mpi(cls, comm: MPI.Intracomm, timeout: float | None = None) -> Communicator:
         """Wraps (a duplicate of) an mpi4py communicator. Collective."""
         if comm == MPI.COMM_NULL:
-            raise ValueError(
+            raise MPXValueError(
                 "from_mpi got MPI.COMM_NULL; only members of a communicator may wrap it"
             )
         return cls(comm.Dup(), timeout)
@@ -149,7 +149,7 @@ class Communicator:
             key: order within the new group; this rank's rank by default.
         """
         if color is not None and color < 0:
-            raise ValueError(f"color must be >= 0 or None, got {color}")
+            raise MPXValueError(f"color must be >= 0 or None, got {color}")
         new = self.mpi.Split(
             MPI.UNDEFINED if color is None else color, self.rank if key is None else key
         )

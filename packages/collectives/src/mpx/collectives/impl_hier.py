@@ -28,6 +28,7 @@ import torch
 from mpx.collectives import impl_mpi, impl_shm
 from mpx.collectives.communicator import Communicator, Hierarchy
 from mpx.collectives.dtypes import accumulation_dtype
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Steps
 from mpx.collectives.impl_shm import Workspace, slotted_allreduce
 from mpx.collectives.policy import choose
@@ -37,7 +38,7 @@ __all__ = ["allreduce", "broadcast"]
 
 def _hierarchy(comm: Communicator, op: str) -> Hierarchy:
     if comm.hierarchy is None:
-        raise ValueError(
+        raise MPXValueError(
             f"{op}: impl='hier' needs a communicator spanning several nodes with more than one "
             f"rank on some node (this one: {comm.num_nodes} node(s), {comm.node_size} rank(s) "
             "here); use impl='shm', 'ring' or 'auto'"

@@ -28,6 +28,7 @@ import torch
 
 from mpx.collectives import impl_mpi, settings
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Pending, Steps
 from mpx.collectives.policy import Implementation, choose
 
@@ -91,7 +92,10 @@ class _Stager:
 
 def _check_cuda(t: torch.Tensor, op: str) -> None:
     if not t.is_cuda:
-        raise ValueError(f"{op}: impl='staged' takes CUDA tensors, got one on {t.device}")
+        raise MPXValueError(
+            f"{op}: impl='staged' takes CUDA tensors, got one on {t.device}; "
+            "use impl='auto' for other tensors"
+        )
 
 
 def _chunked(

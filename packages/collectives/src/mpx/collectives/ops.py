@@ -20,6 +20,7 @@ from mpx.collectives import fast_path
 from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.dtypes import check_op_for_dtype
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Handle
 from mpx.collectives.policy import choose
 from mpx.collectives.policy import current as current_policy
@@ -368,7 +369,7 @@ def reduce_scatter(
     check_op_for_dtype(op, t.dtype)
     size = (world() if comm is None else comm).size
     if t.dim() == 0 or t.shape[0] % size:
-        raise ValueError(
+        raise MPXValueError(
             f"reduce_scatter: the first dimension of shape {tuple(t.shape)} must be divisible "
             f"by the {size} ranks; pad it, or reshape to ({size}, -1)"
         )
@@ -423,9 +424,9 @@ def alltoall(
     check_tensor(t, "alltoall")
     size = (world() if comm is None else comm).size
     if t.dim() == 0 or t.shape[0] % size:
-        raise ValueError(
+        raise MPXValueError(
             f"alltoall: the first dimension of shape {tuple(t.shape)} must be divisible by "
-            f"the {size} ranks"
+            f"the {size} ranks; pad it, or reshape to ({size}, -1)"
         )
     return cast(
         "torch.Tensor | Handle[torch.Tensor]", _run("alltoall", comm, t, impl, async_op, timeout)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator
-from mpx.dataparallel.errors import DataParallelError
+from mpx.dataparallel.errors import DataParallelError, DataParallelTypeError, DataParallelValueError
 from mpx.dataparallel.runtime import default_comm, object_comm
 from mpx.dataparallel.synchronize import agree, synchronize
 
@@ -56,7 +56,9 @@ def save_checkpoint(
     """
     comm = default_comm(comm)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"save_checkpoint: model must be an nn.Module, got {type(model).__name__}")
+        raise DataParallelTypeError(
+            f"save_checkpoint: model must be an nn.Module, got {type(model).__name__}"
+        )
     error = ""
     if comm.rank == root:
         state = {
@@ -104,9 +106,14 @@ def load_checkpoint(
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or state.get("format") != _FORMAT:
-                raise ValueError("not a checkpoint written by mpx.dataparallel.save_checkpoint")
+                raise DataParallelValueError(
+                    "not a checkpoint written by mpx.dataparallel.save_checkpoint"
+                )
             if optimizer is not None and state["optimizer"] is None:
-                raise ValueError("it holds no optimizer state (saved with optimizer=None)")
+                raise DataParallelValueError(
+                    "it holds no optimizer state (saved with optimizer=None); "
+                    "load it with optimizer=None"
+                )
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             state = None

@@ -38,7 +38,11 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import CollectiveTimeout, Communicator
-from mpx.dataparallel.errors import ParameterServerError
+from mpx.dataparallel.errors import (
+    DataParallelTypeError,
+    DataParallelValueError,
+    ParameterServerError,
+)
 from mpx.dataparallel.runtime import default_comm
 
 __all__ = ["RULES", "PSHandle", "ParameterServer"]
@@ -145,11 +149,14 @@ class ParameterServer:
         """
         self._check()
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"register: expected a torch.Tensor, got {type(tensor).__name__}")
+            raise DataParallelTypeError(
+                f"register: expected a torch.Tensor, got {type(tensor).__name__}; "
+                "convert it with torch.as_tensor(...)"
+            )
         mine = (tuple(tensor.shape), str(tensor.dtype))
         every = self._mpi.allgather(mine)
         if any(x != every[0] for x in every):
-            raise ValueError(
+            raise DataParallelValueError(
                 f"register: ranks passed different tensors: {sorted(set(every))}; every rank "
                 "must register the same shape and dtype, in the same order"
             )
@@ -196,13 +203,18 @@ class ParameterServer:
         """
         shape, dtype, bounds = self._layout(key)
         if rule not in RULES:
-            raise ValueError(f"push: rule must be one of {', '.join(RULES)}, got {rule!r}")
+            raise DataParallelValueError(
+                f"push: rule must be one of {', '.join(RULES)}, got {rule!r}"
+            )
         if rule == "zero":
             flat = None
         else:
             if not isinstance(tensor, torch.Tensor) or tensor.numel() != bounds[-1]:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
-                raise ValueError(f"push: key {key} holds shape {tuple(shape)}, got {got}")
+                raise DataParallelValueError(
+                    f"push: key {key} holds shape {tuple(shape)}, got {got}; push a tensor of "
+                    f"{bounds[-1]} elements"
+                )
             flat = tensor.detach().reshape(-1).to("cpu", dtype, copy=True).contiguous()
         requests: list[MPI.Request] = []
         keep: list[Any] = []
@@ -249,7 +261,7 @@ class ParameterServer:
         """The stored tensor, gathered from its owners (into ``out`` when given)."""
         shape, dtype, bounds = self._layout(key)
         if out is not None and (out.shape != shape or out.dtype != dtype):
-            raise ValueError(
+            raise DataParallelValueError(
                 f"pull: out is {tuple(out.shape)} {out.dtype}, key {key} holds "
                 f"{tuple(shape)} {dtype}"
             )
@@ -326,7 +338,7 @@ class ParameterServer:
     def _layout(self, key: int) -> tuple[torch.Size, torch.dtype, list[int]]:
         self._check()
         if not isinstance(key, int) or not 0 <= key < len(self._layouts):
-            raise ValueError(
+            raise DataParallelValueError(
                 f"unknown key {key!r}: {len(self._layouts)} tensors are registered "
                 "(keys come from register())"
             )

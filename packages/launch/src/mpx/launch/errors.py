@@ -11,6 +11,11 @@ re-exports it), so ``except MPXError`` catches whatever any mpx package raises::
     │   ├── LauncherNotFound
     │   └── SettingError            (also ValueError)
     ├── CollectivesError ...        mpx.collectives, and each upper package's own base
+
+:class:`UsageError`, a bad argument (to ``mpxrun`` or to the API behind it),
+is also a ``ValueError``, as the argument errors of the other mpx packages are.
+:class:`LaunchEnvironmentError` is not: besides malformed variables it covers
+a machine that lacks something (root, iproute2, mpi4py).
 """
 
 from __future__ import annotations
@@ -37,8 +42,16 @@ class LaunchEnvironmentError(LaunchError):
     """A launcher's variable is present but malformed or inconsistent."""
 
 
-class UsageError(LaunchError):
-    """``mpxrun`` was called with a bad argument (a bad ``-n``, a missing program)."""
+class UsageError(LaunchError, ValueError):
+    """``mpxrun`` was called with a bad argument (a bad ``-n``, a missing program).
+
+    Also a ``ValueError``, so ``except ValueError`` around the Python API catches it.
+
+    Example::
+
+        with pytest.raises(ValueError, match="'socket'"):
+            Launcher("mpich", "mpiexec").command(2, ["prog"], bind="socket")
+    """
 
 
 class LauncherNotFound(LaunchError):

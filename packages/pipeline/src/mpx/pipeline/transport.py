@@ -32,7 +32,7 @@ import torch
 from mpx.collectives import Communicator, Handle, recv, send
 from mpx.collectives.communicator import usable_cores
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineError, PipelineTypeError, PipelineValueError
 
 __all__ = ["WAITED", "Inbox", "Outbox", "decode_header", "encode_header"]
 
@@ -78,12 +78,12 @@ def _tag(kind: str, j: int) -> int:
 def encode_header(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """``[dtype index, ndim, dim0, ..., dim7]`` as int64."""
     if len(shape) > _MAX_DIMS:
-        raise PipelineError(
+        raise PipelineValueError(
             f"an activation of shape {tuple(shape)} has more than {_MAX_DIMS} dimensions; "
             "flatten it before the stage border"
         )
     if dtype not in SUPPORTED_DTYPES:
-        raise PipelineError(
+        raise PipelineTypeError(
             f"an activation of dtype {dtype} cannot cross a stage border; supported: "
             f"{', '.join(map(str, SUPPORTED_DTYPES))}"
         )
