@@ -473,12 +473,17 @@ class ChoiceCache(dict[tuple[str, bool, int, str | None], Choice]):
     def __init__(self) -> None:
         super().__init__()
         self.policy: Policy | None = None
+        # The small-call fast path's plans (mpx.collectives.fast_path), which
+        # follow from the decisions here and go with them.
+        self.fast: dict[tuple[Any, ...], Any] = {}
 
     def reset(self, policy: Policy) -> None:
         self.clear()
+        self.fast.clear()
         self.policy = policy
 
     def __setitem__(self, key: Any, value: Choice) -> None:
         if len(self) >= self.LIMIT:
             self.clear()
+            self.fast.clear()
         super().__setitem__(key, value)
