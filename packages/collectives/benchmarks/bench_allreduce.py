@@ -2,10 +2,15 @@
 
 ``python bench_allreduce.py`` starts itself under ``mpxrun -n 2`` and ``-n 3``
 and prints one markdown section (``nox -s bench`` writes it into
-BENCHMARKS.md). In each run, for every size, the peers run in the same job one
-after another: mpi4py's ``Allreduce`` (MPI's own), torch ``gloo``, and mpx's
-``mpi``, ``ring``, ``shm`` and ``auto``, and ``shm`` on a tensor from
-``empty_shared`` (zero copy). Time is the median over samples, a sample
+BENCHMARKS.md). For each rank count it first tunes the policy for this
+machine (``mpxrun --tune`` into a temporary file), then, for every size, runs
+the peers in the same job one after another: mpi4py's ``Allreduce`` in place
+and out of place (MPI's own), torch ``gloo``, and mpx's ``mpi``, ``ring``,
+``shm``, ``auto`` with the built-in policy and ``auto`` with the tuned one,
+and ``shm`` on a tensor from ``empty_shared`` (zero copy). A second table
+puts each ``auto`` beside the fastest of mpx's implementations at that size,
+and a third times single blocking 4 KiB calls against mpi4py's own on a
+prepared buffer. Time is the median over samples, a sample
 being the mean of a burst of calls after a barrier (up to 64 calls for
 small sizes, where one call is shorter than the ranks' skew at the barrier);
 algorithm bandwidth = bytes / time, bus bandwidth = algbw * 2(n-1)/n
@@ -21,11 +26,16 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
+# MPX_BENCH_MAX_BYTES=64K: a quick run of the small sizes only (a smoke test).
+MAX_BYTES = os.environ.get("MPX_BENCH_MAX_BYTES", "256M")
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
-IMPLS = ["mpi", "ring", "shm", "auto"]
+IMPLS = ["mpi", "ring", "shm"]
+AUTOS = {"auto (built-in)": "none", "auto (tuned)": "tuned"}
 
 
 def _label(nbytes: int) -> str:
@@ -41,7 +51,7 @@ def _burst(nbytes: int) -> int:
     return max(1, min(64, (256 << 10) // nbytes))
 
 
-def measure() -> None:
+def measure(tuned: str) -> None:
     """Runs inside the job: every rank times, rank 0 prints table rows."""
     import torch
     import torch.distributed as dist
@@ -49,6 +59,12 @@ def measure() -> None:
 
     from mpx.collectives import allreduce, broadcast, empty_shared, world
     from mpx.launch import init_torch_env
+    from mpx.launch.settings import reload
+
+    def use_policy(which: str) -> None:
+        # Every rank switches together: the next call decides afresh.
+        os.environ["MPX_POLICY_FILE"] = tuned if which == "tuned" else "none"
+        reload()
 
     comm = world()
     init_torch_env()
@@ -75,15 +91,34 @@ def measure() -> None:
         # Every rank must agree on the figure: take the slowest rank's median.
         return float(raw.allreduce(statistics.median(samples), op=MPI.MAX))
 
-    for nbytes in SIZES:
+    summary = []
+    from mpx.launch.settings import parse_size
+
+    for nbytes in (s for s in SIZES if s <= parse_size(MAX_BYTES)):
         x = torch.ones(nbytes // 4)
+        out = torch.empty_like(x)
         reps = _repeats(nbytes)
         times = {
             "MPI Allreduce": timed(lambda x=x: raw.Allreduce(MPI.IN_PLACE, x.numpy()), reps),
+            "MPI Allreduce, out of place": timed(
+                lambda x=x, out=out: raw.Allreduce(x.numpy(), out.numpy()), reps
+            ),
             "gloo": timed(lambda x=x: dist.all_reduce(x), reps),
         }
         for impl in IMPLS:
             times[f"mpx {impl}"] = timed(lambda impl=impl, x=x: allreduce(x, impl=impl), reps)
+        for label, which in AUTOS.items():
+            use_policy(which)
+            times[f"mpx {label}"] = timed(lambda x=x: allreduce(x), reps)
+        use_policy("none")
+        best_name = min((f"mpx {i}" for i in IMPLS), key=times.__getitem__)
+        mpi_best = min(times["MPI Allreduce"], times["MPI Allreduce, out of place"])
+        summary.append(
+            f"| {n} | {_label(nbytes)} | {best_name.removeprefix('mpx ')} | "
+            f"{times['mpx auto (built-in)'] / times[best_name]:.2f} | "
+            f"{times['mpx auto (tuned)'] / times[best_name]:.2f} | "
+            f"{mpi_best / times['mpx auto (tuned)']:.2f} |"
+        )
         shared = empty_shared(nbytes // 4)
         shared.fill_(1.0)
         times["mpx shm, empty_shared tensor"] = timed(
@@ -108,6 +143,10 @@ def measure() -> None:
                 btimes[f"mpx {impl}"] = timed(
                     lambda impl=impl, x=x: broadcast(x, 0, impl=impl), reps
                 )
+            for label, which in AUTOS.items():
+                use_policy(which)
+                btimes[f"mpx {label}"] = timed(lambda x=x: broadcast(x, 0), reps)
+            use_policy("none")
             btimes["mpx shm, empty_shared tensor"] = timed(
                 lambda s=shared: broadcast(s, 0, impl="shm"), reps
             )
@@ -119,15 +158,53 @@ def measure() -> None:
                         f"{seconds / btimes['gloo']:.2f} |",
                         flush=True,
                     )
+    latency = _single_calls(comm, raw)
+    if comm.rank == 0:
+        for row in summary:
+            print(f"SUMMARY {row}", flush=True)
+        for row in latency:
+            print(f"LATENCY | {n} {row}", flush=True)
     dist.destroy_process_group()
+
+
+def _single_calls(comm: Any, raw: Any) -> list[str]:
+    """Blocking 4 KiB allreduce, one call at a time in a tight loop, against mpi4py's own."""
+    import torch
+    from mpi4py import MPI
+
+    from mpx.collectives import allreduce
+
+    t = torch.ones(1024)
+    prepared = [MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), MPI.FLOAT]
+    calls: dict[str, Callable[[], object]] = {
+        "mpi4py Iallreduce+Wait, prepared buffer": lambda: raw.Iallreduce(
+            MPI.IN_PLACE, prepared
+        ).Wait(),
+        "mpi4py Allreduce, numpy array": lambda: raw.Allreduce(MPI.IN_PLACE, t.numpy()),
+        "mpx allreduce": lambda: allreduce(t),
+    }
+    best = {name: float("inf") for name in calls}
+    for _ in range(5):  # interleaved rounds: load bursts hit every contender alike
+        for name, fn in calls.items():
+            for _ in range(500):
+                fn()
+            raw.Barrier()
+            start = time.perf_counter()
+            for _ in range(5000):
+                fn()
+            mine = (time.perf_counter() - start) / 5000
+            best[name] = min(best[name], float(raw.allreduce(mine, op=MPI.MAX)))
+    base = best["mpi4py Iallreduce+Wait, prepared buffer"]
+    return [f"| {name} | {sec * 1e6:.2f} | {sec / base:.2f} |" for name, sec in best.items()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tuned", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        measure()
+        measure(args.tuned)
         return
     mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
     print("## mpx-collectives: float32 allreduce and broadcast\n")
@@ -145,21 +222,51 @@ def main() -> None:
         "| ÷ MPI | ÷ gloo |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for nprocs in (2, 3):
-        subprocess.run(
-            [
-                mpxrun,
-                "-n",
-                str(nprocs),
-                "--timeout",
-                "1200",
-                "--",
-                sys.executable,
-                os.path.abspath(__file__),
-                "--inside",
-            ],
-            check=True,
-        )
+    summaries, latencies, policies = [], [], []
+    here = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory() as tmp:
+        for nprocs in (2, 3):
+            tuned = os.path.join(tmp, f"policy-{nprocs}.json")
+            job = [mpxrun, "-n", str(nprocs), "--timeout", "1200"]
+            tune = [*job, "--tune", "--", "--ops", "allreduce,broadcast"]
+            tune += ["--max-size", MAX_BYTES, "--output", tuned]
+            tuning = subprocess.run(tune, check=True, capture_output=True, text=True)
+            bands = [
+                b for b in tuning.stdout.splitlines() if b.startswith(("allreduce:", "broadcast:"))
+            ]
+            policies.append(f"{nprocs} ranks: " + "; ".join(bands))
+            inside = [*job, "--", sys.executable, here, "--inside", "--tuned", tuned]
+            run = subprocess.run(inside, check=True, capture_output=True, text=True)
+            for line in run.stdout.splitlines():
+                if line.startswith("SUMMARY "):
+                    summaries.append(line.removeprefix("SUMMARY "))
+                elif line.startswith("LATENCY "):
+                    latencies.append(line.removeprefix("LATENCY "))
+                elif line.startswith("|"):
+                    print(line)
+    print(
+        "\n### auto against the fastest implementation\n\n"
+        "The tuned policy was measured just before each job, by `mpxrun -n N --tune` "
+        "(allreduce and broadcast, 4 KiB to 256 MiB), on the same machine:\n"
+    )
+    for line in policies:
+        print(f"- {line}")
+    print(
+        "\n| ranks | size | fastest mpx implementation | auto, built-in ÷ fastest "
+        "| auto, tuned ÷ fastest | faster MPI form ÷ auto (tuned) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for row in summaries:
+        print(row)
+    print(
+        "\n### Single blocking 4 KiB allreduce, one call at a time\n\n"
+        "Best of 5 interleaved rounds of 5000 calls, slowest rank; "
+        "÷ mpi4py's `Iallreduce(IN_PLACE, prepared buffer).Wait()`.\n"
+    )
+    print("| ranks | call | µs | ÷ mpi4py on a prepared buffer |")
+    print("|---|---|---|---|")
+    for row in latencies:
+        print(row)
 
 
 if __name__ == "__main__":
