@@ -5,10 +5,19 @@ Example::
     from mpx.collectives import allreduce, world
     grad = allreduce(grad, "avg")                 # impl="auto": mpi, ring or shm
     print(world().rank, world().size)
+
+Packages built on mpx-collectives also use :mod:`mpx.collectives.building_blocks`;
+the other modules are internal: other packages must not import them.
 """
 
 from mpx.collectives.communicator import Communicator, world
-from mpx.collectives.errors import CollectiveTimeout, CommunicatorBroken, MismatchError, MPXError
+from mpx.collectives.errors import (
+    CollectiveTimeout,
+    CommunicatorBroken,
+    MismatchError,
+    MPXError,
+    RemoteError,
+)
 from mpx.collectives.handle import Handle
 from mpx.collectives.ops import (
     allgather,
@@ -34,6 +43,7 @@ __all__ = [
     "Handle",
     "MPXError",
     "MismatchError",
+    "RemoteError",
     "__version__",
     "allgather",
     "allreduce",
