@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, broadcast
-from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.building_blocks import SUPPORTED_DTYPES
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.runtime import default_comm, object_comm
 
