@@ -11,7 +11,7 @@ Example::
     loss = pipe.step(x, y, nn.functional.cross_entropy, opt)
 """
 
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineError, PipelineRemoteError
 from mpx.pipeline.partition import balance_by_time, split_times
 from mpx.pipeline.pipeline import CHECKPOINTS, Pipeline
 from mpx.pipeline.schedule import SCHEDULES, bubble_fraction, grid
@@ -22,6 +22,7 @@ __all__ = [
     "SCHEDULES",
     "Pipeline",
     "PipelineError",
+    "PipelineRemoteError",
     "__version__",
     "balance_by_time",
     "bubble_fraction",

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, Handle, allreduce, broadcast, world
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineError, PipelineRemoteError
 from mpx.pipeline.partition import (
     check_balance,
     check_no_tied_weights,
@@ -148,20 +148,19 @@ class Pipeline(nn.Module):
     def _profile(self, module: nn.Sequential, sample: torch.Tensor | None) -> list[int]:
         """The first stage times every layer on ``sample``; everyone gets its balance."""
         times = torch.zeros(len(module), dtype=torch.float64)
-        if self.first:
-            # NaN tells the other ranks that there is nothing to measure, so
-            # every rank raises instead of one raising and the rest waiting.
-            times = (
-                torch.full_like(times, float("nan"))
-                if sample is None
-                else torch.tensor(layer_times(module, sample), dtype=torch.float64)
-            )
+        # Every rank raises if the first stage cannot measure, instead of one
+        # raising and the rest waiting for its broadcast.
+        with self.comm.agreement(
+            "Pipeline(balance=None): could not time the layers", error_type=PipelineRemoteError
+        ):
+            if self.first:
+                if sample is None:
+                    raise PipelineError(
+                        "balance=None measures layer times on a sample input: pass "
+                        "sample=<one micro-batch> (on the first stage at least), or give balance"
+                    )
+                times = torch.tensor(layer_times(module, sample), dtype=torch.float64)
         broadcast(times, 0, comm=self.comm)
-        if bool(times.isnan().any()):
-            raise PipelineError(
-                "balance=None measures layer times on a sample input: pass "
-                "sample=<one micro-batch> (on the first stage at least), or give balance"
-            )
         return split_times(times.tolist(), self.num_stages)
 
     @property
