@@ -10,7 +10,11 @@ Example::
 from mpx.dataparallel.async_sgd import EASGD, DownpourSGD
 from mpx.dataparallel.checkpoint import load_checkpoint, save_checkpoint
 from mpx.dataparallel.data import DistributedDataContainer
-from mpx.dataparallel.errors import DataParallelError, ParameterServerError
+from mpx.dataparallel.errors import (
+    DataParallelError,
+    DataParallelRemoteError,
+    ParameterServerError,
+)
 from mpx.dataparallel.optimizer import DistributedOptimizer
 from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
 from mpx.dataparallel.runtime import init, is_root, local_rank, rank, world_size
@@ -20,6 +24,7 @@ __all__ = [
     "EASGD",
     "RULES",
     "DataParallelError",
+    "DataParallelRemoteError",
     "DistributedDataContainer",
     "DistributedOptimiser",
     "DistributedOptimizer",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mpx.collectives import MPXError
+from mpx.collectives import MPXError, RemoteError
 
-__all__ = ["DataParallelError", "ParameterServerError"]
+__all__ = ["DataParallelError", "DataParallelRemoteError", "ParameterServerError"]
 
 
 class DataParallelError(MPXError):
@@ -17,6 +17,16 @@ class DataParallelError(MPXError):
 
         try: synchronize(model)
         except DataParallelError as error: print(error)   # names the rank that differs
+    """
+
+
+class DataParallelRemoteError(DataParallelError, RemoteError):
+    """Raised on every rank when some ranks failed (``failures`` names them and their errors).
+
+    Example::
+
+        try: load_checkpoint("ckpt.pt", model)
+        except DataParallelError as err: print(err)  # "... could not load ckpt.pt on rank 0: ..."
     """
 
 
