@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -152,3 +152,18 @@ _RENDEZVOUS = (
 def user_environment() -> dict[str, str]:
     """This process's environment as a user's shell has it, for the jobs a test starts."""
     return {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+
+
+@pytest.fixture(autouse=True)
+def _settings_read_afresh() -> Iterator[None]:
+    """A test that changes MPX_* variables (monkeypatch, then reload) leaves none cached.
+
+    Torn down after monkeypatch has restored the environment, so the next
+    test reads the variables as they are again.
+    """
+    yield
+    try:
+        from mpx.launch.settings import reload
+    except ImportError:  # mpx-launch not installed: nothing is cached
+        return
+    reload()

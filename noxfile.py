@@ -125,7 +125,11 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
     sources = [f"packages/{name}/src/mpx/{name}" for name in PACKAGES]
-    session.run("mypy", *sources, "examples")
+    # Tests and benchmarks too, in the same run: the root pyproject.toml's
+    # explicit_package_bases names them by path (packages.quantize.tests.test_package),
+    # so the test_package.py of every package stays a module of its own.
+    checks = [f"packages/{name}/{part}" for name in PACKAGES for part in ("tests", "benchmarks")]
+    session.run("mypy", *sources, "examples", *checks, "tests", "conftest.py")
     # The layer rules and "no private imports across packages" ([tool.importlinter]
     # in pyproject.toml), checked on this working tree: the sources come first on
     # the path, ahead of the copies installed into the session.

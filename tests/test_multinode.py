@@ -32,7 +32,8 @@ def _run(tmp_path: Path, *placement: str) -> dict[str, torch.Tensor]:
         capture_output=True, text=True, timeout=400, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return torch.load(out)  # type: ignore[no-any-return]
+    result: dict[str, torch.Tensor] = torch.load(out)
+    return result
 
 
 @pytest.mark.skipif(not VirtualCluster.supported(), reason="needs root and iproute2 (netns)")

@@ -7,6 +7,7 @@ import torch
 
 from mpx.collectives import allgather, allreduce, broadcast, send
 from mpx.collectives.checks import check_tensor
+from mpx.launch.settings import reload as reload_settings
 
 
 def test_not_a_tensor() -> None:
@@ -40,6 +41,7 @@ def test_bad_op_root_impl() -> None:
 
 def test_bad_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPX_COLLECTIVES_IMPL", "fast")
+    reload_settings()
     with pytest.raises(ValueError, match="MPX_COLLECTIVES_IMPL"):
         allreduce(torch.zeros(3))
 

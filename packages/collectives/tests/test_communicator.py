@@ -18,6 +18,7 @@ from mpx.collectives import (
     recv,
     world,
 )
+from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi
 
@@ -105,6 +106,7 @@ def test_collective_timeout_names_the_rank_that_never_came() -> None:
 
 def test_mismatched_shapes_are_named_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPX_CHECK", "1")
+    reload_settings()
     comm = world()
     allreduce(torch.ones(4))  # agreeing shapes pass the check
     if comm.size == 1:
@@ -119,6 +121,7 @@ def test_mismatched_shapes_are_named_on_every_rank(monkeypatch: pytest.MonkeyPat
 
 def test_mismatched_dtype_and_root(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPX_CHECK", "1")
+    reload_settings()
     comm = world()
     if comm.size == 1:
         pytest.skip("a mismatch needs two ranks")

@@ -8,15 +8,23 @@ Run under mpxrun -n 1, 2, 3.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 
 from mpx.collectives import Communicator, allreduce, broadcast, fast_path, world
+from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi
 
-NUMPY_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+NUMPY_REDUCE: dict[str, Callable[..., np.ndarray]] = {
+    "sum": np.sum,
+    "max": np.max,
+    "min": np.min,
+    "prod": np.prod,
+}
 
 
 def _inputs(size: int, dtype: torch.dtype, salt: int) -> list[torch.Tensor]:
@@ -68,9 +76,9 @@ def test_public_operations_count_their_payload() -> None:
     assert bytes_communicated() - before == 8 * 4 + 4 * 8
 
 
-def _declined(t: torch.Tensor, **kw: object) -> None:
+def _declined(t: torch.Tensor, op: str = "sum", impl: str | None = None) -> None:
     before = t.detach().clone()
-    assert not fast_path.allreduce(t, str(kw.get("op", "sum")), None, kw.get("impl"))  # type: ignore[arg-type]
+    assert not fast_path.allreduce(t, op, None, impl)
     assert torch.equal(t.detach(), before)  # nothing was done
 
 
@@ -93,6 +101,7 @@ def test_declines_large_tensors_under_auto_on_several_ranks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MPX_AUTO_SMALL_BYTES", "64")
+    reload_settings()
     t = torch.ones(32)  # 128 bytes: auto picks shm/hier/ring on several ranks
     if world().size > 1:
         _declined(t)
@@ -103,8 +112,10 @@ def test_declines_large_tensors_under_auto_on_several_ranks(
 
 def test_declines_under_mpx_check_and_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPX_CHECK", "1")
+    reload_settings()
     _declined(torch.ones(4))
     monkeypatch.delenv("MPX_CHECK")
+    reload_settings()
     timed = Communicator(world().mpi.Dup(), timeout=30.0)
     before = torch.ones(4)
     assert not fast_path.allreduce(before, "sum", timed, None)

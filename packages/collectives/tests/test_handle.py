@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mpx.collectives import Handle, allgather, allreduce, broadcast, recv, send, world
-from mpx.collectives.handle import Done, Queue
+from mpx.collectives.handle import Done, Queue, Steps
 from mpx.collectives.progress import enabled
 
 pytestmark = pytest.mark.mpi
@@ -158,7 +158,7 @@ def test_blocking_waits_leave_the_progress_thread_free_for_other_communicators()
 def test_queue_starts_only_the_head() -> None:
     started: list[str] = []
 
-    def steps(name: str):  # type: ignore[no-untyped-def]
+    def steps(name: str) -> Steps[str]:
         started.append(name)
         yield Done()
         return name
@@ -172,7 +172,7 @@ def test_queue_starts_only_the_head() -> None:
     assert len(queue) == 2
 
 
-def _never():  # type: ignore[no-untyped-def]
+def _never() -> Steps[None]:
     class Never(Done):
         def test(self) -> bool:
             return False

@@ -20,7 +20,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, allreduce, broadcast
-from mpx.collectives.selection import choose
+from mpx.collectives.policy import choose
 from mpx.launch.virtual_cluster import VirtualCluster
 
 JOB = Path(__file__).with_name("hier_job.py")
@@ -55,12 +55,13 @@ def test_allreduce_across_simulated_nodes(
     comm = simulated
     inputs = _inputs(comm.size, n, dtype)
     t = inputs[comm.rank].clone()
-    if comm.hierarchy is None:
+    impl = "hier"
+    if comm.hierarchy is None:  # the same on every rank: the layout is the job's
         with pytest.raises(ValueError, match="impl='hier'"):
             allreduce(t, op, comm=comm, impl="hier")
-        assert choose("allreduce", t, comm, None)[0] in ("mpi", "shm", "ring")
-        return
-    allreduce(t, op, comm=comm, impl="hier")
+        assert choose("allreduce", False, t.nbytes, comm).name in ("mpi", "shm", "ring")
+        impl = "auto"  # what runs on this layout instead, checked the same way
+    allreduce(t, op, comm=comm, impl=impl)
     stacked = np.stack([x.double().numpy() for x in inputs])
     want = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.max(0)}[op]
     tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
@@ -79,7 +80,7 @@ def test_broadcast_and_auto_across_simulated_nodes(simulated: Communicator) -> N
         with pytest.raises(ValueError, match="spans"):
             allreduce(torch.ones(10), comm=comm, impl="shm")
         big = torch.ones(1 << 18)
-        name, _ = choose("allreduce", big, comm, None)
+        name = choose("allreduce", False, big.nbytes, comm).name
         assert name == ("hier" if comm.hierarchy is not None else "ring")
         allreduce(big, comm=comm)
         assert float(big[-1]) == comm.size

@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from mpx.collectives import allgather, allreduce, broadcast, recv, reduce_scatter, send, world
-from mpx.collectives.selection import choose
+from mpx.collectives import (
+    Handle,
+    allgather,
+    allreduce,
+    broadcast,
+    recv,
+    reduce_scatter,
+    send,
+    world,
+)
+from mpx.collectives.policy import choose
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 
@@ -34,9 +43,10 @@ def test_allreduce(dtype: torch.dtype, n: int, op: str, async_op: bool) -> None:
     comm = world()
     inputs = [_make(r, n, dtype) for r in range(comm.size)]
     t = inputs[comm.rank].to(_device())
-    assert choose("allreduce", t, comm, None)[0] == "staged"
+    assert choose("allreduce", t.is_cuda, t.nbytes, comm).name == "staged"
     result = allreduce(t, op, async_op=async_op)
     if async_op:
+        assert isinstance(result, Handle)
         result = result.wait(timeout=120)
     assert result is t
     assert t.is_cuda

@@ -7,9 +7,12 @@ integer type itself): an independent reference. Run under mpxrun -n 1, 2, 3.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
+from typing_extensions import assert_type
 
 from mpx.collectives import (
     Handle,
@@ -39,7 +42,13 @@ DTYPES = [
 ]
 SIZES = [0, 1, 7, 1000, (1 << 20) + 3]
 OPS = ["sum", "avg", "max", "min", "prod"]
-NP_REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
+NP_REDUCE: dict[str, Callable[..., np.ndarray]] = {
+    "sum": np.sum,
+    "avg": np.mean,
+    "max": np.max,
+    "min": np.min,
+    "prod": np.prod,
+}
 _INT_NP = {torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8}
 
 
@@ -57,12 +66,12 @@ def reference(inputs: list[torch.Tensor], op: str) -> np.ndarray:
     dtype = inputs[0].dtype
     if dtype.is_floating_point:
         stacked = np.stack([x.double().numpy() for x in inputs])
-        return NP_REDUCE[op](stacked, axis=0)  # type: ignore[no-any-return]
+        return NP_REDUCE[op](stacked, axis=0)
     # Integer reductions wrap around in the type itself, as MPI's do.
     stacked = np.stack([x.numpy() for x in inputs]).astype(_INT_NP[dtype])
     if op in ("sum", "prod"):
-        return NP_REDUCE[op](stacked, axis=0, dtype=_INT_NP[dtype])  # type: ignore[no-any-return]
-    return NP_REDUCE[op](stacked, axis=0)  # type: ignore[no-any-return]
+        return NP_REDUCE[op](stacked, axis=0, dtype=_INT_NP[dtype])
+    return NP_REDUCE[op](stacked, axis=0)
 
 
 def assert_matches(got: torch.Tensor, want: np.ndarray, dtype: torch.dtype, terms: int) -> None:
@@ -242,7 +251,10 @@ def test_send_recv_around_the_ring(dtype: torch.dtype, async_op: bool) -> None:
     sent = send(outgoing, right, tag=7, async_op=async_op)
     handle.wait(timeout=60)
     if async_op:
+        assert isinstance(sent, Handle)
         sent.wait(timeout=60)
+    else:
+        assert sent is None
     assert torch.equal(incoming, make(left, 1000, dtype))
 
 
@@ -251,3 +263,23 @@ def test_barrier_sync_and_async() -> None:
     handle = barrier(async_op=True)
     handle.wait(timeout=60)
     assert handle.done()
+
+
+def test_async_op_selects_the_result_type() -> None:
+    """The overloads' promise, checked twice: by mypy (lint) through assert_type, and here."""
+    comm = world()
+    t = torch.ones(4)
+    assert assert_type(allreduce(t), torch.Tensor) is t
+    handle = assert_type(allreduce(t, async_op=True), Handle[torch.Tensor])
+    assert isinstance(handle, Handle)
+    assert assert_type(handle.wait(timeout=60), torch.Tensor) is t
+    gathered = assert_type(allgather(t), torch.Tensor)
+    assert gathered.shape == (comm.size, 4)
+    either = assert_type(
+        broadcast(t, 0, async_op=comm.size > 0), torch.Tensor | Handle[torch.Tensor]
+    )
+    assert isinstance(either, Handle)
+    assert either.wait(timeout=60) is t
+    assert assert_type(barrier(), None) is None
+    done = assert_type(barrier(async_op=True), Handle[None])
+    assert done.wait(timeout=60) is None

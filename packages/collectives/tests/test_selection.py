@@ -6,27 +6,28 @@ import pytest
 import torch
 
 from mpx.collectives import allreduce, world
-from mpx.collectives.selection import choose
-from mpx.collectives.thresholds import small_bytes
+from mpx.collectives.policy import choose, small_bytes
+from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi
 
 
 def test_auto_by_size_on_one_node() -> None:
     comm = world()
-    small = torch.ones(small_bytes() // 4 - 1)
-    large = torch.ones(small_bytes() // 4)
-    assert choose("allreduce", small, comm, None)[0] == "mpi"
+    small, large = small_bytes() - 4, small_bytes()
+    assert choose("allreduce", False, small, comm).name == "mpi"
     want = "mpi" if comm.size == 1 else ("shm" if comm.single_node else "hier")
-    assert choose("allreduce", large, comm, None)[0] == want
+    assert choose("allreduce", False, large, comm).name == want
     # shm has no alltoall: it falls back to MPI's.
-    assert choose("alltoall", large, comm, "shm")[0] == "mpi"
+    assert choose("alltoall", False, large, comm, "shm").name == "mpi"
 
 
 def test_environment_variable_selects(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPX_COLLECTIVES_IMPL", "ring")
-    assert choose("allreduce", torch.ones(3), world(), None)[0] == "ring"
+    reload_settings()
+    assert choose("allreduce", False, 12, world()).name == "ring"
     monkeypatch.setenv("MPX_COLLECTIVES_IMPL", "fastest")
+    reload_settings()
     with pytest.raises(ValueError, match="'fastest'"):
         allreduce(torch.ones(3))
 

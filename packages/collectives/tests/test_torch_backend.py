@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,12 +16,14 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
-def groups() -> dict[str, dist.ProcessGroup]:
+def groups() -> Iterator[dict[str, dist.ProcessGroup]]:
     """The default group on mpx (env:// store) and a gloo group over the same ranks."""
     init_torch_env()
     init_process_group("env://")
     gloo = dist.new_group(backend="gloo")
-    yield {"mpx": dist.group.WORLD, "gloo": gloo}
+    default = dist.group.WORLD
+    assert default is not None
+    yield {"mpx": default, "gloo": gloo}
     dist.destroy_process_group()
 
 

@@ -27,7 +27,7 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
 }
 
 
-def _model(dtype: torch.dtype = torch.float64) -> nn.Module:
+def _model(dtype: torch.dtype = torch.float64) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
 
@@ -126,7 +126,8 @@ class _Branchy(nn.Module):
         self.never = nn.Linear(4, 2).double()
 
     def forward(self, x: torch.Tensor, which: int) -> torch.Tensor:
-        return self.branch[which](self.trunk(x))  # type: ignore[no-any-return]
+        out: torch.Tensor = self.branch[which](self.trunk(x))
+        return out
 
 
 def test_unused_parameters_do_not_deadlock_and_match_ddp_semantics() -> None:
@@ -199,7 +200,8 @@ def test_lbfgs_closure() -> None:
     size = dp.world_size()
     x, y = _batch(0, size)
     reference, model = _model(), _model()
-    ref_opt = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=4)
+    # As an Optimizer: LBFGS's own step() is unannotated, the base class's is typed.
+    ref_opt: torch.optim.Optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=4)
     opt = dp.DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), model)
 
     def ref_closure() -> float:

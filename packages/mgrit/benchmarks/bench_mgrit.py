@@ -224,7 +224,7 @@ def _speedup_model(rows: dict[int, tuple[float, float, float]]) -> None:
     t_msg = rows[2][2]
     work = t_lp1 / t_serial
     solves = FWD_ITERS + BWD_ITERS + 1
-    serial_part = min(work, solves * (STEPS / 2 ** (LEVELS - 1)) / STEPS)
+    serial_part: float = min(work, solves * (STEPS / 2 ** (LEVELS - 1)) / STEPS)
     messages = 2 * LEVELS * solves
     print(
         f"\nSpeed-up model (not measured beyond 3 ranks): T(P) = (w - s)·T_serial/P + "

@@ -60,6 +60,8 @@ def test_few_iterations_are_close_and_gradients_agree_across_ranks() -> None:
     grads = [p.grad for p in gru.cell.parameters()]
     for other in world().mpi.allgather(grads):
         for a, b in zip(grads, other, strict=True):
+            assert a is not None
+            assert b is not None
             assert torch.equal(a, b)
 
 

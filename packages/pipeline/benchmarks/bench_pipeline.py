@@ -31,6 +31,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the functions that run under mpxrun import torch
+    from torch import nn
 
 WIDTH, DEPTH = 768, 8
 # 2048 rows: 8 micro-batches of 256. Smaller micro-batches run the GEMMs of a
@@ -41,7 +45,7 @@ REPEATS = 8
 STEPS = 3  # consecutive steps per sample: a barrier between steps would flush async
 
 
-def build() -> object:
+def build() -> nn.Sequential:
     import torch
     from torch import nn
 
@@ -67,7 +71,7 @@ def micro_batch_efficiency(
 
     out: list[tuple[int, float, float]] = []
     per_stage = 2 * DEPTH // stages
-    whole, stage = build(), nn.Sequential(*list(build())[:per_stage])  # type: ignore[call-overload]
+    whole, stage = build(), nn.Sequential(*list(build())[:per_stage])
     for batch in EFFICIENCY_BATCHES:
         polite_barrier()
         if rank != 0:
@@ -76,7 +80,7 @@ def micro_batch_efficiency(
         x, y = torch.randn(batch, WIDTH, generator=gen), torch.randn(batch, WIDTH, generator=gen)
         times = []
         for model, chunks in ((whole, 1), (stage, 8)):
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # type: ignore[attr-defined]
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             samples = []
             for repeat in range(6):
                 start = time.perf_counter()
@@ -85,7 +89,7 @@ def micro_batch_efficiency(
                     # The stage's input needs a gradient (the last stage's
                     # does: the slower of the two, which sets the pace).
                     feed = xs.requires_grad_(chunks > 1)
-                    nn.functional.mse_loss(model(feed), ys).backward()  # type: ignore[operator]
+                    nn.functional.mse_loss(model(feed), ys).backward()
                 opt.step()
                 if repeat:
                     samples.append(time.perf_counter() - start)
@@ -128,20 +132,22 @@ def measure() -> None:
 
     # Every configuration first, then the repeats round-robin over them, so
     # that a change in the machine's load hits all of them alike.
-    configs: list[tuple[str, int | None, Callable[[], object], Callable[[], float] | None]] = []
+    # Callable[..., ...]: the lambdas bind loop variables as defaults (pipe=pipe),
+    # which mypy cannot fit to a Callable[[], ...].
+    configs: list[tuple[str, int | None, Callable[..., object], Callable[..., float] | None]] = []
 
     serial = build()  # the whole model in one process; the other rank waits
-    opt = torch.optim.SGD(serial.parameters(), lr=1e-3)  # type: ignore[attr-defined]
+    opt = torch.optim.SGD(serial.parameters(), lr=1e-3)
 
     def serial_step() -> None:
         if rank == 0:
             opt.zero_grad()
-            loss_fn(serial(x), y).backward()  # type: ignore[operator]
+            loss_fn(serial(x), y).backward()
             opt.step()
 
     configs.append(("single process (whole model)", None, serial_step, None))
     pipes = []
-    for schedule, m, every in [
+    for schedule, chunks, every in [
         ("sequential", 1, 1),
         ("gpipe", 1, 1),
         ("gpipe", 4, 1),
@@ -150,15 +156,15 @@ def measure() -> None:
         ("async", 8, 1),
         ("async", 8, 8),
     ]:
-        opts = {"step_every": every} if schedule == "async" else {}
-        pipe = Pipeline(build(), half, chunks=m, schedule=schedule, **opts)  # type: ignore[arg-type]
+        opts: dict[str, Any] = {"step_every": every} if schedule == "async" else {}
+        pipe = Pipeline(build(), half, chunks=chunks, schedule=schedule, **opts)
         popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         pipes.append((pipe, popt))
         label = f"mpx {schedule}" + (f" step_every={every}" if schedule == "async" else "")
         configs.append(
             (
                 label,
-                m,
+                chunks,
                 lambda pipe=pipe, popt=popt: pipe.step(x, y, loss_fn, popt),
                 lambda pipe=pipe: pipe.busy_seconds,
             )
@@ -169,23 +175,26 @@ def measure() -> None:
     torch_rows: dict[str, str] = {}
     try:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
         for name, cls in [("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)]:
             full = build()
             start_layer = sum(half[:rank])
-            sub = nn.Sequential(*list(full)[start_layer : start_layer + half[rank]])  # type: ignore[call-overload]
+            sub = nn.Sequential(*list(full)[start_layer : start_layer + half[rank]])
             stage = PipelineStage(sub, rank, p, torch.device("cpu"))
             sched = cls(stage, n_microbatches=8, loss_fn=loss_fn)
             topt = torch.optim.SGD(sub.parameters(), lr=1e-3)
 
-            def torch_step(sched: object = sched, topt: torch.optim.Optimizer = topt) -> None:
+            def torch_step(
+                sched: PipelineScheduleSingle = sched, topt: torch.optim.Optimizer = topt
+            ) -> None:
                 topt.zero_grad()
                 if rank == 0:
-                    sched.step(x)  # type: ignore[attr-defined]
+                    sched.step(x)
                 elif rank == p - 1:
-                    sched.step(target=y)  # type: ignore[attr-defined]
+                    sched.step(target=y)
                 else:
-                    sched.step()  # type: ignore[attr-defined]
+                    sched.step()
                 topt.step()
 
             torch_step()  # a first step: torch's stages exchange shapes here

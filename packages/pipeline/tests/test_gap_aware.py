@@ -21,6 +21,7 @@ def test_sgd_penalty_by_hand() -> None:
     # A = 0.001 * u^2 = [0.004, 0.016]; bias-corrected: A / (1 - 0.999) = [4, 16]
     c = [0.5 * (math.sqrt(4.0) + 1e-8), 0.5 * (math.sqrt(16.0) + 1e-8)]
     phi = ga.penalty(p, used)
+    assert isinstance(phi, torch.Tensor)  # per element, now that there are statistics
     expected = torch.tensor(
         [1 + abs(0.0 - 0.5) / c[0], 1 + abs(4.0 - 2.0) / c[1]], dtype=torch.float64
     )
@@ -52,7 +53,7 @@ def test_adam_scale_is_the_rms_of_applied_steps() -> None:
     p = torch.nn.Parameter(torch.tensor([1.0, -1.0], dtype=torch.float64))
     opt = torch.optim.Adam([p], lr=0.01)
     ga = GapAware(opt)
-    before = {p: p.detach().clone()}
+    before: dict[torch.Tensor, torch.Tensor] = {p: p.detach().clone()}
     p.grad = torch.tensor([1.0, 2.0], dtype=torch.float64)
     opt.step()
     ga.after_step(opt, before)

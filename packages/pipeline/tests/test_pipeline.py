@@ -288,6 +288,7 @@ def test_batch_size_may_change_between_calls(schedule: str) -> None:
         for index, layer in pipe.local_layers().items():
             for (name, p), q in zip(layer.named_parameters(), ref[index].parameters(), strict=True):
                 assert p.grad is not None
+                assert q.grad is not None
                 torch.testing.assert_close(p.grad, q.grad / 2, rtol=0, atol=TOL, msg=name)
     out = pipe(torch.zeros(6, D, dtype=torch.float64))
     assert (out is not None) == pipe.last

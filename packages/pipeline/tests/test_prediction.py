@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,11 +15,13 @@ from mpx.pipeline.prediction import future_lrs, predict
 TOL = 1e-12
 
 
-def warmed(make: object, steps: int = 3) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+def warmed(
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], steps: int = 3
+) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
     """A parameter and its optimizer after a few steps on random gradients."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
-    opt = make([p])  # type: ignore[operator]
+    opt = make([p])
     for _ in range(steps):
         p.grad = torch.randn_like(p)
         opt.step()
@@ -31,12 +34,12 @@ def run_ahead(
     opt: torch.optim.Optimizer,
     d: int,
     first_grad: torch.Tensor | None = None,
-    scheduler: object = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> torch.Tensor:
     """Runs copies of the optimizer (and scheduler) ``d`` steps: first_grad, then zeros."""
     # One deepcopy of both keeps the scheduler attached to the twin optimizer.
     twin, twin_sched = copy.deepcopy((opt, scheduler))
-    twin_p = twin.param_groups[0]["params"][0]
+    twin_p: torch.Tensor = twin.param_groups[0]["params"][0]
     for s in range(d):
         twin_p.grad = (
             first_grad.clone() if (s == 0 and first_grad is not None) else torch.zeros_like(p)
@@ -45,7 +48,7 @@ def run_ahead(
         if twin_sched is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # deepcopy unwraps optimizer.step
-                twin_sched.step()  # type: ignore[attr-defined]
+                twin_sched.step()
     return twin_p.detach()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -99,6 +101,7 @@ def serial_reference(
             grad = inp.grad
             new = {k: v.clone() for k, v in history[s][j].items()}
             for name, prm in stages[s].named_parameters():
+                assert prm.grad is not None
                 new[name] -= LR * prm.grad
             history[s].append(new)
     return [h[-1] for h in history]
@@ -131,6 +134,7 @@ def test_async_equals_the_serial_pipedream_reference(stashing: bool, recompute: 
         torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-10)
     # The staleness of backward j is min(j, depth): depth in steady state.
     depth = comm.size - 1 - comm.rank
+    assert pipe._stale is not None
     stale = pipe._stale.staleness
     assert stale == [min(j, depth) for j in range(calls * chunks)]
     if comm.size > 1 and not stashing and recompute:
@@ -237,7 +241,7 @@ def test_stashing_backward_sees_the_forward_weights() -> None:
         assert results[False] == [j == 0 or depth == 0 for j in range(8)]
 
 
-OPTIMIZERS = {
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=1e-3),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
@@ -290,7 +294,7 @@ def test_async_options_are_checked() -> None:
         Pipeline(model, balance, schedule="async", checkpoint="always")
 
 
-def digits_accuracy(schedule: str, **options: object) -> float:
+def digits_accuracy(schedule: str, **options: Any) -> float:
     """Trains a small MLP on digits with ``schedule``; test accuracy (on every rank)."""
     from sklearn.datasets import load_digits
 
@@ -306,7 +310,7 @@ def digits_accuracy(schedule: str, **options: object) -> float:
     layers.append(nn.Linear(48, 10))
     balance = [2] * comm.size
     balance[-1] += 1
-    pipe = Pipeline(nn.Sequential(*layers), balance, chunks=4, schedule=schedule, **options)  # type: ignore[arg-type]
+    pipe = Pipeline(nn.Sequential(*layers), balance, chunks=4, schedule=schedule, **options)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
     for _ in range(8):

@@ -115,8 +115,8 @@ def test_register_model_records_names() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     mq.register_model(model)
     assert registry.order == [("0.weight", 12), ("0.bias", 4), ("1.weight", 4), ("1.bias", 4)]
-    assert registry.name_of(model[0].weight) == "0.weight"
+    assert registry.name_of(model[0].get_parameter("weight")) == "0.weight"
     state = mq.QuantizeState(CompressionConfig(), comm=None, model=None)
-    assert state.name_of(model[1].bias) == "1.bias"
+    assert state.name_of(model[1].get_parameter("bias")) == "1.bias"
     mq.register_model([("extra", 10)])
     assert registry.order[-1] == ("extra", 10)

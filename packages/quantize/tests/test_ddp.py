@@ -23,7 +23,9 @@ def groups() -> Iterator[dict[str, dist.ProcessGroup]]:
     init_torch_env()
     init_process_group("env://")
     gloo = dist.new_group(backend="gloo")
-    yield {"mpx": dist.group.WORLD, "gloo": gloo}
+    default = dist.group.WORLD
+    assert default is not None
+    yield {"mpx": default, "gloo": gloo}
     dist.destroy_process_group()
 
 

@@ -318,7 +318,7 @@ def test_cuda_kernel_is_bit_identical_to_cpu_and_reference(stochastic: bool) -> 
 @pytest.mark.gpu
 def test_cuda_kernel_runs_on_the_current_stream() -> None:
     x = torch.randn(1 << 20, device="cuda")
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
     with torch.cuda.stream(stream):
         q = mq.quantize(x, 4, 512, stochastic=False)
         y = mq.dequantize(q)

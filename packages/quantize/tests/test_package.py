@@ -9,7 +9,7 @@ from importlib import metadata
 import mpx.quantize
 
 # The mpx packages this layer may require (extras excluded): DESIGN.md's layers.
-ALLOWED_MPX_DEPENDENCIES: set[str] = set()
+ALLOWED_MPX_DEPENDENCIES: set[str] = {"mpx-launch"}  # dependency-free: the settings table
 
 
 def _hard_requirements() -> list[str]:

@@ -16,6 +16,8 @@ from mpx.collectives.errors import (
     CommunicatorBroken,
     MismatchError,
     MPXError,
+    MPXTypeError,
+    MPXValueError,
     RemoteError,
 )
 from mpx.collectives.handle import Handle
@@ -31,7 +33,7 @@ from mpx.collectives.ops import (
     reduce_scatter,
     send,
 )
-from mpx.collectives.selection import IMPLEMENTATIONS
+from mpx.collectives.policy import IMPLEMENTATIONS
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.torch_backend import init_process_group, register_torch_backend
 
@@ -42,6 +44,8 @@ __all__ = [
     "CommunicatorBroken",
     "Handle",
     "MPXError",
+    "MPXTypeError",
+    "MPXValueError",
     "MismatchError",
     "RemoteError",
     "__version__",

@@ -12,13 +12,17 @@ from typing import Any
 
 import torch
 
+from mpx.collectives.errors import MPXValueError
+
 __all__ = ["export_cuda_storage", "open_cuda_storage"]
 
 
 def export_cuda_storage(t: torch.Tensor) -> tuple[Any, ...]:
     """A picklable handle for the CUDA memory of ``t`` (whole storage, offset 0)."""
     if not t.is_cuda:
-        raise ValueError(f"CUDA IPC needs a CUDA tensor, got one on {t.device}")
+        raise MPXValueError(
+            f"CUDA IPC needs a CUDA tensor, got one on {t.device}; move it with .cuda()"
+        )
     storage: Any = t.untyped_storage()
     return tuple(storage._share_cuda_())
 

@@ -47,9 +47,9 @@ from __future__ import annotations
 from mpx.collectives import progress
 from mpx.collectives.communicator import usable_cores
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.policy import small_bytes
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
-from mpx.collectives.thresholds import small_bytes
 
 __all__ = [
     "HEADER_LEN",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.errors import MPXTypeError, MPXValueError
 
 __all__ = ["check_rank", "check_tensor"]
 
@@ -12,17 +13,23 @@ __all__ = ["check_rank", "check_tensor"]
 def check_tensor(t: object, op: str, name: str = "tensor") -> torch.Tensor:
     """Raises TypeError/ValueError for input no implementation can take."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise MPXTypeError(
+            f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}; "
+            "convert it with torch.as_tensor(...)"
+        )
     if t.dtype not in SUPPORTED_DTYPES:
         supported = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-        raise TypeError(
+        raise MPXTypeError(
             f"{op}: dtype {t.dtype} is not supported (supported: {supported}); "
             f"convert with {name}.to(torch.float32) or view its bytes as torch.uint8"
         )
     if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{op}: {name} is on device {t.device}; mpx supports cpu and cuda tensors")
+        raise MPXValueError(
+            f"{op}: {name} is on device {t.device}; mpx supports cpu and cuda tensors: "
+            f"move it with {name}.cpu() or {name}.cuda()"
+        )
     if not t.is_contiguous():
-        raise ValueError(
+        raise MPXValueError(
             f"{op}: {name} of shape {tuple(t.shape)} is not contiguous (strides {t.stride()}); "
             f"operate on c = {name}.contiguous() and copy the result back with {name}.copy_(c)"
         )
@@ -31,5 +38,5 @@ def check_tensor(t: object, op: str, name: str = "tensor") -> torch.Tensor:
 
 def check_rank(value: int, size: int, what: str, op: str) -> int:
     if not isinstance(value, int) or not 0 <= value < size:
-        raise ValueError(f"{op}: {what} must be a rank in [0, {size}), got {value!r}")
+        raise MPXValueError(f"{op}: {what} must be a rank in [0, {size}), got {value!r}")
     return value

@@ -26,12 +26,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpx.collectives import progress
+from mpx.collectives import progress, settings
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.collectives.errors import CommunicatorBroken, MismatchError, RemoteError
+from mpx.collectives.errors import CommunicatorBroken, MismatchError, MPXValueError, RemoteError
 from mpx.collectives.exchange import gather_bytes, summarize
 from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
-from mpx.collectives.settings import read
+from mpx.collectives.policy import ChoiceCache
+from mpx.collectives.policy import current as current_policy
 
 __all__ = ["Communicator", "check_enabled", "default_timeout", "usable_cores", "world"]
 
@@ -58,21 +59,12 @@ def usable_cores() -> int:
 
 def default_timeout() -> float | None:
     """``MPX_TIMEOUT`` in seconds, or None (no limit)."""
-    text = os.environ.get("MPX_TIMEOUT", "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"MPX_TIMEOUT={text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"MPX_TIMEOUT={text!r} must be positive")
-    return value
+    return settings.TIMEOUT.get()
 
 
 def check_enabled() -> bool:
-    """Whether ``MPX_CHECK=1`` asks for cross-rank argument checks."""
-    return read("MPX_CHECK", "0") not in ("", "0", "false", "False")
+    """Whether ``MPX_CHECK=1`` asks for cross-rank argument checks (the policy's ``check``)."""
+    return current_policy().check
 
 
 class Communicator:
@@ -113,8 +105,21 @@ class Communicator:
         buffer, _ = self._board_win.Shared_query(0)
         self._board = np.ndarray((self.node_size,), dtype=np.int64, buffer=cast(Any, buffer))
         self._board[self.node_rank] = 0
-        # How many nodes the group spans (computed here: it is collective).
-        self.num_nodes: int = int(mpi_comm.allreduce(1 if self.node_rank == 0 else 0))
+        # How many nodes the group spans, and whether every rank follows the
+        # same policy (ranks that chose differently would deadlock or mix
+        # algorithms): one collective, here, since creation is collective.
+        mine = (1 if self.node_rank == 0 else 0, current_policy().fingerprint())
+        every = mpi_comm.allgather(mine)
+        self.num_nodes: int = sum(leader for leader, _ in every)
+        differ = [r for r, (_, fp) in enumerate(every) if fp != every[0][1]]
+        if differ:
+            raise MismatchError(
+                f"ranks {differ} run a different collectives policy from rank 0 (settings "
+                "MPX_AUTO_SMALL_BYTES, MPX_CUDA_AWARE, MPX_COLLECTIVES_IMPL, MPX_CHECK or the "
+                "tuned policy file differ); give every rank the same environment and file"
+            )
+        # Decisions of the policy for this communicator (mpx.collectives.policy.choose).
+        self.choices = ChoiceCache()
         self._seq = 0
         # Collectives run one at a time, in the same order on every rank (the
         # FIFO queue); their point-to-point traffic (ring) goes on a private
@@ -125,7 +130,7 @@ class Communicator:
         self._broken: str | None = None
         self.background_progress = True
         self._cache: dict[str, Any] = {}
-        self.hierarchy = Hierarchy.build(self) if self.num_nodes > 1 else None
+        self.hierarchy: Hierarchy | None = Hierarchy.build(self) if self.num_nodes > 1 else None
         self._node_comm.Barrier()
 
     # -- construction ---------------------------------------------------------
@@ -134,7 +139,7 @@ class Communicator:
     def from_mpi(cls, comm: MPI.Intracomm, timeout: float | None = None) -> Communicator:
         """Wraps (a duplicate of) an mpi4py communicator. Collective."""
         if comm == MPI.COMM_NULL:
-            raise ValueError(
+            raise MPXValueError(
                 "from_mpi got MPI.COMM_NULL; only members of a communicator may wrap it"
             )
         return cls(comm.Dup(), timeout)
@@ -147,7 +152,7 @@ class Communicator:
             key: order within the new group; this rank's rank by default.
         """
         if color is not None and color < 0:
-            raise ValueError(f"color must be >= 0 or None, got {color}")
+            raise MPXValueError(f"color must be >= 0 or None, got {color}")
         new = self.mpi.Split(
             MPI.UNDEFINED if color is None else color, self.rank if key is None else key
         )
@@ -433,15 +438,9 @@ def _split_node(mpi_comm: MPI.Intracomm, rank: int) -> MPI.Intracomm:
     algorithms can then be tested on one machine.
     """
     shared = MPI.Intracomm(mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
-    text = os.environ.get("MPX_RANKS_PER_NODE", "").strip()
-    if not text:
+    per_node = settings.RANKS_PER_NODE.get()
+    if per_node is None:
         return shared
-    try:
-        per_node = int(text)
-    except ValueError:
-        per_node = 0
-    if per_node < 1:
-        raise ValueError(f"MPX_RANKS_PER_NODE={text!r} must be a positive integer")
     fake = MPI.Intracomm(shared.Split(MPI.COMM_WORLD.Get_rank() // per_node, rank))
     shared.Free()
     return fake

@@ -23,6 +23,8 @@ import functools
 import numpy as np
 import torch
 
+from mpx.collectives.errors import MPXTypeError, MPXValueError
+
 __all__ = [
     "REDUCE_OPS",
     "SUPPORTED_DTYPES",
@@ -89,9 +91,9 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_op_for_dtype(op: str, dtype: torch.dtype) -> None:
     """Raises for a reduction that has no meaning for the dtype."""
     if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}, got {op!r}")
+        raise MPXValueError(f"op must be one of {', '.join(REDUCE_OPS)}, got {op!r}")
     if op == "avg" and not dtype.is_floating_point:
-        raise TypeError(
+        raise MPXTypeError(
             f"op='avg' needs a floating dtype, got {dtype}; use op='sum' and divide, "
             "or convert with t.to(torch.float32)"
         )

@@ -1,15 +1,56 @@
-"""The errors mpx-collectives raises; all derive from :class:`MPXError`."""
+"""The errors mpx-collectives raises; all derive from :class:`MPXError`.
+
+:class:`MPXError` is the root of every mpx package's errors; it is defined in
+mpx-launch, the dependency-free bottom layer, and re-exported here: mpx-launch's
+``LaunchError``, and the bases of mpx-quantize, mpx-mgrit, mpx-pipeline and
+mpx-dataparallel all derive from it. A bad argument raises
+:class:`MPXValueError` or :class:`MPXTypeError`, which are also the builtin
+``ValueError`` / ``TypeError``, so ``except ValueError`` keeps working.
+
+Example::
+
+    try:
+        allreduce(t, op="mean")
+    except MPXError as error:      # also a ValueError
+        print(error)               # op must be one of sum, avg, ..., got 'mean'
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["CollectiveTimeout", "CommunicatorBroken", "MPXError", "MismatchError", "RemoteError"]
+from mpx.launch.errors import MPXError
+
+__all__ = [
+    "CollectiveTimeout",
+    "CommunicatorBroken",
+    "MPXError",
+    "MPXTypeError",
+    "MPXValueError",
+    "MismatchError",
+    "RemoteError",
+]
 
 
-class MPXError(Exception):
-    """Base class of every error raised by ``mpx.collectives``."""
+class MPXValueError(MPXError, ValueError):
+    """An argument has the right type but a bad value; the message names it and the fix.
+
+    Example::
+
+        with pytest.raises(ValueError, match="root must be a rank"):
+            broadcast(t, root=5)           # on 2 ranks
+    """
+
+
+class MPXTypeError(MPXError, TypeError):
+    """An argument has the wrong type or dtype; the message names it and the fix.
+
+    Example::
+
+        with pytest.raises(TypeError, match="must be a torch.Tensor"):
+            allreduce([1.0, 2.0])
+    """
 
 
 class CollectiveTimeout(MPXError, TimeoutError):

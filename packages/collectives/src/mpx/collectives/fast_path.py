@@ -9,7 +9,8 @@ that one MPI call anyway takes this path instead::
       blocking, no timeout=, no MPX_CHECK          no --> general path
       plain contiguous CPU tensor, MPI dtype,      no --> general path
         not requiring grad, not empty
-      impl "mpi", or "auto" below MPX_AUTO_SMALL_BYTES
+      the policy chooses "mpi" for it              no --> general path
+        (policy.choose: the same decision, cached)
       communicator: no deadline, nothing queued    no --> general path
       --> MPI_Iallreduce / MPI_Ibcast on the tensor's memory, wait
 
@@ -25,11 +26,10 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from mpx.collectives.communicator import Communicator, check_enabled, world
+from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.impl_mpi import MPI_OPS
-from mpx.collectives.settings import read
-from mpx.collectives.thresholds import small_bytes
+from mpx.collectives.policy import choose, current
 
 __all__ = ["allreduce", "broadcast"]
 
@@ -61,14 +61,10 @@ def _spec(t: object) -> list[object] | None:
     return [MPI.buffer.fromaddress(t.data_ptr(), nbytes), kind]
 
 
-def _eligible(comm: Communicator, nbytes: int, impl: str | None) -> bool:
-    name = impl or read("MPX_COLLECTIVES_IMPL", "auto") or "auto"
-    if name == "auto":
-        if comm.size > 1 and nbytes >= small_bytes():
-            return False
-    elif name != "mpi":
+def _eligible(op: str, comm: Communicator, nbytes: int, impl: str | None) -> bool:
+    if current().check:
         return False
-    return not check_enabled()
+    return choose(op, False, nbytes, comm, impl).name == "mpi"
 
 
 def allreduce(t: torch.Tensor, op: str, comm: Communicator | None, impl: str | None) -> bool:
@@ -78,7 +74,7 @@ def allreduce(t: torch.Tensor, op: str, comm: Communicator | None, impl: str | N
     if mpi_op is None or spec is None or (op == "avg" and not t.is_floating_point()):
         return False
     comm = world() if comm is None else comm
-    if not _eligible(comm, t.nbytes, impl):
+    if not _eligible("allreduce", comm, t.nbytes, impl):
         return False
     if not comm.run_now(lambda: comm.mpi.Iallreduce(MPI.IN_PLACE, spec, op=mpi_op)):
         return False
@@ -93,6 +89,6 @@ def broadcast(t: torch.Tensor, root: int, comm: Communicator | None, impl: str |
     if spec is None or type(root) is not int:
         return False
     comm = world() if comm is None else comm
-    if not 0 <= root < comm.size or not _eligible(comm, t.nbytes, impl):
+    if not 0 <= root < comm.size or not _eligible("broadcast", comm, t.nbytes, impl):
         return False
     return comm.run_now(lambda: comm.mpi.Ibcast(spec, root=root))

@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import torch
 
-from mpx.collectives import impl_mpi, impl_ring, impl_shm
+from mpx.collectives import impl_mpi, impl_shm
 from mpx.collectives.communicator import Communicator, Hierarchy
 from mpx.collectives.dtypes import accumulation_dtype
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Steps
 from mpx.collectives.impl_shm import Workspace, slotted_allreduce
-from mpx.collectives.thresholds import small_bytes
+from mpx.collectives.policy import choose
 
 __all__ = ["allreduce", "broadcast"]
 
 
 def _hierarchy(comm: Communicator, op: str) -> Hierarchy:
     if comm.hierarchy is None:
-        raise ValueError(
+        raise MPXValueError(
             f"{op}: impl='hier' needs a communicator spanning several nodes with more than one "
             f"rank on some node (this one: {comm.num_nodes} node(s), {comm.node_size} rank(s) "
             "here); use impl='shm', 'ring' or 'auto'"
@@ -48,9 +49,9 @@ def _hierarchy(comm: Communicator, op: str) -> Hierarchy:
 def _across(lane: Communicator, x: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     """Allreduce of ``x`` across nodes, in place (``avg`` is summed here, divided later)."""
     reduce_op = "sum" if op == "avg" else op
-    if x.numel() * x.element_size() >= small_bytes():
-        return impl_ring.allreduce(lane, x, reduce_op)
-    return impl_mpi.allreduce(lane, x, reduce_op)
+    module = choose("allreduce", False, x.numel() * x.element_size(), lane).module
+    steps: Steps[torch.Tensor] = module.allreduce(lane, x, reduce_op)
+    return steps
 
 
 def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
@@ -101,8 +102,9 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
         return (yield from impl_mpi.broadcast(comm, t, root))
     root_node_rank, root_in_lane = hier.lane_position(root)
     if hier.node.rank == root_node_rank:
-        impl = impl_ring if t.numel() * t.element_size() >= small_bytes() else impl_mpi
-        yield from impl.broadcast(hier.lanes, t, root_in_lane)
+        lanes = hier.lanes
+        impl = choose("broadcast", False, t.numel() * t.element_size(), lanes).module
+        yield from impl.broadcast(lanes, t, root_in_lane)
     if hier.node.size > 1:
         yield from impl_shm.broadcast(hier.node, t, root_node_rank)
     return t

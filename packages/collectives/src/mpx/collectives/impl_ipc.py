@@ -19,12 +19,12 @@ the device by local rank, or put several ranks on one GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mpx.collectives import settings
 from mpx.collectives._torch_private import export_cuda_storage, open_cuda_storage
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Requests, Steps
 from mpx.collectives.impl_shm import slotted_allreduce, slotted_broadcast
 
@@ -34,8 +34,7 @@ _ALIGN = 256
 
 
 def _slot_bytes() -> int:
-    mib = float(os.environ.get("MPX_IPC_SLOT_MB", "16"))
-    return max(_ALIGN, int(mib * (1 << 20)) // _ALIGN * _ALIGN)
+    return settings.IPC_SLOT.get() // _ALIGN * _ALIGN
 
 
 class IpcWorkspace:
@@ -94,9 +93,12 @@ class IpcWorkspace:
 
 def _check(comm: Communicator, t: torch.Tensor, op: str) -> None:
     if not t.is_cuda:
-        raise ValueError(f"{op}: impl='ipc' takes CUDA tensors, got one on {t.device}")
+        raise MPXValueError(
+            f"{op}: impl='ipc' takes CUDA tensors, got one on {t.device}; "
+            "use impl='auto' for other tensors"
+        )
     if not comm.single_node:
-        raise ValueError(
+        raise MPXValueError(
             f"{op}: impl='ipc' needs every rank on one node, but this communicator spans "
             f"{comm.num_nodes} nodes; use impl='staged' or 'auto'"
         )

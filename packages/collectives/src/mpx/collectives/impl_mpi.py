@@ -12,7 +12,6 @@ the user declares the MPI CUDA-aware (``MPX_CUDA_AWARE=1``); otherwise the
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from mpi4py import MPI
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.dtypes import mpi_reduces, numpy_view, wire_view
 from mpx.collectives.handle import Requests, Steps
+from mpx.collectives.policy import current
 
 __all__ = [
     "MPI_OPS",
@@ -40,8 +40,8 @@ MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod
 
 
 def cuda_aware() -> bool:
-    """Whether CUDA buffers may be given to MPI (``MPX_CUDA_AWARE=1``)."""
-    return os.environ.get("MPX_CUDA_AWARE", "0") == "1"
+    """Whether CUDA buffers may be given to MPI (``MPX_CUDA_AWARE=1``, in the policy)."""
+    return current().cuda_aware
 
 
 def _buf(t: torch.Tensor) -> Any:

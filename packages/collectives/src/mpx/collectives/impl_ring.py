@@ -21,11 +21,10 @@ collectives started, so they never meet the user's own send/recv.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from mpi4py import MPI
 
+from mpx.collectives import settings
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.dtypes import numpy_view
 from mpx.collectives.handle import Requests, Steps
@@ -38,7 +37,7 @@ _TAG_RANGE = 32767  # MPI guarantees at least this tag upper bound
 
 def chunk_bytes() -> int:
     """Bytes per in-flight chunk (``MPX_RING_CHUNK_BYTES``, default 1 MiB)."""
-    return max(4096, int(os.environ.get("MPX_RING_CHUNK_BYTES", str(1 << 20))))
+    return settings.RING_CHUNK.get()
 
 
 def _tag(comm: Communicator) -> int:

@@ -31,7 +31,6 @@ its result out.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpx.collectives import settings
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.dtypes import accumulation_dtype
 from mpx.collectives.handle import Pending, Requests, Steps
@@ -62,9 +62,7 @@ _ALIGN = 64
 
 def slot_bytes() -> int:
     """Bytes per slot (``MPX_SHM_SLOT_MB``, default 16 MiB)."""
-    return (
-        max(1, int(float(os.environ.get("MPX_SHM_SLOT_MB", "16")) * (1 << 20))) // _ALIGN * _ALIGN
-    )
+    return settings.SHM_SLOT.get() // _ALIGN * _ALIGN
 
 
 class Workspace:

@@ -22,16 +22,15 @@ pinned copy of the whole tensor, then MPI.
 
 from __future__ import annotations
 
-import os
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from mpx.collectives import impl_hier, impl_mpi, impl_ring, impl_shm
+from mpx.collectives import impl_mpi, settings
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Pending, Steps
-from mpx.collectives.thresholds import small_bytes
+from mpx.collectives.policy import Implementation, choose
 
 __all__ = [
     "CudaEvent",
@@ -49,7 +48,7 @@ __all__ = [
 
 def chunk_bytes() -> int:
     """Bytes per staged chunk (``MPX_STAGED_CHUNK_MB``, default 4 MiB)."""
-    return max(1 << 12, int(float(os.environ.get("MPX_STAGED_CHUNK_MB", "4")) * (1 << 20)))
+    return settings.STAGED_CHUNK.get()
 
 
 class CudaEvent(Pending):
@@ -65,12 +64,9 @@ class CudaEvent(Pending):
         self.event.synchronize()
 
 
-def _host_impl(comm: Communicator, nbytes: int) -> ModuleType:
-    if comm.size == 1 or nbytes < small_bytes():
-        return impl_mpi
-    if comm.single_node:
-        return impl_shm
-    return impl_hier if comm.hierarchy is not None else impl_ring
+def _host_impl(op: str, comm: Communicator, nbytes: int) -> Implementation:
+    """The host algorithm for one staged chunk: what the policy picks for a CPU tensor."""
+    return choose(op, False, nbytes, comm).module
 
 
 class _Stager:
@@ -96,7 +92,10 @@ class _Stager:
 
 def _check_cuda(t: torch.Tensor, op: str) -> None:
     if not t.is_cuda:
-        raise ValueError(f"{op}: impl='staged' takes CUDA tensors, got one on {t.device}")
+        raise MPXValueError(
+            f"{op}: impl='staged' takes CUDA tensors, got one on {t.device}; "
+            "use impl='auto' for other tensors"
+        )
 
 
 def _chunked(
@@ -148,7 +147,7 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tenso
     _check_cuda(t, "allreduce")
     if comm.size == 1 or t.numel() == 0:
         return t.div_(1) if op == "avg" else t
-    impl = _host_impl(comm, min(t.numel() * t.element_size(), chunk_bytes()))
+    impl = _host_impl("allreduce", comm, min(t.numel() * t.element_size(), chunk_bytes()))
     return (yield from _chunked(comm, t, lambda h: impl.allreduce(comm, h, op), True, True))
 
 
@@ -156,7 +155,7 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
     _check_cuda(t, "broadcast")
     if comm.size == 1 or t.numel() == 0:
         return t
-    impl = _host_impl(comm, min(t.numel() * t.element_size(), chunk_bytes()))
+    impl = _host_impl("broadcast", comm, min(t.numel() * t.element_size(), chunk_bytes()))
     is_root = comm.rank == root
     return (
         yield from _chunked(

@@ -12,15 +12,18 @@ across the ranks and raises :class:`MismatchError` on all of them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import torch
 
-from mpx.collectives import fast_path, impl_mpi
+from mpx.collectives import fast_path
 from mpx.collectives.checks import check_rank, check_tensor
-from mpx.collectives.communicator import Communicator, check_enabled, world
+from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.dtypes import check_op_for_dtype
-from mpx.collectives.selection import choose
+from mpx.collectives.errors import MPXValueError
+from mpx.collectives.handle import Handle
+from mpx.collectives.policy import choose
+from mpx.collectives.policy import current as current_policy
 
 __all__ = [
     "allgather",
@@ -66,18 +69,50 @@ def _run(
     root: int = -1,
 ) -> Any:
     comm = world() if comm is None else comm
-    name, module = choose(op, t, comm, impl)
-    if t is not None:
-        _payload[0] += t.numel() * t.element_size()
-    if check_enabled():
+    nbytes = 0 if t is None else t.numel() * t.element_size()
+    # The one decision of this call: the policy is consulted here, once.
+    choice = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
+    _payload[0] += nbytes
+    if current_policy().check:
         comm.check_signature(op, t, reduce_op, root, timeout)
-    steps = getattr(module, op)(comm, *(() if t is None else (t,)), *args)
-    return comm.run(op, name, steps, async_op, timeout)
+    steps = getattr(choice.module, op)(comm, *(() if t is None else (t,)), *args)
+    return comm.run(op, choice.name, steps, async_op, timeout)
 
 
-def _p2p_impl(t: torch.Tensor) -> str:
-    """Point to point runs on MPI; CUDA tensors through pinned host memory unless CUDA-aware."""
-    return "staged" if t.is_cuda and not impl_mpi.cuda_aware() else "mpi"
+@overload
+def allreduce(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def allreduce(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[torch.Tensor]: ...
+
+
+@overload
+def allreduce(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 
 
 def allreduce(
@@ -88,7 +123,7 @@ def allreduce(
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Reduces ``t`` across ranks, in place: every rank ends with the result.
 
     Args:
@@ -108,7 +143,46 @@ def allreduce(
         return t
     check_tensor(t, "allreduce")
     check_op_for_dtype(op, t.dtype)
-    return _run("allreduce", comm, t, impl, async_op, timeout, op, reduce_op=op)
+    return cast(
+        "torch.Tensor | Handle[torch.Tensor]",
+        _run("allreduce", comm, t, impl, async_op, timeout, op, reduce_op=op),
+    )
+
+
+@overload
+def broadcast(
+    t: torch.Tensor,
+    root: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def broadcast(
+    t: torch.Tensor,
+    root: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[torch.Tensor]: ...
+
+
+@overload
+def broadcast(
+    t: torch.Tensor,
+    root: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 
 
 def broadcast(
@@ -119,7 +193,7 @@ def broadcast(
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Copies ``root``'s ``t`` into ``t`` on every rank, in place."""
     if not async_op and timeout is None and fast_path.broadcast(t, root, comm, impl):
         _payload[0] += t.nbytes
@@ -127,7 +201,49 @@ def broadcast(
     check_tensor(t, "broadcast")
     size = (world() if comm is None else comm).size
     check_rank(root, size, "root", "broadcast")
-    return _run("broadcast", comm, t, impl, async_op, timeout, root, root=root)
+    return cast(
+        "torch.Tensor | Handle[torch.Tensor]",
+        _run("broadcast", comm, t, impl, async_op, timeout, root, root=root),
+    )
+
+
+@overload
+def reduce(
+    t: torch.Tensor,
+    root: int = ...,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def reduce(
+    t: torch.Tensor,
+    root: int = ...,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[torch.Tensor]: ...
+
+
+@overload
+def reduce(
+    t: torch.Tensor,
+    root: int = ...,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 
 
 def reduce(
@@ -139,13 +255,49 @@ def reduce(
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Reduces ``t`` into ``root``'s ``t``; the other ranks' tensors are unchanged."""
     check_tensor(t, "reduce")
     check_op_for_dtype(op, t.dtype)
     size = (world() if comm is None else comm).size
     check_rank(root, size, "root", "reduce")
-    return _run("reduce", comm, t, impl, async_op, timeout, root, op, reduce_op=op, root=root)
+    return cast(
+        "torch.Tensor | Handle[torch.Tensor]",
+        _run("reduce", comm, t, impl, async_op, timeout, root, op, reduce_op=op, root=root),
+    )
+
+
+@overload
+def allgather(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def allgather(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[torch.Tensor]: ...
+
+
+@overload
+def allgather(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 
 
 def allgather(
@@ -155,10 +307,48 @@ def allgather(
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Every rank's ``t``, stacked: a new tensor of shape ``(size, *t.shape)``."""
     check_tensor(t, "allgather")
-    return _run("allgather", comm, t, impl, async_op, timeout)
+    return cast(
+        "torch.Tensor | Handle[torch.Tensor]", _run("allgather", comm, t, impl, async_op, timeout)
+    )
+
+
+@overload
+def reduce_scatter(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def reduce_scatter(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[torch.Tensor]: ...
+
+
+@overload
+def reduce_scatter(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 
 
 def reduce_scatter(
@@ -169,7 +359,7 @@ def reduce_scatter(
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Reduces ``t`` across ranks; rank r gets block r of the rows.
 
     ``t.shape[0]`` must be divisible by the number of ranks; the result has
@@ -179,11 +369,47 @@ def reduce_scatter(
     check_op_for_dtype(op, t.dtype)
     size = (world() if comm is None else comm).size
     if t.dim() == 0 or t.shape[0] % size:
-        raise ValueError(
+        raise MPXValueError(
             f"reduce_scatter: the first dimension of shape {tuple(t.shape)} must be divisible "
             f"by the {size} ranks; pad it, or reshape to ({size}, -1)"
         )
-    return _run("reduce_scatter", comm, t, impl, async_op, timeout, op, reduce_op=op)
+    return cast(
+        "torch.Tensor | Handle[torch.Tensor]",
+        _run("reduce_scatter", comm, t, impl, async_op, timeout, op, reduce_op=op),
+    )
+
+
+@overload
+def alltoall(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def alltoall(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[torch.Tensor]: ...
+
+
+@overload
+def alltoall(
+    t: torch.Tensor,
+    *,
+    comm: Communicator | None = ...,
+    impl: str | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 
 
 def alltoall(
@@ -193,16 +419,54 @@ def alltoall(
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Block j of ``t``'s rows goes to rank j; returns the blocks received, in rank order."""
     check_tensor(t, "alltoall")
     size = (world() if comm is None else comm).size
     if t.dim() == 0 or t.shape[0] % size:
-        raise ValueError(
+        raise MPXValueError(
             f"alltoall: the first dimension of shape {tuple(t.shape)} must be divisible by "
-            f"the {size} ranks"
+            f"the {size} ranks; pad it, or reshape to ({size}, -1)"
         )
-    return _run("alltoall", comm, t, impl, async_op, timeout)
+    return cast(
+        "torch.Tensor | Handle[torch.Tensor]", _run("alltoall", comm, t, impl, async_op, timeout)
+    )
+
+
+@overload
+def send(
+    t: torch.Tensor,
+    dest: int,
+    tag: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> None: ...
+
+
+@overload
+def send(
+    t: torch.Tensor,
+    dest: int,
+    tag: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[None]: ...
+
+
+@overload
+def send(
+    t: torch.Tensor,
+    dest: int,
+    tag: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> Handle[None] | None: ...
 
 
 def send(
@@ -213,9 +477,48 @@ def send(
     comm: Communicator | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> Handle[None] | None:
     """Sends ``t`` to rank ``dest`` (point to point, through MPI)."""
-    return _point_to_point("send", t, dest, "dest", tag, comm, async_op, timeout)
+    return cast(
+        "Handle[None] | None",
+        _point_to_point("send", t, dest, "dest", tag, comm, async_op, timeout),
+    )
+
+
+@overload
+def recv(
+    t: torch.Tensor,
+    source: int,
+    tag: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def recv(
+    t: torch.Tensor,
+    source: int,
+    tag: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[torch.Tensor]: ...
+
+
+@overload
+def recv(
+    t: torch.Tensor,
+    source: int,
+    tag: int = ...,
+    *,
+    comm: Communicator | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 
 
 def recv(
@@ -226,9 +529,12 @@ def recv(
     comm: Communicator | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> Any:
+) -> torch.Tensor | Handle[torch.Tensor]:
     """Receives into ``t`` from rank ``source``; returns ``t``."""
-    return _point_to_point("recv", t, source, "source", tag, comm, async_op, timeout)
+    return cast(
+        "torch.Tensor | Handle[torch.Tensor]",
+        _point_to_point("recv", t, source, "source", tag, comm, async_op, timeout),
+    )
 
 
 def _point_to_point(
@@ -243,11 +549,38 @@ def _point_to_point(
 ) -> Any:
     check_tensor(t, op)
     check_rank(peer, (world() if comm is None else comm).size, what, op)
-    return _run(op, comm, t, _p2p_impl(t), async_op, timeout, peer, tag)
+    return _run(op, comm, t, None, async_op, timeout, peer, tag)
+
+
+@overload
+def barrier(
+    *,
+    comm: Communicator | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> None: ...
+
+
+@overload
+def barrier(
+    *,
+    comm: Communicator | None = ...,
+    async_op: Literal[True],
+    timeout: float | None = ...,
+) -> Handle[None]: ...
+
+
+@overload
+def barrier(
+    *,
+    comm: Communicator | None = ...,
+    async_op: bool,
+    timeout: float | None = ...,
+) -> Handle[None] | None: ...
 
 
 def barrier(
     *, comm: Communicator | None = None, async_op: bool = False, timeout: float | None = None
-) -> Any:
+) -> Handle[None] | None:
     """Waits until every rank has called ``barrier``."""
-    return _run("barrier", comm, None, "mpi", async_op, timeout)
+    return cast("Handle[None] | None", _run("barrier", comm, None, None, async_op, timeout))

@@ -22,13 +22,13 @@ resumed by two threads at once.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
 
 from mpi4py import MPI
 
+from mpx.collectives import settings
 from mpx.collectives.handle import LOCK, Handle, Queue
 
 __all__ = ["ProgressThread", "enabled", "watch"]
@@ -39,7 +39,7 @@ _MAX_SLEEP_S = 1e-3
 
 def enabled() -> bool:
     """``MPX_PROGRESS_THREAD`` is not 0 and MPI is fully thread-safe."""
-    if os.environ.get("MPX_PROGRESS_THREAD", "1").strip().lower() in ("0", "false", "off", "no"):
+    if not settings.PROGRESS_THREAD.get():
         return False
     return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
 

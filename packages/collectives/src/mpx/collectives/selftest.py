@@ -15,7 +15,7 @@ import torch
 
 from mpx.collectives.communicator import world
 from mpx.collectives.ops import allreduce, broadcast
-from mpx.collectives.selection import choose
+from mpx.collectives.policy import choose
 
 __all__ = ["main"]
 
@@ -45,7 +45,7 @@ def main() -> int:
     failures = 0
     for impl in _CPU_IMPLS:
         try:
-            choose("allreduce", torch.ones(1 << 16), comm, impl)
+            choose("allreduce", False, 1 << 18, comm, impl)
         except ValueError:
             if comm.rank == 0:
                 print(f"  {impl:<5} not applicable to this layout", flush=True)

@@ -1,51 +1,145 @@
-"""Environment settings read on every call, cheaply.
+"""mpx-collectives' environment variables: each declared once, read through this table.
 
-``os.environ.get`` encodes the name and decodes the value each time (about
-0.6 µs); a small collective reads three settings, which is a fifth of MPI's
-own latency. Here the name's bytes are encoded once and looked up in the
-mapping behind ``os.environ`` (``os.environ._data`` on POSIX, kept in step
-by ``os.environ[...] = ...``, ``putenv`` aside), falling back to
-``os.environ.get`` where that mapping is not there.
+The table itself, the parsing and the caching are mpx-launch's
+(:mod:`mpx.launch.settings`); ``mpxrun --settings`` prints every package's
+variables. The values are read at first use and cached; after changing
+``os.environ`` in a running program call :func:`mpx.launch.settings.reload`
+(the collectives policy, built from these, is rebuilt with them).
+
+Example::
+
+    from mpx.collectives import settings
+    settings.SMALL_BYTES.get()       # 262144, or MPX_AUTO_SMALL_BYTES=64K -> 65536
 """
 
 from __future__ import annotations
 
-import functools
-import os
+from mpx.launch.settings import Setting, declare
 
-__all__ = ["read", "read_int"]
+__all__ = [
+    "CHECK",
+    "CUDA_AWARE",
+    "IMPL",
+    "IMPL_NAMES",
+    "IPC_SLOT",
+    "POLICY_FILE",
+    "PROGRESS_THREAD",
+    "RANKS_PER_NODE",
+    "RING_CHUNK",
+    "SHM_SLOT",
+    "SMALL_BYTES",
+    "STAGED_CHUNK",
+    "TIMEOUT",
+    "XDG_CACHE_HOME",
+]
 
-_DATA = getattr(os.environ, "_data", None)
-_POSIX = os.name == "posix"
+_PACKAGE = "collectives"
 
+# The implementations a user may name (impl= or MPX_COLLECTIVES_IMPL).
+IMPL_NAMES = ("auto", "mpi", "ring", "shm", "hier", "staged", "ipc")
 
-@functools.cache
-def _key(name: str) -> bytes:
-    return os.fsencode(name)
-
-
-def read(name: str, default: str) -> str:
-    """``os.environ.get(name, default)``, faster."""
-    if _DATA is None or not _POSIX:
-        return os.environ.get(name, default)
-    raw = _DATA.get(_key(name))
-    return default if raw is None else _decode(raw)
-
-
-@functools.lru_cache(maxsize=64)
-def _decode(raw: bytes) -> str:
-    return os.fsdecode(raw)
-
-
-@functools.lru_cache(maxsize=64)
-def _parse_int(name: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not an integer") from None
-
-
-def read_int(name: str, default: int) -> int:
-    """An integer setting; a malformed value raises ValueError naming it."""
-    text = read(name, "")
-    return default if not text.strip() else _parse_int(name, text.strip())
+IMPL = declare(
+    "MPX_COLLECTIVES_IMPL",
+    "choice",
+    "auto",
+    "implementation of every collective that has no impl= (auto: chosen per call by the policy)",
+    package=_PACKAGE,
+    choices=IMPL_NAMES,
+)
+CHECK = declare(
+    "MPX_CHECK",
+    "bool",
+    False,
+    "compare op, shape, dtype, reduce op and root of every collective across ranks",
+    package=_PACKAGE,
+)
+TIMEOUT: Setting[float | None] = declare(
+    "MPX_TIMEOUT",
+    "seconds",
+    None,
+    "default timeout of every operation: CollectiveTimeout instead of a hang",
+    package=_PACKAGE,
+    unit="s",
+)
+SMALL_BYTES = declare(
+    "MPX_AUTO_SMALL_BYTES",
+    "size",
+    256 << 10,
+    "built-in policy: messages below this go to MPI's own collectives",
+    package=_PACKAGE,
+    unit="bytes",
+    minimum=0,
+)
+POLICY_FILE = declare(
+    "MPX_POLICY_FILE",
+    "str",
+    "",
+    "tuned policy that impl='auto' reads (default: the file mpxrun --tune writes, see "
+    "mpx.collectives.policy; none: the built-in rules)",
+    package=_PACKAGE,
+)
+XDG_CACHE_HOME = declare(
+    "XDG_CACHE_HOME",
+    "str",
+    "",
+    "the default tuned policy lives in $XDG_CACHE_HOME/mpx (~/.cache/mpx when unset)",
+    package=_PACKAGE,
+)
+RING_CHUNK = declare(
+    "MPX_RING_CHUNK_BYTES",
+    "size",
+    1 << 20,
+    "bytes per message of the ring algorithm",
+    package=_PACKAGE,
+    unit="bytes",
+    minimum=4096,
+)
+SHM_SLOT = declare(
+    "MPX_SHM_SLOT_MB",
+    "size",
+    16 << 20,
+    "bytes per shared-memory slot of shm and hier (two per rank)",
+    package=_PACKAGE,
+    unit="MiB",
+    minimum=64,
+)
+STAGED_CHUNK = declare(
+    "MPX_STAGED_CHUNK_MB",
+    "size",
+    4 << 20,
+    "bytes per chunk staged through pinned host memory (CUDA tensors)",
+    package=_PACKAGE,
+    unit="MiB",
+    minimum=4096,
+)
+IPC_SLOT = declare(
+    "MPX_IPC_SLOT_MB",
+    "size",
+    16 << 20,
+    "bytes per CUDA IPC device slot (two per rank)",
+    package=_PACKAGE,
+    unit="MiB",
+    minimum=256,
+)
+CUDA_AWARE = declare(
+    "MPX_CUDA_AWARE",
+    "bool",
+    False,
+    "the MPI library takes CUDA buffers: CUDA tensors go to MPI directly, not staged",
+    package=_PACKAGE,
+)
+PROGRESS_THREAD = declare(
+    "MPX_PROGRESS_THREAD",
+    "bool",
+    True,
+    "a background thread drives asynchronous operations (needs MPI_THREAD_MULTIPLE)",
+    package=_PACKAGE,
+)
+RANKS_PER_NODE: Setting[int | None] = declare(
+    "MPX_RANKS_PER_NODE",
+    "int",
+    None,
+    "pretend every k consecutive world ranks form a node (tests hierarchical code on one host)",
+    package=_PACKAGE,
+    minimum=1,
+)

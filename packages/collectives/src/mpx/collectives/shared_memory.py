@@ -25,7 +25,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator, world
-from mpx.collectives.errors import MismatchError
+from mpx.collectives.errors import MismatchError, MPXValueError
 
 __all__ = ["SharedBuffers", "empty_shared"]
 
@@ -111,7 +111,7 @@ def empty_shared(
     """
     comm = world() if comm is None else comm
     if not comm.single_node:
-        raise ValueError(
+        raise MPXValueError(
             f"empty_shared: the communicator spans {comm.num_nodes} nodes; shared memory is "
             "per node: allocate on comm.node(), or use ordinary tensors"
         )
@@ -119,7 +119,9 @@ def empty_shared(
         int(d) for d in (shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
     )
     if any(d < 0 for d in dims):
-        raise ValueError(f"empty_shared: negative dimension in shape {dims}")
+        raise MPXValueError(
+            f"empty_shared: negative dimension in shape {dims}; every dimension must be >= 0"
+        )
     numel = 1
     for d in dims:
         numel *= d

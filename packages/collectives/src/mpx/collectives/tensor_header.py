@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.errors import MPXTypeError, MPXValueError
 
 __all__ = ["HEADER_LEN", "MAX_HEADER_DIMS", "decode_header", "encode_header"]
 
@@ -27,8 +28,8 @@ def encode_header(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
     """``[dtype code, ndim, dim0, ..., dim7]`` as an int64 CPU tensor of :data:`HEADER_LEN`.
 
     Raises:
-        ValueError: more than :data:`MAX_HEADER_DIMS` dimensions.
-        TypeError: a dtype outside ``SUPPORTED_DTYPES``.
+        MPXValueError: more than :data:`MAX_HEADER_DIMS` dimensions.
+        MPXTypeError: a dtype outside ``SUPPORTED_DTYPES``.
 
     Example::
 
@@ -36,12 +37,12 @@ def encode_header(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
         send(header, peer, tag=1); send(t, peer, tag=2)
     """
     if len(shape) > MAX_HEADER_DIMS:
-        raise ValueError(
+        raise MPXValueError(
             f"a tensor of shape {tuple(shape)} has more than {MAX_HEADER_DIMS} dimensions; "
             "flatten it (t.flatten(start_dim=...)) before sending it"
         )
     if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
+        raise MPXTypeError(
             f"a tensor of dtype {dtype} cannot be sent; supported: "
             f"{', '.join(map(str, SUPPORTED_DTYPES))} (convert with t.to(...))"
         )

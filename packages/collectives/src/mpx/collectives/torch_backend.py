@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mpx.collectives import ops
 from mpx.collectives.communicator import Communicator, world
-from mpx.collectives.errors import MPXError
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Handle
 
 __all__ = [
@@ -50,7 +50,7 @@ def _op_name(reduce_op: Any) -> str:
     for key, name in _REDUCE_OPS.items():
         if reduce_op == key:
             return name
-    raise MPXError(
+    raise MPXValueError(
         f"reduce op {reduce_op} is not supported by the mpx backend; "
         "use SUM, AVG, MAX, MIN or PRODUCT"
     )
@@ -164,7 +164,7 @@ class MPXProcessGroup(dist.ProcessGroup):
 def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> MPXProcessGroup:
     comm = world()
     if (rank, world_size) != (comm.rank, comm.size):
-        raise MPXError(
+        raise MPXValueError(
             f"torch asked for rank {rank} of {world_size}, but MPI says rank {comm.rank} of "
             f"{comm.size}; start the job with mpxrun/mpiexec and let mpx.collectives."
             "init_process_group() pass MPI's rank and size"

@@ -13,6 +13,8 @@ from mpx.dataparallel.data import DistributedDataContainer
 from mpx.dataparallel.errors import (
     DataParallelError,
     DataParallelRemoteError,
+    DataParallelTypeError,
+    DataParallelValueError,
     ParameterServerError,
 )
 from mpx.dataparallel.optimizer import DistributedOptimizer
@@ -25,6 +27,8 @@ __all__ = [
     "RULES",
     "DataParallelError",
     "DataParallelRemoteError",
+    "DataParallelTypeError",
+    "DataParallelValueError",
     "DistributedDataContainer",
     "DistributedOptimiser",
     "DistributedOptimizer",

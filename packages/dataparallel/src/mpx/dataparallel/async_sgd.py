@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpx.dataparallel.errors import DataParallelTypeError, DataParallelValueError
 from mpx.dataparallel.parameter_server import ParameterServer, PSHandle
 from mpx.dataparallel.synchronize import broadcast_tensors
 
@@ -37,9 +38,12 @@ class _ServerOptimizer(torch.optim.Optimizer):
         self, params: Iterable[nn.Parameter], server: ParameterServer, defaults: dict[str, Any]
     ) -> None:
         if not isinstance(server, ParameterServer):
-            raise TypeError(f"server must be a ParameterServer, got {type(server).__name__}")
+            raise DataParallelTypeError(
+                f"server must be a ParameterServer, got {type(server).__name__}; create one "
+                "with ParameterServer() on every rank"
+            )
         if defaults["lr"] <= 0:
-            raise ValueError(f"lr must be positive, got {defaults['lr']!r}")
+            raise DataParallelValueError(f"lr must be positive, got {defaults['lr']!r}")
         super().__init__(params, defaults)
         self.server = server
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -47,12 +51,10 @@ class _ServerOptimizer(torch.optim.Optimizer):
         broadcast_tensors(self._params, 0, comm=server.comm)
         self._keys = [server.register(p.detach()) for p in self._params]
         self._steps = 0
-        self._pushes: list[PSHandle] = []
+        self._pushes: list[PSHandle[None]] = []
 
     def _push(self, p: torch.Tensor, key: int, delta: torch.Tensor) -> None:
-        handle = self.server.push(key, delta, "add", async_op=True)
-        assert handle is not None
-        self._pushes.append(handle)
+        self._pushes.append(self.server.push(key, delta, "add", async_op=True))
 
     def _wait_pushes(self) -> None:
         for handle in self._pushes:
@@ -95,7 +97,7 @@ class DownpourSGD(_ServerOptimizer):
     ) -> None:
         for name, value in (("push_every", push_every), ("pull_every", pull_every)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                raise DataParallelValueError(f"{name} must be an int >= 1, got {value!r}")
         super().__init__(params, server, {"lr": lr})
         self.push_every, self.pull_every = push_every, pull_every
         self._accumulated = [torch.zeros_like(p, device="cpu") for p in self._params]
@@ -147,12 +149,15 @@ class EASGD(_ServerOptimizer):
         alpha: float | None = None,
     ) -> None:
         if not isinstance(tau, int) or tau < 1:
-            raise ValueError(f"tau must be an int >= 1, got {tau!r}")
+            raise DataParallelValueError(f"tau must be an int >= 1, got {tau!r}")
         if not isinstance(server, ParameterServer):
-            raise TypeError(f"server must be a ParameterServer, got {type(server).__name__}")
+            raise DataParallelTypeError(
+                f"server must be a ParameterServer, got {type(server).__name__}; create one "
+                "with ParameterServer() on every rank"
+            )
         alpha = 0.9 / server.size if alpha is None else alpha
         if not 0 < alpha < 1:
-            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+            raise DataParallelValueError(f"alpha must be in (0, 1), got {alpha!r}")
         super().__init__(params, server, {"lr": lr})
         self.tau, self.alpha = tau, alpha
 
@@ -168,7 +173,6 @@ class EASGD(_ServerOptimizer):
             self._wait_pushes()
             for p, key in zip(self._params, self._keys, strict=True):
                 center = self.server.pull(key)
-                assert isinstance(center, torch.Tensor)
                 delta = (p.detach().cpu() - center.view(p.shape)) * self.alpha
                 p.sub_(delta.to(p.device))
                 self._push(p, key, delta)

@@ -20,7 +20,11 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator
-from mpx.dataparallel.errors import DataParallelRemoteError
+from mpx.dataparallel.errors import (
+    DataParallelRemoteError,
+    DataParallelTypeError,
+    DataParallelValueError,
+)
 from mpx.dataparallel.runtime import default_comm
 from mpx.dataparallel.synchronize import synchronize
 
@@ -56,7 +60,9 @@ def save_checkpoint(
     """
     comm = default_comm(comm)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"save_checkpoint: model must be an nn.Module, got {type(model).__name__}")
+        raise DataParallelTypeError(
+            f"save_checkpoint: model must be an nn.Module, got {type(model).__name__}"
+        )
     # A failure on root raises on every rank (as DataParallelRemoteError).
     with comm.agreement(
         f"save_checkpoint: could not write {path}", error_type=DataParallelRemoteError
@@ -103,9 +109,14 @@ def load_checkpoint(
         if comm.rank == root:
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or state.get("format") != _FORMAT:
-                raise ValueError("not a checkpoint written by mpx.dataparallel.save_checkpoint")
+                raise DataParallelValueError(
+                    "not a checkpoint written by mpx.dataparallel.save_checkpoint"
+                )
             if optimizer is not None and state["optimizer"] is None:
-                raise ValueError("it holds no optimizer state (saved with optimizer=None)")
+                raise DataParallelValueError(
+                    "it holds no optimizer state (saved with optimizer=None); "
+                    "load it with optimizer=None"
+                )
     state = synchronize(state, root, comm=comm)
     with comm.agreement(
         f"load_checkpoint: could not load {path} into the model or optimizer",

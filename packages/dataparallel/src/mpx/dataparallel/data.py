@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mpx.collectives import Communicator
+from mpx.dataparallel.errors import DataParallelTypeError, DataParallelValueError
 from mpx.dataparallel.runtime import default_comm
 
 __all__ = ["DistributedDataContainer"]
@@ -59,14 +60,16 @@ class DistributedDataContainer(torch.utils.data.Dataset[Any]):
         comm: Communicator | None = None,
     ) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(
+            raise DataParallelTypeError(
                 "DistributedDataContainer needs a data set with len() and indexing, got "
                 f"{type(dataset).__name__}"
             )
         if uneven not in _MODES:
-            raise ValueError(f"uneven must be one of {', '.join(_MODES)}, got {uneven!r}")
+            raise DataParallelValueError(
+                f"uneven must be one of {', '.join(_MODES)}, got {uneven!r}"
+            )
         if not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+            raise DataParallelTypeError(f"seed must be an int, got {type(seed).__name__}")
         comm = default_comm(comm)
         self.dataset = dataset
         self.shuffle = shuffle
@@ -76,7 +79,7 @@ class DistributedDataContainer(torch.utils.data.Dataset[Any]):
         self.epoch = 0
         n = _length(dataset)
         if uneven == "drop" and n < self.size:
-            raise ValueError(
+            raise DataParallelValueError(
                 f"uneven='drop' with {n} samples and {self.size} ranks leaves every rank empty; "
                 "use uneven='pad' or fewer ranks"
             )
@@ -85,7 +88,7 @@ class DistributedDataContainer(torch.utils.data.Dataset[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Selects the permutation of ``epoch`` (call it on every rank at each epoch)."""
         if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+            raise DataParallelValueError(f"epoch must be a non-negative int, got {epoch!r}")
         self.epoch = epoch
         self._indices = self._shard()
 
@@ -140,10 +143,10 @@ def _length(dataset: Any) -> int:
     """Samples in ``dataset``; a tuple is parts indexed together (x, y)."""
     if isinstance(dataset, tuple):
         if not dataset:
-            raise ValueError("a tuple data set needs at least one part, got ()")
+            raise DataParallelValueError("a tuple data set needs at least one part, got ()")
         lengths = {len(part) for part in dataset}
         if len(lengths) != 1:
-            raise ValueError(
+            raise DataParallelValueError(
                 f"the parts of a tuple data set must have one length, got {sorted(lengths)}"
             )
         return lengths.pop()

@@ -1,22 +1,54 @@
-"""The errors mpx-dataparallel raises; all derive from :class:`DataParallelError`."""
+"""The errors mpx-dataparallel raises; all derive from :class:`DataParallelError`.
+
+:class:`DataParallelError` derives from :class:`mpx.collectives.MPXError`. A bad
+argument raises :class:`DataParallelValueError` or :class:`DataParallelTypeError`,
+which are also the builtin ``ValueError`` / ``TypeError`` they replace, so
+``except ValueError`` keeps working. A bare :class:`DataParallelError` says the
+ranks' state disagrees or an operation was used out of order;
+:class:`DataParallelRemoteError` (also a :class:`mpx.collectives.RemoteError`) is
+raised on every rank when some ranks failed, naming them.
+"""
 
 from __future__ import annotations
 
 from mpx.collectives import MPXError, RemoteError
 
-__all__ = ["DataParallelError", "DataParallelRemoteError", "ParameterServerError"]
+__all__ = [
+    "DataParallelError",
+    "DataParallelRemoteError",
+    "DataParallelTypeError",
+    "DataParallelValueError",
+    "ParameterServerError",
+]
 
 
 class DataParallelError(MPXError):
     """Base class of the errors raised by ``mpx.dataparallel``.
 
-    Bad arguments raise the builtin ``ValueError``/``TypeError`` instead; this
-    one says the ranks' state disagrees or an operation was used out of order.
-
     Example::
 
         try: synchronize(model)
         except DataParallelError as error: print(error)   # names the rank that differs
+    """
+
+
+class DataParallelValueError(DataParallelError, ValueError):
+    """An argument has a bad value; the message names it and the fix.
+
+    Example::
+
+        with pytest.raises(ValueError, match="bucket_mb must be positive"):
+            DistributedOptimizer(opt, model, bucket_mb=0)
+    """
+
+
+class DataParallelTypeError(DataParallelError, TypeError):
+    """An argument has the wrong type; the message names it and the fix.
+
+    Example::
+
+        with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+            DistributedOptimizer(model)
     """
 
 

@@ -49,7 +49,7 @@ from mpx.collectives.building_blocks import (
     small_bytes,
     usable_cores,
 )
-from mpx.dataparallel.errors import DataParallelError
+from mpx.dataparallel.errors import DataParallelError, DataParallelTypeError, DataParallelValueError
 from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
 from mpx.dataparallel.runtime import default_comm
 
@@ -130,16 +130,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm: Communicator | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+            raise DataParallelTypeError(
                 "DistributedOptimizer wraps a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
         if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("DistributedOptimizer: the optimizer is already distributed")
+            raise DataParallelTypeError(
+                "DistributedOptimizer: the optimizer is already distributed; pass the "
+                "optimizer it wraps (.optimizer) or use this one as it is"
+            )
         if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"DistributedOptimizer: model must be an nn.Module, got {type(model)}")
+            raise DataParallelTypeError(
+                "DistributedOptimizer: model must be an nn.Module or None, got "
+                f"{type(model).__name__}"
+            )
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-            raise ValueError(f"DistributedOptimizer: bucket_mb must be positive, got {bucket_mb!r}")
+            raise DataParallelValueError(
+                f"DistributedOptimizer: bucket_mb must be positive, got {bucket_mb!r}"
+            )
         if compression is not None:
             quantized_allreduce()  # fail now, not in the middle of backward
         # torch.optim.Optimizer.__init__ would rebuild the param groups; share them instead.
@@ -158,7 +166,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.op = "avg" if average else "sum"
         self.compression = compression
         if overlap not in (True, False, "auto"):
-            raise ValueError(
+            raise DataParallelValueError(
                 f"DistributedOptimizer: overlap must be True, False or 'auto', got {overlap!r}"
             )
         self._sync = True
@@ -323,7 +331,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 params.append(p)
                 names[id(p)] = name
         if not params:
-            raise ValueError("DistributedOptimizer: no parameter requires grad")
+            raise DataParallelValueError(
+                "DistributedOptimizer: no parameter requires grad; wrap an optimizer over "
+                "parameters with requires_grad=True"
+            )
         return params, names
 
     def _make_buckets(

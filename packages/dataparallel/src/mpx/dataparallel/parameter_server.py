@@ -31,14 +31,18 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from mpx.collectives import CollectiveTimeout, Communicator
-from mpx.dataparallel.errors import ParameterServerError
+from mpx.dataparallel.errors import (
+    DataParallelTypeError,
+    DataParallelValueError,
+    ParameterServerError,
+)
 from mpx.dataparallel.runtime import default_comm
 
 __all__ = ["RULES", "PSHandle", "ParameterServer"]
@@ -48,13 +52,15 @@ _PUSH, _PULL, _FENCE = 1, 2, 3
 _TAG_REQUEST, _TAG_PAYLOAD, _TAG_REPLY = 11, 12, 13
 _MIN_SLEEP_S, _MAX_SLEEP_S = 2e-5, 1e-3
 
+T = TypeVar("T")
+
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor, as a numpy view MPI can read or fill."""
     return t.view(torch.uint8).numpy()
 
 
-class PSHandle:
+class PSHandle(Generic[T]):
     """A push or pull in flight; ``wait()`` completes it (and returns the pulled tensor).
 
     Example::
@@ -79,7 +85,7 @@ class PSHandle:
         self._requests, self._keep = [], []
         return True
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> T:
         """Waits (polling, so the server thread keeps the GIL half the time) and returns."""
         limit = self._server.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
@@ -89,7 +95,7 @@ class PSHandle:
                 raise CollectiveTimeout("parameter server request", "ps", float(limit or 0), [])
             time.sleep(sleep)
             sleep = min(2 * sleep, _MAX_SLEEP_S)
-        return self._result
+        return cast(T, self._result)
 
 
 class ParameterServer:
@@ -125,7 +131,7 @@ class ParameterServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._pending: list[PSHandle] = []
+        self._pending: list[PSHandle[Any]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="mpx-ps-progress", daemon=True)
         self._thread.start()
@@ -143,11 +149,14 @@ class ParameterServer:
         """
         self._check()
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"register: expected a torch.Tensor, got {type(tensor).__name__}")
+            raise DataParallelTypeError(
+                f"register: expected a torch.Tensor, got {type(tensor).__name__}; "
+                "convert it with torch.as_tensor(...)"
+            )
         mine = (tuple(tensor.shape), str(tensor.dtype))
         every = self._mpi.allgather(mine)
         if any(x != every[0] for x in every):
-            raise ValueError(
+            raise DataParallelValueError(
                 f"register: ranks passed different tensors: {sorted(set(every))}; every rank "
                 "must register the same shape and dtype, in the same order"
             )
@@ -164,9 +173,29 @@ class ParameterServer:
 
     # -- client operations -----------------------------------------------------------
 
+    @overload
+    def push(
+        self, key: int, tensor: torch.Tensor | None, rule: str = ..., async_op: Literal[False] = ...
+    ) -> None: ...
+
+    @overload
+    def push(
+        self, key: int, tensor: torch.Tensor | None, rule: str, async_op: Literal[True]
+    ) -> PSHandle[None]: ...
+
+    @overload
+    def push(
+        self, key: int, tensor: torch.Tensor | None, rule: str = ..., *, async_op: Literal[True]
+    ) -> PSHandle[None]: ...
+
+    @overload
+    def push(
+        self, key: int, tensor: torch.Tensor | None, rule: str = ..., async_op: bool = ...
+    ) -> PSHandle[None] | None: ...
+
     def push(
         self, key: int, tensor: torch.Tensor | None, rule: str = "add", async_op: bool = False
-    ) -> PSHandle | None:
+    ) -> PSHandle[None] | None:
         """Applies ``rule`` with ``tensor`` to the stored tensor (each shard at its owner).
 
         ``tensor`` is copied before this returns, so it may change at once.
@@ -174,13 +203,18 @@ class ParameterServer:
         """
         shape, dtype, bounds = self._layout(key)
         if rule not in RULES:
-            raise ValueError(f"push: rule must be one of {', '.join(RULES)}, got {rule!r}")
+            raise DataParallelValueError(
+                f"push: rule must be one of {', '.join(RULES)}, got {rule!r}"
+            )
         if rule == "zero":
             flat = None
         else:
             if not isinstance(tensor, torch.Tensor) or tensor.numel() != bounds[-1]:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
-                raise ValueError(f"push: key {key} holds shape {tuple(shape)}, got {got}")
+                raise DataParallelValueError(
+                    f"push: key {key} holds shape {tuple(shape)}, got {got}; push a tensor of "
+                    f"{bounds[-1]} elements"
+                )
             flat = tensor.detach().reshape(-1).to("cpu", dtype, copy=True).contiguous()
         requests: list[MPI.Request] = []
         keep: list[Any] = []
@@ -199,15 +233,35 @@ class ParameterServer:
             if part is not None:
                 requests.append(self._mpi.Isend(_bytes(part), dest=r, tag=_TAG_PAYLOAD))
         keep.append(flat)
-        return self._finish(PSHandle(self, requests, keep, None), async_op)  # type: ignore[no-any-return]
+        return self._finish(PSHandle[None](self, requests, keep, None), async_op)
+
+    @overload
+    def pull(
+        self, key: int, out: torch.Tensor | None = ..., async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
+
+    @overload
+    def pull(
+        self, key: int, out: torch.Tensor | None, async_op: Literal[True]
+    ) -> PSHandle[torch.Tensor]: ...
+
+    @overload
+    def pull(
+        self, key: int, out: torch.Tensor | None = ..., *, async_op: Literal[True]
+    ) -> PSHandle[torch.Tensor]: ...
+
+    @overload
+    def pull(
+        self, key: int, out: torch.Tensor | None = ..., async_op: bool = ...
+    ) -> torch.Tensor | PSHandle[torch.Tensor]: ...
 
     def pull(
         self, key: int, out: torch.Tensor | None = None, async_op: bool = False
-    ) -> torch.Tensor | PSHandle:
+    ) -> torch.Tensor | PSHandle[torch.Tensor]:
         """The stored tensor, gathered from its owners (into ``out`` when given)."""
         shape, dtype, bounds = self._layout(key)
         if out is not None and (out.shape != shape or out.dtype != dtype):
-            raise ValueError(
+            raise DataParallelValueError(
                 f"pull: out is {tuple(out.shape)} {out.dtype}, key {key} holds "
                 f"{tuple(shape)} {dtype}"
             )
@@ -229,7 +283,7 @@ class ParameterServer:
             keep.append(header)
         result = _Deliver(flat, shape, out)
         handle = _PullHandle(self, requests, keep, result)
-        return self._finish(handle, async_op)  # type: ignore[no-any-return]
+        return self._finish(handle, async_op)
 
     def fence(self) -> None:
         """Returns once every request sent before it by any rank is applied. Collective."""
@@ -247,9 +301,9 @@ class ParameterServer:
             header = np.array([_FENCE, 0, 0, 0], dtype=np.int64)
             requests.append(self._mpi.Isend(header, dest=r, tag=_TAG_REQUEST))
             keep += [ack, header]
-        PSHandle(self, requests, keep, None).wait()
+        PSHandle[None](self, requests, keep, None).wait()
         barrier = self._mpi.Ibarrier()
-        PSHandle(self, [barrier], [], None).wait()
+        PSHandle[None](self, [barrier], [], None).wait()
 
     def close(self) -> None:
         """Fences, stops the progress thread and frees the communicator. Collective."""
@@ -284,7 +338,7 @@ class ParameterServer:
     def _layout(self, key: int) -> tuple[torch.Size, torch.dtype, list[int]]:
         self._check()
         if not isinstance(key, int) or not 0 <= key < len(self._layouts):
-            raise ValueError(
+            raise DataParallelValueError(
                 f"unknown key {key!r}: {len(self._layouts)} tensors are registered "
                 "(keys come from register())"
             )
@@ -299,7 +353,7 @@ class ParameterServer:
         if self._closed:
             raise ParameterServerError("the parameter server is closed")
 
-    def _finish(self, handle: PSHandle, async_op: bool) -> Any:
+    def _finish(self, handle: PSHandle[T], async_op: bool) -> T | PSHandle[T]:
         if async_op:
             self._pending = [h for h in self._pending if not h.done()]
             self._pending.append(handle)
@@ -366,8 +420,9 @@ class _Deliver:
         return self.out
 
 
-class _PullHandle(PSHandle):
+class _PullHandle(PSHandle[torch.Tensor]):
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        deliver = super().wait(timeout)
+        deliver = self._result
         assert isinstance(deliver, _Deliver)
+        super().wait(timeout)
         return deliver.value()

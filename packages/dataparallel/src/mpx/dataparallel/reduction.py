@@ -71,7 +71,7 @@ def reduce_bucket(
         op: ``"avg"`` or ``"sum"``.
     """
     if compression is None:
-        return allreduce(flat, op, comm=comm, async_op=True)  # type: ignore[no-any-return]
+        return allreduce(flat, op, comm=comm, async_op=True)
     result = quantized_allreduce()(flat, comm=comm, config=compression, op=op)
     if isinstance(result, torch.Tensor) and result is not flat:
         flat.copy_(result)

@@ -25,7 +25,11 @@ from torch import nn
 
 from mpx.collectives import Communicator, broadcast
 from mpx.collectives.building_blocks import SUPPORTED_DTYPES
-from mpx.dataparallel.errors import DataParallelRemoteError
+from mpx.dataparallel.errors import (
+    DataParallelRemoteError,
+    DataParallelTypeError,
+    DataParallelValueError,
+)
 from mpx.dataparallel.runtime import default_comm, object_comm
 
 __all__ = ["broadcast_tensors", "synchronize"]
@@ -78,9 +82,11 @@ def synchronize(
     """
     comm = default_comm(comm)
     if not isinstance(root, int) or not 0 <= root < comm.size:
-        raise ValueError(f"synchronize: root must be a rank in [0, {comm.size}), got {root!r}")
+        raise DataParallelValueError(
+            f"synchronize: root must be a rank in [0, {comm.size}), got {root!r}"
+        )
     if bucket_mb <= 0:
-        raise ValueError(f"synchronize: bucket_mb must be positive, got {bucket_mb!r}")
+        raise DataParallelValueError(f"synchronize: bucket_mb must be positive, got {bucket_mb!r}")
     bucket_bytes = int(bucket_mb * (1 << 20))
     if isinstance(obj, nn.Module):
         tensors = [*obj.parameters(), *obj.buffers()]
@@ -225,7 +231,7 @@ def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
         items = [_strip(v, tensors) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-        raise TypeError(
+        raise DataParallelTypeError(
             f"synchronize: a {type(obj).__name__} nested inside a container is not supported; "
             "synchronize it on its own (or pass a list of modules and optimizers)"
         )
@@ -293,7 +299,7 @@ def _sync_tree(obj: Any, root: int, comm: Communicator, bucket_bytes: int) -> An
             message = (str(error), None)
     problem, skeleton = object_comm(comm).bcast(message, root=root)
     if problem:
-        raise TypeError(problem)
+        raise DataParallelTypeError(problem)
     if comm.rank == root:
         broadcast_tensors(tensors, root, comm=comm, bucket_bytes=bucket_bytes)
         return obj

@@ -8,7 +8,14 @@ Example::
 """
 
 from mpx.launch.environment import Environment, environment, free_port, init_torch_env
-from mpx.launch.errors import LaunchEnvironmentError, LauncherNotFound, LaunchError, UsageError
+from mpx.launch.errors import (
+    LaunchEnvironmentError,
+    LauncherNotFound,
+    LaunchError,
+    MPXError,
+    SettingError,
+    UsageError,
+)
 from mpx.launch.launchers import Launcher, find_launcher
 
 __all__ = [
@@ -17,6 +24,8 @@ __all__ = [
     "LaunchError",
     "Launcher",
     "LauncherNotFound",
+    "MPXError",
+    "SettingError",
     "UsageError",
     "__version__",
     "environment",

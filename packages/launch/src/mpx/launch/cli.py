@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, NoReturn
 
+from mpx.launch import settings
 from mpx.launch.check import run_check
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
@@ -136,6 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="report MPI, mpx packages, kernels and GPUs, run a 2-rank smoke test, and exit",
+    )
+    parser.add_argument(
+        "--settings",
+        action="store_true",
+        help="print the table of MPX_* variables of the installed packages, check the values "
+        "set in this environment, and exit (non-zero if one is malformed)",
+    )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="time every collective implementation on -n ranks of this machine and write the "
+        "policy that impl='auto' reads (python -m mpx.collectives.tune; its options follow --)",
     )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
@@ -330,6 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.check:
         return run_check(smoke=main)
+    if args.settings:
+        sys.stdout.write(settings.markdown_table())
+        return settings.check_environment(sys.stderr)
+    if args.tune:
+        options = args.program[1:] if args.program[:1] == ["--"] else args.program
+        args.program = ["--", sys.executable, "-m", "mpx.collectives.tune", *options]
     with contextlib.ExitStack() as stack:
         try:
             program = _resolve_program(args.program)

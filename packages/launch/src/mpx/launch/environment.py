@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mpx.launch.errors import LaunchEnvironmentError
+from mpx.launch.settings import MASTER_ADDR, MASTER_PORT
 
 __all__ = ["Environment", "environment", "free_port", "init_torch_env"]
 
@@ -185,8 +186,9 @@ def _agree_on_master(env: Environment) -> tuple[str, str]:
     ``mpxrun`` exports ``MPX_MASTER_ADDR``/``MPX_MASTER_PORT``. Under a bare
     ``mpiexec`` rank 0 picks a free port and broadcasts it with mpi4py.
     """
-    if "MPX_MASTER_ADDR" in os.environ and "MPX_MASTER_PORT" in os.environ:
-        return os.environ["MPX_MASTER_ADDR"], os.environ["MPX_MASTER_PORT"]
+    addr, port = MASTER_ADDR.read(), MASTER_PORT.read()
+    if addr and port:
+        return addr, port
     if env.world_size == 1:
         return "127.0.0.1", str(free_port("127.0.0.1"))
     try:

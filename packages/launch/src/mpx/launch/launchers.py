@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpx.launch.errors import LauncherNotFound, UsageError
+from mpx.launch.settings import LAUNCHER
 
 __all__ = ["BIND_CHOICES", "LAUNCHER_KINDS", "Launcher", "find_launcher"]
 
@@ -203,7 +204,7 @@ def find_launcher(kind: str = "auto", env: Mapping[str, str] | None = None) -> L
     """
     env = os.environ if env is None else env
     if kind == "auto":
-        kind = env.get("MPX_LAUNCHER", "auto") or "auto"
+        kind = LAUNCHER.read(env)
     if kind not in ("auto", *LAUNCHER_KINDS):
         identified = _identify(kind)
         if identified is None:

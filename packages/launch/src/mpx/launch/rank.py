@@ -40,6 +40,7 @@ from types import FrameType
 from typing import IO
 
 from mpx.launch.environment import Environment, environment
+from mpx.launch.settings import GPUS
 
 __all__ = [
     "STATUS_PATTERN",
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     die_with_parent(signal.SIGTERM)
     env = environment()
-    child_env = rank_environment(env, os.environ, gpus=os.environ.get("MPX_GPUS", "auto"))
+    child_env = rank_environment(env, os.environ, gpus=GPUS.read())
     preexec: Callable[[], None] = lambda: die_with_parent(signal.SIGKILL)  # noqa: E731
     try:
         child = subprocess.Popen(

@@ -7,7 +7,7 @@ Example::
     u_final = solver.solve(torch.ones(1, dtype=torch.float64)); print(solver.residuals)
 """
 
-from mpx.mgrit.errors import MGRITConfigError, MGRITError
+from mpx.mgrit.errors import MGRITConfigError, MGRITError, MGRITTypeError
 from mpx.mgrit.gru import ParallelGRU
 from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
 from mpx.mgrit.refine import refine
@@ -18,6 +18,7 @@ __all__ = [
     "LayerParallel",
     "MGRITConfigError",
     "MGRITError",
+    "MGRITTypeError",
     "ParallelGRU",
     "SerialResNet",
     "Step",

@@ -38,7 +38,7 @@ import torch
 
 from mpx.collectives import Communicator, allgather, broadcast, world
 from mpx.mgrit._transport import Neighbours, Shift
-from mpx.mgrit.errors import MGRITConfigError
+from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 from mpx.mgrit.grid import Layout
 
 __all__ = ["MGRIT", "Step"]
@@ -103,7 +103,7 @@ class MGRIT:
         if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
             raise MGRITConfigError(f"max_iters must be an int >= 1, got {max_iters!r}")
         if not callable(step):
-            raise MGRITConfigError(f"step must be callable step(u, t, dt) -> u, got {step!r}")
+            raise MGRITTypeError(f"step must be callable step(u, t, dt) -> u, got {step!r}")
         self.step = step
         self.comm = world() if comm is None else comm
         self.layout = Layout(t0, tf, nt, levels, cfactor, self.comm.size, self.comm.rank, blocks)
@@ -196,7 +196,10 @@ class MGRIT:
 
     def _setup(self, u0: torch.Tensor) -> None:
         if not isinstance(u0, torch.Tensor):
-            raise MGRITConfigError(f"u0 must be a torch.Tensor, got {type(u0).__name__}")
+            raise MGRITTypeError(
+                f"u0 must be a torch.Tensor, got {type(u0).__name__}; "
+                "convert it with torch.as_tensor(u0)"
+            )
         self._u, self._g, self._v = [], [], []
         self._phi_c = None
         if self._tt[0].device != u0.device:

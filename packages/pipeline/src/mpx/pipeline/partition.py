@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineValueError
 
 __all__ = [
     "balance_by_time",
@@ -36,19 +36,19 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> l
     """Validates ``balance``; returns it as a list.
 
     Raises:
-        PipelineError: wrong length, a stage without layers, or a sum that is
+        PipelineValueError: wrong length, a stage without layers, or a sum that is
             not the number of layers.
     """
     balance = list(balance)
     if len(balance) != num_stages:
-        raise PipelineError(
+        raise PipelineValueError(
             f"balance={balance} has {len(balance)} stages but the communicator has "
             f"{num_stages} ranks; give one entry per rank"
         )
     if any((not isinstance(b, int)) or b < 1 for b in balance):
-        raise PipelineError(f"balance={balance}: every stage needs at least one layer")
+        raise PipelineValueError(f"balance={balance}: every stage needs at least one layer")
     if sum(balance) != num_layers:
-        raise PipelineError(
+        raise PipelineValueError(
             f"balance={balance} sums to {sum(balance)} but the module has {num_layers} "
             "layers; the entries must add up to len(module)"
         )
@@ -75,7 +75,7 @@ def check_no_tied_weights(module: nn.Sequential, balance: Sequence[int]) -> None
         for param in layer.parameters():
             seen = owner.setdefault(id(param), (stage, index))
             if seen[0] != stage:
-                raise PipelineError(
+                raise PipelineValueError(
                     f"layer {index} (stage {stage}) shares a parameter of shape "
                     f"{tuple(param.shape)} with layer {seen[1]} (stage {seen[0]}): tied weights "
                     "across stages are not supported; put both layers in one stage (change "
@@ -110,11 +110,11 @@ def split_times(times: Sequence[float], num_stages: int) -> list[int]:
     whose largest sum is smallest.
 
     Raises:
-        PipelineError: fewer layers than stages.
+        PipelineValueError: fewer layers than stages.
     """
     n = len(times)
     if n < num_stages:
-        raise PipelineError(
+        raise PipelineValueError(
             f"the module has {n} layers, fewer than the {num_stages} stages (ranks); "
             "use fewer ranks or split the model into more layers"
         )

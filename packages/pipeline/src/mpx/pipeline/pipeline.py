@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, Handle, allreduce, broadcast, world
-from mpx.pipeline.errors import PipelineError, PipelineRemoteError
+from mpx.pipeline.errors import PipelineRemoteError, PipelineTypeError, PipelineValueError
 from mpx.pipeline.partition import (
     check_balance,
     check_no_tied_weights,
@@ -87,16 +87,18 @@ class Pipeline(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
-            raise PipelineError(
+            raise PipelineTypeError(
                 f"module must be an nn.Sequential, got {type(module).__name__}; wrap the "
                 "layers in nn.Sequential(...)"
             )
         if schedule not in SCHEDULES:
-            raise PipelineError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+            raise PipelineValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
         if checkpoint not in CHECKPOINTS:
-            raise PipelineError(f"checkpoint={checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+            raise PipelineValueError(
+                f"checkpoint={checkpoint!r} is not one of {', '.join(CHECKPOINTS)}"
+            )
         if not isinstance(chunks, int) or chunks < 1:
-            raise PipelineError(f"chunks={chunks!r} must be a positive int")
+            raise PipelineValueError(f"chunks={chunks!r} must be a positive int")
         base = world() if comm is None else comm
         # A private duplicate: the pipeline's messages never match the user's.
         self.comm = Communicator.from_mpi(base.mpi, base.timeout)
@@ -138,7 +140,7 @@ class Pipeline(nn.Module):
                 weight_stashing=weight_stashing,
             )
         elif async_opts != (None, None, 1, False, True):
-            raise PipelineError(
+            raise PipelineValueError(
                 "weight_stashing, weight_prediction, gap_aware, step_every and recompute "
                 f"are options of schedule='async', not of schedule={schedule!r}"
             )
@@ -155,7 +157,7 @@ class Pipeline(nn.Module):
         ):
             if self.first:
                 if sample is None:
-                    raise PipelineError(
+                    raise PipelineValueError(
                         "balance=None measures layer times on a sample input: pass "
                         "sample=<one micro-batch> (on the first stage at least), or give balance"
                     )
@@ -184,10 +186,13 @@ class Pipeline(nn.Module):
     def _split(self, t: torch.Tensor | None, what: str, needed: bool) -> list[torch.Tensor]:
         if t is None:
             if needed:
-                raise PipelineError(f"{what} is None on stage {self.stage_id}, which reads it")
+                raise PipelineValueError(
+                    f"{what} is None on stage {self.stage_id}, which reads it; pass {what} "
+                    "on this rank"
+                )
             return []
         if t.dim() == 0 or t.shape[0] % self.chunks:
-            raise PipelineError(
+            raise PipelineValueError(
                 f"{what} has batch size {t.shape[0] if t.dim() else 'none'}, not divisible by "
                 f"chunks={self.chunks}; use a batch size that is a multiple of chunks"
             )

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineTypeError, PipelineValueError
 
 __all__ = ["PREDICTIONS", "future_lrs", "optimizer_kind", "predict"]
 
@@ -47,14 +47,15 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     elif isinstance(optimizer, torch.optim.SGD):
         kind = "sgd"
     else:
-        raise PipelineError(
+        raise PipelineTypeError(
             f"weight prediction and gap aware support SGD, Adam and AdamW, not "
             f"{type(optimizer).__name__}"
         )
     for group in optimizer.param_groups:
         if group.get("maximize") or group.get("amsgrad"):
-            raise PipelineError(
-                "weight prediction and gap aware do not support maximize=True or amsgrad=True"
+            raise PipelineValueError(
+                "weight prediction and gap aware do not support maximize=True or amsgrad=True; "
+                "set them to False or pass weight_prediction=None, gap_aware=None"
             )
     return kind
 
@@ -109,7 +110,7 @@ def predict(
         lrs: per future step and param group; the current rates if None.
     """
     if mode not in PREDICTIONS:
-        raise PipelineError(
+        raise PipelineValueError(
             f"weight_prediction={mode!r} is not one of {', '.join(PREDICTIONS)} (or None)"
         )
     kind = optimizer_kind(optimizer)
@@ -130,7 +131,10 @@ def predict(
                     out[p] = _adam(p, state, group, etas, mode, _decoupled(optimizer, group))
     missing = [tuple(p.shape) for p in params if p not in out]
     if missing:
-        raise PipelineError(f"parameters of shapes {missing} are not in the optimizer")
+        raise PipelineValueError(
+            f"parameters of shapes {missing} are not in the optimizer; build it over "
+            "pipe.parameters() (this stage's parameters)"
+        )
     return out
 
 

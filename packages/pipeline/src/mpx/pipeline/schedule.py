@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineError, PipelineValueError
 
 __all__ = [
     "SCHEDULES",
@@ -66,11 +66,11 @@ SCHEDULES = ("sequential", "gpipe", "1f1b", "async")
 
 def _check(schedule: str, stage: int, num_stages: int, chunks: int) -> None:
     if schedule not in SCHEDULES:
-        raise PipelineError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        raise PipelineValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     if num_stages < 1 or not 0 <= stage < num_stages:
-        raise PipelineError(f"stage={stage} is not in [0, {num_stages}) stages")
+        raise PipelineValueError(f"stage={stage} is not in [0, {num_stages}) stages")
     if chunks < 1:
-        raise PipelineError(f"chunks={chunks} must be >= 1")
+        raise PipelineValueError(f"chunks={chunks} must be >= 1")
 
 
 def stage_ops(schedule: str, stage: int, num_stages: int, chunks: int) -> list[Op]:

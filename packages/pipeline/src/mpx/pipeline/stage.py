@@ -30,7 +30,7 @@ from torch import nn
 from torch.func import functional_call
 
 from mpx.pipeline._torch_private import is_batchnorm
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineTypeError
 from mpx.pipeline.partition import has_inplace
 
 __all__ = ["Stage", "Weights", "layer_seed"]
@@ -118,7 +118,7 @@ class Stage(nn.Module):
                 else:
                     x = functional_call(layer, dict(weights[index]), (x,))
                 if not isinstance(x, torch.Tensor):
-                    raise PipelineError(
+                    raise PipelineTypeError(
                         f"layer {index} returned {type(x).__name__}; a pipelined "
                         "nn.Sequential must pass one tensor from layer to layer"
                     )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineError, PipelineValueError
 from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
 from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
@@ -79,18 +79,18 @@ class StaleRunner:
         weight_stashing: bool,
     ) -> None:
         if weight_prediction is not None and weight_prediction not in PREDICTIONS:
-            raise PipelineError(
+            raise PipelineValueError(
                 f"weight_prediction={weight_prediction!r} is not one of "
                 f"{', '.join(PREDICTIONS)} or None"
             )
         if gap_aware is not None and gap_aware not in GAP_AWARE:
-            raise PipelineError(
+            raise PipelineValueError(
                 f"gap_aware={gap_aware!r} is not one of {', '.join(GAP_AWARE)} or None"
             )
         if not isinstance(step_every, int) or step_every < 1:
-            raise PipelineError(f"step_every={step_every!r} must be a positive int")
+            raise PipelineValueError(f"step_every={step_every!r} must be a positive int")
         if checkpoint != "never":
-            raise PipelineError(
+            raise PipelineValueError(
                 f"checkpoint={checkpoint!r} is for the synchronous schedules; "
                 "schedule='async' takes recompute=True|False"
             )

@@ -32,7 +32,7 @@ import torch
 from mpx.collectives import Communicator, Handle, recv, send
 from mpx.collectives.building_blocks import HEADER_LEN, decode_header, usable_cores
 from mpx.collectives.building_blocks import encode_header as _encode_header
-from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.errors import PipelineError, PipelineTypeError, PipelineValueError
 
 __all__ = ["WAITED", "Inbox", "Outbox", "decode_header", "encode_header"]
 
@@ -75,11 +75,18 @@ def _tag(kind: str, j: int) -> int:
 
 
 def encode_header(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """The header of an activation (:func:`mpx.collectives.building_blocks.encode_header`)."""
+    """The header of an activation (:func:`mpx.collectives.building_blocks.encode_header`).
+
+    Raises:
+        PipelineValueError: more dimensions than a header holds.
+        PipelineTypeError: a dtype no operation takes.
+    """
     try:
         return _encode_header(shape, dtype)
-    except (ValueError, TypeError) as exc:
-        raise PipelineError(f"an activation cannot cross a stage border: {exc}") from exc
+    except TypeError as exc:
+        raise PipelineTypeError(f"an activation cannot cross a stage border: {exc}") from exc
+    except ValueError as exc:
+        raise PipelineValueError(f"an activation cannot cross a stage border: {exc}") from exc
 
 
 _ORPHANS: list[tuple[torch.Tensor, Handle[Any]]] = []

@@ -7,36 +7,24 @@ Which tensors are compressed::
                       and, where a name and shape are known (allreduce_tensors, the DDP hook):
                           more than one dimension and no exclude pattern in the name
 
-CGX's environment variables are accepted as aliases; an ``MPX_QUANTIZE_*``
-variable wins over its CGX name when both are set.
-
-=====================================  ==========================================  =======
-variable                               CGX alias                                   default
-=====================================  ==========================================  =======
-``MPX_QUANTIZE_BITS``                  ``CGX_COMPRESSION_QUANTIZATION_BITS``       4
-``MPX_QUANTIZE_BUCKET_SIZE``           ``CGX_COMPRESSION_BUCKET_SIZE``             512
-``MPX_QUANTIZE_SKIP_INCOMPLETE_BUCKETS`` ``CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS`` 0
-``MPX_QUANTIZE_MINIMAL_SIZE``          ``CGX_COMPRESSION_MINIMAL_SIZE``            16
-``MPX_QUANTIZE_FUSION_BUFFER_MB``      ``CGX_FUSION_BUFFER_SIZE_MB``               64
-``MPX_QUANTIZE_ERROR_FEEDBACK``        (none)                                      0
-``MPX_QUANTIZE_EXCLUDE``               (none; comma-separated name parts)          ""
-``MPX_QUANTIZE_STOCHASTIC``            (none)                                      1
-``MPX_QUANTIZE_SEED``                  (none)                                      0
-=====================================  ==========================================  =======
+The environment variables (``MPX_QUANTIZE_*``, with CGX's names as aliases;
+the MPX name wins when both are set) are declared in
+:mod:`mpx.quantize.settings`; ``mpxrun --settings`` lists them.
 
 ``bits=32`` (CGX's default) turns compression off.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from mpx.launch.settings import SettingError
 from mpx.quantize.errors import QuantizeValueError
 from mpx.quantize.format import check_bucket_size
+from mpx.quantize.settings import CONFIG
 
 __all__ = [
     "CompressionConfig",
@@ -48,46 +36,6 @@ __all__ = [
 
 # CGX compresses nothing below 16 elements, whatever minimal_size says.
 MIN_COMPRESSED = 16
-
-_ENV: dict[str, tuple[str, str | None]] = {
-    "bits": ("MPX_QUANTIZE_BITS", "CGX_COMPRESSION_QUANTIZATION_BITS"),
-    "bucket_size": ("MPX_QUANTIZE_BUCKET_SIZE", "CGX_COMPRESSION_BUCKET_SIZE"),
-    "skip_incomplete_buckets": (
-        "MPX_QUANTIZE_SKIP_INCOMPLETE_BUCKETS",
-        "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS",
-    ),
-    "minimal_size": ("MPX_QUANTIZE_MINIMAL_SIZE", "CGX_COMPRESSION_MINIMAL_SIZE"),
-    "fusion_buffer_mb": ("MPX_QUANTIZE_FUSION_BUFFER_MB", "CGX_FUSION_BUFFER_SIZE_MB"),
-    "error_feedback": ("MPX_QUANTIZE_ERROR_FEEDBACK", None),
-    "exclude": ("MPX_QUANTIZE_EXCLUDE", None),
-    "stochastic": ("MPX_QUANTIZE_STOCHASTIC", None),
-    "seed": ("MPX_QUANTIZE_SEED", None),
-}
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
-def _parse_bool(name: str, text: str) -> bool:
-    low = text.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise QuantizeValueError(f"{name}={text!r} is not a boolean: use 1 or 0")
-
-
-def _parse_int(name: str, text: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise QuantizeValueError(f"{name}={text!r} is not an integer") from None
-
-
-def _parse_float(name: str, text: str) -> float:
-    try:
-        return float(text.strip())
-    except ValueError:
-        raise QuantizeValueError(f"{name}={text!r} is not a number") from None
 
 
 @dataclass(frozen=True)
@@ -191,24 +139,18 @@ class CompressionConfig:
         Raises:
             QuantizeValueError: a variable does not parse; the message names it.
         """
-        env = os.environ if environ is None else environ
         values: dict[str, object] = {}
-        for key, (mpx_name, cgx_name) in _ENV.items():
-            if mpx_name in env:
-                name = mpx_name
-            elif cgx_name is not None and cgx_name in env:
-                name = cgx_name
-            else:
-                continue
-            text = env[name]
-            if key in ("bits", "bucket_size", "minimal_size", "seed"):
-                values[key] = _parse_int(name, text)
-            elif key == "fusion_buffer_mb":
-                values[key] = _parse_float(name, text)
-            elif key == "exclude":
-                values[key] = tuple(p.strip() for p in text.split(",") if p.strip())
-            else:
-                values[key] = _parse_bool(name, text)
+        for key, setting in CONFIG.items():
+            found = setting.raw(environ)
+            if found is None:
+                continue  # unset: the dataclass's default
+            try:
+                value = setting.parse(found[1], found[0])
+            except SettingError as error:
+                raise QuantizeValueError(str(error)) from None
+            if key == "exclude":
+                value = tuple(p.strip() for p in value.split(",") if p.strip())
+            values[key] = value
         values.update(overrides)
         try:
             return cls(**values)  # type: ignore[arg-type]

@@ -3,14 +3,21 @@
 Bad arguments raise :class:`QuantizeValueError` or :class:`QuantizeTypeError`,
 which are also ``ValueError`` / ``TypeError``, so callers may catch either the
 builtin or the package's base :class:`QuantizeError`.
+
+:class:`QuantizeError` derives from :class:`MPXError`, the root of every mpx
+error, which lives in the dependency-free mpx-launch (a requirement of
+mpx-quantize): the kernels import without mpx-collectives, torch.distributed
+or MPI, and ``except MPXError`` still catches their errors.
 """
 
 from __future__ import annotations
 
+from mpx.launch.errors import MPXError
+
 __all__ = ["QuantizeError", "QuantizeTypeError", "QuantizeValueError"]
 
 
-class QuantizeError(Exception):
+class QuantizeError(MPXError):
     """Base class of every mpx-quantize error.
 
     Example::

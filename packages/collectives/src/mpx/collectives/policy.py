@@ -1,0 +1,484 @@
+"""Which implementation runs a call: per op an ordered list, and one policy.
+
+Every caller that must pick an implementation -- the operations, the
+small-call fast path, ``staged`` choosing its host algorithm, ``hier``
+choosing its cross-node step, point-to-point -- asks :func:`choose`. It walks
+the op's list below (as Horovod walks its per-op lists); the first entry
+enabled for the call under the current :class:`Policy` wins::
+
+    op                 ordered implementations (first enabled wins)
+    -----------------  -------------------------------------------------------
+    allreduce          mpi<small  shm  hier  ring  mpi(cuda-aware)  staged  mpi
+    broadcast          mpi<small  shm  hier  ring  mpi(cuda-aware)  staged  mpi
+    allgather          mpi<small  shm  ring  mpi(cuda-aware)  staged  mpi
+    reduce_scatter     mpi<small  ring  mpi(cuda-aware)  staged  mpi
+    reduce, alltoall,  mpi(cuda-aware)  staged  mpi
+    send, recv
+    barrier            mpi
+
+    mpi<small        CPU, and a single rank or fewer bytes than the policy's
+                     small-message threshold (MPI's latency is unbeatable there)
+    shm              CPU, every rank on one node
+    hier             CPU, several nodes, more than one rank on some node
+    ring             CPU, several nodes
+    mpi(cuda-aware)  CUDA tensor and MPX_CUDA_AWARE=1
+    staged           CUDA tensor
+    mpi              the fallback for CPU tensors
+
+``ipc`` (CUDA IPC within a node) is never chosen by ``auto``: it needs every
+rank to see its peers' GPUs, which only the user knows; name it with
+``impl="ipc"``.
+
+The policy holds the threshold, CUDA-awareness and, when ``mpxrun --tune``
+has measured this machine and rank layout, the measured winner of each size
+band (then an entry is enabled only where it won). Every rank reaches the
+same decision: shapes and dtypes agree across ranks, and communicators check
+at creation that their ranks run the same policy.
+
+Decisions are cached per communicator and size; the first of each (op,
+device, size class) is logged on the ``mpx.collectives`` logger at DEBUG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mpx.collectives import settings
+from mpx.collectives.errors import MPXError
+from mpx.launch.settings import on_reload
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpx.collectives.communicator import Communicator
+    from mpx.collectives.handle import Steps
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "ORDER",
+    "Choice",
+    "Entry",
+    "Implementation",
+    "Policy",
+    "PolicyError",
+    "choose",
+    "current",
+    "default_policy_file",
+    "layout_key",
+    "small_bytes",
+]
+
+LOG = logging.getLogger("mpx.collectives")
+
+OPS = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "alltoall",
+    "send",
+    "recv",
+    "barrier",
+)
+# The implementations by name (impl= or MPX_COLLECTIVES_IMPL accept these and "auto").
+IMPLEMENTATIONS = ("mpi", "ring", "shm", "hier", "staged", "ipc")
+# Operations whose CPU algorithms the tuner times and the policy can band.
+TUNABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+
+
+class PolicyError(MPXError, ValueError):
+    """A policy file cannot be read, or an implementation cannot take this call."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the decision depends on: the op, the device, the bytes, the communicator."""
+
+    op: str
+    cuda: bool
+    nbytes: int
+    comm: Communicator
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One line of an op's ordered list: an implementation and when it is enabled."""
+
+    impl: str
+    enabled: Callable[[Call, Policy], bool]
+    label: str = ""
+
+    def __repr__(self) -> str:
+        return f"Entry({self.label or self.impl})"
+
+
+def _cpu(call: Call) -> bool:
+    return not call.cuda
+
+
+def _mpi_small(call: Call, policy: Policy) -> bool:
+    if call.cuda:
+        return False
+    if call.comm.size == 1:
+        return True  # nothing to communicate: no algorithm beats MPI's copy
+    won = policy.tuned_winner(call)
+    if won is not None:
+        return won == "mpi"
+    return call.comm.size == 1 or call.nbytes < policy.small_bytes
+
+
+def _banded(impl: str, fits: Callable[[Call], bool]) -> Callable[[Call, Policy], bool]:
+    """Enabled where the layout fits and, if tuned, where ``impl`` won this size."""
+
+    def enabled(call: Call, policy: Policy) -> bool:
+        if call.cuda or not fits(call):
+            return False
+        won = policy.tuned_winner(call)
+        return won is None or won == impl
+
+    return enabled
+
+
+_MPI_SMALL = Entry("mpi", _mpi_small, "mpi<small")
+_SHM = Entry("shm", _banded("shm", lambda c: c.comm.size > 1 and c.comm.single_node))
+_HIER = Entry("hier", _banded("hier", lambda c: c.comm.hierarchy is not None))
+_RING = Entry("ring", _banded("ring", lambda c: c.comm.size > 1 and not c.comm.single_node))
+# On one node ring is never the default (shm wins there), but a tuned policy
+# may find it faster for some sizes: it is enabled only where it won.
+_RING_TUNED = Entry(
+    "ring",
+    lambda call, policy: not call.cuda and policy.tuned_winner(call) == "ring",
+    "ring(tuned)",
+)
+_MPI_CUDA = Entry("mpi", lambda call, policy: call.cuda and policy.cuda_aware, "mpi(cuda-aware)")
+_STAGED = Entry("staged", lambda call, policy: call.cuda)
+_MPI = Entry("mpi", lambda call, policy: not call.cuda, "mpi")
+
+_P2P = (_MPI_CUDA, _STAGED, _MPI)
+ORDER: dict[str, tuple[Entry, ...]] = {
+    "allreduce": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
+    "broadcast": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
+    "allgather": (_MPI_SMALL, _SHM, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
+    "reduce_scatter": (_MPI_SMALL, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
+    "reduce": _P2P,
+    "alltoall": _P2P,
+    "send": _P2P,
+    "recv": _P2P,
+    "barrier": (_MPI,),
+}
+
+
+def layout_key(comm: Communicator) -> str:
+    """The rank layout a tuned policy was measured for: ranks, nodes, ranks per node."""
+    return f"ranks={comm.size},nodes={comm.num_nodes},node_size={comm.node_size}"
+
+
+# MPX_POLICY_FILE=none: the built-in rules, whatever tuning files exist.
+_NO_FILE = frozenset({"none", "builtin", "built-in"})
+
+
+def default_policy_file() -> Path:
+    """Where ``mpxrun --tune`` writes and ``auto`` reads: ``MPX_POLICY_FILE``, else
+    ``$XDG_CACHE_HOME/mpx/policy-<host>.json`` (``~/.cache`` without XDG_CACHE_HOME)."""
+    chosen = settings.POLICY_FILE.get()
+    if chosen and chosen.lower() not in _NO_FILE:
+        return Path(chosen)
+    cache = settings.XDG_CACHE_HOME.get() or str(Path.home() / ".cache")
+    return Path(cache) / "mpx" / f"policy-{socket.gethostname()}.json"
+
+
+@dataclass
+class Policy:
+    """The rules ``auto`` follows: thresholds, CUDA-awareness, measured bands.
+
+    Attributes:
+        small_bytes: below this, MPI's own collectives (``MPX_AUTO_SMALL_BYTES``).
+        cuda_aware: MPI takes CUDA buffers (``MPX_CUDA_AWARE``).
+        impl: the implementation every call without ``impl=`` uses
+            (``MPX_COLLECTIVES_IMPL``; ``"auto"`` lets the lists decide).
+        check: compare every call's signature across ranks (``MPX_CHECK``).
+        tuned: layout key -> op -> list of ``[up_to_bytes, impl]`` bands
+            (exclusive upper bounds, ascending), from a tuning file.
+        source: where the bands came from (a path), or ``"built-in"``.
+
+    Example::
+
+        from mpx.collectives import policy
+        p = policy.current()
+        print(p.small_bytes, p.source, p.describe(world()))
+    """
+
+    small_bytes: int
+    cuda_aware: bool
+    impl: str
+    check: bool
+    tuned: dict[str, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
+    source: str = "built-in"
+    _log_seen: set[tuple[str, bool, int]] = field(default_factory=set, repr=False)
+
+    @classmethod
+    def from_settings(cls) -> Policy:
+        """The policy of the environment's settings and the tuning file, if there is one."""
+        path = default_policy_file()
+        tuned: dict[str, dict[str, list[tuple[int, str]]]] = {}
+        source = "built-in"
+        if settings.POLICY_FILE.get().lower() in _NO_FILE:
+            pass
+        elif path.is_file():
+            tuned = load_bands(path)
+            source = str(path)
+        elif settings.POLICY_FILE.get():
+            raise PolicyError(
+                f"MPX_POLICY_FILE={str(path)!r} does not exist; write it with "
+                "`mpxrun -n N --tune` (or unset MPX_POLICY_FILE for the built-in policy)"
+            )
+        return cls(
+            small_bytes=settings.SMALL_BYTES.get(),
+            cuda_aware=settings.CUDA_AWARE.get(),
+            impl=settings.IMPL.get(),
+            check=settings.CHECK.get(),
+            tuned=tuned,
+            source=source,
+        )
+
+    def bands(self, comm: Communicator) -> dict[str, list[tuple[int, str]]] | None:
+        """The tuned bands for this communicator's layout, or None (built-in rules)."""
+        if not self.tuned:
+            return None
+        return self.tuned.get(layout_key(comm))
+
+    def tuned_winner(self, call: Call) -> str | None:
+        """The implementation measured fastest for this call's op and size, if tuned."""
+        layout = self.bands(call.comm)
+        if layout is None:
+            return None
+        bands = layout.get(call.op)
+        if not bands:
+            return None
+        for up_to, impl in bands:
+            if call.nbytes < up_to:
+                return impl
+        return bands[-1][1]
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of everything a decision depends on (ranks must agree on it)."""
+        text = json.dumps(
+            [self.small_bytes, self.cuda_aware, self.impl, sorted(self.tuned.items())],
+            sort_keys=True,
+        )
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+    def describe(self, comm: Communicator) -> str:
+        """One line: the policy's source and the rules for this communicator."""
+        bands = self.bands(comm)
+        if bands is None:
+            rule = f"built-in: mpi below {self.small_bytes} bytes"
+        else:
+            rule = "tuned " + "; ".join(
+                f"{op}: " + ", ".join(f"<{up}:{impl}" for up, impl in b) for op, b in bands.items()
+            )
+        return f"policy {self.source} ({layout_key(comm)}): {rule}"
+
+
+def load_bands(path: Path) -> dict[str, dict[str, list[tuple[int, str]]]]:
+    """The bands of a tuning file (``mpx.collectives.tune`` writes it)."""
+    try:
+        data = json.loads(path.read_text())
+        layouts = data["layouts"]
+        return {
+            key: {
+                op: [(int(up), str(impl)) for up, impl in entry["bands"][op]]
+                for op in entry["bands"]
+                if op in TUNABLE
+            }
+            for key, entry in layouts.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PolicyError(
+            f"cannot read the tuned policy {str(path)!r} ({exc}); run `mpxrun -n N --tune` "
+            "again, or delete the file for the built-in policy"
+        ) from None
+
+
+_current: list[Policy] = []
+
+
+def current() -> Policy:
+    """The policy in force (built from the settings at first use; see ``reload``)."""
+    if not _current:
+        _current.append(Policy.from_settings())
+    return _current[0]
+
+
+def _forget() -> None:
+    _current.clear()
+
+
+on_reload(_forget)
+
+
+def small_bytes() -> int:
+    """Below this many bytes MPI's own collectives win (the policy's threshold)."""
+    return current().small_bytes
+
+
+# -- choosing -----------------------------------------------------------------
+
+_CUDA_IMPLS = frozenset({"staged", "ipc"})
+
+
+class Implementation(Protocol):
+    """An implementation module: each op it provides is a generator of steps.
+
+    Every implementation provides allreduce and broadcast (mypy checks each
+    module against this protocol in :func:`_modules`); the others, where
+    present, have the same shape with their own arguments (``reduce(comm, t,
+    root, op)``, ``send(comm, t, dest, tag)``, ...) and are found by name.
+    """
+
+    def allreduce(self, comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]: ...
+
+    def broadcast(self, comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The decision for a call: the implementation's name and its module."""
+
+    name: str
+    module: Implementation
+
+
+def _modules() -> Mapping[str, Implementation]:
+    from mpx.collectives import impl_hier, impl_ipc, impl_mpi, impl_ring, impl_shm, impl_staged
+
+    return {
+        "mpi": impl_mpi,
+        "ring": impl_ring,
+        "shm": impl_shm,
+        "hier": impl_hier,
+        "staged": impl_staged,
+        "ipc": impl_ipc,
+    }
+
+
+_MODULES: dict[str, Implementation] = {}
+
+
+def module_of(name: str) -> Implementation:
+    if not _MODULES:
+        _MODULES.update(_modules())
+    return _MODULES[name]
+
+
+def _walk(call: Call, policy: Policy) -> str:
+    for entry in ORDER[call.op]:
+        if entry.enabled(call, policy) and hasattr(module_of(entry.impl), call.op):
+            return entry.impl
+    raise PolicyError(  # unreachable with the lists above: each ends in a fallback
+        f"{call.op}: no implementation is enabled for a {'CUDA' if call.cuda else 'CPU'} "
+        f"tensor of {call.nbytes} bytes"
+    )
+
+
+def _named(call: Call, name: str, policy: Policy) -> str:
+    """Checks an explicitly named implementation; falls back for ops it does not have."""
+    comm, op = call.comm, call.op
+    if name not in settings.IMPL_NAMES:
+        raise PolicyError(
+            f"{op}: impl must be one of {', '.join(settings.IMPL_NAMES)}, got {name!r} "
+            "(from impl= or MPX_COLLECTIVES_IMPL)"
+        )
+    if name in ("shm", "ipc") and not comm.single_node:
+        raise PolicyError(
+            f"{op}: impl={name!r} needs every rank on one node, but this communicator spans "
+            f"{comm.num_nodes} nodes; use impl='hier', 'ring' or 'auto'"
+        )
+    if name == "hier" and comm.hierarchy is None:
+        raise PolicyError(
+            f"{op}: impl='hier' needs ranks on several nodes with more than one rank on some "
+            f"node; this communicator has {comm.num_nodes} node(s) of {comm.node_size} rank(s) "
+            "here; use impl='shm', 'ring' or 'auto'"
+        )
+    if call.cuda and name not in _CUDA_IMPLS and not (name == "mpi" and policy.cuda_aware):
+        raise PolicyError(
+            f"{op}: impl={name!r} takes CPU tensors; for a CUDA tensor use impl='staged' "
+            "(or 'auto'), 'ipc' within a node, or 'mpi' with a CUDA-aware MPI "
+            "(MPX_CUDA_AWARE=1); or move it with t.cpu()"
+        )
+    if not call.cuda and name in _CUDA_IMPLS:
+        raise PolicyError(f"{op}: impl={name!r} takes CUDA tensors, got a CPU one; use impl='auto'")
+    if not hasattr(module_of(name), op):
+        return "staged" if call.cuda and not policy.cuda_aware else "mpi"
+    return name
+
+
+def choose(op: str, cuda: bool, nbytes: int, comm: Communicator, impl: str | None = None) -> Choice:
+    """The implementation that runs this call (``impl=None``: ``MPX_COLLECTIVES_IMPL``).
+
+    Point-to-point and barrier always run on MPI (through pinned memory for
+    CUDA tensors unless MPI is CUDA-aware), whatever ``impl`` says.
+
+    Raises:
+        PolicyError: an unknown name, ``shm``/``ipc`` across nodes, ``hier``
+            on one node, or a device the implementation cannot take.
+    """
+    policy = current()
+    key = (op, cuda, nbytes, impl)
+    cache = comm.choices
+    if cache.policy is policy:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    else:
+        cache.reset(policy)
+    call = Call(op, cuda, nbytes, comm)
+    name = impl or policy.impl
+    if op in ("send", "recv", "barrier"):
+        name = "auto"
+    chosen = _walk(call, policy) if name == "auto" else _named(call, name, policy)
+    choice = Choice(chosen, module_of(chosen))
+    cache[key] = choice
+    size_class = max(nbytes, 1).bit_length()
+    if LOG.isEnabledFor(logging.DEBUG) and (op, cuda, size_class) not in policy._log_seen:
+        policy._log_seen.add((op, cuda, size_class))
+        LOG.debug(
+            "%s of a %s tensor of %d bytes (class 2^%d) on %s: %s (asked %s; %s)",
+            op,
+            "CUDA" if cuda else "CPU",
+            nbytes,
+            size_class - 1,
+            layout_key(comm),
+            chosen,
+            name,
+            policy.source,
+        )
+    return choice
+
+
+class ChoiceCache(dict[tuple[str, bool, int, str | None], Choice]):
+    """A communicator's decisions under one policy (dropped when the policy changes)."""
+
+    # Bounded: a program calling with ever new sizes must not grow it forever.
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy: Policy | None = None
+
+    def reset(self, policy: Policy) -> None:
+        self.clear()
+        self.policy = policy
+
+    def __setitem__(self, key: Any, value: Choice) -> None:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        super().__setitem__(key, value)

@@ -1,0 +1,169 @@
+"""The policy: ordered lists, tuned bands, one decision per call, ranks that agree."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpx.collectives import Communicator, MismatchError, allreduce, policy, world
+from mpx.collectives.policy import ORDER, PolicyError, choose, layout_key, small_bytes
+from mpx.collectives.tune import TIE, bands_from
+from mpx.collectives.tune import main as tune_main
+from mpx.launch import settings
+from mpx.launch.settings import reload as reload_settings
+
+
+def test_every_op_has_a_list_that_ends_in_a_fallback() -> None:
+    for op, entries in ORDER.items():
+        assert entries, op
+        assert entries[-1].impl == "mpi", f"{op}: the last entry must take any CPU tensor"
+
+
+def test_bands_keep_the_previous_winner_within_the_tie() -> None:
+    measured = {
+        4096: {"mpi": 1.0, "shm": 3.0},
+        16384: {"mpi": 1.0, "shm": 1.0 / TIE * 1.01},  # shm a hair faster: mpi stays
+        65536: {"mpi": 2.0, "shm": 1.0},
+        262144: {"mpi": 4.0, "shm": 1.0},
+    }
+    bands = bands_from(measured)
+    assert [impl for _, impl in bands] == ["mpi", "shm"]
+    assert bands[0][0] == int((16384 * 65536) ** 0.5)  # the edge halfway between
+    assert bands[-1][0] > 1 << 60
+
+
+@pytest.mark.mpi
+def test_built_in_rules_by_size_and_layout() -> None:
+    comm = world()
+    small, large = small_bytes() - 4, small_bytes()
+    assert choose("allreduce", False, small, comm).name == "mpi"
+    want = "mpi" if comm.size == 1 else "shm" if comm.single_node else "hier"
+    assert choose("allreduce", False, large, comm).name == want
+    # reduce_scatter has no shared-memory algorithm: on one node it stays on MPI.
+    rs = choose("reduce_scatter", False, large, comm).name
+    assert rs == ("mpi" if comm.single_node else "ring")
+    assert choose("send", False, large, comm).name == "mpi"
+    assert choose("barrier", False, 0, comm).name == "mpi"
+
+
+def _same_path_everywhere(tmp_path: Path, name: str) -> Path:
+    """A path chosen by rank 0, so that every rank reads the file rank 0 writes."""
+    return Path(MPI.COMM_WORLD.bcast(str(tmp_path / name), root=0))
+
+
+@pytest.mark.mpi
+def test_tuned_bands_decide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    comm = world()
+    path = _same_path_everywhere(tmp_path, "policy.json")
+    bands = {"allreduce": [[8192, "mpi"], [1 << 20, "ring"], [1 << 62, "shm"]]}
+    if comm.rank == 0:
+        layouts = {layout_key(comm): {"bands": bands}}
+        path.write_text(json.dumps({"version": 1, "layouts": layouts}))
+    MPI.COMM_WORLD.Barrier()
+    monkeypatch.setenv("MPX_POLICY_FILE", str(path))
+    reload_settings()
+    assert policy.current().source == str(path)
+    expect = {4096: "mpi", 65536: "ring", 4 << 20: "shm" if comm.single_node else "mpi"}
+    for nbytes, impl in expect.items():
+        chosen = choose("allreduce", False, nbytes, comm).name
+        assert chosen == ("mpi" if comm.size == 1 else impl), nbytes
+        t = torch.full((nbytes // 4,), float(comm.rank + 1))
+        allreduce(t)
+        assert float(t[0]) == float(t[-1]) == comm.size * (comm.size + 1) / 2
+    # Ops the file does not band follow the built-in rules.
+    assert choose("broadcast", False, 4096, comm).name == "mpi"
+
+
+@pytest.mark.mpi
+def test_missing_policy_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPX_POLICY_FILE", "/nonexistent/mpx-policy.json")
+    reload_settings()
+    with pytest.raises(PolicyError, match="mpxrun -n N --tune") as info:
+        allreduce(torch.ones(4))
+    assert "/nonexistent/mpx-policy.json" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.mpi
+def test_ranks_with_different_policies_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    comm = world()
+    if comm.rank > 0:
+        monkeypatch.setenv("MPX_AUTO_SMALL_BYTES", "1K")
+    reload_settings()
+    if comm.size == 1:
+        Communicator.from_mpi(MPI.COMM_WORLD).free()  # nobody to disagree with
+        return
+    with pytest.raises(MismatchError, match=r"ranks \[1(, 2)?\] run a different"):
+        Communicator.from_mpi(MPI.COMM_WORLD)
+
+
+@pytest.mark.mpi
+def test_a_call_consults_the_policy_once_and_reads_no_setting_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    comm = world()
+    t = torch.ones(1 << 18)  # 1 MiB
+    allreduce(t)  # settings read (once, cached), workspaces made
+    comm.choices.reset(policy.current())  # forget the decision: the next call decides again
+    walks: list[str] = []
+    reads: list[str] = []
+    real_walk = policy._walk
+    real_read = settings.Setting.read
+
+    def counting_walk(call: Any, p: Any) -> str:
+        walks.append(call.op)
+        return real_walk(call, p)
+
+    def counting_read(self: Any, env: Any = None) -> Any:
+        reads.append(self.name)
+        return real_read(self, env)
+
+    monkeypatch.setattr(policy, "_walk", counting_walk)
+    monkeypatch.setattr(settings.Setting, "read", counting_read)
+    t.fill_(1.0)
+    allreduce(t)
+    assert walks == ["allreduce"]  # the first call decides...
+    allreduce(t)
+    allreduce(t)
+    assert walks == ["allreduce"]  # ...and the same call again reuses the decision
+    assert reads == []  # every setting was read before, once
+    assert float(t[0]) == comm.size**3
+
+
+@pytest.mark.mpi
+def test_the_first_decision_per_size_class_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    reload_settings()  # a fresh policy has logged nothing yet
+    with caplog.at_level(logging.DEBUG, logger="mpx.collectives"):
+        for _ in range(3):
+            allreduce(torch.ones(3000))  # 12000 bytes: class 2^13
+    lines = [r.getMessage() for r in caplog.records if "allreduce of a CPU tensor" in r.message]
+    assert len(lines) == 1
+    assert "12000 bytes (class 2^13)" in lines[0]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_tune_writes_the_policy_auto_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    comm = world()
+    path = _same_path_everywhere(tmp_path, "tuned.json")
+    assert tune_main(["--max-size", "16K", "--ops", "allreduce", "--output", str(path)]) == 0
+    data = json.loads(path.read_text())
+    entry = data["layouts"][layout_key(comm)]
+    assert set(entry["measured_seconds"]["allreduce"]) == {"4096", "16384"}
+    assert entry["bands"]["allreduce"][-1][0] > 1 << 60
+    if comm.rank == 0:
+        assert f"wrote {path}" in capsys.readouterr().out
+    monkeypatch.setenv("MPX_POLICY_FILE", str(path))
+    reload_settings()
+    assert policy.current().bands(comm) is not None
+    t = torch.ones(1024)
+    allreduce(t)
+    assert float(t[0]) == comm.size

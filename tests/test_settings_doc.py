@@ -1,0 +1,27 @@
+"""docs/settings.md shows the settings table as the installed packages declare it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mpx.launch.settings import all_settings, markdown_table
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
+
+
+def test_docs_table_is_the_declared_table() -> None:
+    text = DOC.read_text()
+    match = re.search(r"<!-- settings table begin -->\n(.*)<!-- settings table end -->", text, re.S)
+    assert match is not None, f"{DOC} lost its table markers"
+    assert match.group(1) == markdown_table(), (
+        "docs/settings.md is out of date: regenerate its table with `mpxrun --settings`"
+    )
+
+
+def test_every_package_declares_its_variables() -> None:
+    markdown_table()  # loads every installed package's declarations
+    packages = {s.package for s in all_settings()}
+    assert {"launch", "collectives", "quantize"} <= packages
+    names = [s.name for s in all_settings()]
+    assert len(names) == len(set(names))
