@@ -8,12 +8,14 @@ mpi4py's manner (they never assume a world size) and nox runs them as::
 every rank running the same tests in the same order. Two things keep one
 rank's failure from hanging the others:
 
-* After every mpi test, the ranks agree on its outcome with a non-blocking
-  allgather on a private communicator, polled against a deadline::
+* After every mpi test, the ranks agree on its outcome with
+  :meth:`mpx.collectives.Communicator.agree` on a private communicator whose
+  timeout is ``MPX_TEST_AGREE_TIMEOUT`` (120 s)::
 
       rank 0:  test A ──┐            ┌── test B ...
       rank 1:  test A ──┼─ agree(A) ─┼── test B ...     failed anywhere -> the
-      rank 2:  test A ──┘            └── test B ...     teardown fails on all ranks
+      rank 2:  test A ──┘            └── test B ...     teardown fails on all ranks,
+                                                        naming the ranks and their errors
 
   A rank whose peers do not arrive in time (they are stuck in a collective
   that this rank left by raising) exits; ``mpxrun`` then stops the job and
@@ -29,31 +31,35 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
 
 AGREE_TIMEOUT_S = float(os.environ.get("MPX_TEST_AGREE_TIMEOUT", "120"))
-_FAILED_KEY = pytest.StashKey[bool]()
+_FAILED_KEY = pytest.StashKey[str]()  # this rank's failure of the test, in one line
 
 
 @functools.cache
 def _world() -> Any:
-    """A private duplicate of COMM_WORLD, or None outside a multi-rank run."""
+    """A private mpx communicator over COMM_WORLD, or None outside a multi-rank run.
+
+    Made in ``pytest_configure``, which every rank runs: making it is collective.
+    """
     if not any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPX_JOB_ID")):
         return None
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.Get_size() == 1:
         return None
-    return MPI.COMM_WORLD.Dup()
+    from mpx.collectives import Communicator
+
+    return Communicator.from_mpi(MPI.COMM_WORLD, timeout=AGREE_TIMEOUT_S)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     comm = _world()
-    if comm is not None and comm.Get_rank() != 0:
+    if comm is not None and comm.rank != 0:
         # The other ranks report failures and their summary line only.
         config.option.verbose = -2
 
@@ -77,26 +83,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def _agree(comm: Any, failed: bool, nodeid: str) -> list[int]:
-    """Ranks on which the test failed; exits if the peers never arrive."""
-    import numpy as np
-    from mpi4py import MPI
+def _agree(comm: Any, failure: str | None, nodeid: str) -> str | None:
+    """None if the test passed on every rank, else what failed where; exits if peers never come."""
+    from mpx.collectives import CollectiveTimeout, RemoteError
 
-    mine = np.array([int(failed)], dtype=np.int32)
-    every = np.zeros(comm.Get_size(), dtype=np.int32)
-    request = comm.Iallgather([mine, MPI.INT], [every, MPI.INT])
-    deadline = time.monotonic() + AGREE_TIMEOUT_S
-    while not request.Test():
-        if time.monotonic() > deadline:
-            sys.stderr.write(
-                f"\nrank {comm.Get_rank()}: peers did not finish {nodeid} within "
-                f"{AGREE_TIMEOUT_S:g} s (a rank failed or hangs inside a collective); "
-                "ending this rank so that mpxrun stops the job\n"
-            )
-            sys.stderr.flush()
-            os._exit(3)
-        time.sleep(0.0005)
-    return [rank for rank, flag in enumerate(every.tolist()) if flag]
+    try:
+        comm.agree(failure, nodeid)
+    except RemoteError as err:
+        return str(err)
+    except CollectiveTimeout as err:
+        sys.stderr.write(
+            f"\nrank {comm.rank}: peers did not finish {nodeid} within "
+            f"{AGREE_TIMEOUT_S:g} s (a rank failed or hangs inside a collective: {err}); "
+            "ending this rank so that mpxrun stops the job\n"
+        )
+        sys.stderr.flush()
+        os._exit(3)
+    return None
+
+
+def _summary(report: pytest.TestReport, call: pytest.CallInfo[None]) -> str:
+    """One line for the other ranks: the exception, or the report's last line."""
+    if call.excinfo is not None:
+        text = call.excinfo.exconly()
+    else:
+        text = (report.longreprtext.strip().splitlines() or ["failed"])[-1]
+    first = text.strip().splitlines()[0] if text.strip() else "failed"
+    return f"{first[:300]} ({call.when})"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -111,19 +124,21 @@ def pytest_runtest_makereport(
     if comm is None:
         return
     if report.failed:
-        item.stash[_FAILED_KEY] = True
+        if _FAILED_KEY not in item.stash:
+            item.stash[_FAILED_KEY] = _summary(report, call)
         # Say it now: if the peers are stuck, this rank may never reach its summary.
-        sys.stderr.write(f"\nrank {comm.Get_rank()}: {item.nodeid} failed ({call.when}):\n")
+        sys.stderr.write(f"\nrank {comm.rank}: {item.nodeid} failed ({call.when}):\n")
         sys.stderr.write(f"{report.longreprtext}\n")
         sys.stderr.flush()
     if call.when != "teardown":
         return
     # Teardown runs for every test on every rank, whatever failed before it,
     # so it is the one place where all ranks are sure to meet.
-    failed_on = _agree(comm, item.stash.get(_FAILED_KEY, False), item.nodeid)
-    if failed_on and not item.stash.get(_FAILED_KEY, False):
+    mine = item.stash.get(_FAILED_KEY, None)
+    failed = _agree(comm, mine, item.nodeid)
+    if failed is not None and mine is None:
         report.outcome = "failed"
-        report.longrepr = f"{item.nodeid} failed on rank(s) {failed_on} (see their output)"
+        report.longrepr = f"{failed} (see that rank's output)"
 
 
 # torch's rendezvous variables: a launcher, or a test of init_torch_env, may leave them set.

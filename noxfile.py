@@ -2,7 +2,7 @@
 
     nox -s tests       unit tests, then the mpi tests under mpxrun -n 1, 2, 3
     nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
-    nox -s lint        ruff and mypy
+    nox -s lint        ruff, mypy, and the import contract (import-linter)
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
 
@@ -119,8 +119,8 @@ def tests_gpu(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format check) and mypy (strict) over every package."""
-    _install(session, "ruff", "mypy", "matplotlib")
+    """ruff (lint and format check), mypy (strict), and the import contract."""
+    _install(session, "ruff", "mypy", "matplotlib", "import-linter")
     targets = ["packages", "examples", "tests", "noxfile.py", "conftest.py"]
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
@@ -130,6 +130,11 @@ def lint(session: nox.Session) -> None:
     # so the test_package.py of every package stays a module of its own.
     checks = [f"packages/{name}/{part}" for name in PACKAGES for part in ("tests", "benchmarks")]
     session.run("mypy", *sources, "examples", *checks, "tests", "conftest.py")
+    # The layer rules and "no private imports across packages" ([tool.importlinter]
+    # in pyproject.toml), checked on this working tree: the sources come first on
+    # the path, ahead of the copies installed into the session.
+    src_path = os.pathsep.join(str(ROOT / "packages" / name / "src") for name in PACKAGES)
+    session.run("lint-imports", "--no-cache", env={"PYTHONPATH": src_path})
 
 
 BENCH_BEGIN = "<!-- bench:{name} begin -->"

@@ -16,6 +16,7 @@ from mpx.collectives import (
     MPXError,
     MPXTypeError,
     MPXValueError,
+    RemoteError,
     allgather,
     allreduce,
     broadcast,
@@ -44,6 +45,7 @@ def test_every_public_error_derives_from_mpx_error() -> None:
         MPXError,
         MPXTypeError,
         MPXValueError,
+        RemoteError,
     }
     assert all(issubclass(e, MPXError) for e in errors)
 
@@ -55,6 +57,7 @@ def test_argument_errors_are_also_the_builtin_they_replace() -> None:
     assert not issubclass(MPXTypeError, ValueError)
     assert issubclass(MismatchError, ValueError)
     assert issubclass(CollectiveTimeout, TimeoutError)
+    assert not issubclass(RemoteError, (ValueError, TypeError))
 
 
 def _tensor_on_meta() -> torch.Tensor:

@@ -112,8 +112,8 @@ def test_errors_reach_every_rank(tmp_path: Path) -> None:
     dp.save_checkpoint(root_dir / "model-only.pt", model)
     with pytest.raises(DataParallelError, match="no optimizer state"):
         dp.load_checkpoint(root_dir / "model-only.pt", model, opt)
-    # A model that does not match the file fails on every rank, naming one.
-    with pytest.raises(DataParallelError, match=r"rank \d could not load .*model-only\.pt"):
+    # A model that does not match the file fails on every rank, naming the ranks.
+    with pytest.raises(DataParallelError, match=r"could not load .*model-only\.pt.* on ranks? \d"):
         dp.load_checkpoint(root_dir / "model-only.pt", nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         dp.save_checkpoint(root_dir / "x.pt", opt)  # type: ignore[arg-type]

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import mpx.dataparallel as dp
-from mpx.collectives import MPXError
+from mpx.collectives import MPXError, RemoteError
 from mpx.dataparallel import (
     DataParallelError,
+    DataParallelRemoteError,
     DataParallelTypeError,
     DataParallelValueError,
     ParameterServerError,
@@ -26,6 +27,7 @@ def test_every_public_error_derives_from_mpx_error() -> None:
     errors = {x for x in found if isinstance(x, type) and issubclass(x, BaseException)}
     assert errors == {
         DataParallelError,
+        DataParallelRemoteError,
         DataParallelTypeError,
         DataParallelValueError,
         ParameterServerError,
@@ -34,6 +36,9 @@ def test_every_public_error_derives_from_mpx_error() -> None:
     assert issubclass(DataParallelValueError, ValueError)
     assert issubclass(DataParallelTypeError, TypeError)
     assert not issubclass(DataParallelError, (ValueError, TypeError))
+    # Raised on every rank when some failed: a RemoteError, no argument error.
+    assert issubclass(DataParallelRemoteError, RemoteError)
+    assert not issubclass(DataParallelRemoteError, (ValueError, TypeError))
 
 
 def _container(data: Any, **kwargs: Any) -> dp.DistributedDataContainer:

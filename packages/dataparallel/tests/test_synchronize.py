@@ -124,5 +124,7 @@ def test_mismatched_optimizer_raises_on_every_rank() -> None:
     if dp.world_size() == 1:
         assert dp.synchronize(opt) is opt
         pytest.skip("one rank: no rank can hold an optimizer that differs from root's")
-    with pytest.raises(DataParallelError, match=r"rank 1 could not load root's optimizer state"):
+    with pytest.raises(
+        DataParallelError, match=r"could not load root's optimizer state on ranks? 1\b"
+    ):
         dp.synchronize(opt)

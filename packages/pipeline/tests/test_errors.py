@@ -8,8 +8,13 @@ import pytest
 import torch
 
 import mpx.pipeline
-from mpx.collectives import MPXError
-from mpx.pipeline import PipelineError, PipelineTypeError, PipelineValueError
+from mpx.collectives import MPXError, RemoteError
+from mpx.pipeline import (
+    PipelineError,
+    PipelineRemoteError,
+    PipelineTypeError,
+    PipelineValueError,
+)
 from mpx.pipeline.partition import check_balance
 from mpx.pipeline.prediction import predict
 from mpx.pipeline.schedule import simulate, stage_ops
@@ -19,13 +24,16 @@ from mpx.pipeline.transport import encode_header
 def test_every_public_error_derives_from_mpx_error() -> None:
     found = [getattr(mpx.pipeline, name) for name in mpx.pipeline.__all__]
     errors = {x for x in found if isinstance(x, type) and issubclass(x, BaseException)}
-    assert errors == {PipelineError, PipelineTypeError, PipelineValueError}
+    assert errors == {PipelineError, PipelineRemoteError, PipelineTypeError, PipelineValueError}
     assert all(issubclass(e, PipelineError) and issubclass(e, MPXError) for e in errors)
     assert issubclass(PipelineValueError, ValueError)
     # A TypeError now, and still the ValueError every PipelineError was before.
     assert issubclass(PipelineTypeError, TypeError)
     assert issubclass(PipelineTypeError, ValueError)
     assert not issubclass(PipelineError, ValueError)
+    # Raised on every stage when one failed: a RemoteError, no argument error.
+    assert issubclass(PipelineRemoteError, RemoteError)
+    assert not issubclass(PipelineRemoteError, ValueError)
 
 
 def test_a_deadlock_is_no_argument_error() -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import world
-from mpx.pipeline import Pipeline, PipelineError
+from mpx.pipeline import Pipeline, PipelineError, PipelineRemoteError
 from mpx.pipeline.partition import check_no_tied_weights
 
 pytestmark = pytest.mark.mpi
@@ -220,6 +220,9 @@ def test_bad_arguments_give_clear_errors() -> None:
         Pipeline(model, balance, schedule="gpipe", step_every=2)
     with pytest.raises(PipelineError, match="sample"):
         Pipeline(model, None)
+    # The first stage cannot time the layers on this sample: every stage says so.
+    with pytest.raises(PipelineRemoteError, match=r"could not time the layers on rank 0: Runt"):
+        Pipeline(model, None, sample=torch.zeros(2, 999))
     pipe = Pipeline(model, balance, chunks=5)
     x, y = data()
     with pytest.raises(PipelineError, match="chunks=5"):

@@ -134,6 +134,7 @@ def test_async_equals_the_serial_pipedream_reference(stashing: bool, recompute: 
         torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-10)
     # The staleness of backward j is min(j, depth): depth in steady state.
     depth = comm.size - 1 - comm.rank
+    assert pipe._stale is not None
     stale = pipe._stale.staleness
     assert stale == [min(j, depth) for j in range(calls * chunks)]
     if comm.size > 1 and not stashing and recompute:

@@ -5,6 +5,9 @@ Example::
     from mpx.collectives import allreduce, world
     grad = allreduce(grad, "avg")                 # impl="auto": mpi, ring or shm
     print(world().rank, world().size)
+
+Packages built on mpx-collectives also use :mod:`mpx.collectives.building_blocks`;
+the other modules are internal: other packages must not import them.
 """
 
 from mpx.collectives.communicator import Communicator, world
@@ -15,6 +18,7 @@ from mpx.collectives.errors import (
     MPXError,
     MPXTypeError,
     MPXValueError,
+    RemoteError,
 )
 from mpx.collectives.handle import Handle
 from mpx.collectives.ops import (
@@ -43,6 +47,7 @@ __all__ = [
     "MPXTypeError",
     "MPXValueError",
     "MismatchError",
+    "RemoteError",
     "__version__",
     "allgather",
     "allreduce",

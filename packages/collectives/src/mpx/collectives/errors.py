@@ -17,7 +17,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mpx.launch.errors import MPXError
 
@@ -28,6 +29,7 @@ __all__ = [
     "MPXTypeError",
     "MPXValueError",
     "MismatchError",
+    "RemoteError",
 ]
 
 
@@ -81,3 +83,52 @@ class MismatchError(MPXError, ValueError):
 
 class CommunicatorBroken(MPXError):
     """A collective on this communicator timed out earlier; its state is unknown."""
+
+
+class RemoteError(MPXError):
+    """An operation failed on some ranks; every rank raises this, naming them.
+
+    Raised by :meth:`Communicator.agree <mpx.collectives.Communicator.agree>`
+    (and ``with comm.agreement(...)``) on every rank of the communicator alike,
+    so that no rank goes on into a collective the failed ones never reach. On a
+    rank that failed itself, the original exception is chained (``__cause__``).
+    Upper packages raise subclasses that also derive from their own base class
+    (``DataParallelRemoteError``, ``PipelineRemoteError``).
+
+    Attributes:
+        what: what failed, as the caller put it ("load_checkpoint: could not load x.pt").
+        failures: rank -> summary of its exception ("ValueError: ..."), in rank order.
+
+    Example::
+
+        try:
+            comm.agree(error, "could not read the data set")
+        except RemoteError as err:
+            print(err.ranks, err.failures)   # [2] {2: "FileNotFoundError: ..."}
+    """
+
+    def __init__(self, what: str, failures: Mapping[int, str]) -> None:
+        self.what = what
+        self.failures = dict(sorted(failures.items()))
+        super().__init__(_describe_failures(what, self.failures))
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks that failed, ascending."""
+        return list(self.failures)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.failures))
+
+
+def _describe_failures(what: str, failures: Mapping[int, str]) -> str:
+    """``what on rank 2: ValueError: x``; ranks with the same message share it."""
+    ranks = list(failures)
+    if not ranks:
+        return f"{what} (no rank reported a failure)"
+    if len(ranks) == 1:
+        return f"{what} on rank {ranks[0]}: {failures[ranks[0]]}"
+    names = ", ".join(map(str, ranks))
+    if len(set(failures.values())) == 1:
+        return f"{what} on ranks {names}: {failures[ranks[0]]}"
+    return f"{what} on ranks {names}: " + "; ".join(f"rank {r}: {m}" for r, m in failures.items())

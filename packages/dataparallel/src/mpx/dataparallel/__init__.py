@@ -12,6 +12,7 @@ from mpx.dataparallel.checkpoint import load_checkpoint, save_checkpoint
 from mpx.dataparallel.data import DistributedDataContainer
 from mpx.dataparallel.errors import (
     DataParallelError,
+    DataParallelRemoteError,
     DataParallelTypeError,
     DataParallelValueError,
     ParameterServerError,
@@ -25,6 +26,7 @@ __all__ = [
     "EASGD",
     "RULES",
     "DataParallelError",
+    "DataParallelRemoteError",
     "DataParallelTypeError",
     "DataParallelValueError",
     "DistributedDataContainer",

@@ -20,9 +20,13 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator
-from mpx.dataparallel.errors import DataParallelError, DataParallelTypeError, DataParallelValueError
-from mpx.dataparallel.runtime import default_comm, object_comm
-from mpx.dataparallel.synchronize import agree, synchronize
+from mpx.dataparallel.errors import (
+    DataParallelRemoteError,
+    DataParallelTypeError,
+    DataParallelValueError,
+)
+from mpx.dataparallel.runtime import default_comm
+from mpx.dataparallel.synchronize import synchronize
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -59,27 +63,25 @@ def save_checkpoint(
         raise DataParallelTypeError(
             f"save_checkpoint: model must be an nn.Module, got {type(model).__name__}"
         )
-    error = ""
-    if comm.rank == root:
-        state = {
-            "format": _FORMAT,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "extra": extra,
-        }
-        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-        except Exception as exc:  # reported on every rank below
-            error = f"{type(exc).__name__}: {exc}"
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    error = object_comm(comm).bcast(error, root=root)
-    if error:
-        raise DataParallelError(
-            f"save_checkpoint: root (rank {root}) could not write {path}: {error}"
-        )
+    # A failure on root raises on every rank (as DataParallelRemoteError).
+    with comm.agreement(
+        f"save_checkpoint: could not write {path}", error_type=DataParallelRemoteError
+    ):
+        if comm.rank == root:
+            state = {
+                "format": _FORMAT,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "extra": extra,
+            }
+            tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+            try:
+                torch.save(state, tmp)
+                os.replace(tmp, path)
+            except Exception:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
 
 
 def load_checkpoint(
@@ -101,9 +103,10 @@ def load_checkpoint(
     """
     comm = default_comm(comm)
     state: Any = None
-    error = ""
-    if comm.rank == root:
-        try:
+    with comm.agreement(
+        f"load_checkpoint: could not load {path}", error_type=DataParallelRemoteError
+    ):
+        if comm.rank == root:
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or state.get("format") != _FORMAT:
                 raise DataParallelValueError(
@@ -114,21 +117,12 @@ def load_checkpoint(
                     "it holds no optimizer state (saved with optimizer=None); "
                     "load it with optimizer=None"
                 )
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            state = None
-    error = object_comm(comm).bcast(error, root=root)
-    if error:
-        raise DataParallelError(
-            f"load_checkpoint: root (rank {root}) could not load {path}: {error}"
-        )
     state = synchronize(state, root, comm=comm)
-    problem = ""
-    try:
+    with comm.agreement(
+        f"load_checkpoint: could not load {path} into the model or optimizer",
+        error_type=DataParallelRemoteError,
+    ):
         model.load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as error:
-        problem = f"{type(error).__name__}: {error}"
-    agree(comm, problem, f"load_checkpoint: rank {{rank}} could not load {path}")
     return dict(state["extra"])

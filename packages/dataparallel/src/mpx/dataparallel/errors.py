@@ -4,15 +4,18 @@
 argument raises :class:`DataParallelValueError` or :class:`DataParallelTypeError`,
 which are also the builtin ``ValueError`` / ``TypeError`` they replace, so
 ``except ValueError`` keeps working. A bare :class:`DataParallelError` says the
-ranks' state disagrees or an operation was used out of order.
+ranks' state disagrees or an operation was used out of order;
+:class:`DataParallelRemoteError` (also a :class:`mpx.collectives.RemoteError`) is
+raised on every rank when some ranks failed, naming them.
 """
 
 from __future__ import annotations
 
-from mpx.collectives import MPXError
+from mpx.collectives import MPXError, RemoteError
 
 __all__ = [
     "DataParallelError",
+    "DataParallelRemoteError",
     "DataParallelTypeError",
     "DataParallelValueError",
     "ParameterServerError",
@@ -46,6 +49,16 @@ class DataParallelTypeError(DataParallelError, TypeError):
 
         with pytest.raises(TypeError, match="torch.optim.Optimizer"):
             DistributedOptimizer(model)
+    """
+
+
+class DataParallelRemoteError(DataParallelError, RemoteError):
+    """Raised on every rank when some ranks failed (``failures`` names them and their errors).
+
+    Example::
+
+        try: load_checkpoint("ckpt.pt", model)
+        except DataParallelError as err: print(err)  # "... could not load ckpt.pt on rank 0: ..."
     """
 
 

@@ -35,7 +35,6 @@ rank starts every bucket exactly once per step, in the same order.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, allreduce, empty_shared
-from mpx.collectives.communicator import usable_cores
-from mpx.collectives.policy import small_bytes
+from mpx.collectives import Communicator, allreduce
+from mpx.collectives.building_blocks import (
+    empty_shared,
+    progress_thread_enabled,
+    small_bytes,
+    usable_cores,
+)
 from mpx.dataparallel.errors import DataParallelError, DataParallelTypeError, DataParallelValueError
 from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
 from mpx.dataparallel.runtime import default_comm
@@ -53,15 +56,6 @@ from mpx.dataparallel.runtime import default_comm
 __all__ = ["DistributedOptimizer", "overlap_pays"]
 
 _FIRST_BUCKET_MB = 1.0
-
-
-def _collectives_progress_thread() -> bool:
-    """Whether mpx-collectives drives async operations from its own thread (newer releases)."""
-    try:
-        progress = importlib.import_module("mpx.collectives.progress")
-    except ImportError:
-        return False
-    return bool(getattr(progress, "enabled", lambda: False)())
 
 
 def overlap_pays(buckets: list[_Bucket], comm: Communicator) -> bool:
@@ -177,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._sync = True
         self._next = 0  # the first bucket not started yet
-        self._poll = not _collectives_progress_thread()
+        self._poll = not progress_thread_enabled()
         params, names = self._parameters(optimizer, model)
         self._names = names
         self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))

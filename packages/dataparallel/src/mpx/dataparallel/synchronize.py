@@ -24,11 +24,15 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, broadcast
-from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.dataparallel.errors import DataParallelError, DataParallelTypeError, DataParallelValueError
+from mpx.collectives.building_blocks import SUPPORTED_DTYPES
+from mpx.dataparallel.errors import (
+    DataParallelRemoteError,
+    DataParallelTypeError,
+    DataParallelValueError,
+)
 from mpx.dataparallel.runtime import default_comm, object_comm
 
-__all__ = ["agree", "broadcast_tensors", "synchronize"]
+__all__ = ["broadcast_tensors", "synchronize"]
 
 T = TypeVar("T")
 
@@ -93,13 +97,11 @@ def synchronize(
         state = _sync_tree(
             obj.state_dict() if comm.rank == root else None, root, comm, bucket_bytes
         )
-        problem = ""
-        if comm.rank != root:
-            try:
+        with comm.agreement(
+            "synchronize: could not load root's optimizer state", error_type=DataParallelRemoteError
+        ):
+            if comm.rank != root:
                 obj.load_state_dict(state)
-            except (ValueError, KeyError, RuntimeError) as error:
-                problem = f"{type(error).__name__}: {error}"
-        agree(comm, problem, "synchronize: rank {rank} could not load root's optimizer state")
         return obj
     if isinstance(obj, torch.Tensor):
         _check_same_layout("tensor", [obj], root, comm)
@@ -114,20 +116,6 @@ def synchronize(
             return obj
         return type(obj)(items)
     return _sync_tree(obj, root, comm, bucket_bytes)  # type: ignore[no-any-return]
-
-
-def agree(comm: Communicator, problem: str, what: str) -> None:
-    """Raises on every rank if any rank reports a problem (collective).
-
-    ``what`` may name ``{rank}``: the first rank that failed.
-    """
-    if comm.size == 1:
-        if problem:
-            raise DataParallelError(f"{what.format(rank=comm.rank)}: {problem}")
-        return
-    for r, text in enumerate(object_comm(comm).allgather(problem)):
-        if text:
-            raise DataParallelError(f"{what.format(rank=r)}: {text}")
 
 
 # -- tensors in buckets ---------------------------------------------------------
@@ -206,13 +194,14 @@ def _check_same_layout(
     mine = [(tuple(t.shape), str(t.dtype)) for t in tensors]
     theirs = object_comm(comm).bcast(mine if comm.rank == root else None, root=root)
     problem = _first_difference(mine, theirs)
-    bad = object_comm(comm).allgather(problem)
-    for r, text in enumerate(bad):
-        if text:
-            raise DataParallelError(
-                f"synchronize: rank {r}'s {what} differs from root {root}'s: {text}; every "
-                "rank must build the same model (same constructor arguments) before synchronize"
-            )
+    comm.agree(
+        f"{problem}; every rank must build the same model (same constructor arguments) "
+        "before synchronize"
+        if problem
+        else None,
+        f"synchronize: the {what} differs from root {root}'s",
+        error_type=DataParallelRemoteError,
+    )
 
 
 def _first_difference(

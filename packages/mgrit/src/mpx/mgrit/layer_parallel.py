@@ -166,7 +166,7 @@ class LayerParallel(nn.Module):
         local = [copy.deepcopy(layer).cpu() for layer in self.local_steps]
         if self.comm.size == 1:
             return local
-        parts = self.comm.mpi.allgather(local)
+        parts = self.comm.allgather_object(local)
         return [layer for part in parts for layer in part]
 
     def serial(self) -> SerialResNet:

@@ -28,6 +28,7 @@ PyMGRIT's nested iteration; iteration 1 is then a full V-cycle.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpx.collectives import Communicator, broadcast, world
+from mpx.collectives import Communicator, allgather, broadcast, world
 from mpx.mgrit._transport import Neighbours, Shift
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 from mpx.mgrit.grid import Layout
@@ -376,10 +377,21 @@ class MGRIT:
             # Kept for the next restriction, unless relaxation changes level 0 first.
             self._phi_c = fine
             r = fine - self._u[0][m::m]
-            local = torch.linalg.vector_norm(r.reshape(r.shape[0], -1).double(), dim=1)
-            norms = local.cpu().numpy()
+            local = torch.linalg.vector_norm(r.reshape(r.shape[0], -1).double(), dim=1).cpu()
         else:
-            norms = np.zeros(0)
+            local = torch.zeros(0, dtype=torch.float64)
         if self.comm.size > 1:
-            norms = np.concatenate(self.comm.mpi.allgather(norms))
-        return float(np.linalg.norm(norms))
+            # Every rank's norms in rank order: rank r has counts[r] C-points (the
+            # layout says how many), sent padded to the longest.
+            counts = self._residual_counts()
+            assert local.numel() == counts[self.comm.rank], (local.numel(), counts)
+            padded = torch.zeros(max(counts), dtype=torch.float64)
+            padded[: local.numel()] = local
+            every = allgather(padded, comm=self.comm)
+            local = torch.cat([every[r, :c] for r, c in enumerate(counts)])
+        return float(np.linalg.norm(local.numpy()))
+
+    def _residual_counts(self) -> list[int]:
+        """C-points of the finest level held by each rank (its rows of the residual)."""
+        per_block = math.prod(self.layout.factors) // self.layout.levels[0].cfactor
+        return [blocks * per_block for blocks in self.layout.blocks]

@@ -11,7 +11,12 @@ Example::
     loss = pipe.step(x, y, nn.functional.cross_entropy, opt)
 """
 
-from mpx.pipeline.errors import PipelineError, PipelineTypeError, PipelineValueError
+from mpx.pipeline.errors import (
+    PipelineError,
+    PipelineRemoteError,
+    PipelineTypeError,
+    PipelineValueError,
+)
 from mpx.pipeline.partition import balance_by_time, split_times
 from mpx.pipeline.pipeline import CHECKPOINTS, Pipeline
 from mpx.pipeline.schedule import SCHEDULES, bubble_fraction, grid
@@ -22,6 +27,7 @@ __all__ = [
     "SCHEDULES",
     "Pipeline",
     "PipelineError",
+    "PipelineRemoteError",
     "PipelineTypeError",
     "PipelineValueError",
     "__version__",

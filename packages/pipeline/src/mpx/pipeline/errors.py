@@ -11,13 +11,16 @@ a layer that returns no tensor, an unsupported optimizer or dtype) raises
 derives from :class:`PipelineValueError` too and ``except ValueError`` keeps
 catching it. A bare :class:`PipelineError` is a failure while running (a
 schedule that deadlocks, an internal inconsistency), not a bad argument.
+:class:`PipelineRemoteError` (also a :class:`mpx.collectives.RemoteError`) is
+raised on every stage when one stage failed (e.g. timing the layers for
+``balance=None``), naming the failed ranks and their errors.
 """
 
 from __future__ import annotations
 
-from mpx.collectives import MPXError
+from mpx.collectives import MPXError, RemoteError
 
-__all__ = ["PipelineError", "PipelineTypeError", "PipelineValueError"]
+__all__ = ["PipelineError", "PipelineRemoteError", "PipelineTypeError", "PipelineValueError"]
 
 
 class PipelineError(MPXError):
@@ -47,4 +50,14 @@ class PipelineTypeError(PipelineValueError, TypeError):
 
         with pytest.raises(TypeError, match=r"nn\\.Sequential"):
             Pipeline([nn.Linear(2, 2)], chunks=1)
+    """
+
+
+class PipelineRemoteError(PipelineError, RemoteError):
+    """Raised on every stage when one stage failed (``failures`` names it and its error).
+
+    Example::
+
+        try: Pipeline(model, balance=None, sample=x)
+        except PipelineError as err: print(err)  # "... could not time the layers on rank 0: ..."
     """

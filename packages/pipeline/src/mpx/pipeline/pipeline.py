@@ -16,16 +16,13 @@ micro-batches, the loss and gradients of the whole batch.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from mpx.collectives import Communicator, Handle, allreduce, broadcast, world
-from mpx.pipeline.errors import PipelineTypeError, PipelineValueError
+from mpx.pipeline.errors import PipelineRemoteError, PipelineTypeError, PipelineValueError
 from mpx.pipeline.partition import (
     check_balance,
     check_no_tied_weights,
@@ -33,27 +30,14 @@ from mpx.pipeline.partition import (
     split_times,
     stage_bounds,
 )
+from mpx.pipeline.passes import LossFn, Micro, StagePasses
 from mpx.pipeline.schedule import SCHEDULES, Op, stage_ops
 from mpx.pipeline.stage import Stage
-from mpx.pipeline.transport import WAITED, Inbox, Outbox
+from mpx.pipeline.stale import StaleRunner
 
 __all__ = ["Pipeline"]
 
 CHECKPOINTS = ("never", "except_last", "always")
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Micro:
-    """What a stage keeps of one micro-batch between its forward and backward."""
-
-    feed: torch.Tensor  # the stage input (a leaf requiring grad past stage 0)
-    buf: torch.Tensor | None = None  # pooled receive buffer behind ``feed``
-    out: torch.Tensor | None = None  # output with its graph (None if recomputed)
-    loss: torch.Tensor | None = None  # last stage: the loss with its graph
-    target: torch.Tensor | None = None
-    recompute: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # the async schedule's state
 
 
 class Pipeline(nn.Module):
@@ -132,24 +116,29 @@ class Pipeline(nn.Module):
         check_no_tied_weights(module, self.balance)
         start, stop = stage_bounds(self.balance, self.stage_id)
         self.stage = Stage(module, start, stop, seed)
-        prev, nxt = self.stage_id - 1, self.stage_id + 1
-        self._act_in = Inbox(self.comm, prev, "act") if not self.first else None
-        self._act_out = Outbox(self.comm, nxt, "act") if not self.last else None
-        self._grad_in = Inbox(self.comm, nxt, "grad") if not self.last else None
-        self._grad_out = Outbox(self.comm, prev, "grad") if not self.first else None
-        self._boxes = [b for b in (self._act_in, self._act_out, self._grad_in, self._grad_out) if b]
-        if self._boxes:
+        self._passes = StagePasses(self.comm, self.stage)
+        if self._passes.boxes:
             self.stage.progress = self._progress
         self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
         self._eval_calls = 0
-        self.busy_seconds = 0.0  # compute time of the last call (bubble measurements)
-        self._stale: Any = None
+        self._stale: StaleRunner | None = None
         self._pending_loss: tuple[torch.Tensor, Handle[torch.Tensor]] | None = None
         async_opts = (weight_prediction, gap_aware, step_every, recompute, weight_stashing)
         if schedule == "async":
-            from mpx.pipeline.stale import StaleRunner
-
-            self._stale = StaleRunner(self, *async_opts)
+            # The runner gets what it drives explicitly: the stage's passes and
+            # two of this pipeline's steps, never the pipeline itself.
+            self._stale = StaleRunner(
+                self._passes,
+                chunks=chunks,
+                checkpoint=checkpoint,
+                average_grads=self._average_replica_grads,
+                progress=self._progress,
+                weight_prediction=weight_prediction,
+                gap_aware=gap_aware,
+                step_every=step_every,
+                recompute=recompute,
+                weight_stashing=weight_stashing,
+            )
         elif async_opts != (None, None, 1, False, True):
             raise PipelineValueError(
                 "weight_stashing, weight_prediction, gap_aware, step_every and recompute "
@@ -161,25 +150,28 @@ class Pipeline(nn.Module):
     def _profile(self, module: nn.Sequential, sample: torch.Tensor | None) -> list[int]:
         """The first stage times every layer on ``sample``; everyone gets its balance."""
         times = torch.zeros(len(module), dtype=torch.float64)
-        if self.first:
-            # NaN tells the other ranks that there is nothing to measure, so
-            # every rank raises instead of one raising and the rest waiting.
-            times = (
-                torch.full_like(times, float("nan"))
-                if sample is None
-                else torch.tensor(layer_times(module, sample), dtype=torch.float64)
-            )
+        # Every rank raises if the first stage cannot measure, instead of one
+        # raising and the rest waiting for its broadcast.
+        with self.comm.agreement(
+            "Pipeline(balance=None): could not time the layers", error_type=PipelineRemoteError
+        ):
+            if self.first:
+                if sample is None:
+                    raise PipelineValueError(
+                        "balance=None measures layer times on a sample input: pass "
+                        "sample=<one micro-batch> (on the first stage at least), or give balance"
+                    )
+                times = torch.tensor(layer_times(module, sample), dtype=torch.float64)
         broadcast(times, 0, comm=self.comm)
-        if bool(times.isnan().any()):
-            raise PipelineValueError(
-                "balance=None measures layer times on a sample input: pass "
-                "sample=<one micro-batch> (on the first stage at least), or give balance"
-            )
         return split_times(times.tolist(), self.num_stages)
 
+    @property
+    def busy_seconds(self) -> float:
+        """Compute time of the last call, less the time spent waiting for messages."""
+        return self._passes.busy_seconds
+
     def _progress(self) -> None:
-        for box in self._boxes:
-            box.progress()
+        self._passes.progress()
         if self._pending_loss is not None:
             # async: the loss broadcast started at the end of the last call
             # moves only when polled (no background thread on this comm).
@@ -205,70 +197,6 @@ class Pipeline(nn.Module):
                 f"chunks={self.chunks}; use a batch size that is a multiple of chunks"
             )
         return list(t.chunk(self.chunks))
-
-    # -- one micro-batch --------------------------------------------------------
-
-    def _input(self, j: int, x: torch.Tensor | None) -> Micro:
-        """Micro-batch ``j``'s input: ``x`` on the first stage, else received."""
-        if self.first:
-            assert x is not None
-            return Micro(feed=x)
-        assert self._act_in is not None
-        buf = self._act_in.get(j)
-        feed = buf.detach()
-        if feed.is_floating_point():
-            feed.requires_grad_(True)
-        return Micro(feed=feed, buf=buf)
-
-    def _forward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None) -> None:
-        with torch.set_grad_enabled(not mb.recompute):
-            y = self.stage.run(mb.feed, g, mb.extra.get("weights"))
-            if self.last:
-                if loss_fn is not None:
-                    assert mb.target is not None
-                    mb.loss = loss_fn(y, mb.target)
-            else:
-                assert self._act_out is not None
-                assert self._grad_in is not None
-                self._act_out.send(j, y)
-                self._grad_in.post(j, y.shape, y.dtype)
-        if not mb.recompute:
-            mb.out = y
-        elif mb.loss is not None:
-            mb.loss = mb.loss.detach()
-
-    def _backward(
-        self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float
-    ) -> torch.Tensor | None:
-        """Runs the backward of micro-batch ``j``; returns the gradient sent back."""
-        if mb.recompute:
-            with self.stage.frozen_statistics(), torch.enable_grad():
-                mb.out = self.stage.run(mb.feed, g, mb.extra.get("backward_weights"))
-                if self.last and loss_fn is not None:
-                    assert mb.target is not None
-                    mb.loss = loss_fn(mb.out, mb.target)
-        assert mb.out is not None
-        if self.last:
-            assert mb.loss is not None
-            torch.autograd.backward(mb.loss * scale)
-        else:
-            assert self._grad_in is not None
-            assert self._act_out is not None
-            grad = self._grad_in.get(j)
-            if mb.out.requires_grad:
-                torch.autograd.backward(mb.out, grad)
-            self._grad_in.release(grad)
-            self._act_out.wait(j)  # the output may alias ``buf``: done before reuse
-        sent = None
-        if not self.first:
-            assert self._grad_out is not None
-            assert self._act_in is not None
-            sent = mb.feed.grad if mb.feed.grad is not None else torch.zeros_like(mb.feed)
-            self._grad_out.send(j, sent)
-            assert mb.buf is not None
-            self._act_in.release(mb.buf)
-        mb.out = mb.loss = None
-        return sent
 
     # -- public API -------------------------------------------------------------
 
@@ -312,36 +240,27 @@ class Pipeline(nn.Module):
     def _sync_call(self, xs: list[torch.Tensor], ts: list[torch.Tensor], loss_fn: LossFn) -> float:
         m, base = self.chunks, self._microbatches
         self._microbatches += m
-        if self._act_in is not None:
-            self._act_in.expect(list(range(m)))
-        if self._act_out is not None:
-            self._act_out.new_call()
+        passes = self._passes
+        passes.start_call(list(range(m)))
         live: dict[int, Micro] = {}
         total = 0.0
-        start, waited = time.perf_counter(), WAITED[0]
         ops: list[Op] = stage_ops(self.schedule, self.stage_id, self.num_stages, m)
-        for kind, j in ops:
-            if kind == "F":
-                mb = self._input(j, xs[j] if self.first else None)
-                mb.target = ts[j] if self.last else None
-                mb.recompute = self.checkpoint == "always" or (
-                    self.checkpoint == "except_last" and j < m - 1
-                )
-                self._forward(j, mb, base + j, loss_fn)
-                if mb.loss is not None:
-                    total += float(mb.loss.detach())
-                live[j] = mb
-            else:
-                self._backward(j, live.pop(j), base + j, loss_fn, 1.0 / m)
-        # Compute time: the ops' time less the time spent waiting for messages.
-        self.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
-        self._finish_sends()
+        with passes.timed():
+            for kind, j in ops:
+                if kind == "F":
+                    mb = passes.input(j, xs[j] if self.first else None)
+                    mb.target = ts[j] if self.last else None
+                    mb.recompute = self.checkpoint == "always" or (
+                        self.checkpoint == "except_last" and j < m - 1
+                    )
+                    passes.forward(j, mb, base + j, loss_fn)
+                    if mb.loss is not None:
+                        total += float(mb.loss.detach())
+                    live[j] = mb
+                else:
+                    passes.backward(j, live.pop(j), base + j, loss_fn, 1.0 / m)
+        passes.finish_sends()
         return total / m
-
-    def _finish_sends(self) -> None:
-        for box in (self._act_out, self._grad_out):
-            if box is not None:
-                box.wait_all()
 
     def _average_replica_grads(self) -> None:
         if self.dp_comm is None or self.dp_comm.size == 1:
@@ -381,28 +300,26 @@ class Pipeline(nn.Module):
         """
         xs = self._split(inputs, "inputs", self.first)
         m = self.chunks
+        passes = self._passes
         # ``async`` leaves its last sends in flight; their slots are reused here.
-        self._finish_sends()
-        if self._act_in is not None:
-            self._act_in.expect(list(range(m)))
-        if self._act_out is not None:
-            self._act_out.new_call()
+        passes.finish_sends()
+        passes.start_call(list(range(m)))
         self._eval_calls += 1
         outs = []
         with torch.no_grad():
             for j in range(m):
-                mb = self._input(j, xs[j] if self.first else None)
+                mb = passes.input(j, xs[j] if self.first else None)
                 y = self.stage.run(mb.feed, -self._eval_calls * m - j)
                 if self.last:
                     outs.append(y)
                 else:
-                    assert self._act_out is not None
-                    self._act_out.send(j, y)
-                    self._act_out.wait(j)
+                    assert passes.act_out is not None
+                    passes.act_out.send(j, y)
+                    passes.act_out.wait(j)
                 if mb.buf is not None:
-                    assert self._act_in is not None
-                    self._act_in.release(mb.buf)
-        self._finish_sends()
+                    assert passes.act_in is not None
+                    passes.act_in.release(mb.buf)
+        passes.finish_sends()
         return torch.cat(outs) if self.last else None
 
     def flush(

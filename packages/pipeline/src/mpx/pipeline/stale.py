@@ -24,26 +24,37 @@ backward cannot touch a saved graph.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from mpx.pipeline.errors import PipelineError, PipelineValueError
 from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
+from mpx.pipeline.passes import LossFn, Micro, StagePasses
 from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
 from mpx.pipeline.schedule import async_ops, flush_ops
 from mpx.pipeline.stage import Weights
-from mpx.pipeline.transport import WAITED
-
-if TYPE_CHECKING:
-    from mpx.pipeline.pipeline import LossFn, Micro, Pipeline
 
 __all__ = ["StaleRunner"]
 
 
 class StaleRunner:
     """The asynchronous schedule's state on one stage (owned by a Pipeline).
+
+    It runs micro-batches through the stage's :class:`~mpx.pipeline.passes.StagePasses`
+    and gets the two things it needs of its Pipeline as callables: averaging
+    the gradients over data-parallel replicas before a step, and polling
+    everything in flight at the end of a call.
+
+    Args:
+        passes: the stage's passes (and neighbour traffic).
+        chunks: micro-batches per call.
+        checkpoint: the Pipeline's ``checkpoint`` (only ``"never"`` goes with async).
+        average_grads: averages ``.grad`` over the replicas of this stage.
+        progress: polls the messages in flight.
+        weight_prediction, gap_aware, step_every, recompute, weight_stashing:
+            the options of ``schedule="async"`` (see the module's docstring).
 
     Example::
 
@@ -55,7 +66,12 @@ class StaleRunner:
 
     def __init__(
         self,
-        pipe: Pipeline,
+        passes: StagePasses,
+        *,
+        chunks: int,
+        checkpoint: str,
+        average_grads: Callable[[], None],
+        progress: Callable[[], None],
         weight_prediction: str | None,
         gap_aware: str | None,
         step_every: int,
@@ -73,22 +89,23 @@ class StaleRunner:
             )
         if not isinstance(step_every, int) or step_every < 1:
             raise PipelineValueError(f"step_every={step_every!r} must be a positive int")
-        if pipe.checkpoint != "never":
+        if checkpoint != "never":
             raise PipelineValueError(
-                f"checkpoint={pipe.checkpoint!r} is for the synchronous schedules; "
+                f"checkpoint={checkpoint!r} is for the synchronous schedules; "
                 "schedule='async' takes recompute=True|False"
             )
-        self.pipe = pipe
+        self.passes, self.chunks = passes, chunks
+        self._average_grads, self._progress = average_grads, progress
         self.prediction, self.gap_aware = weight_prediction, gap_aware
         self.step_every, self.recompute, self.stashing = step_every, recompute, weight_stashing
-        self.depth = pipe.num_stages - 1 - pipe.stage_id
+        self.depth = passes.num_stages - 1 - passes.stage_id
         self.done_f = self.done_b = self.total = 0
         self.version = 0  # optimizer steps taken by this stage
         self.staleness: list[int] = []  # per backward: steps since its forward
         self.live: dict[int, Micro] = {}
         self.params = [
             (i, name, p)
-            for i, d in pipe.stage.named_layer_params().items()
+            for i, d in passes.stage.named_layer_params().items()
             for name, p in d.items()
         ]
         self._ga: GapAware | None = None
@@ -144,8 +161,7 @@ class StaleRunner:
         optimizer: torch.optim.Optimizer | None,
         scheduler: Any,
     ) -> float | None:
-        pipe = self.pipe
-        mb = pipe._input(j, x)
+        mb = self.passes.input(j, x)
         mb.target = target
         mb.recompute = self.recompute
         values = self._forward_weights(j, optimizer, scheduler)
@@ -157,7 +173,7 @@ class StaleRunner:
             # Live parameters (nothing steps before the backward) go straight
             # into the graph, and autograd accumulates into ``.grad`` itself.
             mb.extra["weights"] = None if values is None else self._leaves(values)
-        pipe._forward(j, mb, j, loss_fn)
+        self.passes.forward(j, mb, j, loss_fn)
         self.live[j] = mb
         return None if mb.loss is None else float(mb.loss.detach())
 
@@ -177,7 +193,7 @@ class StaleRunner:
         else:
             leaves = mb.extra["weights"]
         self.staleness.append(self.version - mb.extra["version"])
-        self.pipe._backward(j, mb, j, loss_fn, 1.0 / self.step_every)
+        self.passes.backward(j, mb, j, loss_fn, 1.0 / self.step_every)
         if leaves is not None:
             with torch.no_grad():
                 for i, name, p in self.params:
@@ -202,7 +218,7 @@ class StaleRunner:
         ga = self._gap(optimizer)
         if ga is not None:
             ga.damp_weight_decay(optimizer)
-        self.pipe._average_replica_grads()
+        self._average_grads()
         before: dict[torch.Tensor, torch.Tensor] | None = None
         if ga is not None and ga.kind == "adam":
             before = {p: p.detach().clone() for _, _, p in self.params}
@@ -231,35 +247,31 @@ class StaleRunner:
         optimizer: torch.optim.Optimizer | None,
         scheduler: Any,
     ) -> float:
-        pipe = self.pipe
+        passes = self.passes
         first_id = self.total
-        ids = list(range(first_id, first_id + pipe.chunks))
-        self.total += pipe.chunks
+        ids = list(range(first_id, first_id + self.chunks))
+        self.total += self.chunks
         if optimizer is not None:
             self._gap(optimizer)
-        if pipe._act_in is not None:
-            pipe._act_in.expect(ids)
-        if pipe._act_out is not None:
-            pipe._act_out.new_call()
+        passes.start_call(ids)
         losses: list[float] = []
-        start, waited = time.perf_counter(), WAITED[0]
-        for kind, j in async_ops(self.depth, self.done_f, self.done_b, self.total):
-            if kind == "F":
-                k = j - first_id
-                x = xs[k] if pipe.first else None
-                t = ts[k] if pipe.last else None
-                loss = self._forward(j, x, t, loss_fn, optimizer, scheduler)
-                self.done_f += 1
-                if loss is not None:
-                    losses.append(loss)
-            else:
-                self._backward(j, loss_fn)
-                self._maybe_step(optimizer, scheduler)
-        pipe.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
+        with passes.timed():
+            for kind, j in async_ops(self.depth, self.done_f, self.done_b, self.total):
+                if kind == "F":
+                    k = j - first_id
+                    x = xs[k] if passes.first else None
+                    t = ts[k] if passes.last else None
+                    loss = self._forward(j, x, t, loss_fn, optimizer, scheduler)
+                    self.done_f += 1
+                    if loss is not None:
+                        losses.append(loss)
+                else:
+                    self._backward(j, loss_fn)
+                    self._maybe_step(optimizer, scheduler)
         # The last sends stay in flight into the next call (the Outboxes hold
         # their tensors): waiting here would stall this stage until its
         # neighbour, busy computing, polls for them. ``flush`` waits for them.
-        pipe._progress()
+        self._progress()
         return sum(losses) / len(losses) if losses else 0.0
 
     def flush(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
@@ -269,7 +281,7 @@ class StaleRunner:
             self._maybe_step(optimizer, scheduler)
         if optimizer is not None and self.done_b % self.step_every:
             self._step(optimizer, scheduler)
-        self.pipe._finish_sends()
+        self.passes.finish_sends()
 
 
 def _no_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -30,13 +30,12 @@ from typing import Any
 import torch
 
 from mpx.collectives import Communicator, Handle, recv, send
-from mpx.collectives.communicator import usable_cores
-from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.building_blocks import HEADER_LEN, decode_header, usable_cores
+from mpx.collectives.building_blocks import encode_header as _encode_header
 from mpx.pipeline.errors import PipelineError, PipelineTypeError, PipelineValueError
 
 __all__ = ["WAITED", "Inbox", "Outbox", "decode_header", "encode_header"]
 
-_MAX_DIMS = 8
 _HEADER_TAG = 1
 _NO_LIMIT_S = 10.0**9
 _WINDOW = 8192  # micro-batches that may be in flight on one link at once
@@ -76,26 +75,18 @@ def _tag(kind: str, j: int) -> int:
 
 
 def encode_header(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """``[dtype index, ndim, dim0, ..., dim7]`` as int64."""
-    if len(shape) > _MAX_DIMS:
-        raise PipelineValueError(
-            f"an activation of shape {tuple(shape)} has more than {_MAX_DIMS} dimensions; "
-            "flatten it before the stage border"
-        )
-    if dtype not in SUPPORTED_DTYPES:
-        raise PipelineTypeError(
-            f"an activation of dtype {dtype} cannot cross a stage border; supported: "
-            f"{', '.join(map(str, SUPPORTED_DTYPES))}"
-        )
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    header[0], header[1] = SUPPORTED_DTYPES.index(dtype), len(shape)
-    header[2 : 2 + len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
-    return header
+    """The header of an activation (:func:`mpx.collectives.building_blocks.encode_header`).
 
-
-def decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    ndim = int(header[1])
-    return torch.Size(int(d) for d in header[2 : 2 + ndim]), SUPPORTED_DTYPES[int(header[0])]
+    Raises:
+        PipelineValueError: more dimensions than a header holds.
+        PipelineTypeError: a dtype no operation takes.
+    """
+    try:
+        return _encode_header(shape, dtype)
+    except TypeError as exc:
+        raise PipelineTypeError(f"an activation cannot cross a stage border: {exc}") from exc
+    except ValueError as exc:
+        raise PipelineValueError(f"an activation cannot cross a stage border: {exc}") from exc
 
 
 _ORPHANS: list[tuple[torch.Tensor, Handle[Any]]] = []
@@ -145,7 +136,7 @@ class Inbox:
     def __init__(self, comm: Communicator, peer: int, kind: str) -> None:
         self.comm, self.peer, self.kind = comm, peer, kind
         self.pool = _Pool()
-        self._header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         self._header_handle: Handle[torch.Tensor] | None = None
         self._expect: list[int] = []
         self._pending: dict[int, tuple[torch.Tensor, Handle[torch.Tensor]]] = {}

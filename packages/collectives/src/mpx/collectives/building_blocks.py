@@ -1,0 +1,73 @@
+"""What mpx's upper layers build on, beyond the collectives themselves.
+
+``mpx.collectives`` is the API for users: communicators and operations. This
+module is the second, smaller public API, for packages built on top of it
+(mpx-pipeline, mpx-dataparallel, mpx-mgrit, mpx-quantize, or your own). Other
+packages import only these two modules of mpx-collectives; everything else in
+it is private and may change in any release (``nox -s lint`` checks this with
+the import contract in the root ``pyproject.toml``).
+
+==========================  ===============================================  =============
+name                        what                                             used by
+==========================  ===============================================  =============
+usable_cores()              cores this process may run on (affinity mask)    pipeline,
+                                                                             dataparallel
+SUPPORTED_DTYPES            the dtypes every operation takes, fixed order    pipeline,
+                                                                             dataparallel
+small_bytes()               below this size MPI's own collectives win        dataparallel
+                            (``MPX_AUTO_SMALL_BYTES``)
+progress_thread_enabled()   whether the progress thread drives asynchronous  dataparallel
+                            operations (otherwise poll ``Handle.done()``)
+encode_header(shape, dt),   a tensor's shape and dtype as ``HEADER_LEN``     pipeline
+decode_header(header),      int64, for a receiver that must allocate its
+HEADER_LEN                  buffer before ``recv``
+empty_shared(...)           a tensor in node-shared memory: ``shm`` reduces  dataparallel
+                            it without staging copies (collective)
+==========================  ===============================================  =============
+
+Progress control: a communicator hands unfinished asynchronous operations to
+the progress thread unless ``comm.background_progress`` is set False (the
+pipeline does, and polls its handles between layers); when
+:func:`progress_thread_enabled` is False no thread runs at all, and the caller
+must poll ``handle.done()`` now and then for operations to advance.
+
+Cross-rank agreement on errors (:meth:`Communicator.agree`,
+``with comm.agreement(...)``) and :class:`~mpx.collectives.errors.RemoteError`
+are in ``mpx.collectives`` itself.
+
+Example::
+
+    from mpx.collectives.building_blocks import encode_header, decode_header, usable_cores
+    oversubscribed = comm.node_size > usable_cores()
+    shape, dtype = decode_header(encode_header(t.shape, t.dtype))
+"""
+
+from __future__ import annotations
+
+from mpx.collectives import progress
+from mpx.collectives.communicator import usable_cores
+from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.policy import small_bytes
+from mpx.collectives.shared_memory import empty_shared
+from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
+
+__all__ = [
+    "HEADER_LEN",
+    "SUPPORTED_DTYPES",
+    "decode_header",
+    "empty_shared",
+    "encode_header",
+    "progress_thread_enabled",
+    "small_bytes",
+    "usable_cores",
+]
+
+
+def progress_thread_enabled() -> bool:
+    """Whether asynchronous operations advance by themselves, driven by the progress thread.
+
+    True unless ``MPX_PROGRESS_THREAD=0`` or MPI lacks ``MPI_THREAD_MULTIPLE``.
+    When False, an asynchronous operation advances only inside calls on its
+    handle: poll ``handle.done()`` between pieces of work to overlap.
+    """
+    return progress.enabled()

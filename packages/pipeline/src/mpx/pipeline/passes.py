@@ -1,0 +1,168 @@
+"""One stage's passes over micro-batches: what every schedule drives.
+
+A :class:`~mpx.pipeline.pipeline.Pipeline` owns one :class:`StagePasses`; the
+synchronous schedules (in ``pipeline.py``) and the asynchronous one
+(:class:`~mpx.pipeline.stale.StaleRunner`) both run micro-batches through it::
+
+    Pipeline ──┬── StagePasses (this module): input, forward, backward,
+               │   start_call, progress, finish_sends, busy-time accounting
+               └── StaleRunner (stale.py): gets the StagePasses and two callables
+                   of the Pipeline (average_grads, progress)
+
+So ``stale.py`` needs nothing of ``pipeline.py``, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mpx.collectives import Communicator
+from mpx.pipeline.stage import Stage
+from mpx.pipeline.transport import WAITED, Inbox, Outbox
+
+__all__ = ["LossFn", "Micro", "StagePasses"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Micro:
+    """What a stage keeps of one micro-batch between its forward and backward."""
+
+    feed: torch.Tensor  # the stage input (a leaf requiring grad past stage 0)
+    buf: torch.Tensor | None = None  # pooled receive buffer behind ``feed``
+    out: torch.Tensor | None = None  # output with its graph (None if recomputed)
+    loss: torch.Tensor | None = None  # last stage: the loss with its graph
+    target: torch.Tensor | None = None
+    recompute: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # the async schedule's state
+
+
+class StagePasses:
+    """The forward and backward of one micro-batch on this stage, and its neighbour traffic.
+
+    Attributes:
+        stage: this rank's layers.
+        stage_id, num_stages, first, last: where the stage sits.
+        act_in, act_out, grad_in, grad_out: the boxes to and from the
+            neighbours (None where there is no neighbour).
+        busy_seconds: compute time of the last call (see :meth:`timed`).
+
+    Example::
+
+        passes = StagePasses(comm, stage)
+        passes.start_call([0, 1])
+        mb = passes.input(0, x)            # x on the first stage, else received
+        passes.forward(0, mb, 0, loss_fn)
+        passes.backward(0, mb, 0, loss_fn, scale=0.5)
+        passes.finish_sends()
+    """
+
+    def __init__(self, comm: Communicator, stage: Stage) -> None:
+        self.stage = stage
+        self.num_stages, self.stage_id = comm.size, comm.rank
+        self.first, self.last = self.stage_id == 0, self.stage_id == self.num_stages - 1
+        prev, nxt = self.stage_id - 1, self.stage_id + 1
+        self.act_in = Inbox(comm, prev, "act") if not self.first else None
+        self.act_out = Outbox(comm, nxt, "act") if not self.last else None
+        self.grad_in = Inbox(comm, nxt, "grad") if not self.last else None
+        self.grad_out = Outbox(comm, prev, "grad") if not self.first else None
+        self.boxes = [b for b in (self.act_in, self.act_out, self.grad_in, self.grad_out) if b]
+        self.busy_seconds = 0.0
+
+    # -- one call ---------------------------------------------------------------
+
+    def start_call(self, ids: list[int]) -> None:
+        """Posts the header receive of a call carrying micro-batches ``ids``; opens the sends."""
+        if self.act_in is not None:
+            self.act_in.expect(ids)
+        if self.act_out is not None:
+            self.act_out.new_call()
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Sets :attr:`busy_seconds`: the block's time less the time spent waiting on messages."""
+        start, waited = time.perf_counter(), WAITED[0]
+        yield
+        self.busy_seconds = time.perf_counter() - start - (WAITED[0] - waited)
+
+    def progress(self) -> None:
+        """Lets MPI move this stage's messages in flight."""
+        for box in self.boxes:
+            box.progress()
+
+    def finish_sends(self) -> None:
+        """Waits for every send still in flight."""
+        for box in (self.act_out, self.grad_out):
+            if box is not None:
+                box.wait_all()
+
+    # -- one micro-batch --------------------------------------------------------
+
+    def input(self, j: int, x: torch.Tensor | None) -> Micro:
+        """Micro-batch ``j``'s input: ``x`` on the first stage, else received."""
+        if self.first:
+            assert x is not None
+            return Micro(feed=x)
+        assert self.act_in is not None
+        buf = self.act_in.get(j)
+        feed = buf.detach()
+        if feed.is_floating_point():
+            feed.requires_grad_(True)
+        return Micro(feed=feed, buf=buf)
+
+    def forward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None) -> None:
+        with torch.set_grad_enabled(not mb.recompute):
+            y = self.stage.run(mb.feed, g, mb.extra.get("weights"))
+            if self.last:
+                if loss_fn is not None:
+                    assert mb.target is not None
+                    mb.loss = loss_fn(y, mb.target)
+            else:
+                assert self.act_out is not None
+                assert self.grad_in is not None
+                self.act_out.send(j, y)
+                self.grad_in.post(j, y.shape, y.dtype)
+        if not mb.recompute:
+            mb.out = y
+        elif mb.loss is not None:
+            mb.loss = mb.loss.detach()
+
+    def backward(
+        self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float
+    ) -> torch.Tensor | None:
+        """Runs the backward of micro-batch ``j``; returns the gradient sent back."""
+        if mb.recompute:
+            with self.stage.frozen_statistics(), torch.enable_grad():
+                mb.out = self.stage.run(mb.feed, g, mb.extra.get("backward_weights"))
+                if self.last and loss_fn is not None:
+                    assert mb.target is not None
+                    mb.loss = loss_fn(mb.out, mb.target)
+        assert mb.out is not None
+        if self.last:
+            assert mb.loss is not None
+            torch.autograd.backward(mb.loss * scale)
+        else:
+            assert self.grad_in is not None
+            assert self.act_out is not None
+            grad = self.grad_in.get(j)
+            if mb.out.requires_grad:
+                torch.autograd.backward(mb.out, grad)
+            self.grad_in.release(grad)
+            self.act_out.wait(j)  # the output may alias ``buf``: done before reuse
+        sent = None
+        if not self.first:
+            assert self.grad_out is not None
+            assert self.act_in is not None
+            sent = mb.feed.grad if mb.feed.grad is not None else torch.zeros_like(mb.feed)
+            self.grad_out.send(j, sent)
+            assert mb.buf is not None
+            self.act_in.release(mb.buf)
+        mb.out = mb.loss = None
+        return sent
