@@ -59,7 +59,7 @@ def test_allreduce_across_simulated_nodes(
     if comm.hierarchy is None:  # the same on every rank: the layout is the job's
         with pytest.raises(ValueError, match="impl='hier'"):
             allreduce(t, op, comm=comm, impl="hier")
-        assert choose("allreduce", False, t.nbytes, comm).name in ("mpi", "shm", "ring")
+        assert choose("allreduce", False, t.nbytes, comm) in ("mpi", "shm", "ring")
         impl = "auto"  # what runs on this layout instead, checked the same way
     allreduce(t, op, comm=comm, impl=impl)
     stacked = np.stack([x.double().numpy() for x in inputs])
@@ -80,7 +80,7 @@ def test_broadcast_and_auto_across_simulated_nodes(simulated: Communicator) -> N
         with pytest.raises(ValueError, match="spans"):
             allreduce(torch.ones(10), comm=comm, impl="shm")
         big = torch.ones(1 << 18)
-        name = choose("allreduce", False, big.nbytes, comm).name
+        name = choose("allreduce", False, big.nbytes, comm)
         assert name == ("hier" if comm.hierarchy is not None else "ring")
         allreduce(big, comm=comm)
         assert float(big[-1]) == comm.size

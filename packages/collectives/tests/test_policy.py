@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, MismatchError, allreduce, policy, world
-from mpx.collectives.policy import ORDER, PolicyError, choose, layout_key, small_bytes
+from mpx.collectives.policy import ORDER, PROVIDES, PolicyError, choose, layout_key, small_bytes
 from mpx.collectives.tune import TIE, bands_from
 from mpx.collectives.tune import main as tune_main
 from mpx.launch import settings
@@ -42,14 +42,14 @@ def test_bands_keep_the_previous_winner_within_the_tie() -> None:
 def test_built_in_rules_by_size_and_layout() -> None:
     comm = world()
     small, large = small_bytes() - 4, small_bytes()
-    assert choose("allreduce", False, small, comm).name == "mpi"
+    assert choose("allreduce", False, small, comm) == "mpi"
     want = "mpi" if comm.size == 1 else "shm" if comm.single_node else "hier"
-    assert choose("allreduce", False, large, comm).name == want
+    assert choose("allreduce", False, large, comm) == want
     # reduce_scatter has no shared-memory algorithm: on one node it stays on MPI.
-    rs = choose("reduce_scatter", False, large, comm).name
+    rs = choose("reduce_scatter", False, large, comm)
     assert rs == ("mpi" if comm.single_node else "ring")
-    assert choose("send", False, large, comm).name == "mpi"
-    assert choose("barrier", False, 0, comm).name == "mpi"
+    assert choose("send", False, large, comm) == "mpi"
+    assert choose("barrier", False, 0, comm) == "mpi"
 
 
 def _same_path_everywhere(tmp_path: Path, name: str) -> Path:
@@ -71,13 +71,13 @@ def test_tuned_bands_decide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert policy.current().source == str(path)
     expect = {4096: "mpi", 65536: "ring", 4 << 20: "shm" if comm.single_node else "mpi"}
     for nbytes, impl in expect.items():
-        chosen = choose("allreduce", False, nbytes, comm).name
+        chosen = choose("allreduce", False, nbytes, comm)
         assert chosen == ("mpi" if comm.size == 1 else impl), nbytes
         t = torch.full((nbytes // 4,), float(comm.rank + 1))
         allreduce(t)
         assert float(t[0]) == float(t[-1]) == comm.size * (comm.size + 1) / 2
     # Ops the file does not band follow the built-in rules.
-    assert choose("broadcast", False, 4096, comm).name == "mpi"
+    assert choose("broadcast", False, 4096, comm) == "mpi"
 
 
 @pytest.mark.mpi
@@ -167,3 +167,12 @@ def test_tune_writes_the_policy_auto_reads(
     t = torch.ones(1024)
     allreduce(t)
     assert float(t[0]) == comm.size
+
+
+def test_the_provides_table_matches_the_modules() -> None:
+    from mpx.collectives.implementations import MODULES
+
+    assert set(MODULES) == set(PROVIDES)
+    for name, module in MODULES.items():
+        has = {op for op in policy.OPS if hasattr(module, op)}
+        assert has == PROVIDES[name], name

@@ -94,7 +94,7 @@ def _plan(
         and (op != "allreduce" or mpi_op is not None)
         and not (reduce_op == "avg" and not t.is_floating_point())
         and not current().check
-        and choose(op, False, t.nbytes, comm, impl).name == "mpi"
+        and choose(op, False, t.nbytes, comm, impl) == "mpi"
     ):
         plan = (kind, mpi_op)
     cache = comm.choices  # choose() may have renewed it for a new policy

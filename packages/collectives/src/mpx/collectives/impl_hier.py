@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mpx.collectives import impl_mpi, impl_shm
+from mpx.collectives import impl_mpi, impl_ring, impl_shm
 from mpx.collectives.communicator import Communicator, Hierarchy
 from mpx.collectives.dtypes import accumulation_dtype
 from mpx.collectives.errors import MPXValueError
@@ -34,6 +34,10 @@ from mpx.collectives.impl_shm import Workspace, slotted_allreduce
 from mpx.collectives.policy import choose
 
 __all__ = ["allreduce", "broadcast"]
+
+
+# What the policy may pick for a lane (ranks on separate nodes, one per node).
+_ACROSS = {"mpi": impl_mpi, "ring": impl_ring}
 
 
 def _hierarchy(comm: Communicator, op: str) -> Hierarchy:
@@ -49,8 +53,10 @@ def _hierarchy(comm: Communicator, op: str) -> Hierarchy:
 def _across(lane: Communicator, x: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     """Allreduce of ``x`` across nodes, in place (``avg`` is summed here, divided later)."""
     reduce_op = "sum" if op == "avg" else op
-    module = choose("allreduce", False, x.numel() * x.element_size(), lane).module
-    steps: Steps[torch.Tensor] = module.allreduce(lane, x, reduce_op)
+    # The policy picks the cross-node step as for any allreduce on the lane
+    # (one rank per node: MPI's own for small chunks, the ring above).
+    name = choose("allreduce", False, x.numel() * x.element_size(), lane)
+    steps: Steps[torch.Tensor] = _ACROSS.get(name, impl_mpi).allreduce(lane, x, reduce_op)
     return steps
 
 
@@ -103,8 +109,8 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
     root_node_rank, root_in_lane = hier.lane_position(root)
     if hier.node.rank == root_node_rank:
         lanes = hier.lanes
-        impl = choose("broadcast", False, t.numel() * t.element_size(), lanes).module
-        yield from impl.broadcast(lanes, t, root_in_lane)
+        name = choose("broadcast", False, t.numel() * t.element_size(), lanes)
+        yield from _ACROSS.get(name, impl_mpi).broadcast(lanes, t, root_in_lane)
     if hier.node.size > 1:
         yield from impl_shm.broadcast(hier.node, t, root_node_rank)
     return t

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from mpx.collectives import impl_mpi, settings
+from mpx.collectives import impl_hier, impl_mpi, impl_ring, impl_shm, settings
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Pending, Steps
-from mpx.collectives.policy import Implementation, choose
+from mpx.collectives.policy import choose
 
 __all__ = [
     "CudaEvent",
@@ -64,9 +64,13 @@ class CudaEvent(Pending):
         self.event.synchronize()
 
 
-def _host_impl(op: str, comm: Communicator, nbytes: int) -> Implementation:
+# The host algorithms a staged chunk may take (the policy picks among them).
+_HOST = {"mpi": impl_mpi, "shm": impl_shm, "hier": impl_hier, "ring": impl_ring}
+
+
+def _host_impl(op: str, comm: Communicator, nbytes: int) -> Any:
     """The host algorithm for one staged chunk: what the policy picks for a CPU tensor."""
-    return choose(op, False, nbytes, comm).module
+    return _HOST.get(choose(op, False, nbytes, comm), impl_mpi)
 
 
 class _Stager:

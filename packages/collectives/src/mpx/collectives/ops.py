@@ -22,6 +22,7 @@ from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.dtypes import check_op_for_dtype
 from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Handle
+from mpx.collectives.implementations import MODULES
 from mpx.collectives.policy import choose
 from mpx.collectives.policy import current as current_policy
 
@@ -71,12 +72,12 @@ def _run(
     comm = world() if comm is None else comm
     nbytes = 0 if t is None else t.numel() * t.element_size()
     # The one decision of this call: the policy is consulted here, once.
-    choice = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
+    name = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
     _payload[0] += nbytes
     if current_policy().check:
         comm.check_signature(op, t, reduce_op, root, timeout)
-    steps = getattr(choice.module, op)(comm, *(() if t is None else (t,)), *args)
-    return comm.run(op, choice.name, steps, async_op, timeout)
+    steps = getattr(MODULES[name], op)(comm, *(() if t is None else (t,)), *args)
+    return comm.run(op, name, steps, async_op, timeout)
 
 
 @overload

@@ -45,27 +45,21 @@ import hashlib
 import json
 import logging
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from mpx.collectives import settings
 from mpx.collectives.errors import MPXError
 from mpx.launch.settings import on_reload
 
-if TYPE_CHECKING:
-    import torch
-
-    from mpx.collectives.communicator import Communicator
-    from mpx.collectives.handle import Steps
-
 __all__ = [
     "IMPLEMENTATIONS",
     "ORDER",
-    "Choice",
+    "PROVIDES",
     "Entry",
-    "Implementation",
+    "Layout",
     "Policy",
     "PolicyError",
     "choose",
@@ -94,6 +88,40 @@ IMPLEMENTATIONS = ("mpi", "ring", "shm", "hier", "staged", "ipc")
 TUNABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
 
+class Layout(Protocol):
+    """What the policy needs of a communicator: its rank layout and its decisions.
+
+    (:class:`mpx.collectives.Communicator` is one; the policy needs no more of
+    it, so it sits below the communicator and the implementations.)
+    """
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def node_size(self) -> int: ...
+    @property
+    def single_node(self) -> bool: ...
+    @property
+    def hierarchy(self) -> object | None: ...
+    @property
+    def choices(self) -> ChoiceCache: ...
+
+
+# The ops each implementation runs itself (any other op of a call that names it
+# falls back: mpi for CPU tensors, staged for CUDA ones). A test holds this table
+# against the modules (mpx.collectives.implementations).
+PROVIDES: dict[str, frozenset[str]] = {
+    "mpi": frozenset(OPS),
+    "ring": frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter"}),
+    "shm": frozenset({"allreduce", "broadcast", "allgather"}),
+    "hier": frozenset({"allreduce", "broadcast"}),
+    "staged": frozenset(OPS) - {"barrier"},
+    "ipc": frozenset({"allreduce", "broadcast"}),
+}
+
+
 class PolicyError(MPXError, ValueError):
     """A policy file cannot be read, or an implementation cannot take this call."""
 
@@ -105,7 +133,7 @@ class Call:
     op: str
     cuda: bool
     nbytes: int
-    comm: Communicator
+    comm: Layout
 
 
 @dataclass(frozen=True)
@@ -176,7 +204,7 @@ ORDER: dict[str, tuple[Entry, ...]] = {
 }
 
 
-def layout_key(comm: Communicator) -> str:
+def layout_key(comm: Layout) -> str:
     """The rank layout a tuned policy was measured for: ranks, nodes, ranks per node."""
     return f"ranks={comm.size},nodes={comm.num_nodes},node_size={comm.node_size}"
 
@@ -249,7 +277,7 @@ class Policy:
             source=source,
         )
 
-    def bands(self, comm: Communicator) -> dict[str, list[tuple[int, str]]] | None:
+    def bands(self, comm: Layout) -> dict[str, list[tuple[int, str]]] | None:
         """The tuned bands for this communicator's layout, or None (built-in rules)."""
         if not self.tuned:
             return None
@@ -276,7 +304,7 @@ class Policy:
         )
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
-    def describe(self, comm: Communicator) -> str:
+    def describe(self, comm: Layout) -> str:
         """One line: the policy's source and the rules for this communicator."""
         bands = self.bands(comm)
         if bands is None:
@@ -335,53 +363,9 @@ def small_bytes() -> int:
 _CUDA_IMPLS = frozenset({"staged", "ipc"})
 
 
-class Implementation(Protocol):
-    """An implementation module: each op it provides is a generator of steps.
-
-    Every implementation provides allreduce and broadcast (mypy checks each
-    module against this protocol in :func:`_modules`); the others, where
-    present, have the same shape with their own arguments (``reduce(comm, t,
-    root, op)``, ``send(comm, t, dest, tag)``, ...) and are found by name.
-    """
-
-    def allreduce(self, comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]: ...
-
-    def broadcast(self, comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The decision for a call: the implementation's name and its module."""
-
-    name: str
-    module: Implementation
-
-
-def _modules() -> Mapping[str, Implementation]:
-    from mpx.collectives import impl_hier, impl_ipc, impl_mpi, impl_ring, impl_shm, impl_staged
-
-    return {
-        "mpi": impl_mpi,
-        "ring": impl_ring,
-        "shm": impl_shm,
-        "hier": impl_hier,
-        "staged": impl_staged,
-        "ipc": impl_ipc,
-    }
-
-
-_MODULES: dict[str, Implementation] = {}
-
-
-def module_of(name: str) -> Implementation:
-    if not _MODULES:
-        _MODULES.update(_modules())
-    return _MODULES[name]
-
-
 def _walk(call: Call, policy: Policy) -> str:
     for entry in ORDER[call.op]:
-        if entry.enabled(call, policy) and hasattr(module_of(entry.impl), call.op):
+        if entry.enabled(call, policy) and call.op in PROVIDES[entry.impl]:
             return entry.impl
     raise PolicyError(  # unreachable with the lists above: each ends in a fallback
         f"{call.op}: no implementation is enabled for a {'CUDA' if call.cuda else 'CPU'} "
@@ -416,13 +400,13 @@ def _named(call: Call, name: str, policy: Policy) -> str:
         )
     if not call.cuda and name in _CUDA_IMPLS:
         raise PolicyError(f"{op}: impl={name!r} takes CUDA tensors, got a CPU one; use impl='auto'")
-    if not hasattr(module_of(name), op):
+    if op not in PROVIDES[name]:
         return "staged" if call.cuda and not policy.cuda_aware else "mpi"
     return name
 
 
-def choose(op: str, cuda: bool, nbytes: int, comm: Communicator, impl: str | None = None) -> Choice:
-    """The implementation that runs this call (``impl=None``: ``MPX_COLLECTIVES_IMPL``).
+def choose(op: str, cuda: bool, nbytes: int, comm: Layout, impl: str | None = None) -> str:
+    """The name of the implementation that runs this call (``impl=None``: ``MPX_COLLECTIVES_IMPL``).
 
     Point-to-point and barrier always run on MPI (through pinned memory for
     CUDA tensors unless MPI is CUDA-aware), whatever ``impl`` says.
@@ -445,8 +429,7 @@ def choose(op: str, cuda: bool, nbytes: int, comm: Communicator, impl: str | Non
     if op in ("send", "recv", "barrier"):
         name = "auto"
     chosen = _walk(call, policy) if name == "auto" else _named(call, name, policy)
-    choice = Choice(chosen, module_of(chosen))
-    cache[key] = choice
+    cache[key] = chosen
     size_class = max(nbytes, 1).bit_length()
     if LOG.isEnabledFor(logging.DEBUG) and (op, cuda, size_class) not in policy._log_seen:
         policy._log_seen.add((op, cuda, size_class))
@@ -461,10 +444,10 @@ def choose(op: str, cuda: bool, nbytes: int, comm: Communicator, impl: str | Non
             name,
             policy.source,
         )
-    return choice
+    return chosen
 
 
-class ChoiceCache(dict[tuple[str, bool, int, str | None], Choice]):
+class ChoiceCache(dict[tuple[str, bool, int, str | None], str]):
     """A communicator's decisions under one policy (dropped when the policy changes)."""
 
     # Bounded: a program calling with ever new sizes must not grow it forever.
@@ -482,7 +465,7 @@ class ChoiceCache(dict[tuple[str, bool, int, str | None], Choice]):
         self.fast.clear()
         self.policy = policy
 
-    def __setitem__(self, key: Any, value: Choice) -> None:
+    def __setitem__(self, key: Any, value: str) -> None:
         if len(self) >= self.LIMIT:
             self.clear()
             self.fast.clear()

@@ -58,7 +58,7 @@ def candidates(op: str, comm: Communicator) -> list[str]:
     names = []
     for name in IMPLEMENTATIONS:
         try:
-            if choose(op, False, 1 << 20, comm, name).name == name:
+            if choose(op, False, 1 << 20, comm, name) == name:
                 names.append(name)
         except PolicyError:
             continue  # not for this layout or device
