@@ -12,20 +12,19 @@ from pathlib import Path
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 
 
-def test_settings_lists_every_package_and_flags_bad_values(
-    user_environment: dict[str, str],
-) -> None:
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    # The exit code is what is tested: check=False, and the output shown on failure.
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=360, check=False)
+
+
+def test_settings_lists_packages_and_flags_bad_values(user_environment: dict[str, str]) -> None:
     env = {k: v for k, v in user_environment.items() if not k.startswith("MPX_")}
-    ok = subprocess.run(
-        [MPXRUN, "--settings"], env=env, capture_output=True, text=True, timeout=120
-    )
+    ok = _run([MPXRUN, "--settings"], env)
     assert ok.returncode == 0, ok.stderr
     for name in ("MPX_COLLECTIVES_IMPL", "MPX_AUTO_SMALL_BYTES", "MPX_QUANTIZE_BITS", "MPX_GPUS"):
         assert f"`{name}`" in ok.stdout
     env["MPX_RING_CHUNK_BYTES"] = "1 mebibyte"
-    bad = subprocess.run(
-        [MPXRUN, "--settings"], env=env, capture_output=True, text=True, timeout=120
-    )
+    bad = _run([MPXRUN, "--settings"], env)
     assert bad.returncode == 1
     assert "MPX_RING_CHUNK_BYTES='1 mebibyte'" in bad.stderr
     assert "a size such as 64K, 1M or 2G" in bad.stderr
