@@ -38,6 +38,20 @@ def test_bands_keep_the_previous_winner_within_the_tie() -> None:
     assert bands[-1][0] > 1 << 60
 
 
+def test_a_tie_goes_to_the_built_in_choice() -> None:
+    measured = {
+        4096: {"mpi": 1.0, "ring": 0.99},  # ring a hair faster: a tie, the built-in mpi wins
+        1 << 20: {"mpi": 2.0, "shm": 1.02, "ring": 1.0},  # ring vs shm: a tie, built-in shm
+        1 << 24: {"mpi": 3.0, "shm": 2.0, "ring": 1.0},  # ring clearly faster: ring
+    }
+
+    def builtin(nbytes: int) -> str:
+        return "mpi" if nbytes < 1 << 18 else "shm"
+
+    assert [impl for _, impl in bands_from(measured, builtin)] == ["mpi", "shm", "ring"]
+    assert [impl for _, impl in bands_from(measured)] == ["ring"]  # without: the fastest
+
+
 @pytest.mark.mpi
 def test_built_in_rules_by_size_and_layout() -> None:
     comm = world()

@@ -41,6 +41,7 @@ device, size class) is logged on the ``mpx.collectives`` logger at DEBUG.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -62,6 +63,7 @@ __all__ = [
     "Layout",
     "Policy",
     "PolicyError",
+    "builtin_choice",
     "choose",
     "current",
     "default_policy_file",
@@ -371,6 +373,12 @@ def _walk(call: Call, policy: Policy) -> str:
         f"{call.op}: no implementation is enabled for a {'CUDA' if call.cuda else 'CPU'} "
         f"tensor of {call.nbytes} bytes"
     )
+
+
+def builtin_choice(op: str, nbytes: int, comm: Layout) -> str:
+    """What the built-in rules (no tuned bands) run for a CPU tensor of ``nbytes``."""
+    untuned = dataclasses.replace(current(), tuned={}, source="built-in", _log_seen=set())
+    return _walk(Call(op, False, nbytes, comm), untuned)
 
 
 def _named(call: Call, name: str, policy: Policy) -> str:

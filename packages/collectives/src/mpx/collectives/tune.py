@@ -149,19 +149,26 @@ def measure(
 TIE = 1.05
 
 
-def bands_from(measured: dict[int, dict[str, float]]) -> list[tuple[int, str]]:
+def bands_from(
+    measured: dict[int, dict[str, float]], builtin: Callable[[int], str] | None = None
+) -> list[tuple[int, str]]:
     """``[(up_to, winner)]``: edges halfway (geometrically) between measured sizes.
 
-    A size's winner is the fastest implementation, except that the previous
-    size's winner stays while it is within :data:`TIE` of the fastest.
+    A size's winner is the fastest implementation, except that a measurement
+    within :data:`TIE` of the fastest is a tie, and a tie goes to the previous
+    size's winner, else to the built-in rules' choice (``builtin(nbytes)``):
+    noise alone never moves ``auto`` away from what it would do untuned.
     """
     sizes = sorted(measured)
     bands: list[tuple[int, str]] = []
     for i, nbytes in enumerate(sizes):
         row = measured[nbytes]
         winner = min(row, key=row.__getitem__)
-        if bands and bands[-1][1] in row and row[bands[-1][1]] <= TIE * row[winner]:
+        tied = [name for name, seconds in row.items() if seconds <= TIE * row[winner]]
+        if bands and bands[-1][1] in tied:
             winner = bands[-1][1]
+        elif builtin is not None and builtin(nbytes) in tied:
+            winner = builtin(nbytes)
         up_to = int(math.sqrt(nbytes * sizes[i + 1])) if i + 1 < len(sizes) else _LAST
         if bands and bands[-1][1] == winner:
             bands[-1] = (up_to, winner)
@@ -170,13 +177,22 @@ def bands_from(measured: dict[int, dict[str, float]]) -> list[tuple[int, str]]:
     return bands
 
 
+def _for_op(builtin: Callable[[str, int], str] | None, op: str) -> Callable[[int], str] | None:
+    return None if builtin is None else (lambda nbytes: builtin(op, nbytes))
+
+
 def _label(nbytes: int) -> str:
     if nbytes >= 1 << 20:
         return f"{nbytes >> 20} MiB"
     return f"{nbytes >> 10} KiB"
 
 
-def write_policy(path: Path, layout: str, times: dict[str, dict[int, dict[str, float]]]) -> None:
+def write_policy(
+    path: Path,
+    layout: str,
+    times: dict[str, dict[int, dict[str, float]]],
+    builtin: Callable[[str, int], str] | None = None,
+) -> None:
     """Adds (replaces) ``layout``'s bands in the file at ``path``, atomically."""
     data: dict[str, Any] = {"version": 1, "layouts": {}}
     if path.is_file():
@@ -186,7 +202,10 @@ def write_policy(path: Path, layout: str, times: dict[str, dict[int, dict[str, f
         except ValueError:
             data = {"version": 1, "layouts": {}}
     data["layouts"][layout] = {
-        "bands": {op: [[up, impl] for up, impl in bands_from(rows)] for op, rows in times.items()},
+        "bands": {
+            op: [[up, impl] for up, impl in bands_from(rows, _for_op(builtin, op))]
+            for op, rows in times.items()
+        },
         "measured_seconds": {
             op: {str(size): row for size, row in rows.items()} for op, rows in times.items()
         },
