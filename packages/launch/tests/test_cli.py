@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -144,6 +145,30 @@ def test_timeout_stops_a_hung_job(tmp_path: Path) -> None:
     assert 3 <= took < 10
     assert proc.returncode == 124
     assert "ran past --timeout 3 s" in proc.stderr
+    _assert_no_survivors(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)]
+)
+def test_a_signal_to_mpxrun_stops_the_job_with_128_plus_its_number(
+    tmp_path: Path, signum: int, code: int
+) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.Popen(
+        [MPXRUN, "-n", "2", sys.executable, str(script), str(tmp_path), "sleep"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)  # both ranks running
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert f"{signal.Signals(signum).name} received; all ranks were stopped" in err
     _assert_no_survivors(tmp_path)
 
 

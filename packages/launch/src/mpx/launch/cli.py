@@ -389,14 +389,22 @@ def _check_virtual(launcher: Launcher, hostfile: str | None) -> None:
 
 def _run_job(job: Job, timeout: float | None) -> int:
     # SIGTERM/SIGHUP (a batch system, `timeout`, a closed terminal) stop the
-    # job the way Ctrl-C does, instead of orphaning it in its own session.
+    # job the way Ctrl-C does, instead of orphaning it in its own session; the
+    # exit code then says which signal it was, as a shell's does (128 + N).
+    received = [int(signal.SIGINT)]
+
+    def stop(signum: int, frame: object) -> None:
+        received[0] = signum
+        raise KeyboardInterrupt
+
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.default_int_handler)
+        signal.signal(signum, stop)
     try:
         code = job.run(timeout=timeout)
     except KeyboardInterrupt:
-        print("mpxrun: interrupted; all ranks were stopped", file=sys.stderr)
-        return 130
+        name = signal.Signals(received[0]).name
+        print(f"mpxrun: {name} received; all ranks were stopped", file=sys.stderr)
+        return 128 + received[0]
     return _report(job, code, timeout)
 
 
