@@ -54,6 +54,31 @@ def test_nearest_error_is_at_most_half_a_unit(backend: str, dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_finite_input_near_the_dtype_limits_decodes_finite(
+    backend: str, dtype: torch.dtype, bits: int
+) -> None:
+    # The unit is rounded up, so the top code may decode a little past the
+    # bucket's max: past the dtype's largest value, that would be inf.
+    top = torch.finfo(dtype).max
+    dev = _device(backend)
+    x = torch.linspace(-1, 1, 1024, dtype=torch.float64).mul(top).to(dtype).to(dev)
+    x[0], x[-1] = -top, top
+    for stochastic in (False, True):
+        q = mq.quantize(x, bits, 512, stochastic, backend=backend)
+        y = mq.dequantize(q, backend=backend)
+        assert bool(torch.isfinite(y).all()), (dtype, bits, stochastic, y.max())
+        assert float(y.max()) <= top
+        acc = torch.zeros_like(x)
+        mq.dequantize_add(q, acc, backend=backend)
+        assert torch.equal(acc, y)
+    # Every backend decodes to the same bytes as the reference.
+    ref = mq.dequantize(mq.quantize(x, bits, 512, False, backend="torch"), backend="torch")
+    assert torch.equal(mq.dequantize(mq.quantize(x, bits, 512, False, backend=backend)).cpu(), ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_stochastic_rounding_is_unbiased(backend: str) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, generator=g).to(_device(backend))

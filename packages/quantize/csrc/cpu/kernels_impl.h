@@ -90,17 +90,26 @@ struct F32 {
   using storage = float;
   static float load(float v) { return v; }
   static float store(float f) { return f; }
+  static constexpr float kMax = 3.40282347e38f;  // the largest finite value
 };
 struct F16 {
   using storage = uint16_t;
   static float load(uint16_t v) { return half_to_float(v); }
   static uint16_t store(float f) { return float_to_half(f); }
+  static constexpr float kMax = 65504.0f;
 };
 struct BF16 {
   using storage = uint16_t;
   static float load(uint16_t v) { return bf16_to_float(v); }
   static uint16_t store(float f) { return float_to_bf16(f); }
+  static constexpr float kMax = 3.38953139e38f;
 };
+
+// A decoded value no larger than O's largest finite value (NaN stays NaN).
+template <class O>
+inline float finite(float y) {
+  return y > O::kMax ? O::kMax : y;
+}
 
 constexpr uint32_t kNanF32 = 0x7FC00000u;
 constexpr uint16_t kNanF16 = 0x7E00u;
@@ -360,11 +369,15 @@ void dequantize_impl(const uint8_t* values, const void* mins, const void* units,
         }
         const uint8_t* cs = codes + (a - c0);
         typename O::storage* o = out + a;
+        // A decoded value may overshoot the bucket's max by the unit's rounding;
+        // near the dtype's largest value that would round to inf: clamp it (a
+        // comparison, so a flagged bucket's NaN passes through).
         if (accumulate) {
           for (int64_t i = 0; i < e - a; ++i)
-            o[i] = O::store(O::load(o[i]) + (mn + static_cast<float>(cs[i]) * unit));
+            o[i] = O::store(O::load(o[i]) + finite<O>(mn + static_cast<float>(cs[i]) * unit));
         } else {
-          for (int64_t i = 0; i < e - a; ++i) o[i] = O::store(mn + static_cast<float>(cs[i]) * unit);
+          for (int64_t i = 0; i < e - a; ++i)
+            o[i] = O::store(finite<O>(mn + static_cast<float>(cs[i]) * unit));
         }
         a = e;
       }

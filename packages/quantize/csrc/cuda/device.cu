@@ -37,16 +37,19 @@ struct F32 {
   using storage = float;
   __device__ static float load(float v) { return v; }
   __device__ static float store(float f) { return f; }
+  static constexpr float kMax = 3.40282347e38f;  // the largest finite value
 };
 struct F16 {
   using storage = __half;
   __device__ static float load(__half v) { return __half2float(v); }
   __device__ static __half store(float f) { return __float2half_rn(f); }
+  static constexpr float kMax = 65504.0f;
 };
 struct BF16 {
   using storage = __nv_bfloat16;
   __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 store(float f) { return __float2bfloat16_rn(f); }
+  static constexpr float kMax = 3.38953139e38f;
 };
 
 constexpr unsigned kNanF32 = 0x7FC00000u;
@@ -178,7 +181,10 @@ __global__ void decode_kernel(const uint8_t* __restrict__ values, const void* __
         unit = load_meta(units, b, fp16_meta);
       }
       const float code = static_cast<float>((acc >> (j * B)) & ((1u << B) - 1u));
-      const float y = __fadd_rn(mn, __fmul_rn(code, unit));
+      float y = __fadd_rn(mn, __fmul_rn(code, unit));
+      // As the CPU kernel: an overshoot past O's largest finite value is
+      // clamped (a comparison, not fminf, so that NaN passes through).
+      y = y > O::kMax ? O::kMax : y;
       out[e] = accumulate ? O::store(__fadd_rn(O::load(out[e]), y)) : O::store(y);
     }
   }

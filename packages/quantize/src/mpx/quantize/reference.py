@@ -264,15 +264,24 @@ def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Ten
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     flat = check_output(q, out, "out")
     nq = q.layout.quantized
-    flat[:nq].copy_(decode_codes(q))
+    flat[:nq].copy_(_finite(decode_codes(q), out.dtype))
     flat[nq:].copy_(q.tail)
     return out
+
+
+def _finite(decoded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Decoded values no larger than ``dtype``'s largest finite value (NaN stays NaN).
+
+    A code times the rounded-up unit may overshoot the bucket's max a little;
+    a bucket reaching float16's 65504 would decode its top code to inf.
+    """
+    return decoded.clamp(max=torch.finfo(dtype).max)
 
 
 def dequantize_add(q: QuantizedTensor, acc: torch.Tensor) -> torch.Tensor:
     """``acc += decode(q)``, summed in float32 and rounded once to ``acc``'s dtype."""
     flat = check_output(q, acc, "acc")
     nq = q.layout.quantized
-    flat[:nq].copy_(flat[:nq].to(torch.float32) + decode_codes(q))
+    flat[:nq].copy_(flat[:nq].to(torch.float32) + _finite(decode_codes(q), acc.dtype))
     flat[nq:].copy_(flat[nq:].to(torch.float32) + q.tail.to(torch.float32))
     return acc
