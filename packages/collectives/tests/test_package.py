@@ -38,7 +38,6 @@ def test_requires_only_lower_layers() -> None:
             assert "<0.2" in requirement, requirement
 
 
-
 def test_ships_its_type_marker_and_compiled_declarations() -> None:
     files = {str(f) for f in metadata.files("mpx-collectives") or []}
     if "mpx/collectives/__init__.py" not in files:
