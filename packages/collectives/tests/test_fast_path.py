@@ -8,13 +8,16 @@ Run under mpxrun -n 1, 2, 3.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from mpx.collectives import Communicator, allreduce, broadcast, fast_path, world
+from mpx.collectives import Communicator, allreduce, broadcast, fast_path, ops, world
 from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi
@@ -153,3 +156,34 @@ def test_meets_asynchronous_calls_on_other_ranks() -> None:
         else:
             broadcast(b, 0, async_op=True).wait(timeout=60)
         assert b.tolist() == [0.0] * 5
+
+
+def test_the_python_form_runs_without_cython(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fast_path.py as Python where Cython is not installed: same results, same MPI calls.
+
+    (Where the installed module is that form already, this runs it a second time.)
+    """
+    monkeypatch.setitem(sys.modules, "cython", None)  # ``import cython`` fails
+    source = Path(str(fast_path.__file__)).with_name("fast_path.py")
+    spec = importlib.util.spec_from_file_location("mpx.collectives._fast_path_python", source)
+    assert spec is not None
+    assert spec.loader is not None
+    python_form = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(python_form)
+    assert not python_form.COMPILED
+    assert not python_form.DIRECT
+    comm = world()
+    # ops.allreduce calls ops' global fast_path; each form caches its own calls.
+    monkeypatch.setitem(vars(ops), "fast_path", python_form)
+    comm.choices.fast.clear()
+    try:
+        for dtype in (torch.float32, torch.int64):
+            t = torch.full((9,), comm.rank + 1, dtype=dtype)
+            allreduce(t)
+            assert t.tolist() == [sum(range(1, comm.size + 1))] * 9
+            b = torch.full((5,), comm.rank, dtype=dtype)
+            broadcast(b, comm.size - 1)
+            assert b.tolist() == [comm.size - 1] * 5
+        assert python_form.payload() == (9 + 5) * 4 + (9 + 5) * 8  # float32, int64
+    finally:
+        comm.choices.fast.clear()

@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib
 import re
 from importlib import metadata
+from pathlib import Path
+
+import pytest
 
 import mpx.collectives
+from mpx.collectives import fast_path
 
 # The mpx packages this layer may require (extras excluded): DESIGN.md's layers.
 ALLOWED_MPX_DEPENDENCIES: set[str] = {"mpx-launch"}  # dependency-free: mpxrun, settings
@@ -32,3 +36,26 @@ def test_requires_only_lower_layers() -> None:
         if requirement.startswith("mpx-"):
             assert ">=0.1" in requirement, requirement
             assert "<0.2" in requirement, requirement
+
+
+def test_ships_its_type_marker_and_compiled_declarations() -> None:
+    files = {str(f) for f in metadata.files("mpx-collectives") or []}
+    if "mpx/collectives/__init__.py" not in files:
+        pytest.skip("an editable install: the files are the source tree's")
+    assert "mpx/collectives/py.typed" in files
+    assert "mpx/collectives/fast_path.pxd" in files
+
+
+def test_compiled_fast_path_is_not_older_than_its_source() -> None:
+    """An editable install compiles in place: an edit to the .py needs a rebuild to count."""
+    if not fast_path.COMPILED:
+        pytest.skip("fast_path runs as Python (not compiled): nothing can be stale")
+    compiled = Path(str(fast_path.__file__))
+    if not (compiled.parents[3] / "setup.py").exists():
+        pytest.skip("installed from a wheel: source and module were installed together")
+    for source in (compiled.with_name("fast_path.py"), compiled.with_name("fast_path.pxd")):
+        assert source.stat().st_mtime <= compiled.stat().st_mtime, (
+            f"{source.name} changed after {compiled.name} was built, and Python loads the "
+            "compiled module: rebuild it with `pip install -e packages/collectives` (or "
+            "build with MPX_COLLECTIVES_CYTHON=OFF to develop on the Python module)"
+        )

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import os
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -120,7 +120,6 @@ class Communicator:
             )
         # Decisions of the policy for this communicator (mpx.collectives.policy.choose).
         self.choices = ChoiceCache()
-        self._seq = 0
         # Collectives run one at a time, in the same order on every rank (the
         # FIFO queue); their point-to-point traffic (ring) goes on a private
         # duplicate so it never meets the user's send/recv on ``mpi``.
@@ -189,6 +188,9 @@ class Communicator:
 
     def free(self) -> None:
         """Releases the MPI resources. Collective."""
+        # The fast path's cached calls name the MPI communicator by its handle,
+        # which MPI may give to a new communicator once this one is freed.
+        self.choices.reset(current_policy())
         for value in self._cache.values():
             if hasattr(value, "free"):
                 value.free()
@@ -208,10 +210,11 @@ class Communicator:
 
     def _behind(self) -> list[int]:
         """Ranks on this node that have not entered the current operation."""
+        mine = self._board[self.node_rank]
         return [
             int(self._node_members[i])
             for i in range(self.node_size)
-            if i != self.node_rank and self._board[i] < self._seq
+            if i != self.node_rank and self._board[i] < mine
         ]
 
     def _mark_broken(self, op: str) -> None:
@@ -255,30 +258,12 @@ class Communicator:
         return handle
 
     def _announce(self) -> None:
-        """Counts one more operation, on the node's board (timeouts name who is behind)."""
-        self._seq += 1
-        self._board[self.node_rank] = self._seq
+        """Counts one more operation, on the node's board (timeouts name who is behind).
 
-    def run_now(self, start: Callable[..., MPI.Request], *args: Any) -> bool:
-        """Starts one MPI request, ``start(*args)``, and waits for it, if nothing is queued.
-
-        The small-call fast path (:mod:`mpx.collectives.fast_path`): the same
-        non-blocking MPI call the ``mpi`` implementation makes, without a
-        generator or a handle. Returns False, having done nothing, when the
-        communicator has a deadline (``MPX_TIMEOUT``), is broken, or has
-        collectives queued: the caller then takes the general path, which
-        orders, times out and reports.
+        This rank's slot of the board is its count (the fast path, which
+        counts its calls there too, writes it through a pointer).
         """
-        if self.timeout is not None or self._broken is not None:
-            return False
-        with LOCK:
-            if self._queue._handles:  # not bool(queue): a Python call fewer
-                return False
-            self._seq += 1  # as _announce(), inline: this path counts every microsecond
-            self._board[self.node_rank] = self._seq
-            request = start(*args)
-        request.Wait()  # not under the lock: see run()
-        return True
+        self._board[self.node_rank] += 1
 
     def check_signature(
         self,

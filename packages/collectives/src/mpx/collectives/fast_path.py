@@ -1,9 +1,9 @@
 """Small blocking CPU collectives straight to MPI: no generator, no handle.
 
-A 4 KiB allreduce costs MPI about 4.7 µs (``MPI_Iallreduce`` + wait). The
-general path -- checks, ``auto`` selection, a generator driven by the
-communicator -- adds about 4 µs of Python to that. A call that would end as
-that one MPI call anyway takes this path instead::
+A 4 KiB allreduce costs MPI a few µs (``MPI_Iallreduce`` + wait). The general
+path -- checks, ``auto`` selection, a generator driven by the communicator --
+adds about 4 µs of Python to that. A call that would end as that one MPI call
+anyway takes this path instead::
 
     allreduce(t) / broadcast(t, root)
       blocking, no timeout=, no MPX_CHECK          no --> general path
@@ -19,19 +19,43 @@ blocking collective with a non-blocking one, so a rank on this path still
 meets a rank that called with ``async_op=True``), in the same FIFO order.
 Whatever it does not take, including every bad argument, goes to the general
 path, which raises the errors.
+
+Compiled. This module is written in Cython's pure-Python mode: the same
+source runs as Python, and is compiled to an extension module when the
+package is built where a C compiler is found (``MPX_COLLECTIVES_CYTHON``;
+``fast_path.pxd`` beside it holds the C declarations). Compiled, it calls
+``MPI_Iallreduce``/``MPI_Ibcast`` and ``MPI_Wait`` itself -- the functions of
+the MPI library mpi4py loaded, found with ``dlsym`` -- instead of through
+mpi4py's Python methods, when that library has the MPICH ABI (MPICH, Intel
+MPI, MVAPICH; checked at import: ``DIRECT``). That and the Python it saves
+take a 4 KiB allreduce's cost from about 1.4× mpi4py's own prepared call to
+about 1.1× on two ranks (``benchmarks/bench_overhead.py``). ``COMPILED`` says
+which form runs.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.handle import LOCK
 from mpx.collectives.impl_mpi import MPI_OPS
 from mpx.collectives.policy import choose, current
 
-__all__ = ["allreduce", "broadcast"]
+try:
+    import cython
+except ImportError:  # Cython is not installed: this module runs as Python
+    from mpx.collectives._no_cython import cython
+
+__all__ = ["COMPILED", "DIRECT", "allreduce", "broadcast", "payload"]
+
+COMPILED: bool = cython.compiled
+"""Whether this module runs compiled (an extension module) or as Python source."""
 
 # Supported dtypes that MPI reduces natively, with their MPI datatypes
 # (float16 and bfloat16 need the general path's float32 detour; the rest of
@@ -49,104 +73,260 @@ _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
     if dtype in SUPPORTED_DTYPES
 }
 
+# Looked up once (compiled, these are C variables: see fast_path.pxd).
+_TENSOR = torch.Tensor
+_IN_PLACE = MPI.IN_PLACE
+_acquire = LOCK.acquire
+_release = LOCK.release
 
-# [buffer, datatype] over a tensor's memory, by (address, bytes, datatype):
-# a buffer object only names the memory, so one made for a tensor that has
-# since died serves a new tensor at the same address as well. Bounded.
-_SPECS: dict[tuple[int, int, torch.dtype], list[object]] = {}
-_SPECS_LIMIT = 1024
+# Bytes of the tensors this path has reduced or broadcast (ops.bytes_communicated adds them).
+_payload = 0
+
+# The cache of this path, per communicator (``comm.choices.fast``, beside the
+# policy's decisions, so a reloaded policy drops it with them):
+#   address -> the _Call last made on that address (it names its tensor's
+#        bytes, dtype, op, impl and root: a call that differs looks further)
+#   (address, bytes, dtype, op, impl) -> allreduce: a _Call, or False
+#   (address, bytes, dtype, impl, root) -> broadcast: the same
+#   ("allreduce", dtype, bytes, op, impl), ("broadcast", dtype, bytes, impl)
+#        -> whether the policy sends such a call this way
+# False sends the call to the general path. A _Call holds the MPI message
+# ``[buffer, datatype]`` over the tensor's memory: a buffer object only names
+# the memory, so one made for a tensor that has since died serves a new
+# tensor at the same address as well. Bounded. The common call finds its
+# _Call by address, allocating nothing (a key tuple per call would also
+# bring the garbage collector round every 700 calls).
+_LIMIT = 4096
+
+# MPICH's ABI (mpi.h of MPICH and its derivatives): handles are C ints with
+# these values. The compiled module calls MPI itself only where mpi4py's
+# handles show this ABI; it needs no mpi.h to be built.
+_MPICH_ABI = {"COMM_WORLD": 0x44000000, "FLOAT": 0x4C00040A, "SUM": 0x58000003}
 
 
-def _spec(t: torch.Tensor, kind: MPI.Datatype, nbytes: int) -> list[object]:
-    key = (t.data_ptr(), nbytes, t.dtype)
-    spec = _SPECS.get(key)
-    if spec is None:
-        if len(_SPECS) >= _SPECS_LIMIT:
-            _SPECS.clear()
-        spec = _SPECS[key] = [MPI.buffer.fromaddress(key[0], nbytes), kind]
-    return spec
+def _handle(obj: Any) -> int:
+    """An MPI handle as the 32-bit pattern of MPICH's C int."""
+    return int(obj.handle) & 0xFFFFFFFF
 
 
-# The fast path's plan for a call: the MPI datatype, and the MPI op (allreduce).
-Plan = tuple[MPI.Datatype, "MPI.Op | None"]
+def _direct() -> bool:
+    """Whether the compiled module calls MPI itself (MPICH ABI, functions found)."""
+    if not cython.compiled:
+        return False
+    if any(_handle(getattr(MPI, name)) != value for name, value in _MPICH_ABI.items()):
+        return False  # another ABI (Open MPI, the standard ABI): through mpi4py
+    return bool(mpx_mpi_load(os.fsencode(str(MPI.__file__))))
 
 
-def _plan(
-    op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: str | None
-) -> Plan | None:
-    """What the fast path needs for this (op, dtype, size, impl) on ``comm``, or None.
+DIRECT: bool = _direct()
+"""Whether MPI is called directly (compiled, MPICH ABI), not through mpi4py."""
 
-    Decided once per communicator and policy (cached beside the policy's own
-    decisions, so a reloaded policy drops it with them).
+
+class _Call:
+    """One cached call of this path: what it is, and how to start it.
+
+    ``bcast``, ``nbytes``, ``dtype``, ``op``, ``impl``, ``root``: the call
+    (``op`` is ``""`` and ``root`` -1 where they do not apply). ``start(*args)``
+    starts the request through mpi4py; ``queue`` is the communicator's FIFO
+    (nothing may jump it). Compiled: ``board`` points to this rank's count on
+    the communicator's board, and ``direct`` calls MPI with ``address``,
+    ``count``, ``datatype``, ``target`` (the op's handle, or the root) and
+    ``comm`` (MPICH handles) instead of ``start``.
     """
-    key = (reduce_op, t.dtype, t.nbytes, impl) if op == "allreduce" else (t.dtype, t.nbytes, impl)
-    cache = comm.choices
-    if cache.policy is current():
-        cached: Plan | bool | None = cache.fast.get(key, False)
-        if cached is not False and cached is not True:
-            return cached
+
+    def __init__(
+        self,
+        comm: Communicator,
+        key: tuple[Any, ...],
+        bcast: bool,
+        message: list[Any],
+        count: int,
+        mpi_op: Any,
+    ) -> None:
+        self.bcast = bcast
+        self.nbytes, self.dtype = key[1], key[2]
+        self.start: Any
+        self.args: tuple[Any, ...]
+        if bcast:
+            self.op, self.impl, self.root = "", key[3], key[4]
+            self.start, self.args = comm.mpi.Ibcast, (message, self.root)
+        else:
+            self.op, self.impl, self.root = key[3], key[4], -1
+            self.start, self.args = comm.mpi.Iallreduce, (_IN_PLACE, message, mpi_op)
+        self.queue = comm._queue._handles
+        self.direct = DIRECT and count < 2**31  # MPI's count is a C int
+        self.address = key[0]
+        self.count = count
+        self.datatype = _handle(message[1]) if DIRECT else 0
+        self.target = self.root if bcast else (_handle(mpi_op) if DIRECT else 0)
+        self.comm = _handle(comm.mpi) if DIRECT else 0
+        if cython.compiled:
+            slot = comm._board.ctypes.data + comm._board.itemsize * comm.node_rank
+            self.board = cython.cast(cython.p_longlong, cython.cast(cython.size_t, slot))
+
+
+def payload() -> int:
+    """Bytes of the tensors handed to this path so far (see ``ops.bytes_communicated``)."""
+    return _payload
+
+
+def _takes(op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: str | None) -> bool:
+    """Whether the policy runs this call as the one MPI call of this path."""
     kind = _MPI_TYPES.get(t.dtype)
-    mpi_op = MPI_OPS.get(reduce_op) if op == "allreduce" else None
-    plan: Plan | None = None
-    if (
+    return (
         kind is not None
         and t.nbytes > 0
-        and (op != "allreduce" or mpi_op is not None)
+        and (op != "allreduce" or reduce_op in MPI_OPS)
         and not (reduce_op == "avg" and not t.is_floating_point())
         and not current().check
         and choose(op, False, t.nbytes, comm, impl) == "mpi"
-    ):
-        plan = (kind, mpi_op)
-    cache = comm.choices  # choose() may have renewed it for a new policy
-    cache.fast[key] = plan
-    return plan
+    )
 
 
-def _takes(t: object) -> bool:
-    """A plain, contiguous CPU tensor not requiring grad (anything else: general path)."""
-    return type(t) is torch.Tensor and t.is_cpu and not t.requires_grad and t.is_contiguous()
+def _lookup(
+    comm: Communicator, t: torch.Tensor, bcast: bool, op: str, impl: str | None, root: int
+) -> Any:
+    """The _Call of this call on ``comm``, or None (the general path's)."""
+    nbytes = t.nbytes
+    dtype = t.dtype
+    address = t.data_ptr()
+    cache = comm.choices
+    if cache.policy is current():
+        call = cache.fast.get(address)
+        if (
+            call is not None
+            and call.bcast == bcast
+            and call.nbytes == nbytes
+            and call.dtype is dtype
+            and call.op == op
+            and call.impl == impl
+            and call.root == root
+        ):
+            return call
+    else:
+        cache.reset(current())
+    if bcast:
+        key: tuple[Any, ...] = (address, nbytes, dtype, impl, root)
+        plan_key: tuple[Any, ...] = ("broadcast", dtype, nbytes, impl)
+    else:
+        key = (address, nbytes, dtype, op, impl)
+        plan_key = ("allreduce", dtype, nbytes, op, impl)
+    entry = cache.fast.get(key)
+    if entry is None:
+        taken = cache.fast.get(plan_key)
+        if taken is None:
+            taken = _takes("broadcast" if bcast else "allreduce", op, t, comm, impl)
+            cache = comm.choices  # choose() renews it for a new policy
+        entry = False
+        if taken:
+            message = [MPI.buffer.fromaddress(address, nbytes), _MPI_TYPES[dtype]]
+            entry = _Call(comm, key, bcast, message, t.numel(), None if bcast else MPI_OPS[op])
+        if len(cache.fast) >= _LIMIT:
+            cache.fast.clear()
+        cache.fast[plan_key] = taken
+        cache.fast[key] = entry
+    if entry is False:
+        return None
+    cache.fast[address] = entry
+    return entry
+
+
+def _run_now(comm: Communicator, call: _Call) -> bool:
+    """Starts the call's MPI request and waits for it, if nothing is queued.
+
+    Returns False, having done nothing, when the communicator has a deadline
+    (``MPX_TIMEOUT``), is broken, or has collectives queued: the caller then
+    takes the general path, which orders, times out and reports. Otherwise
+    this is ``Communicator.run`` for one request: the operation is counted on
+    the node's board, started under the lock (the progress thread's turn
+    comes before or after it) and waited for outside it (see ``run``).
+    """
+    if comm.timeout is not None or comm._broken is not None:
+        return False
+    err = 0
+    request = 0
+    _acquire()
+    try:
+        if call.queue:
+            return False
+        if cython.compiled:
+            call.board[0] += 1  # Communicator._announce
+            if call.direct:
+                with cython.nogil:
+                    err = mpx_mpi_start(
+                        call.bcast,
+                        call.address,
+                        call.count,
+                        call.datatype,
+                        call.target,
+                        call.comm,
+                        cython.address(request),
+                    )
+            else:
+                mpi_request = call.start(*call.args)
+        else:
+            comm._announce()
+            mpi_request = call.start(*call.args)
+    finally:
+        _release()
+    if cython.compiled:
+        if call.direct:
+            if err == 0:
+                with cython.nogil:
+                    err = mpx_mpi_wait(cython.address(request))
+            if err != 0:
+                raise MPI.Exception(err)
+        else:
+            mpi_request.Wait()
+    else:
+        mpi_request.Wait()
+    return True
 
 
 def allreduce(t: torch.Tensor, op: str, comm: Communicator | None, impl: str | None) -> bool:
-    """Runs a small blocking allreduce; False (nothing done) if it is not one.
-
-    The common case -- a plan and a buffer already cached -- is written out in
-    this one function: each Python call it saves is a tenth of MPI's latency.
-    """
-    if type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad or not t.is_contiguous():
+    """Runs a small blocking allreduce; False (nothing done) if it is not one."""
+    global _payload  # noqa: PLW0603 -- compiled, a C counter (fast_path.pxd)
+    if type(t) is not _TENSOR or not t.is_cpu or t.requires_grad or not t.is_contiguous():
         return False
     if comm is None:
         comm = world()
-    nbytes = t.nbytes
-    dtype = t.dtype
-    cache = comm.choices
-    plan = cache.fast.get((op, dtype, nbytes, impl), False) if cache.policy is current() else False
-    if plan is False:
-        plan = _plan("allreduce", op, t, comm, impl)
-    if plan is None or plan is True:
-        return False
-    key = (t.data_ptr(), nbytes, dtype)
-    spec = _SPECS.get(key)
-    if spec is None:
-        spec = _spec(t, plan[0], nbytes)
-    if not comm.run_now(comm.mpi.Iallreduce, MPI.IN_PLACE, spec, plan[1]):
+    call = _lookup(comm, t, False, op, impl, -1)
+    if call is None or not _run_now(comm, call):
         return False
     if op == "avg":
         t.div_(comm.size)
+    _payload += call.nbytes
     return True
 
 
 def broadcast(t: torch.Tensor, root: int, comm: Communicator | None, impl: str | None) -> bool:
     """Runs a small blocking broadcast; False (nothing done) if it is not one."""
-    if not _takes(t) or type(root) is not int:
+    global _payload  # noqa: PLW0603 -- compiled, a C counter (fast_path.pxd)
+    if type(t) is not _TENSOR or not t.is_cpu or t.requires_grad or not t.is_contiguous():
         return False
-    comm = world() if comm is None else comm
+    if type(root) is not int:
+        return False
+    if comm is None:
+        comm = world()
     if not 0 <= root < comm.size:
         return False
-    cache = comm.choices
-    plan = cache.fast.get((t.dtype, t.nbytes, impl), False) if cache.policy is current() else False
-    if plan is False:
-        plan = _plan("broadcast", "", t, comm, impl)
-    if plan is None or plan is True:
+    call = _lookup(comm, t, True, "", impl, root)
+    if call is None or not _run_now(comm, call):
         return False
-    return comm.run_now(comm.mpi.Ibcast, _spec(t, plan[0], t.nbytes), root)
+    _payload += call.nbytes
+    return True
+
+
+if not cython.compiled:
+    # Compiled, these are C functions of fast_path.pxd; as Python, never called.
+
+    def mpx_mpi_load(library: bytes) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_mpi_start(
+        bcast: bool, address: int, count: int, datatype: int, target: int, comm: int, request: Any
+    ) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_mpi_wait(request: Any) -> int:
+        raise AssertionError("compiled only")

@@ -55,7 +55,7 @@ def bytes_communicated() -> int:
         before = bytes_communicated(); train_one_epoch()
         print(bytes_communicated() - before)
     """
-    return _payload[0]
+    return _payload[0] + fast_path.payload()
 
 
 def _run(
@@ -140,7 +140,6 @@ def allreduce(
         handle = allreduce(buf, async_op=True); ...; handle.wait(timeout=60)
     """
     if not async_op and timeout is None and fast_path.allreduce(t, op, comm, impl):
-        _payload[0] += t.nbytes
         return t
     check_tensor(t, "allreduce")
     check_op_for_dtype(op, t.dtype)
@@ -197,7 +196,6 @@ def broadcast(
 ) -> torch.Tensor | Handle[torch.Tensor]:
     """Copies ``root``'s ``t`` into ``t`` on every rank, in place."""
     if not async_op and timeout is None and fast_path.broadcast(t, root, comm, impl):
-        _payload[0] += t.nbytes
         return t
     check_tensor(t, "broadcast")
     size = (world() if comm is None else comm).size

@@ -464,9 +464,9 @@ class ChoiceCache(dict[tuple[str, bool, int, str | None], str]):
     def __init__(self) -> None:
         super().__init__()
         self.policy: Policy | None = None
-        # The small-call fast path's plans (mpx.collectives.fast_path), which
-        # follow from the decisions here and go with them.
-        self.fast: dict[tuple[Any, ...], Any] = {}
+        # The small-call fast path's calls and plans (mpx.collectives.fast_path),
+        # which follow from the decisions here and go with them.
+        self.fast: dict[Any, Any] = {}
 
     def reset(self, policy: Policy) -> None:
         self.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 from mpx.launch.settings import Setting, declare
 
 __all__ = [
+    "BUILD_CYTHON",
     "CHECK",
     "CUDA_AWARE",
     "IMPL",
@@ -142,4 +143,15 @@ RANKS_PER_NODE: Setting[int | None] = declare(
     "pretend every k consecutive world ranks form a node (tests hierarchical code on one host)",
     package=_PACKAGE,
     minimum=1,
+)
+
+BUILD_CYTHON = declare(
+    "MPX_COLLECTIVES_CYTHON",
+    "choice",
+    "AUTO",
+    "compile the small-call fast path with Cython: AUTO (if Cython and a C compiler work, "
+    "else pure Python), ON (required) or OFF",
+    package=_PACKAGE,
+    choices=("AUTO", "ON", "OFF"),
+    when="build",
 )

@@ -1,0 +1,87 @@
+# C declarations of fast_path.py, which is written in Cython's pure-Python
+# mode: read only when the module is compiled (see setup.py), never when it
+# runs as Python. Names declared here are C variables, functions and fields of
+# the compiled module (not attributes of it).
+
+cimport cython
+
+cdef extern from *:
+    """
+    /* MPI_Iallreduce, MPI_Ibcast and MPI_Wait of the MPI library mpi4py loaded,
+       with MPICH's ABI (handles are C ints; MPI_IN_PLACE is (void *)-1 and
+       MPI_STATUS_IGNORE (MPI_Status *)1): no mpi.h is needed to build this.
+       fast_path.py checks the ABI on mpi4py's handles before loading them. */
+    #include <dlfcn.h>
+    #include <stddef.h>
+    typedef int (*mpx_iallreduce_fn)(const void *, void *, int, int, int, int, int *);
+    typedef int (*mpx_ibcast_fn)(void *, int, int, int, int, int *);
+    typedef int (*mpx_wait_fn)(int *, void *);
+    static mpx_iallreduce_fn mpx_iallreduce_ptr = NULL;
+    static mpx_ibcast_fn mpx_ibcast_ptr = NULL;
+    static mpx_wait_fn mpx_wait_ptr = NULL;
+
+    /* library: the file of mpi4py's MPI module, already loaded; its symbols
+       resolve to the MPI library it was loaded with. */
+    static int mpx_mpi_load(const char *library) {
+        void *lib = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);
+        if (lib == NULL) return 0;
+        mpx_iallreduce_ptr = (mpx_iallreduce_fn)dlsym(lib, "MPI_Iallreduce");
+        mpx_ibcast_ptr = (mpx_ibcast_fn)dlsym(lib, "MPI_Ibcast");
+        mpx_wait_ptr = (mpx_wait_fn)dlsym(lib, "MPI_Wait");
+        dlclose(lib);  /* drops the reference dlopen took; Python keeps its own */
+        return mpx_iallreduce_ptr != NULL && mpx_ibcast_ptr != NULL && mpx_wait_ptr != NULL;
+    }
+
+    static int mpx_mpi_start(int bcast, size_t address, int count, unsigned int datatype,
+                             unsigned int target, unsigned int comm, int *request) {
+        if (bcast)
+            return mpx_ibcast_ptr((void *)address, count, (int)datatype, (int)target,
+                                  (int)comm, request);
+        return mpx_iallreduce_ptr((const void *)-1, (void *)address, count, (int)datatype,
+                                  (int)target, (int)comm, request);
+    }
+
+    static int mpx_mpi_wait(int *request) {
+        return mpx_wait_ptr(request, (void *)1);
+    }
+    """
+    int mpx_mpi_load(const char *library)
+    int mpx_mpi_start(bint bcast, size_t address, int count, unsigned int datatype,
+                      unsigned int target, unsigned int comm, int *request) nogil
+    int mpx_mpi_wait(int *request) nogil
+
+cdef object _TENSOR
+cdef object _IN_PLACE
+cdef object _acquire
+cdef object _release
+cdef long long _payload
+
+cdef class _Call:
+    cdef bint bcast
+    cdef Py_ssize_t nbytes
+    cdef object dtype
+    cdef object op
+    cdef object impl
+    cdef Py_ssize_t root
+    cdef object start
+    cdef tuple args
+    cdef object queue
+    cdef long long *board
+    cdef bint direct
+    cdef size_t address
+    cdef Py_ssize_t count
+    cdef unsigned int datatype
+    cdef unsigned int target
+    cdef unsigned int comm
+
+@cython.locals(call=_Call)
+cdef _Call _lookup(object comm, object t, bint bcast, object op, object impl, Py_ssize_t root)
+
+@cython.locals(err=cython.int, request=cython.int)
+cdef bint _run_now(object comm, _Call call) except -1
+
+@cython.locals(call=_Call)
+cpdef bint allreduce(object t, object op, object comm, object impl) except -1
+
+@cython.locals(call=_Call)
+cpdef bint broadcast(object t, object root, object comm, object impl) except -1
