@@ -198,6 +198,15 @@ def _single_calls(comm: Any, raw: Any) -> list[str]:
     return [f"| {name} | {sec * 1e6:.2f} | {sec / base:.2f} |" for name, sec in best.items()]
 
 
+def _checked(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs a job, its output captured; on failure its stderr is shown, then it raises."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        raise subprocess.CalledProcessError(done.returncode, command)
+    return done
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
@@ -230,13 +239,13 @@ def main() -> None:
             job = [mpxrun, "-n", str(nprocs), "--timeout", "1200"]
             tune = [*job, "--tune", "--", "--ops", "allreduce,broadcast"]
             tune += ["--max-size", MAX_BYTES, "--output", tuned]
-            tuning = subprocess.run(tune, check=True, capture_output=True, text=True)
+            tuning = _checked(tune)
             bands = [
                 b for b in tuning.stdout.splitlines() if b.startswith(("allreduce:", "broadcast:"))
             ]
             policies.append(f"{nprocs} ranks: " + "; ".join(bands))
             inside = [*job, "--", sys.executable, here, "--inside", "--tuned", tuned]
-            run = subprocess.run(inside, check=True, capture_output=True, text=True)
+            run = _checked(inside)
             for line in run.stdout.splitlines():
                 if line.startswith("SUMMARY "):
                     summaries.append(line.removeprefix("SUMMARY "))
