@@ -117,3 +117,55 @@ def test_errors_reach_every_rank(tmp_path: Path) -> None:
         dp.load_checkpoint(root_dir / "model-only.pt", nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         dp.save_checkpoint(root_dir / "x.pt", opt)  # type: ignore[arg-type]
+
+
+def test_a_flipped_byte_is_caught_on_every_rank(tmp_path: Path) -> None:
+    path = _shared_dir(tmp_path) / "ckpt.pt"
+    model, opt = _setup(0)
+    dp.save_checkpoint(path, model, opt, epoch=1)
+    if dp.rank() == 0:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01  # inside the tensor data
+        path.write_bytes(bytes(data))
+    MPI.COMM_WORLD.Barrier()
+    with pytest.raises(DataParallelError, match=r"corrupt: .* SHA-256 [0-9a-f]{64}, but it was"):
+        dp.load_checkpoint(path, model, opt)
+
+
+def test_a_crashed_save_leaves_nothing_behind_after_the_next(tmp_path: Path) -> None:
+    folder = _shared_dir(tmp_path)
+    path = folder / "ckpt.pt"
+    model, opt = _setup(0)
+    if dp.rank() == 0:
+        gone = folder / "ckpt.pt.tmp-999999999"  # a pid no process has
+        gone.write_bytes(b"half a checkpoint")
+        alive = folder / f"ckpt.pt.tmp-{os.getppid()}"  # a running process's save
+        alive.write_bytes(b"in progress")
+    MPI.COMM_WORLD.Barrier()
+    dp.save_checkpoint(path, model, opt, step=3)
+    if dp.rank() == 0:
+        left = sorted(p.name for p in folder.iterdir())
+        assert left == sorted(["ckpt.pt", f"ckpt.pt.tmp-{os.getppid()}"]), left
+    assert dp.load_checkpoint(path, model, opt) == {"step": 3}
+
+
+def test_the_file_and_its_directory_are_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _shared_dir(tmp_path) / "ckpt.pt"
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    model, _ = _setup(0)
+    dp.save_checkpoint(path, model)
+    if dp.rank() == 0:
+        assert len(synced) == 2, synced
+        assert synced[0].startswith(str(path) + ".tmp-")  # the file, before the rename
+        assert synced[1] == str(path.parent)  # the directory, after it
+    else:
+        assert synced == []
