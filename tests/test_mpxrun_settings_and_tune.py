@@ -44,12 +44,14 @@ def test_tune_writes_a_policy_that_auto_follows(
     # A job that reads it says so in its DEBUG log of the first decision.
     program = tmp_path / "job.py"
     program.write_text(
-        "import logging, torch\n"
+        "import logging, os, torch\n"
         "logging.basicConfig(level=logging.DEBUG)\n"
         "from mpx.collectives import allreduce, policy, world\n"
         "t = torch.ones(1024); allreduce(t)\n"
         "assert float(t[0]) == world().size\n"
-        "print('SOURCE', policy.current().source, flush=True)\n"
+        # One write() per line: print() under PYTHONUNBUFFERED writes its parts
+        # separately, and the other rank's line may land between them.
+        "os.write(1, f'SOURCE {policy.current().source}\\n'.encode())\n"
     )
     job = _run(
         [MPXRUN, "-n", "2", "--timeout", "300", "--", sys.executable, str(program)],
