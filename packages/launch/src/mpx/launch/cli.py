@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, NoReturn
 
-from mpx.launch import settings
+from mpx.launch import settings, shm_cleanup
 from mpx.launch.check import run_check
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
@@ -399,12 +399,16 @@ def _run_job(job: Job, timeout: float | None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
+    # MPI shared memory of ranks that died is removed once the job has ended.
+    before = shm_cleanup.segments()
     try:
         code = job.run(timeout=timeout)
     except KeyboardInterrupt:
         name = signal.Signals(received[0]).name
         print(f"mpxrun: {name} received; all ranks were stopped", file=sys.stderr)
         return 128 + received[0]
+    finally:
+        shm_cleanup.remove_orphans(before)
     return _report(job, code, timeout)
 
 
