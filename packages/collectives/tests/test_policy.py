@@ -186,7 +186,7 @@ def test_tune_writes_the_policy_auto_reads(
 def test_the_provides_table_matches_the_modules() -> None:
     from mpx.collectives.implementations import MODULES
 
-    assert set(MODULES) == set(PROVIDES)
+    assert set(MODULES) == set(PROVIDES) == set(policy.IMPLEMENTATIONS)
     for name, module in MODULES.items():
         has = {op for op in policy.OPS if hasattr(module, op)}
         assert has == PROVIDES[name], name

@@ -34,7 +34,7 @@ from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
 from mpx.collectives.policy import ChoiceCache
 from mpx.collectives.policy import current as current_policy
 
-__all__ = ["Communicator", "check_enabled", "default_timeout", "usable_cores", "world"]
+__all__ = ["Communicator", "usable_cores", "world"]
 
 T = TypeVar("T")
 
@@ -55,16 +55,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def default_timeout() -> float | None:
-    """``MPX_TIMEOUT`` in seconds, or None (no limit)."""
-    return settings.TIMEOUT.get()
-
-
-def check_enabled() -> bool:
-    """Whether ``MPX_CHECK=1`` asks for cross-rank argument checks (the policy's ``check``)."""
-    return current_policy().check
 
 
 class Communicator:
@@ -92,7 +82,7 @@ class Communicator:
         self.mpi = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
-        self.timeout = default_timeout() if timeout is None else timeout
+        self.timeout = settings.TIMEOUT.get() if timeout is None else timeout
         self._node_comm = _split_node(mpi_comm, self.rank)
         self.node_rank: int = self._node_comm.Get_rank()
         self.node_size: int = self._node_comm.Get_size()

@@ -84,8 +84,8 @@ OPS = (
     "recv",
     "barrier",
 )
-# The implementations by name (impl= or MPX_COLLECTIVES_IMPL accept these and "auto").
-IMPLEMENTATIONS = ("mpi", "ring", "shm", "hier", "staged", "ipc")
+# The implementations by name: the names MPX_COLLECTIVES_IMPL (and impl=) accept, but "auto".
+IMPLEMENTATIONS = tuple(name for name in settings.IMPL_NAMES if name != "auto")
 # Operations whose CPU algorithms the tuner times and the policy can band.
 TUNABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
