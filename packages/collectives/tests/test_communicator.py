@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -92,7 +93,10 @@ def test_collective_timeout_names_the_rank_that_never_came() -> None:
     try:
         if comm.rank == late:
             time.sleep(3.0)  # arrives after the others gave up
-            allreduce(torch.ones(3), comm=comm, impl="mpi", timeout=60)
+            # The others abandoned the call: the comparison of its new signature
+            # (MPX_CHECK=auto) meets theirs, its data never will.
+            with contextlib.suppress(CollectiveTimeout):
+                allreduce(torch.ones(3), comm=comm, impl="mpi", timeout=3)
         else:
             start = time.monotonic()
             with pytest.raises(CollectiveTimeout) as info:
@@ -115,8 +119,8 @@ def test_mismatched_shapes_are_named_on_every_rank(monkeypatch: pytest.MonkeyPat
     with pytest.raises(MismatchError) as info:
         allreduce(torch.ones(shape), timeout=30)
     message = str(info.value)
-    assert "rank 0 called allreduce(shape=(4,)" in message
-    assert "allreduce(shape=(5,)" in message
+    assert "allreduce: ranks disagree on element count: rank 0 passed float32[4], rank" in message
+    assert "float32[5]" in message
 
 
 def test_mismatched_dtype_and_root(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +130,7 @@ def test_mismatched_dtype_and_root(monkeypatch: pytest.MonkeyPatch) -> None:
     if comm.size == 1:
         pytest.skip("a mismatch needs two ranks")
     dtype = torch.float32 if comm.rank == 0 else torch.float64
-    with pytest.raises(MismatchError, match=r"dtype=torch\.float64"):
+    with pytest.raises(MismatchError, match=r"rank 0 passed float32\[2\], rank 1 float64\[2\]"):
         allreduce(torch.ones(2, dtype=dtype), timeout=30)
-    with pytest.raises(MismatchError, match="root=1"):
+    with pytest.raises(MismatchError, match="rank 0 passed root=0, rank 1 root=1"):
         broadcast(torch.ones(2), 0 if comm.rank == 0 else 1, timeout=30)

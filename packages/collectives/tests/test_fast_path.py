@@ -52,6 +52,7 @@ def test_allreduce_is_taken_and_equals_numpy(dtype: torch.dtype, op: str) -> Non
                         for t in inputs])  # fmt: skip
     expected = stacked.mean(0) if op == "avg" else NUMPY_REDUCE[op](stacked, axis=0)
     t = inputs[comm.rank].clone()
+    allreduce(t.clone(), op)  # MPX_CHECK=auto compares a new signature once, first
     assert fast_path.allreduce(t, op, None, None)
     if dtype.is_floating_point:
         tol = 1e-5 if dtype == torch.float32 else 1e-12
@@ -66,8 +67,27 @@ def test_broadcast_is_taken_from_every_root(dtype: torch.dtype) -> None:
     for root in range(comm.size):
         inputs = _inputs(comm.size, torch.int64, salt=root)
         t = inputs[comm.rank].abs().to(dtype)
+        broadcast(t.clone(), root)  # MPX_CHECK=auto compares a new signature once, first
         assert fast_path.broadcast(t, root, None, None)
         assert torch.equal(t, inputs[root].abs().to(dtype))
+
+
+@pytest.mark.parametrize("check", ["auto", "0"])
+def test_a_new_signature_is_compared_first(check: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MPX_CHECK=auto: the first call of a signature goes the general path, which compares."""
+    monkeypatch.setenv("MPX_CHECK", check)
+    reload_settings()
+    comm = Communicator.from_mpi(world().mpi)  # a fresh ledger: nothing compared yet
+    t = torch.arange(43, dtype=torch.float64)
+    taken = fast_path.allreduce(t, "max", comm, None)
+    assert taken == (check == "0")
+    calls = comm.ledger.calls
+    allreduce(t, "max", comm=comm)
+    assert comm.ledger.calls == calls + (check == "auto")
+    assert fast_path.allreduce(t, "max", comm, None)  # compared: now taken
+    assert comm.ledger.calls == calls + 2 * (check == "auto")  # and counted
+    assert torch.equal(t, torch.arange(43, dtype=torch.float64))
+    comm.free()
 
 
 def test_public_operations_count_their_payload() -> None:
@@ -109,7 +129,9 @@ def test_declines_large_tensors_under_auto_on_several_ranks(
     if world().size > 1:
         _declined(t)
     else:
+        allreduce(t.clone())  # MPX_CHECK=auto compares a new signature once, first
         assert fast_path.allreduce(t, "sum", None, None)  # one rank: always mpi
+    allreduce(t.clone(), impl="mpi")
     assert fast_path.allreduce(t, "sum", None, "mpi")  # named: any size
 
 
@@ -177,13 +199,18 @@ def test_the_python_form_runs_without_cython(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(vars(ops), "fast_path", python_form)
     comm.choices.fast.clear()
     try:
-        for dtype in (torch.float32, torch.int64):
-            t = torch.full((9,), comm.rank + 1, dtype=dtype)
-            allreduce(t)
-            assert t.tolist() == [sum(range(1, comm.size + 1))] * 9
-            b = torch.full((5,), comm.rank, dtype=dtype)
-            broadcast(b, comm.size - 1)
-            assert b.tolist() == [comm.size - 1] * 5
-        assert python_form.payload() == (9 + 5) * 4 + (9 + 5) * 8  # float32, int64
+        before = 0
+        # Twice: MPX_CHECK=auto sends a signature's first call the general
+        # path (it compares it); the second pass is all on this path.
+        for _ in range(2):
+            before = python_form.payload()
+            for dtype in (torch.float32, torch.int64):
+                t = torch.full((9,), comm.rank + 1, dtype=dtype)
+                allreduce(t)
+                assert t.tolist() == [sum(range(1, comm.size + 1))] * 9
+                b = torch.full((5,), comm.rank, dtype=dtype)
+                broadcast(b, comm.size - 1)
+                assert b.tolist() == [comm.size - 1] * 5
+        assert python_form.payload() - before == (9 + 5) * 4 + (9 + 5) * 8  # float32, int64
     finally:
         comm.choices.fast.clear()

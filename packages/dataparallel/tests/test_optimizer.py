@@ -322,3 +322,49 @@ def test_compressed_buckets_through_mpx_quantize() -> None:
         want_all = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
         assert not torch.equal(got_all, want_all)
     assert importlib.import_module("mpx.quantize") is quantize
+
+
+def test_models_with_different_layouts_raise_at_construction() -> None:
+    """Parameter shapes or counts that differ across ranks trained on garbage, silently."""
+    from mpx.collectives import MismatchError
+
+    width = 16 if dp.rank() == 0 else 17
+    model = nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 3))
+    if dp.world_size() == 1:
+        dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        return
+    with pytest.raises(
+        MismatchError,
+        match=r"DistributedOptimizer: ranks disagree on parameter 0: rank 0 has '0.weight' "
+        r"float32\[16, 5\], rank 1 '0.weight' float32\[17, 5\]",
+    ):
+        dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    deeper = nn.Sequential(*[nn.Linear(4, 4) for _ in range(1 + (dp.rank() > 0))])
+    with pytest.raises(MismatchError, match="number of parameters: rank 0 has 2, rank 1 4"):
+        dp.DistributedOptimizer(torch.optim.SGD(deeper.parameters(), lr=0.1), deeper)
+
+
+def test_models_initialised_differently_raise_at_the_first_step() -> None:
+    """Never synchronised, the ranks diverged silently; synchronize() is the fix it names."""
+    torch.manual_seed(dp.rank())  # a different initialisation per rank
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).to(torch.float64)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = _batch(0, dp.world_size())
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+    if dp.world_size() == 1:
+        opt.step()
+        return
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        dp.DataParallelMismatchError,
+        match=r"parameter '0.weight' has different values on rank 0 and rank\(s\) \[1",
+    ):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    opt.remove_hooks()
+    model = dp.synchronize(model)  # the fix the error names
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+    opt.step()
+    _assert_same_everywhere(model)

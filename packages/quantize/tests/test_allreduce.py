@@ -242,3 +242,26 @@ def test_cuda_tensor_allreduce_matches_cpu() -> None:
     on_cpu = mq.allreduce(x.clone(), comm, config=config)
     on_gpu = mq.allreduce(x.cuda(), comm, config=config)
     assert torch.equal(on_cpu, on_gpu.cpu())
+
+
+@pytest.mark.parametrize(
+    ("field", "mine"),
+    [
+        ("bits", lambda r: {"bits": 4 if r == 0 else 2}),
+        ("bucket_size", lambda r: {"bucket_size": 512 if r == 0 else 128}),
+    ],
+)
+def test_ranks_with_different_configurations_raise_naming_the_field(field: str, mine: Any) -> None:
+    """Different bits or bucket sizes gave values up to 1e35 and diverging ranks, silently."""
+    from mpx.collectives import MismatchError
+
+    comm = world()
+    t = torch.ones(4096)
+    if comm.size == 1:
+        mq.allreduce(t, comm, **mine(0))  # nothing can differ
+        return
+    with pytest.raises(
+        MismatchError, match=f"quantized allreduce: ranks disagree on {field}: rank 0 passed"
+    ):
+        mq.allreduce(t, comm, **mine(comm.rank))
+    assert torch.equal(t, torch.ones(4096))  # no data moved

@@ -21,6 +21,8 @@ progress_thread_enabled()   whether the progress thread drives asynchronous  dat
 encode_header(shape, dt),   a tensor's shape and dtype as ``HEADER_LEN``     pipeline
 decode_header(header),      int64, for a receiver that must allocate its
 HEADER_LEN                  buffer before ``recv``
+checks_enabled()            whether cross-rank consistency checks run        dataparallel
+                            (``MPX_CHECK`` is not ``0``)
 empty_shared(...)           a tensor in node-shared memory: ``shm`` reduces  dataparallel
                             it without staging copies (collective)
 ==========================  ===============================================  =============
@@ -47,6 +49,7 @@ from __future__ import annotations
 from mpx.collectives import progress
 from mpx.collectives.communicator import usable_cores
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.policy import current as current_policy
 from mpx.collectives.policy import small_bytes
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
@@ -54,6 +57,7 @@ from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_head
 __all__ = [
     "HEADER_LEN",
     "SUPPORTED_DTYPES",
+    "checks_enabled",
     "decode_header",
     "empty_shared",
     "encode_header",
@@ -71,3 +75,12 @@ def progress_thread_enabled() -> bool:
     handle: poll ``handle.done()`` between pieces of work to overlap.
     """
     return progress.enabled()
+
+
+def checks_enabled() -> bool:
+    """Whether cross-rank consistency checks run (``MPX_CHECK`` is ``auto`` or ``1``).
+
+    Upper packages compare what must agree across ranks (a model's layout,
+    its initial values) once, unless the user turned checks off.
+    """
+    return current_policy().check != "0"

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import os
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -27,7 +27,18 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import progress, settings
-from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.consistency import (
+    CHECKED_OPS,
+    ROW,
+    CallLedger,
+    Signature,
+    decode,
+    encode,
+    fields_differ,
+    first_difference,
+    sequences_differ,
+    signature_of,
+)
 from mpx.collectives.errors import CommunicatorBroken, MismatchError, MPXValueError, RemoteError
 from mpx.collectives.exchange import gather_bytes, summarize
 from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
@@ -41,11 +52,6 @@ T = TypeVar("T")
 # Shape, dtype, op and root of every call are compared across ranks when
 # MPX_CHECK=1. A signature is a fixed-size int64 vector so that one allgather
 # carries it.
-_MAX_DIMS = 8
-_SIGNATURE_LEN = 6 + _MAX_DIMS
-_OPS = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall", "barrier"]
-_REDUCE = ["", "sum", "avg", "max", "min", "prod"]
-_DTYPES: list[torch.dtype | None] = [None, *SUPPORTED_DTYPES]
 _UNORDERED = frozenset({"send", "recv"})
 
 
@@ -105,7 +111,8 @@ class Communicator:
         if differ:
             raise MismatchError(
                 f"ranks {differ} run a different collectives policy from rank 0 (settings "
-                "MPX_AUTO_SMALL_BYTES, MPX_CUDA_AWARE, MPX_COLLECTIVES_IMPL, MPX_CHECK or the "
+                "MPX_AUTO_SMALL_BYTES, MPX_CUDA_AWARE, MPX_COLLECTIVES_IMPL, MPX_CHECK, "
+                "MPX_CHECK_INTERVAL or the "
                 "tuned policy file differ); give every rank the same environment and file"
             )
         # Decisions of the policy for this communicator (mpx.collectives.policy.choose).
@@ -119,6 +126,10 @@ class Communicator:
         self._broken: str | None = None
         self.background_progress = True
         self._cache: dict[str, Any] = {}
+        # MPX_CHECK's record of this communicator's calls, and the
+        # configurations already compared (check_call, check_same).
+        self.ledger = CallLedger(current_policy().check_interval)
+        self._same: set[tuple[str, tuple[tuple[str, Hashable], ...]]] = set()
         self.hierarchy: Hierarchy | None = Hierarchy.build(self) if self.num_nodes > 1 else None
         self._node_comm.Barrier()
 
@@ -263,37 +274,114 @@ class Communicator:
         root: int = -1,
         timeout: float | None = None,
     ) -> None:
-        """Compares op, shape, dtype, reduce op and root across ranks (``MPX_CHECK=1``).
+        """Compares this call's op, dtype, element count, reduce op and root across ranks.
+
+        What ``MPX_CHECK=1`` does before every collective. Collective.
 
         Raises:
-            MismatchError: on every rank, naming two ranks that disagree.
+            MismatchError: on every rank, naming the field that differs and
+                the calls of rank 0 and of a rank that differs from it.
         """
-        mine = np.zeros(_SIGNATURE_LEN, dtype=np.int64)
-        shape: Sequence[int] = tuple(tensor.shape) if tensor is not None else ()
-        if len(shape) > _MAX_DIMS:
-            shape = (*shape[: _MAX_DIMS - 1], int(np.prod(shape[_MAX_DIMS - 1 :])))
-        mine[:6] = (
-            _OPS.index(op),
-            _DTYPES.index(tensor.dtype) if tensor is not None else 0,
-            _REDUCE.index(reduce_op),
-            root,
-            len(shape),
-            0,
-        )
-        mine[6 : 6 + len(shape)] = shape
-        every = np.empty((self.size, _SIGNATURE_LEN), dtype=np.int64)
+        self._compare(op, signature_of(op, tensor, reduce_op, root), False, timeout)
+
+    def check_call(
+        self,
+        op: str,
+        tensor: torch.Tensor | None,
+        reduce_op: str = "",
+        root: int = -1,
+        timeout: float | None = None,
+    ) -> None:
+        """The consistency check of one collective call, as ``MPX_CHECK`` says.
+
+        ``auto`` (the default) counts the call in the communicator's ledger and
+        compares across ranks only when its signature is new here or the
+        periodic comparison of digests is due (see :mod:`mpx.collectives.consistency`);
+        ``1`` compares every call; ``0`` nothing. Collective when it compares,
+        and every rank decides alike when that is.
+
+        Raises:
+            MismatchError: on every rank, naming the op, the field that differs and both values.
+        """
+        mode = current_policy().check
+        if mode == "0" or op not in CHECKED_OPS:
+            return
+        signature = signature_of(op, tensor, reduce_op, root)
+        if mode == "1":
+            self._compare(op, signature, False, timeout)
+            return
+        new, due = self.ledger.count(signature)
+        if new or due:
+            self._compare(op, signature, due, timeout)
+
+    def _compare(self, op: str, signature: Signature, digests: bool, timeout: float | None) -> None:
+        ledger = self.ledger
+        mine = encode(signature, ledger.calls, int(ledger.state[1]))
+        every = np.empty((self.size, ROW), dtype=np.int64)
 
         def steps() -> Steps[None]:
             yield Requests([self.mpi.Iallgather(mine, every)])
 
         self.run(op + " (MPX_CHECK)", "check", steps(), False, timeout)
-        differ = [r for r in range(self.size) if not np.array_equal(every[r], every[0])]
-        if differ:
-            other = differ[0]
-            raise MismatchError(
-                f"{op}: ranks disagree (MPX_CHECK=1): rank 0 called "
-                f"{_describe(every[0])} but rank {other} called {_describe(every[other])}"
-            )
+        rows = [decode(row) for row in every]
+        error = first_difference(op, [sig for sig, _, _ in rows], " (MPX_CHECK)")
+        if error is not None:
+            raise error
+        ledger.verified.add(signature)
+        if digests and any(row[1:] != rows[0][1:] for row in rows):
+            recent = self.allgather_object(ledger.recent(), timeout)
+            raise ledger.first_divergence(op, recent)
+
+    def check_same(
+        self, what: str, fields: Mapping[str, Hashable], timeout: float | None = None
+    ) -> None:
+        """Raises on every rank if the ranks passed different ``fields``. Collective.
+
+        For a configuration that must agree across ranks (a quantized
+        allreduce's bits and bucket size, a model's parameter layout): with
+        ``MPX_CHECK=auto`` each distinct configuration is compared once per
+        communicator, with ``1`` at every call, with ``0`` never.
+
+        Raises:
+            MismatchError: ``"<what>: ranks disagree on bits: rank 0 passed 4, rank 1 8; ..."``.
+
+        Example::
+
+            comm.check_same("quantized allreduce", {"bits": 4, "bucket_size": 512})
+        """
+        mode = current_policy().check
+        if mode == "0":
+            return
+        key = (what, tuple(sorted(fields.items())))
+        if mode == "auto" and key in self._same:
+            return
+        error = fields_differ(what, self.allgather_object(dict(fields), timeout))
+        if error is not None:
+            raise error
+        if len(self._same) >= 4096:
+            self._same.clear()  # bounded; every rank clears at the same call
+        self._same.add(key)
+
+    def check_sequence(
+        self, what: str, noun: str, items: Sequence[str], timeout: float | None = None
+    ) -> None:
+        """Raises on every rank if the ranks passed different ordered lists. Collective.
+
+        For layouts that must agree across ranks, compared once by the caller
+        (a model's parameters when a data-parallel optimizer is built): the
+        error names the first position that differs, or both lengths. Does
+        nothing under ``MPX_CHECK=0``.
+
+        Example::
+
+            comm.check_sequence("DistributedOptimizer", "parameter",
+                                [f"{n!r} {p.dtype}{list(p.shape)}" for n, p in named])
+        """
+        if current_policy().check == "0":
+            return
+        error = sequences_differ(what, noun, self.allgather_object(list(items), timeout))
+        if error is not None:
+            raise error
 
     # -- agreeing across ranks ---------------------------------------------------
 
@@ -392,18 +480,6 @@ class Communicator:
         every = self.run("allgather_object", "mpi", gather_bytes(self.mpi, data), False, timeout)
         assert isinstance(every, list)
         return [pickle.loads(part) for part in every]
-
-
-def _describe(signature: np.ndarray) -> str:
-    op, dtype, reduce_op, root, ndim = (int(x) for x in signature[:5])
-    parts = [f"{_OPS[op]}(shape={tuple(int(x) for x in signature[6 : 6 + ndim])}"]
-    if dtype:
-        parts.append(f"dtype={_DTYPES[dtype]}")
-    if reduce_op:
-        parts.append(f"op={_REDUCE[reduce_op]!r}")
-    if root >= 0:
-        parts.append(f"root={root}")
-    return ", ".join(parts) + ")"
 
 
 def _split_node(mpi_comm: MPI.Intracomm, rank: int) -> MPI.Intracomm:

@@ -54,6 +54,9 @@ cdef object _TENSOR
 cdef object _IN_PLACE
 cdef object _acquire
 cdef object _release
+cdef unsigned long long _PRIME
+cdef unsigned long long _MASK
+cdef long long _FIELDS
 cdef long long _payload
 
 cdef class _Call:
@@ -73,11 +76,15 @@ cdef class _Call:
     cdef unsigned int datatype
     cdef unsigned int target
     cdef unsigned int comm
+    cdef bint counted
+    cdef long long sig_hash
+    cdef object ledger_obj
+    cdef long long *ledger
 
 @cython.locals(call=_Call)
 cdef _Call _lookup(object comm, object t, bint bcast, object op, object impl, Py_ssize_t root)
 
-@cython.locals(err=cython.int, request=cython.int)
+@cython.locals(err=cython.int, request=cython.int, n=cython.longlong)
 cdef bint _run_now(object comm, _Call call) except -1
 
 @cython.locals(call=_Call)

@@ -6,8 +6,11 @@ Every operation takes ``comm=`` (default :func:`world`), ``impl=`` (default
 ``MPX_TIMEOUT``; a :class:`CollectiveTimeout` instead of a hang). In-place
 operations return their input tensor.
 
-With ``MPX_CHECK=1`` every call first compares shape, dtype, op and root
-across the ranks and raises :class:`MismatchError` on all of them.
+Ranks that make different calls get :class:`MismatchError` on every rank,
+naming the field that differs and both values: by default each new call
+signature is compared once and a digest of all calls every
+``MPX_CHECK_INTERVAL`` calls; ``MPX_CHECK=1`` compares every call, ``0``
+none (see :mod:`mpx.collectives.consistency`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Handle
 from mpx.collectives.implementations import MODULES
 from mpx.collectives.policy import choose
-from mpx.collectives.policy import current as current_policy
 
 __all__ = [
     "allgather",
@@ -74,8 +76,7 @@ def _run(
     # The one decision of this call: the policy is consulted here, once.
     name = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
     _payload[0] += nbytes
-    if current_policy().check:
-        comm.check_signature(op, t, reduce_op, root, timeout)
+    comm.check_call(op, t, reduce_op, root, timeout)
     steps = getattr(MODULES[name], op)(comm, *(() if t is None else (t,)), *args)
     return comm.run(op, name, steps, async_op, timeout)
 

@@ -234,7 +234,8 @@ class Policy:
         cuda_aware: MPI takes CUDA buffers (``MPX_CUDA_AWARE``).
         impl: the implementation every call without ``impl=`` uses
             (``MPX_COLLECTIVES_IMPL``; ``"auto"`` lets the lists decide).
-        check: compare every call's signature across ranks (``MPX_CHECK``).
+        check: the cross-rank check of calls, ``"auto"``, ``"1"`` or ``"0"`` (``MPX_CHECK``).
+        check_interval: calls between comparisons of digests (``MPX_CHECK_INTERVAL``).
         tuned: layout key -> op -> list of ``[up_to_bytes, impl]`` bands
             (exclusive upper bounds, ascending), from a tuning file.
         source: where the bands came from (a path), or ``"built-in"``.
@@ -249,9 +250,10 @@ class Policy:
     small_bytes: int
     cuda_aware: bool
     impl: str
-    check: bool
+    check: str
     tuned: dict[str, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
     source: str = "built-in"
+    check_interval: int = 256
     _log_seen: set[tuple[str, bool, int]] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -275,6 +277,7 @@ class Policy:
             cuda_aware=settings.CUDA_AWARE.get(),
             impl=settings.IMPL.get(),
             check=settings.CHECK.get(),
+            check_interval=settings.CHECK_INTERVAL.get(),
             tuned=tuned,
             source=source,
         )
@@ -301,7 +304,14 @@ class Policy:
     def fingerprint(self) -> int:
         """A 63-bit digest of everything a decision depends on (ranks must agree on it)."""
         text = json.dumps(
-            [self.small_bytes, self.cuda_aware, self.impl, sorted(self.tuned.items())],
+            [
+                self.small_bytes,
+                self.cuda_aware,
+                self.impl,
+                self.check,
+                self.check_interval,
+                sorted(self.tuned.items()),
+            ],
             sort_keys=True,
         )
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1

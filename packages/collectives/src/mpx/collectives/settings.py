@@ -19,6 +19,7 @@ from mpx.launch.settings import Setting, declare
 __all__ = [
     "BUILD_CYTHON",
     "CHECK",
+    "CHECK_INTERVAL",
     "CUDA_AWARE",
     "IMPL",
     "IMPL_NAMES",
@@ -49,10 +50,21 @@ IMPL = declare(
 )
 CHECK = declare(
     "MPX_CHECK",
-    "bool",
-    False,
-    "compare op, shape, dtype, reduce op and root of every collective across ranks",
+    "choice",
+    "auto",
+    "cross-rank check of collective calls (op, dtype, element count, reduce op, root): auto "
+    "compares each new signature once and a digest of all calls every MPX_CHECK_INTERVAL "
+    "calls; 1 compares every call; 0 none",
     package=_PACKAGE,
+    choices=("auto", "1", "0"),
+)
+CHECK_INTERVAL = declare(
+    "MPX_CHECK_INTERVAL",
+    "int",
+    256,
+    "MPX_CHECK=auto: calls between two comparisons of the ranks' call digests",
+    package=_PACKAGE,
+    minimum=1,
 )
 TIMEOUT: Setting[float | None] = declare(
     "MPX_TIMEOUT",

@@ -12,6 +12,7 @@ from mpx.dataparallel.checkpoint import load_checkpoint, save_checkpoint
 from mpx.dataparallel.data import DistributedDataContainer
 from mpx.dataparallel.errors import (
     DataParallelError,
+    DataParallelMismatchError,
     DataParallelRemoteError,
     DataParallelTypeError,
     DataParallelValueError,
@@ -26,6 +27,7 @@ __all__ = [
     "EASGD",
     "RULES",
     "DataParallelError",
+    "DataParallelMismatchError",
     "DataParallelRemoteError",
     "DataParallelTypeError",
     "DataParallelValueError",

@@ -11,10 +11,11 @@ raised on every rank when some ranks failed, naming them.
 
 from __future__ import annotations
 
-from mpx.collectives import MPXError, RemoteError
+from mpx.collectives import MismatchError, MPXError, RemoteError
 
 __all__ = [
     "DataParallelError",
+    "DataParallelMismatchError",
     "DataParallelRemoteError",
     "DataParallelTypeError",
     "DataParallelValueError",
@@ -49,6 +50,15 @@ class DataParallelTypeError(DataParallelError, TypeError):
 
         with pytest.raises(TypeError, match="torch.optim.Optimizer"):
             DistributedOptimizer(model)
+    """
+
+
+class DataParallelMismatchError(DataParallelError, MismatchError):
+    """Ranks hold different models: parameter values differ at the first step.
+
+    Example::
+
+        opt.step()   # DataParallelMismatchError: parameter 'fc.weight' has different values ...
     """
 
 

@@ -35,6 +35,7 @@ rank starts every bucket exactly once per step, in the same order.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,12 +45,18 @@ from torch import nn
 
 from mpx.collectives import Communicator, allreduce
 from mpx.collectives.building_blocks import (
+    checks_enabled,
     empty_shared,
     progress_thread_enabled,
     small_bytes,
     usable_cores,
 )
-from mpx.dataparallel.errors import DataParallelError, DataParallelTypeError, DataParallelValueError
+from mpx.dataparallel.errors import (
+    DataParallelError,
+    DataParallelMismatchError,
+    DataParallelTypeError,
+    DataParallelValueError,
+)
 from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
 from mpx.dataparallel.runtime import default_comm
 
@@ -174,6 +181,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._poll = not progress_thread_enabled()
         params, names = self._parameters(optimizer, model)
         self._names = names
+        # Ranks whose models differ would reduce buckets of different layouts
+        # and train on garbage: compared once, here (MPX_CHECK=0 skips it).
+        self.comm.check_sequence(
+            "DistributedOptimizer",
+            "parameter",
+            [
+                f"{names[id(p)]!r} {str(p.dtype).replace('torch.', '')}{list(p.shape)}"
+                for p in params
+            ],
+        )
+        # Ranks whose models start from different values diverge silently:
+        # the first step compares the parameters themselves (see step()).
+        self._compare_parameters = True
+        self._params = params
         self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))
         self.overlap = (
             overlap_pays(self._buckets, self.comm) if overlap == "auto" else bool(overlap)
@@ -261,6 +282,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "run the last backward of the accumulation outside it, then step()"
             )
         if closure is not None:
+            if self._compare_parameters:
+                self._compare_parameters = False
+                self._check_parameters_agree()
             user_closure = closure
 
             def reduced_closure() -> float:
@@ -276,6 +300,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reset()
             return loss
         self._finish()
+        if self._compare_parameters:
+            self._compare_parameters = False
+            try:
+                self._check_parameters_agree()
+            except DataParallelMismatchError:
+                self._reset()  # nothing in flight: the next step starts clean
+                raise
         out = self.optimizer.step()
         self._reset()
         return out
@@ -336,6 +367,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "parameters with requires_grad=True"
             )
         return params, names
+
+    def _check_parameters_agree(self) -> None:
+        """Raises on every rank if the parameters' values differ across ranks (first step).
+
+        A digest per parameter, compared once: models initialised differently
+        and never synchronised would otherwise train apart without a word.
+        """
+        if not checks_enabled():
+            return
+        params = self._params  # registration order: the first differing one is named
+        mine = [
+            hashlib.blake2b(
+                p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(),
+                digest_size=8,
+            ).hexdigest()
+            for p in params
+        ]
+        every = self.comm.allgather_object(mine)
+        for i, p in enumerate(params):
+            differ = [r for r, digests in enumerate(every) if digests[i] != every[0][i]]
+            if differ:
+                raise DataParallelMismatchError(
+                    f"DistributedOptimizer: parameter {self._names[id(p)]!r} has different "
+                    f"values on rank 0 and rank(s) {differ} at the first step: the models were "
+                    "initialised differently and never synchronised, so the ranks would train "
+                    "apart; call model = mpx.dataparallel.synchronize(model) before training "
+                    "(or seed every rank alike)"
+                )
 
     def _make_buckets(
         self, params: list[nn.Parameter], cap: int

@@ -94,6 +94,21 @@ def _compressed(
     p, r = comm.size, comm.rank
     n, dtype, device = flat.numel(), flat.dtype, flat.device
     bits, bs, skip = config.bits, config.bucket_size, config.skip_incomplete_buckets
+    # Ranks that quantize differently exchange buffers of different layouts:
+    # values up to 1e35, ranks diverging. Compared once per configuration
+    # (MPX_CHECK), before any data moves; the error names the field.
+    comm.check_same(
+        "quantized allreduce",
+        {
+            "bits": bits,
+            "bucket_size": bs,
+            "skip_incomplete_buckets": skip,
+            "stochastic": config.stochastic,
+            "dtype": str(dtype).replace("torch.", ""),
+            "elements": n,
+            "op": op,
+        },
+    )
     bounds = chunk_bounds(n, p)
     lays = [layout(e - s, dtype, bits, bs, skip) for s, e in bounds]
     # rows of the exchange buffers start 8-byte aligned: the metadata views need it
