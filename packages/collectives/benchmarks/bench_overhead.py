@@ -53,6 +53,7 @@ def measure(rounds: int, calls: int) -> None:
     from mpi4py import MPI
 
     from mpx.collectives import allreduce, broadcast, fast_path, ops, world
+    from mpx.launch.settings import reload as reload_settings
 
     comm = world()
     raw = MPI.COMM_WORLD.Dup()
@@ -84,6 +85,21 @@ def measure(rounds: int, calls: int) -> None:
 
         return with_module
 
+    def unchecked(run: Callable[[], None]) -> Callable[[], None]:
+        """``run`` with the default cross-rank check (MPX_CHECK=auto) off."""
+
+        def without_check() -> None:
+            os.environ["MPX_CHECK"] = "0"
+            reload_settings()
+            try:
+                run()
+            finally:
+                del os.environ["MPX_CHECK"]
+                reload_settings()
+
+        return without_check
+
+    check_costs: list[str] = []
     for op in ("allreduce", "broadcast"):
         variants: dict[str, Callable[[], None]] = {}
         if op == "allreduce":
@@ -98,6 +114,7 @@ def measure(rounds: int, calls: int) -> None:
             mpx_call = loop(lambda: broadcast(t, 0))
         mine = "compiled" if fast_path.COMPILED else "Python (not compiled)"
         variants[f"mpx {op}, fast path {mine}"] = mpx_call
+        variants[f"mpx {op}, fast path {mine}, MPX_CHECK=0"] = unchecked(mpx_call)
         if source is not None:
             variants[f"mpx {op}, fast path as Python"] = swapped(source, mpx_call)
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -111,6 +128,13 @@ def measure(rounds: int, calls: int) -> None:
                 mean = (time.perf_counter() - start) / calls
                 times[name].append(float(raw.allreduce(mean, op=MPI.MAX)))
         if comm.rank == 0:
+            on, off = (times[f"mpx {op}, fast path {mine}{x}"] for x in ("", ", MPX_CHECK=0"))
+            cost = sorted(x / y - 1 for x, y in zip(on, off, strict=True))
+            check_costs.append(
+                f"{op}: the default check (MPX_CHECK=auto) adds {statistics.median(cost):+.1%} "
+                f"per call over MPX_CHECK=0 (median of rounds; range {cost[0]:+.1%} to "
+                f"{cost[-1]:+.1%})"
+            )
             reference = times[next(iter(variants))]
             for name, samples in times.items():
                 ratios = [s / r for s, r in zip(samples, reference, strict=True)]
@@ -118,6 +142,11 @@ def measure(rounds: int, calls: int) -> None:
                     f"| {name} | {min(samples) * 1e6:.2f} | {statistics.median(samples) * 1e6:.2f} "
                     f"| {statistics.median(ratios):.2f} | {min(ratios):.2f}–{max(ratios):.2f} |"
                 )
+
+    if comm.rank == 0:
+        print()
+        for line in check_costs:
+            print(f"- {line}")
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ itself under ``mpxrun -n 2`` where, in one job and one after another, the
 same model and per-rank batch run with:
 
     mpx DistributedOptimizer fp32   the default, overlap="auto" (see overlap_pays)
+    mpx, MPX_CHECK=0                the same without the default cross-rank check
     mpx, overlap=True               buckets allreduced from gradient hooks
     mpx, overlap=False              every bucket allreduced in step()
     mpx, 4-bit compression          mpx.quantize.allreduce (row left empty without it)
@@ -112,6 +113,7 @@ def measure() -> None:
     import mpx.dataparallel as dp
     from mpx.collectives import allreduce, register_torch_backend
     from mpx.launch import init_torch_env
+    from mpx.launch.settings import reload as reload_settings
 
     comm = dp.init()
     raw = MPI.COMM_WORLD
@@ -142,6 +144,20 @@ def measure() -> None:
             h.wait()
 
     fns["communication alone"] = comm_only
+    model, inner = fresh()
+    unchecked = _step_fn(model, dp.DistributedOptimizer(inner, model))
+
+    def without_check() -> None:
+        """The default step with the cross-rank check (MPX_CHECK=auto) off."""
+        os.environ["MPX_CHECK"] = "0"
+        reload_settings()
+        try:
+            unchecked()
+        finally:
+            del os.environ["MPX_CHECK"]
+            reload_settings()
+
+    fns["mpx DistributedOptimizer fp32, MPX_CHECK=0"] = without_check
     model, inner = fresh()
     opt = dp.DistributedOptimizer(inner, model, overlap=True)
     fns["mpx DistributedOptimizer fp32, overlap=True"] = _step_fn(model, opt)
@@ -214,6 +230,7 @@ def main() -> None:
     print("|---|---|---|")
     order = [
         "mpx DistributedOptimizer fp32",
+        "mpx DistributedOptimizer fp32, MPX_CHECK=0",
         "mpx DistributedOptimizer fp32, overlap=True",
         "mpx DistributedOptimizer fp32, overlap=False",
         "mpx DistributedOptimizer 4-bit",
