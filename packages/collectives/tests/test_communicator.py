@@ -134,3 +134,29 @@ def test_mismatched_dtype_and_root(monkeypatch: pytest.MonkeyPatch) -> None:
         allreduce(torch.ones(2, dtype=dtype), timeout=30)
     with pytest.raises(MismatchError, match="rank 0 passed root=0, rank 1 root=1"):
         broadcast(torch.ones(2), 0 if comm.rank == 0 else 1, timeout=30)
+
+
+def test_an_mpi4py_communicator_is_accepted_as_comm() -> None:
+    """torchbraid's convention, comm=MPI.COMM_WORLD: an AttributeError ('split') before."""
+    from mpx.collectives import as_communicator
+
+    comm = world()
+    t = torch.full((5,), float(comm.rank))
+    allreduce(t, comm=MPI.COMM_WORLD)
+    assert t.tolist() == [float(sum(range(comm.size)))] * 5
+    assert as_communicator(MPI.COMM_WORLD) is world()  # the same group, the same state
+    halves = MPI.Intracomm(MPI.COMM_WORLD.Split(comm.rank % 2, comm.rank))
+    try:
+        big = torch.ones(300_000)  # the shm path on several ranks: a wrapped communicator's own
+        allreduce(big, comm=halves)
+        assert float(big[0]) == halves.Get_size()
+        assert as_communicator(halves) is as_communicator(halves)  # wrapped once
+        broadcast(t, 0, comm=halves)
+        assert float(t[0]) == float(sum(range(comm.size)))
+    finally:
+        as_communicator(halves).free()
+        halves.Free()
+    with pytest.raises(
+        TypeError, match=r"comm must be an mpx\.collectives\.Communicator, an mpi4py"
+    ):
+        allreduce(t, comm="world")  # type: ignore[call-overload]

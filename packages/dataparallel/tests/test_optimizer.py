@@ -368,3 +368,19 @@ def test_models_initialised_differently_raise_at_the_first_step() -> None:
     nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
     opt.step()
     _assert_same_everywhere(model)
+
+
+def test_an_mpi4py_communicator_is_accepted_as_comm() -> None:
+    """torchbraid's and FluxMPI-over-mpi4py's convention, comm=MPI.COMM_WORLD."""
+    from mpx.collectives import world
+
+    model = _model()
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, comm=MPI.COMM_WORLD
+    )
+    assert opt.comm is world()
+    x, y = _batch(0, dp.world_size())
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+    opt.step()
+    _assert_same_everywhere(model)
+    dp.synchronize(model, comm=MPI.COMM_WORLD)

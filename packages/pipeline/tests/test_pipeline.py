@@ -294,3 +294,16 @@ def test_batch_size_may_change_between_calls(schedule: str) -> None:
     assert (out is not None) == pipe.last
     if out is not None:
         assert out.shape == (6, OUT)
+
+
+def test_an_mpi4py_communicator_is_accepted_as_comm() -> None:
+    """torchbraid's convention, comm=MPI.COMM_WORLD (an AttributeError before)."""
+    from mpi4py import MPI
+
+    comm = world()
+    model, balance = make_model(comm.size)
+    pipe = Pipeline(model, balance, chunks=2, comm=MPI.COMM_WORLD)
+    assert pipe.num_stages == comm.size
+    x, y = data()
+    loss = pipe.step(x, y, nn.functional.cross_entropy)
+    assert torch.isfinite(torch.tensor(loss))

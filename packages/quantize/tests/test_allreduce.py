@@ -265,3 +265,17 @@ def test_ranks_with_different_configurations_raise_naming_the_field(field: str, 
     ):
         mq.allreduce(t, comm, **mine(comm.rank))
     assert torch.equal(t, torch.ones(4096))  # no data moved
+
+
+def test_an_mpi4py_communicator_is_accepted_as_comm() -> None:
+    """torchbraid's convention, comm=MPI.COMM_WORLD (an AttributeError before)."""
+    from mpi4py import MPI
+
+    size = world().size
+    t = torch.full((4096,), 2.0)
+    mq.allreduce(t, MPI.COMM_WORLD, bits=8, op="avg")
+    torch.testing.assert_close(t, torch.full((4096,), 2.0))
+    state = mq.QuantizeState(comm=MPI.COMM_WORLD)
+    assert state.comm is world()
+    mq.allreduce_tensors([t], MPI.COMM_WORLD, mq.CompressionConfig(bits=8), op="sum")
+    torch.testing.assert_close(t, torch.full((4096,), 2.0 * size), rtol=0.02, atol=0.0)

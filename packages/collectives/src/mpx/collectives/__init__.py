@@ -10,7 +10,7 @@ Packages built on mpx-collectives also use :mod:`mpx.collectives.building_blocks
 the other modules are internal: other packages must not import them.
 """
 
-from mpx.collectives.communicator import Communicator, world
+from mpx.collectives.communicator import CommLike, Communicator, as_communicator, world
 from mpx.collectives.errors import (
     CollectiveTimeout,
     CommunicatorBroken,
@@ -40,6 +40,7 @@ from mpx.collectives.torch_backend import init_process_group, register_torch_bac
 __all__ = [
     "IMPLEMENTATIONS",
     "CollectiveTimeout",
+    "CommLike",
     "Communicator",
     "CommunicatorBroken",
     "Handle",
@@ -52,6 +53,7 @@ __all__ = [
     "allgather",
     "allreduce",
     "alltoall",
+    "as_communicator",
     "barrier",
     "broadcast",
     "bytes_communicated",

@@ -39,13 +39,19 @@ from mpx.collectives.consistency import (
     sequences_differ,
     signature_of,
 )
-from mpx.collectives.errors import CommunicatorBroken, MismatchError, MPXValueError, RemoteError
+from mpx.collectives.errors import (
+    CommunicatorBroken,
+    MismatchError,
+    MPXTypeError,
+    MPXValueError,
+    RemoteError,
+)
 from mpx.collectives.exchange import gather_bytes, summarize
 from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
 from mpx.collectives.policy import ChoiceCache
 from mpx.collectives.policy import current as current_policy
 
-__all__ = ["Communicator", "usable_cores", "world"]
+__all__ = ["CommLike", "Communicator", "as_communicator", "usable_cores", "world"]
 
 T = TypeVar("T")
 
@@ -559,3 +565,47 @@ def world() -> Communicator:
     Collective on first call; later calls return the same object.
     """
     return Communicator(MPI.COMM_WORLD.Dup())
+
+
+CommLike = Communicator | MPI.Intracomm
+"""What every ``comm=`` of mpx takes: a :class:`Communicator` or an mpi4py intracommunicator."""
+
+# mpi4py communicators already wrapped: MPI handle -> (the mpi4py object, its Communicator).
+_wrapped: dict[int, tuple[MPI.Intracomm, Communicator]] = {}
+
+
+def as_communicator(comm: CommLike | None) -> Communicator:
+    """The :class:`Communicator` for ``comm=``: itself, the world for None, or a wrapper.
+
+    torchbraid and plain mpi4py code pass ``comm=MPI.COMM_WORLD``; every ``comm=``
+    of mpx accepts that. An mpi4py communicator is wrapped once (collective:
+    every rank of it must pass it the first time, as they do when they call
+    the same collective) and the wrapper is reused while that communicator lives.
+
+    Raises:
+        MPXTypeError: for anything else, naming its type.
+    """
+    if comm is None:
+        return world()
+    if isinstance(comm, Communicator):
+        return comm
+    if isinstance(comm, MPI.Intracomm):
+        if comm == MPI.COMM_NULL:
+            raise MPXValueError(
+                "comm is MPI.COMM_NULL: only members of a communicator may use it; pass "
+                "comm= only on the ranks the communicator contains"
+            )
+        key = int(comm.handle)
+        found = _wrapped.get(key)
+        if found is not None:
+            original, wrapper = found
+            if original != MPI.COMM_NULL and MPI.Comm.Compare(original, comm) == MPI.IDENT:
+                return wrapper
+        # COMM_WORLD's group is the world's: share its state (and its check ledger).
+        wrapper = world() if comm == MPI.COMM_WORLD else Communicator.from_mpi(comm)
+        _wrapped[key] = (comm, wrapper)
+        return wrapper
+    raise MPXTypeError(
+        f"comm must be an mpx.collectives.Communicator, an mpi4py intracommunicator "
+        f"(e.g. MPI.COMM_WORLD) or None, got {type(comm).__name__}"
+    )

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from mpx.collectives.communicator import Communicator, world
+from mpx.collectives.communicator import Communicator, as_communicator, world
 from mpx.collectives.consistency import LEDGER_FIELDS, MASK, PRIME, signature_hash
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.handle import LOCK
@@ -335,13 +335,15 @@ def _run_now(comm: Communicator, call: _Call) -> bool:
     return True
 
 
-def allreduce(t: torch.Tensor, op: str, comm: Communicator | None, impl: str | None) -> bool:
+def allreduce(t: torch.Tensor, op: str, comm: Any, impl: str | None) -> bool:
     """Runs a small blocking allreduce; False (nothing done) if it is not one."""
     global _payload  # noqa: PLW0603 -- compiled, a C counter (fast_path.pxd)
     if type(t) is not _TENSOR or not t.is_cpu or t.requires_grad or not t.is_contiguous():
         return False
     if comm is None:
         comm = world()
+    elif type(comm) is not Communicator:
+        comm = as_communicator(comm)  # an mpi4py communicator (or the error for anything else)
     call = _lookup(comm, t, False, op, impl, -1)
     if call is None or not _run_now(comm, call):
         return False
@@ -351,7 +353,7 @@ def allreduce(t: torch.Tensor, op: str, comm: Communicator | None, impl: str | N
     return True
 
 
-def broadcast(t: torch.Tensor, root: int, comm: Communicator | None, impl: str | None) -> bool:
+def broadcast(t: torch.Tensor, root: int, comm: Any, impl: str | None) -> bool:
     """Runs a small blocking broadcast; False (nothing done) if it is not one."""
     global _payload  # noqa: PLW0603 -- compiled, a C counter (fast_path.pxd)
     if type(t) is not _TENSOR or not t.is_cpu or t.requires_grad or not t.is_contiguous():
@@ -360,6 +362,8 @@ def broadcast(t: torch.Tensor, root: int, comm: Communicator | None, impl: str |
         return False
     if comm is None:
         comm = world()
+    elif type(comm) is not Communicator:
+        comm = as_communicator(comm)  # an mpi4py communicator (or the error for anything else)
     if not 0 <= root < comm.size:
         return False
     call = _lookup(comm, t, True, "", impl, root)

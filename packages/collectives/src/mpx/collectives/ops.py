@@ -21,7 +21,7 @@ import torch
 
 from mpx.collectives import fast_path
 from mpx.collectives.checks import check_rank, check_tensor
-from mpx.collectives.communicator import Communicator, world
+from mpx.collectives.communicator import CommLike, as_communicator
 from mpx.collectives.dtypes import check_op_for_dtype
 from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Handle
@@ -62,7 +62,7 @@ def bytes_communicated() -> int:
 
 def _run(
     op: str,
-    comm: Communicator | None,
+    comm: CommLike | None,
     t: torch.Tensor | None,
     impl: str | None,
     async_op: bool,
@@ -71,7 +71,7 @@ def _run(
     reduce_op: str = "",
     root: int = -1,
 ) -> Any:
-    comm = world() if comm is None else comm
+    comm = as_communicator(comm)
     nbytes = 0 if t is None else t.numel() * t.element_size()
     # The one decision of this call: the policy is consulted here, once.
     name = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
@@ -86,7 +86,7 @@ def allreduce(
     t: torch.Tensor,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
@@ -98,7 +98,7 @@ def allreduce(
     t: torch.Tensor,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
@@ -110,7 +110,7 @@ def allreduce(
     t: torch.Tensor,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: bool,
     timeout: float | None = ...,
@@ -121,7 +121,7 @@ def allreduce(
     t: torch.Tensor,
     op: str = "sum",
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
@@ -155,7 +155,7 @@ def broadcast(
     t: torch.Tensor,
     root: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
@@ -167,7 +167,7 @@ def broadcast(
     t: torch.Tensor,
     root: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
@@ -179,7 +179,7 @@ def broadcast(
     t: torch.Tensor,
     root: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: bool,
     timeout: float | None = ...,
@@ -190,7 +190,7 @@ def broadcast(
     t: torch.Tensor,
     root: int = 0,
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
@@ -199,7 +199,7 @@ def broadcast(
     if not async_op and timeout is None and fast_path.broadcast(t, root, comm, impl):
         return t
     check_tensor(t, "broadcast")
-    size = (world() if comm is None else comm).size
+    size = as_communicator(comm).size
     check_rank(root, size, "root", "broadcast")
     return cast(
         "torch.Tensor | Handle[torch.Tensor]",
@@ -213,7 +213,7 @@ def reduce(
     root: int = ...,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
@@ -226,7 +226,7 @@ def reduce(
     root: int = ...,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
@@ -239,7 +239,7 @@ def reduce(
     root: int = ...,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: bool,
     timeout: float | None = ...,
@@ -251,7 +251,7 @@ def reduce(
     root: int = 0,
     op: str = "sum",
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
@@ -259,7 +259,7 @@ def reduce(
     """Reduces ``t`` into ``root``'s ``t``; the other ranks' tensors are unchanged."""
     check_tensor(t, "reduce")
     check_op_for_dtype(op, t.dtype)
-    size = (world() if comm is None else comm).size
+    size = as_communicator(comm).size
     check_rank(root, size, "root", "reduce")
     return cast(
         "torch.Tensor | Handle[torch.Tensor]",
@@ -271,7 +271,7 @@ def reduce(
 def allgather(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
@@ -282,7 +282,7 @@ def allgather(
 def allgather(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
@@ -293,7 +293,7 @@ def allgather(
 def allgather(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: bool,
     timeout: float | None = ...,
@@ -303,7 +303,7 @@ def allgather(
 def allgather(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
@@ -320,7 +320,7 @@ def reduce_scatter(
     t: torch.Tensor,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
@@ -332,7 +332,7 @@ def reduce_scatter(
     t: torch.Tensor,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
@@ -344,7 +344,7 @@ def reduce_scatter(
     t: torch.Tensor,
     op: str = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: bool,
     timeout: float | None = ...,
@@ -355,7 +355,7 @@ def reduce_scatter(
     t: torch.Tensor,
     op: str = "sum",
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
@@ -367,7 +367,7 @@ def reduce_scatter(
     """
     check_tensor(t, "reduce_scatter")
     check_op_for_dtype(op, t.dtype)
-    size = (world() if comm is None else comm).size
+    size = as_communicator(comm).size
     if t.dim() == 0 or t.shape[0] % size:
         raise MPXValueError(
             f"reduce_scatter: the first dimension of shape {tuple(t.shape)} must be divisible "
@@ -383,7 +383,7 @@ def reduce_scatter(
 def alltoall(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
@@ -394,7 +394,7 @@ def alltoall(
 def alltoall(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
@@ -405,7 +405,7 @@ def alltoall(
 def alltoall(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     impl: str | None = ...,
     async_op: bool,
     timeout: float | None = ...,
@@ -415,14 +415,14 @@ def alltoall(
 def alltoall(
     t: torch.Tensor,
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
 ) -> torch.Tensor | Handle[torch.Tensor]:
     """Block j of ``t``'s rows goes to rank j; returns the blocks received, in rank order."""
     check_tensor(t, "alltoall")
-    size = (world() if comm is None else comm).size
+    size = as_communicator(comm).size
     if t.dim() == 0 or t.shape[0] % size:
         raise MPXValueError(
             f"alltoall: the first dimension of shape {tuple(t.shape)} must be divisible by "
@@ -439,7 +439,7 @@ def send(
     dest: int,
     tag: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
 ) -> None: ...
@@ -451,7 +451,7 @@ def send(
     dest: int,
     tag: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
 ) -> Handle[None]: ...
@@ -463,7 +463,7 @@ def send(
     dest: int,
     tag: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: bool,
     timeout: float | None = ...,
 ) -> Handle[None] | None: ...
@@ -474,7 +474,7 @@ def send(
     dest: int,
     tag: int = 0,
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     async_op: bool = False,
     timeout: float | None = None,
 ) -> Handle[None] | None:
@@ -491,7 +491,7 @@ def recv(
     source: int,
     tag: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
 ) -> torch.Tensor: ...
@@ -503,7 +503,7 @@ def recv(
     source: int,
     tag: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
 ) -> Handle[torch.Tensor]: ...
@@ -515,7 +515,7 @@ def recv(
     source: int,
     tag: int = ...,
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: bool,
     timeout: float | None = ...,
 ) -> torch.Tensor | Handle[torch.Tensor]: ...
@@ -526,7 +526,7 @@ def recv(
     source: int,
     tag: int = 0,
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     async_op: bool = False,
     timeout: float | None = None,
 ) -> torch.Tensor | Handle[torch.Tensor]:
@@ -543,19 +543,19 @@ def _point_to_point(
     peer: int,
     what: str,
     tag: int,
-    comm: Communicator | None,
+    comm: CommLike | None,
     async_op: bool,
     timeout: float | None,
 ) -> Any:
     check_tensor(t, op)
-    check_rank(peer, (world() if comm is None else comm).size, what, op)
+    check_rank(peer, as_communicator(comm).size, what, op)
     return _run(op, comm, t, None, async_op, timeout, peer, tag)
 
 
 @overload
 def barrier(
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: Literal[False] = ...,
     timeout: float | None = ...,
 ) -> None: ...
@@ -564,7 +564,7 @@ def barrier(
 @overload
 def barrier(
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: Literal[True],
     timeout: float | None = ...,
 ) -> Handle[None]: ...
@@ -573,14 +573,14 @@ def barrier(
 @overload
 def barrier(
     *,
-    comm: Communicator | None = ...,
+    comm: CommLike | None = ...,
     async_op: bool,
     timeout: float | None = ...,
 ) -> Handle[None] | None: ...
 
 
 def barrier(
-    *, comm: Communicator | None = None, async_op: bool = False, timeout: float | None = None
+    *, comm: CommLike | None = None, async_op: bool = False, timeout: float | None = None
 ) -> Handle[None] | None:
     """Waits until every rank has called ``barrier``."""
     return cast("Handle[None] | None", _run("barrier", comm, None, None, async_op, timeout))

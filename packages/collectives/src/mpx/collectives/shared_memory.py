@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from mpx.collectives.communicator import Communicator, world
+from mpx.collectives.communicator import CommLike, Communicator, as_communicator
 from mpx.collectives.errors import MismatchError, MPXValueError
 
 __all__ = ["SharedBuffers", "empty_shared"]
@@ -96,7 +96,7 @@ class SharedBuffers:
 
 
 def empty_shared(
-    *shape: Any, dtype: torch.dtype = torch.float32, comm: Communicator | None = None
+    *shape: Any, dtype: torch.dtype = torch.float32, comm: CommLike | None = None
 ) -> torch.Tensor:
     """An uninitialised CPU tensor in node-shared memory; collective over ``comm``'s node.
 
@@ -109,7 +109,7 @@ def empty_shared(
         bucket = empty_shared(25 << 18)             # 25 MiB of float32, on every rank
         bucket.copy_(flat_grads); allreduce(bucket)  # zero-copy shm
     """
-    comm = world() if comm is None else comm
+    comm = as_communicator(comm)
     if not comm.single_node:
         raise MPXValueError(
             f"empty_shared: the communicator spans {comm.num_nodes} nodes; shared memory is "

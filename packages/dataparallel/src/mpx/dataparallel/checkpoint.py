@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator
+from mpx.collectives import CommLike
 from mpx.dataparallel.errors import (
     DataParallelRemoteError,
     DataParallelTypeError,
@@ -109,7 +109,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     root: int = 0,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     **extra: Any,
 ) -> None:
     """Writes the model, optimizer and ``extra`` values (root's) to ``path``. Collective.
@@ -156,7 +156,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     root: int = 0,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
 ) -> dict[str, Any]:
     """Loads root's file into ``model`` (and ``optimizer``) on every rank. Collective.
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mpx.collectives import Communicator
+from mpx.collectives import CommLike
 from mpx.dataparallel.errors import DataParallelTypeError, DataParallelValueError
 from mpx.dataparallel.runtime import default_comm
 
@@ -57,7 +57,7 @@ class DistributedDataContainer(torch.utils.data.Dataset[Any]):
         seed: int = 0,
         uneven: str = "pad",
         *,
-        comm: Communicator | None = None,
+        comm: CommLike | None = None,
     ) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise DataParallelTypeError(

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, allreduce
+from mpx.collectives import CommLike, Communicator, allreduce
 from mpx.collectives.building_blocks import (
     checks_enabled,
     empty_shared,
@@ -134,7 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_mb: float = 25.0,
         overlap: bool | str = "auto",
         *,
-        comm: Communicator | None = None,
+        comm: CommLike | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise DataParallelTypeError(

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpx.collectives import CollectiveTimeout, Communicator
+from mpx.collectives import CollectiveTimeout, CommLike
 from mpx.dataparallel.errors import (
     DataParallelTypeError,
     DataParallelValueError,
@@ -113,7 +113,7 @@ class ParameterServer:
         ps.push(key, grad, rule="add"); ps.pull(key, out=weights)
     """
 
-    def __init__(self, comm: Communicator | None = None, timeout: float | None = None) -> None:
+    def __init__(self, comm: CommLike | None = None, timeout: float | None = None) -> None:
         comm = default_comm(comm)
         if comm.size > 1 and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise ParameterServerError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from mpx.collectives import Communicator, world
+from mpx.collectives import CommLike, Communicator, as_communicator, world
 
 __all__ = ["default_comm", "init", "is_root", "local_rank", "object_comm", "rank", "world_size"]
 
@@ -36,9 +36,9 @@ def init(pin_device: bool = True) -> Communicator:
     return comm
 
 
-def default_comm(comm: Communicator | None) -> Communicator:
-    """``comm``, or the world communicator when None."""
-    return world() if comm is None else comm
+def default_comm(comm: CommLike | None) -> Communicator:
+    """``comm`` (an mpx or mpi4py communicator), or the world communicator when None."""
+    return as_communicator(comm)
 
 
 def object_comm(comm: Communicator) -> MPI.Intracomm:

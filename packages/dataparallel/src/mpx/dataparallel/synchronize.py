@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, broadcast
+from mpx.collectives import CommLike, Communicator, broadcast
 from mpx.collectives.building_blocks import SUPPORTED_DTYPES
 from mpx.dataparallel.errors import (
     DataParallelRemoteError,
@@ -53,7 +53,7 @@ def synchronize(
     obj: T,
     root: int = 0,
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     bucket_mb: float = _DEFAULT_BUCKET_MB,
 ) -> T:
     """Makes ``obj`` on every rank equal to ``obj`` on ``root``. Collective.
@@ -146,7 +146,7 @@ def broadcast_tensors(
     tensors: Iterable[torch.Tensor],
     root: int = 0,
     *,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     bucket_bytes: int = int(_DEFAULT_BUCKET_MB * (1 << 20)),
 ) -> None:
     """Copies root's values into ``tensors`` on every rank, in flat buckets. Collective.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, Handle, allreduce, broadcast, world
+from mpx.collectives import CommLike, Communicator, Handle, allreduce, as_communicator, broadcast
 from mpx.pipeline.errors import PipelineRemoteError, PipelineTypeError, PipelineValueError
 from mpx.pipeline.partition import (
     check_balance,
@@ -71,13 +71,13 @@ class Pipeline(nn.Module):
         self,
         module: nn.Sequential,
         balance: list[int] | None = None,
-        comm: Communicator | None = None,
+        comm: CommLike | None = None,
         chunks: int = 1,
         schedule: str = "gpipe",
         checkpoint: str = "never",
         *,
         seed: int = 0,
-        data_parallel_comm: Communicator | None = None,
+        data_parallel_comm: CommLike | None = None,
         sample: torch.Tensor | None = None,
         weight_stashing: bool = True,
         weight_prediction: str | None = None,
@@ -99,14 +99,14 @@ class Pipeline(nn.Module):
             )
         if not isinstance(chunks, int) or chunks < 1:
             raise PipelineValueError(f"chunks={chunks!r} must be a positive int")
-        base = world() if comm is None else comm
+        base = as_communicator(comm)
         # A private duplicate: the pipeline's messages never match the user's.
         self.comm = Communicator.from_mpi(base.mpi, base.timeout)
         # The stages poll their messages between layers (Stage.progress) and
         # wait for them where the schedule needs them; a background thread
         # polling the same handles would only take time from the compute.
         self.comm.background_progress = False
-        self.dp_comm = data_parallel_comm
+        self.dp_comm = None if data_parallel_comm is None else as_communicator(data_parallel_comm)
         self.num_stages, self.stage_id = self.comm.size, self.comm.rank
         self.first, self.last = self.stage_id == 0, self.stage_id == self.num_stages - 1
         self.chunks, self.schedule, self.checkpoint = chunks, schedule, checkpoint

@@ -37,7 +37,7 @@ from mpx.quantize.kernels import dequantize, dequantize_add, quantize
 from mpx.quantize.state import QuantizeState
 
 if TYPE_CHECKING:
-    from mpx.collectives import Communicator
+    from mpx.collectives import CommLike, Communicator
 
 __all__ = ["allreduce", "allreduce_tensors", "chunk_bounds"]
 
@@ -172,7 +172,7 @@ def _compressed(
 
 def allreduce(
     t: torch.Tensor,
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     bits: int = 4,
     bucket_size: int = 512,
     op: str = "sum",
@@ -215,8 +215,7 @@ def allreduce(
             if state is not None
             else CompressionConfig(bits=bits, bucket_size=bucket_size)
         )
-    if comm is None:
-        comm = state.comm if state is not None else _world()
+    comm = _communicator(comm, state)
     if state is None:
         state = _default_state(comm, config)
     if comm.size == 1 or t.numel() == 0:
@@ -232,10 +231,13 @@ def allreduce(
     return t
 
 
-def _world() -> Communicator:
-    from mpx.collectives import world
+def _communicator(comm: CommLike | None, state: QuantizeState | None) -> Communicator:
+    """``comm`` (an mpx or mpi4py communicator), else the state's, else the world."""
+    from mpx.collectives import as_communicator
 
-    return world()
+    if comm is None and state is not None:
+        return state.comm
+    return as_communicator(comm)
 
 
 def _key(t: torch.Tensor) -> Hashable:
@@ -244,7 +246,7 @@ def _key(t: torch.Tensor) -> Hashable:
 
 def allreduce_tensors(
     tensors: Sequence[torch.Tensor],
-    comm: Communicator | None = None,
+    comm: CommLike | None = None,
     config: CompressionConfig | None = None,
     op: str = "sum",
     *,
@@ -284,8 +286,7 @@ def allreduce_tensors(
         raise QuantizeValueError(f"names has {len(names)} entries for {len(tensors)} tensors")
     if config is None:
         config = state.config if state is not None else CompressionConfig.from_env()
-    if comm is None:
-        comm = state.comm if state is not None else _world()
+    comm = _communicator(comm, state)
     if state is None:
         state = _default_state(comm, config)
     if comm.size == 1:

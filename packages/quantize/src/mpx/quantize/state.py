@@ -17,7 +17,7 @@ import torch
 from mpx.quantize.config import CompressionConfig, registry
 
 if TYPE_CHECKING:
-    from mpx.collectives import Communicator
+    from mpx.collectives import CommLike, Communicator
 
 __all__ = ["QuantizeState"]
 
@@ -46,11 +46,15 @@ class QuantizeState:
     def __init__(
         self,
         config: CompressionConfig | None = None,
-        comm: Communicator | None = None,
+        comm: CommLike | None = None,
         model: torch.nn.Module | None = None,
     ) -> None:
         self.config = CompressionConfig.from_env() if config is None else config
-        self._comm = comm
+        self._comm: Communicator | None = None
+        if comm is not None:
+            from mpx.collectives import as_communicator  # mpi4py communicators too
+
+            self._comm = as_communicator(comm)
         self._generator: torch.Generator | None = None
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self.names: dict[int, str] = {}
