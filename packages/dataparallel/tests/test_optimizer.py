@@ -324,6 +324,33 @@ def test_compressed_buckets_through_mpx_quantize() -> None:
     assert importlib.import_module("mpx.quantize") is quantize
 
 
+def test_compression_filters_layers_as_cgx_does() -> None:
+    """exclude= and 1-D parameters stay in full precision (whole buckets were quantized before)."""
+    quantize = pytest.importorskip("mpx.quantize")
+    x, y = (t.float() for t in _batch(0, dp.world_size()))
+    configs = {
+        "plain": None,
+        "2-bit": quantize.CompressionConfig(bits=2, bucket_size=64, exclude=("0.weight",)),
+    }
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for label, config in configs.items():
+        model = _model(torch.float32)
+        opt = dp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, compression=config
+        )
+        nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+        opt.step()
+        grads[label] = {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+        opt.remove_hooks()
+    error = {n: float((grads["2-bit"][n] - g).abs().max()) for n, g in grads["plain"].items()}
+    for name in ("0.weight", "0.bias", "2.bias"):  # excluded by name, and 1-D
+        assert error[name] < 1e-6, (name, error)
+    if dp.world_size() > 1:  # one rank: nothing is communicated, nothing quantized
+        assert error["2.weight"] > 1e-4, error  # 2 bits: really compressed
+
+
 def test_models_with_different_layouts_raise_at_construction() -> None:
     """Parameter shapes or counts that differ across ranks trained on garbage, silently."""
     from mpx.collectives import MismatchError

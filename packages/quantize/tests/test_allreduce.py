@@ -279,3 +279,17 @@ def test_an_mpi4py_communicator_is_accepted_as_comm() -> None:
     assert state.comm is world()
     mq.allreduce_tensors([t], MPI.COMM_WORLD, mq.CompressionConfig(bits=8), op="sum")
     torch.testing.assert_close(t, torch.full((4096,), 2.0 * size), rtol=0.02, atol=0.0)
+
+
+@pytest.mark.parametrize("communicator", ["mpi", "shm"])
+def test_cgx_communicator_type_gives_the_same_result(communicator: str) -> None:
+    """CGX's COMMUNICATOR_TYPE=MPI/SHM is honoured (it was ignored): same bits as auto."""
+    comm = world()
+    inputs = _inputs(5000, torch.float32, comm.size)
+    results = []
+    for name in ("auto", communicator):
+        t = inputs[comm.rank].clone()
+        config = mq.CompressionConfig(bits=4, stochastic=False, communicator=name)
+        mq.allreduce(t, comm, config=config, op="sum")
+        results.append(t)
+    assert torch.equal(results[0], results[1])

@@ -120,3 +120,30 @@ def test_register_model_records_names() -> None:
     assert state.name_of(model[1].get_parameter("bias")) == "1.bias"
     mq.register_model([("extra", 10)])
     assert registry.order[-1] == ("extra", 10)
+
+
+def test_cgx_configuration_keeps_cgx_defaults() -> None:
+    """Configured through CGX_* only, unset bits mean CGX's 32 (no compression), not 4."""
+    c = CompressionConfig.from_env({"CGX_COMPRESSION_BUCKET_SIZE": "128"})
+    assert c.bucket_size == 128
+    assert c.bits == 32
+    assert not c.enabled
+    assert CompressionConfig.from_env({"CGX_COMMUNICATOR_TYPE": "SHM"}).bits == 32
+    both = {"CGX_COMPRESSION_BUCKET_SIZE": "128", "CGX_COMPRESSION_QUANTIZATION_BITS": "2"}
+    assert CompressionConfig.from_env(both).bits == 2
+    assert CompressionConfig.from_env({"MPX_QUANTIZE_BUCKET_SIZE": "128"}).bits == 4  # mpx's
+
+
+def test_cgx_communicator_type_maps_to_an_implementation() -> None:
+    for name, variable in (("MPI", "CGX_COMMUNICATOR_TYPE"), ("SHM", "COMMUNICATOR_TYPE")):
+        c = CompressionConfig.from_env({variable: name})
+        assert c.communicator == name.lower()
+    mpi = CompressionConfig(communicator="MPI")
+    assert [mpi.impl(op) for op in ("allreduce", "allgather", "alltoall")] == ["mpi"] * 3
+    shm = CompressionConfig(communicator="shm")
+    assert [shm.impl(op) for op in ("allreduce", "allgather", "alltoall")] == ["shm", "shm", None]
+    assert CompressionConfig().impl("allreduce") is None
+    with pytest.raises(
+        ValueError, match=r"communicator='NCCL' is not one of \['auto', 'mpi', 'shm'\]"
+    ):
+        CompressionConfig.from_env({"CGX_COMMUNICATOR_TYPE": "NCCL"})

@@ -14,6 +14,7 @@ from torch import nn
 import mpx.quantize as mq
 from mpx.collectives import init_process_group, world
 from mpx.launch import init_torch_env
+from mpx.quantize.config import registry
 
 pytestmark = pytest.mark.mpi
 
@@ -103,3 +104,52 @@ def test_excluded_layers_train_in_full_precision(groups: dict[str, dist.ProcessG
     for a, b in zip(hooked.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert excluded.bytes_sent == excluded.bytes_uncompressed
+
+
+def _one_step(group: dist.ProcessGroup, state: mq.QuantizeState | None) -> dict[str, torch.Tensor]:
+    """Gradients of one DDP step on digits; the hook's state knows no parameter names."""
+    comm = world()
+    xtr, ytr, _, _ = _digits()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    if state is not None:
+        ddp.register_comm_hook(state, mq.ddp_comm_hook)
+    mine = torch.arange(60)[comm.rank :: comm.size]
+    nn.functional.cross_entropy(ddp(xtr[mine]), ytr[mine]).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_exclusion_without_names_raises_instead_of_being_ignored(
+    groups: dict[str, dist.ProcessGroup],
+) -> None:
+    """CompressionConfig(exclude=...) without model= had no effect, silently."""
+    state = mq.QuantizeState(mq.CompressionConfig(bits=2, exclude=("0.weight",)), world())
+    with pytest.raises(Exception, match=r"excluded by name, but this gradient bucket's"):
+        _one_step(groups["gloo"], state)
+
+
+def test_cgx_register_model_pairs_exclude_layers_by_name(
+    groups: dict[str, dist.ProcessGroup],
+) -> None:
+    """CGX's register_model([(name, numel), ...]) + exclude_layer: the names were never read."""
+    shapes = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    registry.clear()
+    try:
+        mq.register_model([(n, p.numel()) for n, p in shapes.named_parameters()])
+        mq.exclude_layer("0.weight")
+        state = mq.QuantizeState(mq.CompressionConfig(bits=2), world())
+        hooked = _one_step(groups["gloo"], state)
+    finally:
+        registry.clear()
+    plain = _one_step(groups["gloo"], None)
+    error = {n: float((hooked[n] - g).abs().max()) for n, g in plain.items()}
+    for name in ("0.weight", "0.bias", "2.bias"):  # excluded by name, and 1-D
+        assert error[name] < 1e-6, (name, error)
+    if world().size > 1:
+        assert error["2.weight"] > 1e-4, error  # 2 bits: compressed
+        # 0.weight is 8192 of the 9610 values: it goes uncompressed, so most bytes do
+        assert state.bytes_sent > 0.8 * state.bytes_uncompressed, (
+            state.bytes_sent,
+            state.bytes_uncompressed,
+        )

@@ -108,7 +108,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the optimizer's parameters when None.
         average: average the gradients (True) or sum them.
         compression: None, or an ``mpx.quantize.CompressionConfig``: buckets are
-            reduced by ``mpx.quantize.allreduce`` (needs mpx-quantize).
+            reduced by ``mpx.quantize.allreduce_tensors`` parameter by parameter, so
+            its layer filtering (``exclude``, 1-D, minimum size) applies (needs mpx-quantize).
         bucket_mb: target bucket size in MiB.
         overlap: start each bucket's allreduce from the gradient hooks during
             backward (True), or all of them in ``step()`` (False). ``"auto"``
@@ -497,7 +498,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._used[pid] = 1
                     if not aliased:
                         flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-        bucket.handle = reduce_bucket(flat, self.comm, self.compression, self.op)
+        layout = (
+            [
+                (self._names[id(p)], p.shape, offset)
+                for p, offset in zip(bucket.params, bucket.offsets, strict=True)
+            ]
+            if self.compression is not None
+            else []
+        )
+        bucket.handle = reduce_bucket(flat, self.comm, self.compression, self.op, layout)
 
     def _finish(self) -> None:
         """Starts what backward did not, waits for all, writes the gradients back."""

@@ -2,16 +2,18 @@
 
 ``compression=None`` runs mpx-collectives' non-blocking allreduce and returns
 its handle, so backward keeps running while the bucket travels. With a
-``mpx.quantize.CompressionConfig`` the bucket goes through
-``mpx.quantize.allreduce(flat, comm=comm, config=config, op=op)`` (imported
-here, lazily: mpx-quantize is an optional extra), which completes before it
-returns.
+``mpx.quantize.CompressionConfig`` the bucket is cut back into its parameters
+(views of the flat buffer, with their names and shapes) and goes through
+``mpx.quantize.allreduce_tensors`` (imported here, lazily: mpx-quantize is an
+optional extra), so that layer filtering applies as in CGX -- 1-D parameters,
+excluded names (``exclude=``, ``exclude_layer``) and tensors under the minimum
+size travel in full precision. It completes before it returns.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -42,18 +44,18 @@ class _Completed:
         return self.result
 
 
-def quantized_allreduce() -> Callable[..., Any]:
-    """``mpx.quantize.allreduce``, or an ImportError that says what to install."""
+def quantized_allreduce(name: str = "allreduce_tensors") -> Callable[..., Any]:
+    """``mpx.quantize.<name>``, or an ImportError that says what to install."""
     try:
         module = importlib.import_module("mpx.quantize")
     except ImportError as error:
         raise ImportError(
             "compression= needs mpx-quantize: pip install 'mpx-dataparallel[quantize]'"
         ) from error
-    function = getattr(module, "allreduce", None)
+    function = getattr(module, name, None)
     if function is None:
         raise ImportError(
-            f"compression= needs mpx.quantize.allreduce, which mpx-quantize "
+            f"compression= needs mpx.quantize.{name}, which mpx-quantize "
             f"{getattr(module, '__version__', '?')} does not provide yet; upgrade mpx-quantize "
             "or pass compression=None"
         )
@@ -61,7 +63,11 @@ def quantized_allreduce() -> Callable[..., Any]:
 
 
 def reduce_bucket(
-    flat: torch.Tensor, comm: Communicator, compression: Any | None, op: str
+    flat: torch.Tensor,
+    comm: Communicator,
+    compression: Any | None,
+    op: str,
+    layout: Sequence[tuple[str, torch.Size, int]] = (),
 ) -> Waitable:
     """Starts the reduction of one flat bucket (in place) across ``comm``.
 
@@ -69,10 +75,17 @@ def reduce_bucket(
         flat: a contiguous CPU tensor holding the bucket's gradients.
         compression: None, or an ``mpx.quantize.CompressionConfig``.
         op: ``"avg"`` or ``"sum"``.
+        layout: the bucket's parameters as (name, shape, offset in ``flat``):
+            with compression, each is filtered as its own layer (CGX's
+            ``exclude``); without a layout the bucket is one flat tensor.
     """
     if compression is None:
         return allreduce(flat, op, comm=comm, async_op=True)
-    result = quantized_allreduce()(flat, comm=comm, config=compression, op=op)
-    if isinstance(result, torch.Tensor) and result is not flat:
-        flat.copy_(result)
+    if not layout:
+        result = quantized_allreduce("allreduce")(flat, comm=comm, config=compression, op=op)
+        if isinstance(result, torch.Tensor) and result is not flat:
+            flat.copy_(result)
+        return _Completed(flat)
+    views = [flat[offset : offset + shape.numel()].view(shape) for _, shape, offset in layout]
+    quantized_allreduce()(views, comm, compression, op, names=[name for name, _, _ in layout])
     return _Completed(flat)

@@ -66,7 +66,9 @@ def _check_op(op: str) -> None:
         )
 
 
-def _plain(flat: torch.Tensor, comm: Communicator, op: str, state: QuantizeState) -> None:
+def _plain(
+    flat: torch.Tensor, comm: Communicator, op: str, state: QuantizeState, impl: str | None
+) -> None:
     from mpx.collectives import allreduce as mpx_allreduce
 
     wire = 2 * (comm.size - 1) * flat.numel() * flat.element_size() // comm.size
@@ -74,10 +76,10 @@ def _plain(flat: torch.Tensor, comm: Communicator, op: str, state: QuantizeState
     state.bytes_uncompressed += wire
     if flat.device.type == "cuda":
         host = flat.cpu()
-        mpx_allreduce(host, op, comm=comm)
+        mpx_allreduce(host, op, comm=comm, impl=impl)
         flat.copy_(host)
     else:
-        mpx_allreduce(flat, op, comm=comm)
+        mpx_allreduce(flat, op, comm=comm, impl=impl)
 
 
 def _compressed(
@@ -146,7 +148,7 @@ def _compressed(
             residual[s:e] = flat[s:e].to(torch.float32) - dequantize(
                 q, out=torch.empty(e - s, dtype=torch.float32, device=device)
             )
-    received = alltoall(send, comm=comm)
+    received = alltoall(send, comm=comm, impl=config.impl("alltoall"))
 
     # 2. the owner reduces its chunk in float32 and re-quantizes the result
     s, e = bounds[r]
@@ -160,7 +162,7 @@ def _compressed(
     encode(acc.to(dtype), mine, r)
 
     # 3. everyone (the owner included) decodes every reduced chunk
-    gathered = allgather(mine, comm=comm)
+    gathered = allgather(mine, comm=comm, impl=config.impl("allgather"))
     for j, (s2, e2) in enumerate(bounds):
         dequantize(decode_view(gathered[j], j), out=flat[s2:e2])
     if residual is not None:
@@ -225,7 +227,7 @@ def allreduce(
     if t.dtype in FLOAT_DTYPES and config.compresses(t.numel()):
         _compressed(flat, comm, config, op, state, key if key is not None else _key(t))
     else:
-        _plain(flat, comm, op, state)
+        _plain(flat, comm, op, state, config.impl("allreduce"))
     if work is not t:
         t.copy_(work)
     return t
@@ -316,7 +318,7 @@ def allreduce_tensors(
                 key = ("fused", *(names[i] if names is not None else i for i in members))
                 _compressed(flat, comm, config, op, state, key)
             else:
-                _plain(flat, comm, op, state)
+                _plain(flat, comm, op, state, config.impl("allreduce"))
             if len(members) > 1 or not tensors[members[0]].is_contiguous():
                 offset = 0
                 for i in members:

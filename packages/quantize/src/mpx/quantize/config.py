@@ -34,6 +34,9 @@ __all__ = [
     "registry",
 ]
 
+# What CompressionConfig.communicator accepts (CGX's COMMUNICATOR_TYPE, any case).
+COMMUNICATORS = ("auto", "mpi", "shm")
+
 # CGX compresses nothing below 16 elements, whatever minimal_size says.
 MIN_COMPRESSED = 16
 
@@ -70,6 +73,7 @@ class CompressionConfig:
     exclude: tuple[str, ...] = field(default_factory=tuple)
     stochastic: bool = True
     seed: int = 0
+    communicator: str = "auto"
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -97,6 +101,24 @@ class CompressionConfig:
         for part in self.exclude:
             if not isinstance(part, str) or not part:
                 raise QuantizeValueError(f"exclude entries must be non-empty strings, got {part!r}")
+        if not isinstance(self.communicator, str) or self.communicator.lower() not in COMMUNICATORS:
+            raise QuantizeValueError(
+                f"communicator={self.communicator!r} is not one of {list(COMMUNICATORS)} "
+                "(CGX's COMMUNICATOR_TYPE: MPI or SHM; auto lets mpx.collectives choose)"
+            )
+        object.__setattr__(self, "communicator", self.communicator.lower())
+
+    def impl(self, op: str) -> str | None:
+        """The mpx.collectives implementation of ``op`` under ``communicator`` (None: auto).
+
+        CGX's SHM communicator maps to mpx's ``shm`` where it runs the op
+        (allreduce, allgather); the alltoall then takes ``auto``'s choice.
+        """
+        if self.communicator == "mpi":
+            return "mpi"
+        if self.communicator == "shm" and op in ("allreduce", "allgather"):
+            return "shm"
+        return None
 
     @property
     def enabled(self) -> bool:
@@ -136,14 +158,19 @@ class CompressionConfig:
     ) -> CompressionConfig:
         """A config from ``MPX_QUANTIZE_*`` (or CGX's names); ``overrides`` win over both.
 
+        Configured through CGX's variables (any ``CGX_*`` or ``COMMUNICATOR_TYPE``
+        set, no bits variable), the bits are CGX's default, 32: no compression.
+
         Raises:
             QuantizeValueError: a variable does not parse; the message names it.
         """
         values: dict[str, object] = {}
+        cgx = False
         for key, setting in CONFIG.items():
             found = setting.raw(environ)
             if found is None:
                 continue  # unset: the dataclass's default
+            cgx = cgx or not found[0].startswith("MPX_")
             try:
                 value = setting.parse(found[1], found[0])
             except SettingError as error:
@@ -151,6 +178,9 @@ class CompressionConfig:
             if key == "exclude":
                 value = tuple(p.strip() for p in value.split(",") if p.strip())
             values[key] = value
+        if cgx and "bits" not in values:
+            # Configured the CGX way: CGX's default, 32 bits, compresses nothing.
+            values["bits"] = 32
         values.update(overrides)
         try:
             return cls(**values)  # type: ignore[arg-type]
@@ -194,6 +224,26 @@ class LayerRegistry:
 
     def name_of(self, param: torch.Tensor) -> str | None:
         return self.names.get(id(param))
+
+    def names_for(self, numels: list[int]) -> list[str] | None:
+        """Names of a run of parameters known only by their sizes, or None.
+
+        CGX's ``register_model([(name, numel), ...])`` gives the layers in
+        order, without the tensors; a DDP bucket holds a contiguous run of
+        them, in registration order or reversed (DDP's). The run is named
+        when exactly one place in the registered order has those sizes.
+        """
+        sizes = [n for _, n in self.order]
+        found: list[list[str]] = []
+        k = len(numels)
+        for start in range(len(sizes) - k + 1):
+            window = sizes[start : start + k]
+            names = [name for name, _ in self.order[start : start + k]]
+            if window == numels:
+                found.append(names)
+            if k > 1 and window[::-1] == numels:
+                found.append(names[::-1])
+        return found[0] if len(found) == 1 else None
 
     def clear(self) -> None:
         self.names.clear()

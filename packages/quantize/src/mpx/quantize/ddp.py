@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from mpx.quantize.allreduce import allreduce, allreduce_tensors
+from mpx.quantize.config import registry
+from mpx.quantize.errors import QuantizeValueError
 from mpx.quantize.state import QuantizeState
 
 __all__ = ["ddp_comm_hook"]
@@ -40,6 +42,8 @@ def ddp_comm_hook(
         views.append(buffer[offset : offset + n].view(param.shape))
         names.append(state.name_of(param))
         offset += n
+    if any(name is None for name in names):
+        names = _names_by_size(state, [v.numel() for v in views], names)
     if offset == buffer.numel():
         allreduce_tensors(views, state.comm, state.config, "avg", names=names, state=state)
     else:  # not laid out parameter by parameter: one flat tensor, judged by its size
@@ -49,3 +53,27 @@ def ddp_comm_hook(
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+def _names_by_size(
+    state: QuantizeState, numels: list[int], names: list[str | None]
+) -> list[str | None]:
+    """Fills unknown names from CGX-style ``register_model([(name, numel), ...])``.
+
+    Exclusion by name cannot be skipped in silence: when the config excludes
+    layers and the names stay unknown, this raises, saying what is missing.
+    """
+    found = registry.names_for(numels)
+    if found is not None:
+        return [
+            known if known is not None else guess for known, guess in zip(names, found, strict=True)
+        ]
+    excluded = (*state.config.exclude, *registry.excluded)
+    if excluded:
+        raise QuantizeValueError(
+            f"ddp_comm_hook: layers {list(excluded)} are to be excluded by name, but this "
+            f"gradient bucket's parameters (sizes {numels}) have no names; pass the model "
+            "(QuantizeState(config, model=model)) or register it "
+            "(mpx.quantize.register_model(model)) before training"
+        )
+    return names

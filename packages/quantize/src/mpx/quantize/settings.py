@@ -79,6 +79,14 @@ CONFIG: dict[str, Setting[Any]] = {
         "stochastic (unbiased) rounding; 0 rounds to nearest",
         package=_PACKAGE,
     ),
+    "communicator": declare(
+        "MPX_QUANTIZE_COMMUNICATOR",
+        "str",
+        "auto",
+        "transport of the compressed allreduce: auto, mpi or shm (CGX's MPI/SHM)",
+        package=_PACKAGE,
+        aliases=("CGX_COMMUNICATOR_TYPE", "COMMUNICATOR_TYPE"),
+    ),
     "seed": declare(
         "MPX_QUANTIZE_SEED",
         "int",
