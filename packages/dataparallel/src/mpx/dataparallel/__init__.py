@@ -18,6 +18,7 @@ from mpx.dataparallel.errors import (
     DataParallelValueError,
     ParameterServerError,
 )
+from mpx.dataparallel.gradients import allreduce_gradients
 from mpx.dataparallel.optimizer import DistributedOptimizer
 from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
 from mpx.dataparallel.runtime import init, is_root, local_rank, rank, world_size
@@ -39,6 +40,7 @@ __all__ = [
     "ParameterServer",
     "ParameterServerError",
     "__version__",
+    "allreduce_gradients",
     "broadcast_tensors",
     "init",
     "is_root",
