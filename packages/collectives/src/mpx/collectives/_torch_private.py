@@ -1,5 +1,8 @@
 """The one module of mpx-collectives that touches private torch APIs.
 
+Gloo: ``ProcessGroupGloo._Options`` binds a group's transport to one address
+(:func:`gloo_process_group`, for the ``gloo`` implementation).
+
 CUDA IPC: torch exports a CUDA allocation as a tuple of handles
 (``UntypedStorage._share_cuda_``) and maps a peer's with
 ``UntypedStorage._new_shared_cuda`` (what ``torch.multiprocessing`` does for
@@ -8,13 +11,14 @@ CUDA tensors). Both exist, with these names, from torch 1.x to 2.13.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
 
 from mpx.collectives.errors import MPXValueError
 
-__all__ = ["export_cuda_storage", "open_cuda_storage"]
+__all__ = ["export_cuda_storage", "gloo_process_group", "open_cuda_storage"]
 
 
 def export_cuda_storage(t: torch.Tensor) -> tuple[Any, ...]:
@@ -31,3 +35,21 @@ def open_cuda_storage(handle: tuple[Any, ...]) -> torch.UntypedStorage:
     """Maps a peer's exported CUDA storage into this process."""
     storage_class: Any = torch.UntypedStorage
     return storage_class._new_shared_cuda(*handle)  # type: ignore[no-any-return]
+
+
+def gloo_process_group(
+    store: Any, rank: int, size: int, timeout: datetime.timedelta, hostname: str
+) -> Any:
+    """A ``ProcessGroupGloo`` over ``store`` whose transport binds ``hostname``.
+
+    ``ProcessGroupGloo._Options`` (its ``_devices`` and ``_timeout``) is the
+    only way to name the interface without ``GLOO_SOCKET_IFNAME``; it has had
+    these names since torch 1.8.
+    """
+    import torch.distributed
+
+    dist: Any = torch.distributed  # _Options is not in torch's stubs
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)

@@ -17,6 +17,7 @@ import torch
 from mpx.collectives import impl_hier, impl_ipc, impl_mpi, impl_ring, impl_shm, impl_staged
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.handle import Steps
+from mpx.collectives.impl_c10d import GLOO, NCCL
 
 __all__ = ["MODULES", "Implementation"]
 
@@ -43,4 +44,6 @@ MODULES: Mapping[str, Implementation] = {
     "hier": impl_hier,
     "staged": impl_staged,
     "ipc": impl_ipc,
+    "gloo": GLOO,
+    "nccl": NCCL,
 }

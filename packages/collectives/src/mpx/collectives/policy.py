@@ -27,7 +27,9 @@ enabled for the call under the current :class:`Policy` wins::
 
 ``ipc`` (CUDA IPC within a node) is never chosen by ``auto``: it needs every
 rank to see its peers' GPUs, which only the user knows; name it with
-``impl="ipc"``.
+``impl="ipc"``. Nor are ``gloo`` (CPU) and ``nccl`` (CUDA), torch's own process
+groups over the same ranks (:mod:`mpx.collectives.impl_c10d`), there to
+compare with, as TorchMPI offered.
 
 The policy holds the threshold, CUDA-awareness and, when ``mpxrun --tune``
 has measured this machine and rank layout, the measured winner of each size
@@ -56,6 +58,7 @@ from mpx.collectives.errors import MPXError
 from mpx.launch.settings import on_reload
 
 __all__ = [
+    "COMPARE_ONLY",
     "IMPLEMENTATIONS",
     "ORDER",
     "PROVIDES",
@@ -121,6 +124,8 @@ PROVIDES: dict[str, frozenset[str]] = {
     "hier": frozenset({"allreduce", "broadcast"}),
     "staged": frozenset(OPS) - {"barrier"},
     "ipc": frozenset({"allreduce", "broadcast"}),
+    "gloo": frozenset({"allreduce", "broadcast", "reduce", "allgather", "alltoall"}),
+    "nccl": frozenset({"allreduce", "broadcast", "reduce", "allgather", "alltoall"}),
 }
 
 
@@ -372,7 +377,10 @@ def small_bytes() -> int:
 
 # -- choosing -----------------------------------------------------------------
 
-_CUDA_IMPLS = frozenset({"staged", "ipc"})
+_CUDA_IMPLS = frozenset({"staged", "ipc", "nccl"})
+
+COMPARE_ONLY = frozenset({"gloo", "nccl"})
+"""Implementations ``auto`` never picks (nor tuning): torch's process groups, to compare with."""
 
 
 def _walk(call: Call, policy: Policy) -> str:
@@ -413,7 +421,7 @@ def _named(call: Call, name: str, policy: Policy) -> str:
     if call.cuda and name not in _CUDA_IMPLS and not (name == "mpi" and policy.cuda_aware):
         raise PolicyError(
             f"{op}: impl={name!r} takes CPU tensors; for a CUDA tensor use impl='staged' "
-            "(or 'auto'), 'ipc' within a node, or 'mpi' with a CUDA-aware MPI "
+            "(or 'auto'), 'ipc' within a node, 'nccl', or 'mpi' with a CUDA-aware MPI "
             "(MPX_CUDA_AWARE=1); or move it with t.cpu()"
         )
     if not call.cuda and name in _CUDA_IMPLS:

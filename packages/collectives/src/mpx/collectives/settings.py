@@ -38,7 +38,7 @@ __all__ = [
 _PACKAGE = "collectives"
 
 # The implementations a user may name (impl= or MPX_COLLECTIVES_IMPL).
-IMPL_NAMES = ("auto", "mpi", "ring", "shm", "hier", "staged", "ipc")
+IMPL_NAMES = ("auto", "mpi", "ring", "shm", "hier", "staged", "ipc", "gloo", "nccl")
 
 IMPL = declare(
     "MPX_COLLECTIVES_IMPL",

@@ -36,6 +36,7 @@ from mpi4py import MPI
 from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.ops import allgather, allreduce, broadcast, reduce_scatter
 from mpx.collectives.policy import (
+    COMPARE_ONLY,
     IMPLEMENTATIONS,
     TUNABLE,
     PolicyError,
@@ -57,6 +58,8 @@ def candidates(op: str, comm: Communicator) -> list[str]:
     """The CPU implementations that run ``op`` themselves on this communicator."""
     names = []
     for name in IMPLEMENTATIONS:
+        if name in COMPARE_ONLY:
+            continue  # torch's process groups: auto never runs them, so no band may name them
         try:
             if choose(op, False, 1 << 20, comm, name) == name:
                 names.append(name)
