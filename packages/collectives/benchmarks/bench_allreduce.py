@@ -107,6 +107,8 @@ def measure(tuned: str) -> None:
         }
         for impl in IMPLS:
             times[f"mpx {impl}"] = timed(lambda impl=impl, x=x: allreduce(x, impl=impl), reps)
+        # torch's gloo again, as an mpx implementation (TorchMPI's per-call choice)
+        times["mpx gloo (impl='gloo')"] = timed(lambda x=x: allreduce(x, impl="gloo"), reps)
         for label, which in AUTOS.items():
             use_policy(which)
             times[f"mpx {label}"] = timed(lambda x=x: allreduce(x), reps)
