@@ -159,3 +159,75 @@ def test_two_forward_passes_before_one_backward() -> None:
         assert p.grad is not None
         assert q.grad is not None
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+# -- separate forward and adjoint settings (torchbraid's max_fwd_levels, setBwdAbsTol...) --
+
+
+def test_forward_and_adjoint_levels_are_separate() -> None:
+    net = build(16, fwd_levels=3, bwd_levels=1, fwd_iters=2, bwd_iters=1, tol=0.0)
+    assert (net.stepper.fwd.num_levels, net.stepper.bwd.num_levels) == (3, 1)
+    errors = compare(net)
+    assert net.bwd_stats()["residuals"] == [0.0]  # one level: the exact sequential adjoint
+    assert len(net.fwd_stats()["residuals"]) == 2
+    assert net.fwd_stats()["residuals"][-1] > 0.0  # the forward solve stays inexact
+    assert errors["output"] > 1e-9
+
+
+@pytest.mark.parametrize(("fwd_levels", "bwd_levels"), [(4, 2), (2, 4), (1, 3)])
+def test_different_levels_iterated_to_convergence_equal_serial(
+    fwd_levels: int, bwd_levels: int
+) -> None:
+    # 24 steps: the coarsest intervals of the two grids differ (up to 8 steps), yet each
+    # rank keeps the same steps in both solves (under 3 ranks too).
+    net = build(24, cfactor=2, fwd_levels=fwd_levels, bwd_levels=bwd_levels,
+                fwd_iters=24, bwd_iters=24, tol=0.0)  # fmt: skip
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_forward_and_adjoint_tolerances_are_separate() -> None:
+    net = build(32, levels=3, fwd_iters=10, bwd_iters=10, fwd_tol=1e-4, bwd_tol=0.0)
+    compare(net)
+    fwd, bwd = net.fwd_stats(), net.bwd_stats()
+    assert fwd["iterations"] < 10
+    assert fwd["residuals"][-1] < 1e-4 <= fwd["residuals"][-2]
+    assert bwd["iterations"] == 10
+    net = build(32, levels=3, fwd_iters=10, bwd_iters=10, tol=1e-4)  # the shared default
+    compare(net)
+    assert net.fwd_stats()["iterations"] == fwd["iterations"]
+    assert net.bwd_stats()["iterations"] < 10
+
+
+def test_fine_relax_changes_both_solves_and_converges() -> None:
+    histories = []
+    for relax, fine in [("F", None), ("FCF", None), ("FCF", "F")]:
+        net = build(32, levels=3, relax=relax, fine_relax=fine, fwd_iters=2, bwd_iters=2, tol=0.0)
+        compare(net)
+        histories.append((net.fwd_stats()["residuals"], net.bwd_stats()["residuals"]))
+    assert histories[2][0] not in (histories[0][0], histories[1][0])
+    assert histories[2][1] not in (histories[0][1], histories[1][1])
+    net = build(32, levels=3, relax="FCF", fine_relax="F", fwd_iters=16, bwd_iters=16, tol=0.0)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"fwd_levels": 0}, ["fwd_levels=0", ">= 1"]),
+        ({"bwd_levels": 2.0}, ["bwd_levels=2.0", "int"]),
+        ({"fwd_tol": -1.0}, ["fwd_tol=-1.0", ">= 0"]),
+        ({"tol": float("nan")}, ["tol=nan"]),
+        ({"bwd_tol": "0"}, ["bwd_tol='0'", "number"]),
+        ({"fine_relax": "C"}, ["fine_relax", "'C'"]),
+        ({"fwd_levels": 3, "bwd_levels": 1}, ["num_steps=6", "fwd_levels=3", "multiple of 4"]),
+    ],
+)
+def test_bad_forward_or_adjoint_settings_name_the_value(
+    kwargs: dict[str, Any], words: list[str]
+) -> None:
+    with pytest.raises(MGRITConfigError) as info:
+        LayerParallel(nn.Identity(), nn.Linear(2, 2), nn.Identity(), 6, cfactor=2, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))

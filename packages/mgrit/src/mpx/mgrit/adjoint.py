@@ -18,20 +18,58 @@ local step, ``grad += (d phi_k / d theta)^T lam_{k+1}``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from mpx.collectives import Communicator, allreduce, broadcast, world
-from mpx.mgrit.solver import MGRIT
+from mpx.mgrit.errors import MGRITConfigError
+from mpx.mgrit.grid import coarsening_factors, split_evenly
+from mpx.mgrit.solver import MGRIT, check_tol
 
-__all__ = ["TimeStepper"]
+__all__ = ["TimeStepper", "shared_blocks"]
 
 #: ``phi(k, x, dt) -> x``: step k of the network from state x, with step size dt.
 Phi = Callable[[int, torch.Tensor, float], torch.Tensor]
 #: ``inputs(k)`` -> indices (into the tensors given to the autograd function) that step k uses.
 Uses = Callable[[int], Sequence[int]]
+
+
+def _levels_arg(levels: int, name: str) -> int:
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise MGRITConfigError(
+            f"{name} must be an int >= 1 (1 = a sequential solve), got {name}={levels!r}"
+        )
+    return levels
+
+
+def shared_blocks(
+    num_steps: int, cfactor: int | Sequence[int], fwd_levels: int, bwd_levels: int, size: int
+) -> tuple[list[int], list[int]] | None:
+    """Coarsest intervals per rank of the forward and of the adjoint grid, in forward rank order.
+
+    A step's layer lives on one rank, so both solves must give every rank the
+    same fine steps, although their coarsest intervals may differ in length.
+    The steps are split in units of the least common multiple of the two
+    coarsest intervals: with equal levels that is the forward grid's own split.
+    """
+    spans = []
+    for levels, name in ((fwd_levels, "fwd_levels"), (bwd_levels, "bwd_levels")):
+        spans.append(math.prod(coarsening_factors(cfactor, _levels_arg(levels, name))))
+    unit = math.lcm(*spans)
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps % unit != 0:
+        if spans[0] == spans[1]:
+            return None  # one grid: the solver's own message says what fits
+        raise MGRITConfigError(
+            f"num_steps={num_steps!r} cannot be split into whole coarsest intervals of both "
+            f"the forward grid (fwd_levels={fwd_levels}: {spans[0]} steps each) and the "
+            f"adjoint grid (bwd_levels={bwd_levels}: {spans[1]} steps each); every coarse "
+            f"point must be a fine point. Use num_steps a multiple of {unit}, or fewer levels"
+        )
+    units = split_evenly(num_steps // unit, size)
+    return [u * unit // spans[0] for u in units], [u * unit // spans[1] for u in units]
 
 
 class TimeStepper:
@@ -40,6 +78,11 @@ class TimeStepper:
     Args:
         phi: the step; on coarse levels it is called with ``dt = h * stride``.
         uses: for step k, which of the differentiable tensors it reads.
+        levels, tol: the shared defaults of ``fwd_levels``/``bwd_levels`` and
+            ``fwd_tol``/``bwd_tol``: the forward and the adjoint solve may use
+            different grids and stop at different residuals (torchbraid's
+            ``max_fwd_levels``/``max_bwd_levels``, ``setFwdAbsTol``/``setBwdAbsTol``).
+        fine_relax: relaxation of the fine level of both solves (default: ``relax``).
         shared: the differentiable tensors are replicated on all ranks (e.g. a
             GRU cell used by every step): their gradients are summed over ranks.
         context: ``(save, restore)`` of other state ``phi`` reads, kept per forward pass.
@@ -68,6 +111,11 @@ class TimeStepper:
         skip_downcycle: bool = True,
         shared: bool = False,
         context: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        fwd_levels: int | None = None,
+        bwd_levels: int | None = None,
+        fwd_tol: float | None = None,
+        bwd_tol: float | None = None,
+        fine_relax: str | None = None,
     ) -> None:
         self.phi, self.uses, self.shared = phi, uses, shared
         # (save, restore) of whatever else phi reads (e.g. the input sequence), so that a
@@ -75,22 +123,31 @@ class TimeStepper:
         self.context = context
         self.comm = world() if comm is None else comm
         self.N, self.h = num_steps, float(Tf) / num_steps
+        fwd_levels = levels if fwd_levels is None else fwd_levels
+        bwd_levels = levels if bwd_levels is None else bwd_levels
+        tol = check_tol(tol, "tol")
+        fwd_tol = check_tol(tol if fwd_tol is None else fwd_tol, "fwd_tol")
+        bwd_tol = check_tol(tol if bwd_tol is None else bwd_tol, "bwd_tol")
+        blocks = shared_blocks(num_steps, cfactor, fwd_levels, bwd_levels, self.comm.size)
+        fwd_blocks, bwd_blocks = (None, None) if blocks is None else blocks
         opts: dict[str, Any] = {
-            "levels": levels,
             "cfactor": cfactor,
-            "tol": tol,
             "relax": relax,
             "nrelax": nrelax,
             "skip_downcycle": skip_downcycle,
+            "fine_relax": fine_relax,
         }
-        self.fwd = MGRIT(self._step, 0.0, Tf, num_steps, self.comm, max_iters=fwd_iters, **opts)
+        self.fwd = MGRIT(
+            self._step, 0.0, Tf, num_steps, self.comm, levels=fwd_levels, max_iters=fwd_iters,
+            tol=fwd_tol, blocks=fwd_blocks, **opts,
+        )  # fmt: skip
         reverse = self.comm.split(0, key=self.comm.size - 1 - self.comm.rank)
         assert reverse is not None
         self.rcomm = reverse
-        blocks = self.fwd.layout.blocks[::-1]
         self.bwd = MGRIT(
-            self._adjoint_step, 0.0, Tf, num_steps, reverse, max_iters=bwd_iters, blocks=blocks,
-            **opts,
+            self._adjoint_step, 0.0, Tf, num_steps, reverse, levels=bwd_levels,
+            max_iters=bwd_iters, tol=bwd_tol,
+            blocks=self.fwd.layout.blocks[::-1] if bwd_blocks is None else bwd_blocks[::-1], **opts,
         )  # fmt: skip
         lv = self.fwd.layout.levels[0]
         #: the steps (layers) this rank computes: k in [first, stop)
