@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import world
-from mpx.mgrit import LayerParallel, MGRITConfigError, SerialResNet
+from mpx.mgrit import LayerParallel, MGRITConfigError, MGRITTypeError, SerialResNet
 
 pytestmark = pytest.mark.mpi
 
@@ -113,6 +114,48 @@ def test_float32_and_single_module_copied_per_step() -> None:
     assert len({id(w) for w in weights}) == len(weights)
     errors = compare(net, torch.float32)
     assert max(errors.values()) <= 1e-5, errors
+
+
+def test_factory_makes_one_layer_per_step_the_same_on_any_rank_count() -> None:
+    calls = []
+
+    def factory() -> nn.Module:
+        calls.append(1)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    torch.manual_seed(0)
+    net = LayerParallel(nn.Identity(), factory, nn.Identity(), 6, Tf=1.0, levels=2, fwd_iters=6,
+                        bwd_iters=6, tol=0.0).double()  # fmt: skip
+    assert len(calls) == 6  # every rank makes every step's layer and keeps its own
+    assert len(net.local_steps) == len(net.owned_steps())
+    torch.manual_seed(0)
+    alone = [factory().double() for _ in range(6)]
+    for got, want in zip(net.gather_steps(), alone, strict=True):
+        for p, q in zip(got.parameters(), want.parameters(), strict=True):
+            assert torch.equal(p, q)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_a_class_is_a_factory_too() -> None:
+    net = LayerParallel(nn.Identity(), functools.partial(nn.Linear, 3, 3), nn.Identity(), 4)
+    weights = [layer.weight for layer in net.gather_steps()]
+    assert len(weights) == 4
+    assert all(not torch.equal(weights[0], w) for w in weights[1:])
+
+
+@pytest.mark.parametrize(
+    ("step_layers", "words"),
+    [
+        (lambda: 3, ["factory must return an nn.Module", "int", "lambda: StepLayer"]),
+        (42, ["step_layers must be", "factory", "int"]),
+    ],
+)
+def test_bad_step_layers_are_a_type_error(step_layers: Any, words: list[str]) -> None:
+    with pytest.raises(MGRITTypeError) as info:
+        LayerParallel(nn.Identity(), step_layers, nn.Identity(), 4)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
 
 
 def test_bad_step_list_is_refused() -> None:

@@ -19,7 +19,7 @@ the layer at its start point with the longer step ``h * stride``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,9 +27,42 @@ from torch import nn
 
 from mpx.collectives import Communicator, world
 from mpx.mgrit.adjoint import TimeStepper
-from mpx.mgrit.errors import MGRITConfigError
+from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 
 __all__ = ["LayerParallel", "SerialResNet"]
+
+
+def _step_layers(
+    step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module],
+    num_steps: int,
+    owned: range,
+) -> list[nn.Module]:
+    """The ``owned`` step layers: a module copied, picked from a list, or made by a factory."""
+    if isinstance(step_layers, nn.Module):
+        return [copy.deepcopy(step_layers) for _ in owned]
+    if callable(step_layers):
+        # Every rank calls the factory for every step, in order, and keeps its own: the
+        # random initialisation then gives the same layers for any number of ranks.
+        layers = [step_layers() for _ in range(num_steps)]
+        wrong = next((layer for layer in layers if not isinstance(layer, nn.Module)), None)
+        if wrong is not None:
+            raise MGRITTypeError(
+                f"the step_layers factory must return an nn.Module, it returned "
+                f"{type(wrong).__name__}; write it as lambda: StepLayer(...)"
+            )
+        return [layers[k] for k in owned]
+    if isinstance(step_layers, (str, bytes)) or not isinstance(step_layers, Sequence):
+        raise MGRITTypeError(
+            f"step_layers must be an nn.Module, a list of num_steps modules or a factory "
+            f"(lambda: StepLayer(...)), got {type(step_layers).__name__}"
+        )
+    layers = list(step_layers)
+    if len(layers) != num_steps:
+        raise MGRITConfigError(
+            f"step_layers has {len(layers)} modules but num_steps={num_steps}; "
+            "give one module per step, a single module to copy, or a factory"
+        )
+    return [layers[k] for k in owned]
 
 
 class SerialResNet(nn.Module):
@@ -65,7 +98,9 @@ class LayerParallel(nn.Module):
     Args:
         open_layer: the first layer (replicated on every rank).
         step_layers: one module (copied for every step: each step has its own
-            weights) or a list of ``num_steps`` modules; a rank keeps only its own.
+            weights), a list of ``num_steps`` modules, or a factory called once per
+            step (``lambda: StepLayer(c)``, as torchbraid's ``LayerParallel`` takes);
+            a rank keeps only its own.
         close_layer: the last layer (replicated).
         num_steps: N, the number of residual steps.
         Tf: final time; the step size is ``h = Tf / num_steps``.
@@ -91,7 +126,7 @@ class LayerParallel(nn.Module):
     def __init__(
         self,
         open_layer: nn.Module,
-        step_layers: nn.Module | Sequence[nn.Module],
+        step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module],
         close_layer: nn.Module,
         num_steps: int,
         Tf: float = 1.0,
@@ -113,16 +148,6 @@ class LayerParallel(nn.Module):
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise MGRITConfigError(f"num_steps must be an int >= 1, got {num_steps!r}")
-        if isinstance(step_layers, nn.Module):
-            layers: list[nn.Module] | None = None
-            template: nn.Module | None = step_layers
-        else:
-            layers, template = list(step_layers), None
-            if len(layers) != num_steps:
-                raise MGRITConfigError(
-                    f"step_layers has {len(layers)} modules but num_steps={num_steps}; "
-                    "give one module per step, or a single module to copy"
-                )
         self.comm = world() if comm is None else comm
         self.num_steps, self.Tf = num_steps, float(Tf)
         self.config: dict[str, Any] = {
@@ -138,9 +163,7 @@ class LayerParallel(nn.Module):
         self.close_layer = close_layer
         owned = self.stepper.owned_steps()
         self.first_step = owned.start
-        self.local_steps = nn.ModuleList(
-            [layers[k] if layers is not None else copy.deepcopy(template) for k in owned]  # type: ignore[misc]
-        )
+        self.local_steps = nn.ModuleList(_step_layers(step_layers, num_steps, owned))
         self._param_index: list[list[int]] = []
         self._params: list[nn.Parameter] = []
         for layer in self.local_steps:
