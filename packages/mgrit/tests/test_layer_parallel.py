@@ -139,7 +139,7 @@ def test_factory_makes_one_layer_per_step_the_same_on_any_rank_count() -> None:
 
 def test_a_class_is_a_factory_too() -> None:
     net = LayerParallel(nn.Identity(), functools.partial(nn.Linear, 3, 3), nn.Identity(), 4)
-    weights = [layer.weight for layer in net.gather_steps()]
+    weights = [layer.get_parameter("weight") for layer in net.gather_steps()]
     assert len(weights) == 4
     assert all(not torch.equal(weights[0], w) for w in weights[1:])
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mpx.collectives import Communicator, allreduce, broadcast, world
+from mpx.collectives import Communicator, broadcast, world
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, split_evenly
 from mpx.mgrit.solver import MGRIT, check_tol
@@ -83,9 +83,6 @@ class TimeStepper:
             different grids and stop at different residuals (torchbraid's
             ``max_fwd_levels``/``max_bwd_levels``, ``setFwdAbsTol``/``setBwdAbsTol``).
         fine_relax: relaxation of the fine level of both solves (default: ``relax``).
-        shared: the differentiable tensors are replicated on all ranks (e.g. a
-            GRU cell used by every step): their gradients are summed over ranks.
-        context: ``(save, restore)`` of other state ``phi`` reads, kept per forward pass.
 
     Example::
 
@@ -109,18 +106,13 @@ class TimeStepper:
         relax: str = "F",
         nrelax: int = 1,
         skip_downcycle: bool = True,
-        shared: bool = False,
-        context: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
         fwd_levels: int | None = None,
         bwd_levels: int | None = None,
         fwd_tol: float | None = None,
         bwd_tol: float | None = None,
         fine_relax: str | None = None,
     ) -> None:
-        self.phi, self.uses, self.shared = phi, uses, shared
-        # (save, restore) of whatever else phi reads (e.g. the input sequence), so that a
-        # backward pass sees its own forward's inputs even after later forward passes.
-        self.context = context
+        self.phi, self.uses = phi, uses
         self.comm = world() if comm is None else comm
         self.N, self.h = num_steps, float(Tf) / num_steps
         fwd_levels = levels if fwd_levels is None else fwd_levels
@@ -153,6 +145,7 @@ class TimeStepper:
         #: the steps (layers) this rank computes: k in [first, stop)
         self.first, self.stop = lv.first, lv.first + lv.count
         self._states: torch.Tensor | None = None
+        self._forcing: torch.Tensor | None = None
 
     def owned_steps(self) -> range:
         """The steps this rank holds (their layers live here)."""
@@ -167,6 +160,9 @@ class TimeStepper:
     def _adjoint_step(self, lam: torch.Tensor, t: float, dt: float) -> torch.Tensor:
         k = self.N - 1 - self._index(t)
         assert self._states is not None
+        if self._forcing is not None:
+            # The loss reads x_{k+1} too: lam_{k+1} = nu_{k+1} + dL/dx_{k+1} (see adjoint()).
+            lam = lam + self._forcing[k - self.first]
         with torch.enable_grad():
             x = self._states[k - self.first].detach().requires_grad_(True)
             (g,) = torch.autograd.grad(self.phi(k, x, dt), x, lam, allow_unused=True)
@@ -179,6 +175,30 @@ class TimeStepper:
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
         return xN, self.fwd._u[0].clone()
+
+    def adjoint(self, states: torch.Tensor, forcing: torch.Tensor) -> torch.Tensor:
+        """The adjoint of a loss of every state: ``lam_{k+1}`` for this rank's steps k, in order.
+
+        ``forcing`` holds ``dL/dx_{k+1}`` of this rank's points (rows of ``states[1:]``,
+        the final point's gradient included). The adjoint ``lam_k = J_k^T lam_{k+1} +
+        dL/dx_k`` is solved for ``nu_k = lam_k - dL/dx_k``, which starts from 0 at
+        ``x_N``, and whose step ``nu_k = J_k^T (nu_{k+1} + dL/dx_{k+1})`` reads the
+        forcing at the step's start: a point this rank owns, so no forcing crosses ranks.
+        """
+        self._states, self._forcing = states, forcing
+        try:
+            with torch.no_grad():
+                self.bwd.solve(states.new_zeros(states.shape[1:]))
+        finally:
+            self._states, self._forcing = None, None
+        return self._lam_next(forcing)
+
+    def _lam_next(self, forcing: torch.Tensor | None) -> torch.Tensor:
+        """``lam_{k+1}`` (or ``nu_{k+1} + forcing``) of the owned steps k, after the solve."""
+        rev_first = self.bwd.layout.levels[0].first
+        rows = [self.N - 1 - k - rev_first for k in self.owned_steps()]
+        lams = self.bwd._u[0][rows]
+        return lams if forcing is None else lams + forcing
 
     def backward(
         self, gN: torch.Tensor, tensors: Sequence[torch.Tensor], states: torch.Tensor
@@ -224,12 +244,6 @@ class TimeStepper:
             buf = lam0.detach().to("cpu", copy=True).contiguous()
             broadcast(buf, 0, comm=self.comm)
             lam0 = buf.to(gN.device)
-            if self.shared:
-                for i, t in enumerate(tensors):
-                    mine = grads[i]
-                    total = (torch.zeros_like(t) if mine is None else mine).to("cpu", copy=True)
-                    total = allreduce(total.contiguous(), "sum", comm=self.comm)
-                    grads[i] = total.to(t.device)
         return lam0, grads
 
     def apply(self, x0: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -244,13 +258,10 @@ class _Solve(torch.autograd.Function):
         ctx.stepper = stepper
         ctx.tensors = tensors
         xN, ctx.states = stepper.forward(x0)
-        ctx.context = stepper.context[0]() if stepper.context is not None else None
         return xN
 
     @staticmethod
     def backward(ctx: Any, gN: torch.Tensor) -> Any:
         stepper: TimeStepper = ctx.stepper
-        if stepper.context is not None:
-            stepper.context[1](ctx.context)
         lam0, grads = stepper.backward(gN, ctx.tensors, ctx.states)
         return (None, lam0, *grads)

@@ -51,7 +51,7 @@ def _step_layers(
                 f"{type(wrong).__name__}; write it as lambda: StepLayer(...)"
             )
         return [layers[k] for k in owned]
-    if isinstance(step_layers, (str, bytes)) or not isinstance(step_layers, Sequence):
+    if not isinstance(step_layers, Sequence):
         raise MGRITTypeError(
             f"step_layers must be an nn.Module, a list of num_steps modules or a factory "
             f"(lambda: StepLayer(...)), got {type(step_layers).__name__}"
