@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from mpx.collectives import world
@@ -88,6 +89,15 @@ def test_unbatched_input_and_no_initial_state() -> None:
     errs = compare(gru, tensor(T, 3, seed=1), None)
     assert max(errs.values()) <= 1e-12, errs
     errs = compare(gru, tensor(T, 3, seed=1), tensor(2, 5, seed=2))
+    assert max(errs.values()) <= 1e-12, errs
+
+
+def test_a_raw_mpi4py_communicator_is_accepted() -> None:
+    torch.manual_seed(0)
+    gru = ParallelGRU(3, 5, 2, comm=MPI.COMM_WORLD, fwd_iters=T // 2, bwd_iters=T // 2,
+                      tol=0.0).double()  # fmt: skip
+    assert gru.comm.size == MPI.COMM_WORLD.Get_size()
+    errs = compare(gru, tensor(T, 2, 3, seed=1), tensor(2, 2, 5, seed=2))
     assert max(errs.values()) <= 1e-12, errs
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from mpx.collectives import world
@@ -274,3 +275,17 @@ def test_bad_forward_or_adjoint_settings_name_the_value(
         LayerParallel(nn.Identity(), nn.Linear(2, 2), nn.Identity(), 6, cfactor=2, **kwargs)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_a_raw_mpi4py_communicator_is_accepted() -> None:
+    # torchbraid's convention: LayerParallel(MPI.COMM_WORLD, ...).
+    net = build(8, comm=MPI.COMM_WORLD, levels=2, fwd_iters=8, bwd_iters=8, tol=0.0)
+    assert net.comm.size == MPI.COMM_WORLD.Get_size()
+    assert net.owned_steps() == build(8, levels=2).owned_steps()
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_a_comm_of_another_kind_is_a_type_error() -> None:
+    with pytest.raises(MGRITTypeError, match=r"comm must be an mpx\.collectives.*str"):
+        LayerParallel(nn.Identity(), nn.Linear(2, 2), nn.Identity(), 4, comm="world")  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, world
-from mpx.mgrit import MGRIT, MGRITConfigError, MGRITError
+from mpx.mgrit import MGRIT, MGRITConfigError, MGRITError, MGRITTypeError
 from mpx.mgrit.grid import Layout
 
 # PyMGRIT 1.0.6 calls np.in1d, which numpy 2.4 removed.
@@ -107,6 +107,21 @@ def test_blocks_with_empty_ranks_give_the_same_history() -> None:
     assert s.residuals == alone.residuals
     assert torch.equal(final, alone.local_solution()[-1])
     assert s.layout.holds_start == (world().rank == size - 1)
+
+
+@pytest.mark.mpi
+def test_a_raw_mpi4py_communicator_gives_the_same_history() -> None:
+    raw = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=MPI.COMM_WORLD)
+    wrapped = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=world())
+    u0 = torch.ones((), dtype=torch.float64)
+    assert torch.equal(raw.solve(u0), wrapped.solve(u0))
+    assert raw.residuals == wrapped.residuals
+    assert raw.comm.size == world().size
+
+
+def test_a_comm_of_another_kind_is_a_type_error() -> None:
+    with pytest.raises(MGRITTypeError, match=r"comm must be .* mpi4py .* got int"):
+        MGRIT(dahlquist, 0, 5, 64, comm=3)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

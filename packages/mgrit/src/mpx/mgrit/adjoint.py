@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from mpx.collectives import Communicator, broadcast, world
+from mpx.collectives import broadcast
+from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, split_evenly
 from mpx.mgrit.solver import MGRIT, check_tol
@@ -97,7 +98,7 @@ class TimeStepper:
         uses: Uses,
         num_steps: int,
         Tf: float,
-        comm: Communicator | None = None,
+        comm: CommLike = None,
         levels: int = 2,
         cfactor: int | Sequence[int] = 2,
         fwd_iters: int = 2,
@@ -113,7 +114,7 @@ class TimeStepper:
         fine_relax: str | None = None,
     ) -> None:
         self.phi, self.uses = phi, uses
-        self.comm = world() if comm is None else comm
+        self.comm = as_communicator(comm)
         self.N, self.h = num_steps, float(Tf) / num_steps
         fwd_levels = levels if fwd_levels is None else fwd_levels
         bwd_levels = levels if bwd_levels is None else bwd_levels

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, allgather, allreduce, broadcast, world
+from mpx.collectives import Communicator, allgather, allreduce, broadcast
+from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.errors import MGRITConfigError
 
@@ -92,7 +93,8 @@ class ParallelGRU(nn.Module):
         dropout, bidirectional: only 0.0 and False (an error says what to do instead).
         seq_len: if given, every input must have this length (else any length
             that the grid allows: a multiple of the coarsening factors' product).
-        comm: the ranks that share the sequence (default: all).
+        comm: the ranks that share the sequence (default: all); an mpx Communicator or an
+            mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels, cfactor, fwd_iters, bwd_iters, tol, relax, nrelax, fwd_levels,
             bwd_levels, fwd_tol, bwd_tol, fine_relax: MGRIT settings, as for
             :class:`~mpx.mgrit.LayerParallel`.
@@ -123,7 +125,7 @@ class ParallelGRU(nn.Module):
         bidirectional: bool = False,
         *,
         seq_len: int | None = None,
-        comm: Communicator | None = None,
+        comm: CommLike = None,
         levels: int = 2,
         cfactor: int | Sequence[int] = 2,
         fwd_iters: int = 2,
@@ -156,7 +158,7 @@ class ParallelGRU(nn.Module):
         self.seq_len = None if seq_len is None else _int_arg(seq_len, "seq_len")
         self.bias, self.batch_first = bool(bias), bool(batch_first)
         self.dropout, self.bidirectional = 0.0, False
-        self.comm = world() if comm is None else comm
+        self.comm = as_communicator(comm)
         # torch.nn.GRU's own parameters and initialisation, under its names.
         template = nn.GRU(input_size, hidden_size, num_layers, bias=bias, device=device,
                           dtype=dtype)  # fmt: skip

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, world
+from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 
@@ -104,7 +104,8 @@ class LayerParallel(nn.Module):
         close_layer: the last layer (replicated).
         num_steps: N, the number of residual steps.
         Tf: final time; the step size is ``h = Tf / num_steps``.
-        comm: the ranks that share the layers (default: all).
+        comm: the ranks that share the layers (default: all); an mpx Communicator or an
+            mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels, cfactor: MGRIT grid levels and coarsening.
         fwd_iters, bwd_iters: MGRIT V-cycles of the forward and adjoint solves.
         tol: stop either solve early below this residual.
@@ -130,7 +131,7 @@ class LayerParallel(nn.Module):
         close_layer: nn.Module,
         num_steps: int,
         Tf: float = 1.0,
-        comm: Communicator | None = None,
+        comm: CommLike = None,
         levels: int = 2,
         cfactor: int | Sequence[int] = 2,
         fwd_iters: int = 2,
@@ -148,7 +149,7 @@ class LayerParallel(nn.Module):
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise MGRITConfigError(f"num_steps must be an int >= 1, got {num_steps!r}")
-        self.comm = world() if comm is None else comm
+        self.comm = as_communicator(comm)
         self.num_steps, self.Tf = num_steps, float(Tf)
         self.config: dict[str, Any] = {
             "levels": levels, "cfactor": cfactor, "fwd_iters": fwd_iters, "bwd_iters": bwd_iters,

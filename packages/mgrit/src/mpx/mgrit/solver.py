@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpx.collectives import Communicator, allgather, broadcast, world
+from mpx.collectives import allgather, broadcast
+from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit._transport import Neighbours, Shift
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 from mpx.mgrit.grid import Layout
@@ -65,7 +66,8 @@ class MGRIT:
     Args:
         step: one time step ``step(u, t, dt) -> u`` on torch tensors (CPU or CUDA).
         t0, tf: the time interval; ``nt`` steps on ``numpy.linspace(t0, tf, nt + 1)``.
-        comm: the ranks that share the time grid (default: all).
+        comm: the ranks that share the time grid (default: all); an mpx Communicator or an
+            mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels: grid levels (1 = a sequential solve).
         cfactor: coarsening factor, one int or one per coarsening.
         max_iters: most V-cycles.
@@ -97,7 +99,7 @@ class MGRIT:
         t0: float,
         tf: float,
         nt: int,
-        comm: Communicator | None = None,
+        comm: CommLike = None,
         levels: int = 2,
         cfactor: int | Sequence[int] = 2,
         max_iters: int = 10,
@@ -123,7 +125,7 @@ class MGRIT:
         if not callable(step):
             raise MGRITTypeError(f"step must be callable step(u, t, dt) -> u, got {step!r}")
         self.step = step
-        self.comm = world() if comm is None else comm
+        self.comm = as_communicator(comm)
         self.layout = Layout(t0, tf, nt, levels, cfactor, self.comm.size, self.comm.rank, blocks)
         self.nt = nt
         self.num_levels = levels
