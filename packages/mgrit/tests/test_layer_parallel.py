@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from mpx.collectives import world
-from mpx.mgrit import LayerParallel, MGRITConfigError, SerialResNet
+from mpx.mgrit import LayerParallel, MGRITConfigError, MGRITTypeError, SerialResNet
 
 pytestmark = pytest.mark.mpi
 
@@ -115,6 +117,48 @@ def test_float32_and_single_module_copied_per_step() -> None:
     assert max(errors.values()) <= 1e-5, errors
 
 
+def test_factory_makes_one_layer_per_step_the_same_on_any_rank_count() -> None:
+    calls = []
+
+    def factory() -> nn.Module:
+        calls.append(1)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    torch.manual_seed(0)
+    net = LayerParallel(nn.Identity(), factory, nn.Identity(), 6, Tf=1.0, levels=2, fwd_iters=6,
+                        bwd_iters=6, tol=0.0).double()  # fmt: skip
+    assert len(calls) == 6  # every rank makes every step's layer and keeps its own
+    assert len(net.local_steps) == len(net.owned_steps())
+    torch.manual_seed(0)
+    alone = [factory().double() for _ in range(6)]
+    for got, want in zip(net.gather_steps(), alone, strict=True):
+        for p, q in zip(got.parameters(), want.parameters(), strict=True):
+            assert torch.equal(p, q)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_a_class_is_a_factory_too() -> None:
+    net = LayerParallel(nn.Identity(), functools.partial(nn.Linear, 3, 3), nn.Identity(), 4)
+    weights = [layer.get_parameter("weight") for layer in net.gather_steps()]
+    assert len(weights) == 4
+    assert all(not torch.equal(weights[0], w) for w in weights[1:])
+
+
+@pytest.mark.parametrize(
+    ("step_layers", "words"),
+    [
+        (lambda: 3, ["factory must return an nn.Module", "int", "lambda: StepLayer"]),
+        (42, ["step_layers must be", "factory", "int"]),
+    ],
+)
+def test_bad_step_layers_are_a_type_error(step_layers: Any, words: list[str]) -> None:
+    with pytest.raises(MGRITTypeError) as info:
+        LayerParallel(nn.Identity(), step_layers, nn.Identity(), 4)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
 def test_bad_step_list_is_refused() -> None:
     with pytest.raises(MGRITConfigError, match="3 modules but num_steps=4"):
         LayerParallel(nn.Identity(), [nn.Linear(2, 2)] * 3, nn.Identity(), 4)
@@ -159,3 +203,89 @@ def test_two_forward_passes_before_one_backward() -> None:
         assert p.grad is not None
         assert q.grad is not None
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+# -- separate forward and adjoint settings (torchbraid's max_fwd_levels, setBwdAbsTol...) --
+
+
+def test_forward_and_adjoint_levels_are_separate() -> None:
+    net = build(16, fwd_levels=3, bwd_levels=1, fwd_iters=2, bwd_iters=1, tol=0.0)
+    assert (net.stepper.fwd.num_levels, net.stepper.bwd.num_levels) == (3, 1)
+    errors = compare(net)
+    assert net.bwd_stats()["residuals"] == [0.0]  # one level: the exact sequential adjoint
+    assert len(net.fwd_stats()["residuals"]) == 2
+    assert net.fwd_stats()["residuals"][-1] > 0.0  # the forward solve stays inexact
+    assert errors["output"] > 1e-9
+
+
+@pytest.mark.parametrize(("fwd_levels", "bwd_levels"), [(4, 2), (2, 4), (1, 3)])
+def test_different_levels_iterated_to_convergence_equal_serial(
+    fwd_levels: int, bwd_levels: int
+) -> None:
+    # 24 steps: the coarsest intervals of the two grids differ (up to 8 steps), yet each
+    # rank keeps the same steps in both solves (under 3 ranks too).
+    net = build(24, cfactor=2, fwd_levels=fwd_levels, bwd_levels=bwd_levels,
+                fwd_iters=24, bwd_iters=24, tol=0.0)  # fmt: skip
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_forward_and_adjoint_tolerances_are_separate() -> None:
+    net = build(32, levels=3, fwd_iters=10, bwd_iters=10, fwd_tol=1e-4, bwd_tol=0.0)
+    compare(net)
+    fwd, bwd = net.fwd_stats(), net.bwd_stats()
+    assert fwd["iterations"] < 10
+    assert fwd["residuals"][-1] < 1e-4 <= fwd["residuals"][-2]
+    assert bwd["iterations"] == 10
+    net = build(32, levels=3, fwd_iters=10, bwd_iters=10, tol=1e-4)  # the shared default
+    compare(net)
+    assert net.fwd_stats()["iterations"] == fwd["iterations"]
+    assert net.bwd_stats()["iterations"] < 10
+
+
+def test_fine_relax_changes_both_solves_and_converges() -> None:
+    histories = []
+    for relax, fine in [("F", None), ("FCF", None), ("FCF", "F")]:
+        net = build(32, levels=3, relax=relax, fine_relax=fine, fwd_iters=2, bwd_iters=2, tol=0.0)
+        compare(net)
+        histories.append((net.fwd_stats()["residuals"], net.bwd_stats()["residuals"]))
+    assert histories[2][0] not in (histories[0][0], histories[1][0])
+    assert histories[2][1] not in (histories[0][1], histories[1][1])
+    net = build(32, levels=3, relax="FCF", fine_relax="F", fwd_iters=16, bwd_iters=16, tol=0.0)
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"fwd_levels": 0}, ["fwd_levels=0", ">= 1"]),
+        ({"bwd_levels": 2.0}, ["bwd_levels=2.0", "int"]),
+        ({"fwd_tol": -1.0}, ["fwd_tol=-1.0", ">= 0"]),
+        ({"tol": float("nan")}, ["tol=nan"]),
+        ({"bwd_tol": "0"}, ["bwd_tol='0'", "number"]),
+        ({"fine_relax": "C"}, ["fine_relax", "'C'"]),
+        ({"fwd_levels": 3, "bwd_levels": 1}, ["num_steps=6", "fwd_levels=3", "multiple of 4"]),
+    ],
+)
+def test_bad_forward_or_adjoint_settings_name_the_value(
+    kwargs: dict[str, Any], words: list[str]
+) -> None:
+    with pytest.raises(MGRITConfigError) as info:
+        LayerParallel(nn.Identity(), nn.Linear(2, 2), nn.Identity(), 6, cfactor=2, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_a_raw_mpi4py_communicator_is_accepted() -> None:
+    # torchbraid's convention: LayerParallel(MPI.COMM_WORLD, ...).
+    net = build(8, comm=MPI.COMM_WORLD, levels=2, fwd_iters=8, bwd_iters=8, tol=0.0)
+    assert net.comm.size == MPI.COMM_WORLD.Get_size()
+    assert net.owned_steps() == build(8, levels=2).owned_steps()
+    errors = compare(net)
+    assert max(errors.values()) <= 1e-12, errors
+
+
+def test_a_comm_of_another_kind_is_a_type_error() -> None:
+    with pytest.raises(MGRITTypeError, match=r"comm must be an mpx\.collectives.*str"):
+        LayerParallel(nn.Identity(), nn.Linear(2, 2), nn.Identity(), 4, comm="world")  # type: ignore[arg-type]

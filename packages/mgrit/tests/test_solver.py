@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, world
-from mpx.mgrit import MGRIT, MGRITConfigError, MGRITError
+from mpx.mgrit import MGRIT, MGRITConfigError, MGRITError, MGRITTypeError
 from mpx.mgrit.grid import Layout
 
 # PyMGRIT 1.0.6 calls np.in1d, which numpy 2.4 removed.
@@ -109,6 +109,21 @@ def test_blocks_with_empty_ranks_give_the_same_history() -> None:
     assert s.layout.holds_start == (world().rank == size - 1)
 
 
+@pytest.mark.mpi
+def test_a_raw_mpi4py_communicator_gives_the_same_history() -> None:
+    raw = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=MPI.COMM_WORLD)
+    wrapped = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=world())
+    u0 = torch.ones((), dtype=torch.float64)
+    assert torch.equal(raw.solve(u0), wrapped.solve(u0))
+    assert raw.residuals == wrapped.residuals
+    assert raw.comm.size == world().size
+
+
+def test_a_comm_of_another_kind_is_a_type_error() -> None:
+    with pytest.raises(MGRITTypeError, match=r"comm must be .* mpi4py .* got int"):
+        MGRIT(dahlquist, 0, 5, 64, comm=3)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
@@ -120,6 +135,9 @@ def test_blocks_with_empty_ranks_give_the_same_history() -> None:
         ({"nt": 64, "levels": 0}, ["levels", "0"]),
         ({"nt": 64, "relax": "FC"}, ["relax", "'FC'"]),
         ({"nt": 64, "max_iters": 0}, ["max_iters", "0"]),
+        ({"nt": 64, "fine_relax": "CF"}, ["fine_relax", "'CF'", '"FCF"']),
+        ({"nt": 64, "tol": -1.0}, ["tol=-1.0", ">= 0"]),
+        ({"nt": 64, "tol": "1e-9"}, ["tol='1e-9'", "number"]),
     ],
 )
 def test_bad_input_names_the_value_and_the_fix(kwargs: dict[str, Any], words: list[str]) -> None:
@@ -170,6 +188,55 @@ def test_fcf_needs_fewer_iterations_than_f() -> None:
         s.solve(torch.ones((), dtype=torch.float64))
         counts[relax] = s.iterations
     assert counts["FCF"] < counts["F"]
+
+
+def fine_step_counter(nt: int) -> tuple[Any, list[int]]:
+    """Dahlquist's step, counting the calls with the fine step size (the fine level's work)."""
+    fine_dt, calls = 5.0 / nt, [0]
+
+    def step(u: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
+        calls[0] += math.isclose(dt, fine_dt)
+        return dahlquist(u, t, dt)
+
+    return step, calls
+
+
+def test_fine_relax_changes_the_fine_level_only() -> None:
+    u0 = torch.ones((), dtype=torch.float64)
+    runs: dict[tuple[str, str | None], tuple[list[float], int]] = {}
+    for relax, fine in [("F", None), ("FCF", None), ("FCF", "F"), ("F", "FCF")]:
+        step, calls = fine_step_counter(96)
+        s = MGRIT(step, 0, 5, 96, levels=3, cfactor=[4, 3], relax=relax, fine_relax=fine,
+                  max_iters=3, tol=0.0, comm=self_comm())  # fmt: skip
+        s.solve(u0)
+        runs[relax, fine] = (s.residuals, calls[0])
+    # The same fine-level work as the uniform relaxation of the same fine kind ...
+    assert runs["FCF", "F"][1] == runs["F", None][1]
+    assert runs["F", "FCF"][1] == runs["FCF", None][1]
+    assert runs["F", None][1] < runs["FCF", None][1]
+    # ... but the coarse level relaxes differently, so every history is its own.
+    histories = [tuple(h) for h, _ in runs.values()]
+    assert len(set(histories)) == 4, histories
+
+
+def test_fine_relax_on_two_levels_is_the_uniform_relaxation() -> None:
+    # With two levels the only coarse level is the coarsest (solved, not relaxed).
+    u0 = torch.ones((), dtype=torch.float64)
+    for relax, fine in [("FCF", "F"), ("F", "FCF")]:
+        mixed = MGRIT(dahlquist, 0, 5, 64, relax=relax, fine_relax=fine, comm=self_comm())
+        mixed.solve(u0)
+        uniform = MGRIT(dahlquist, 0, 5, 64, relax=fine, comm=self_comm())
+        uniform.solve(u0)
+        assert mixed.residuals == uniform.residuals
+
+
+@pytest.mark.parametrize(("relax", "fine"), [("FCF", "F"), ("F", "FCF")])
+def test_mixed_relaxation_converges_to_the_sequential_solution(relax: str, fine: str) -> None:
+    solver = MGRIT(dahlquist, 0.0, 5.0, nt=96, levels=3, cfactor=[4, 3], relax=relax,
+                   fine_relax=fine, max_iters=40, tol=1e-13, comm=self_comm())  # fmt: skip
+    solver.solve(torch.ones((), dtype=torch.float64))
+    assert solver.residuals[-1] < 1e-13
+    torch.testing.assert_close(solver.local_solution(), serial_dahlquist(96), rtol=0, atol=1e-12)
 
 
 def test_vectorized_step_gives_the_same_history_and_solution() -> None:

@@ -18,20 +18,59 @@ local step, ``grad += (d phi_k / d theta)^T lam_{k+1}``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from mpx.collectives import Communicator, allreduce, broadcast, world
-from mpx.mgrit.solver import MGRIT
+from mpx.collectives import broadcast
+from mpx.mgrit._comm import CommLike, as_communicator
+from mpx.mgrit.errors import MGRITConfigError
+from mpx.mgrit.grid import coarsening_factors, split_evenly
+from mpx.mgrit.solver import MGRIT, check_tol
 
-__all__ = ["TimeStepper"]
+__all__ = ["TimeStepper", "shared_blocks"]
 
 #: ``phi(k, x, dt) -> x``: step k of the network from state x, with step size dt.
 Phi = Callable[[int, torch.Tensor, float], torch.Tensor]
 #: ``inputs(k)`` -> indices (into the tensors given to the autograd function) that step k uses.
 Uses = Callable[[int], Sequence[int]]
+
+
+def _levels_arg(levels: int, name: str) -> int:
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise MGRITConfigError(
+            f"{name} must be an int >= 1 (1 = a sequential solve), got {name}={levels!r}"
+        )
+    return levels
+
+
+def shared_blocks(
+    num_steps: int, cfactor: int | Sequence[int], fwd_levels: int, bwd_levels: int, size: int
+) -> tuple[list[int], list[int]] | None:
+    """Coarsest intervals per rank of the forward and of the adjoint grid, in forward rank order.
+
+    A step's layer lives on one rank, so both solves must give every rank the
+    same fine steps, although their coarsest intervals may differ in length.
+    The steps are split in units of the least common multiple of the two
+    coarsest intervals: with equal levels that is the forward grid's own split.
+    """
+    spans = []
+    for levels, name in ((fwd_levels, "fwd_levels"), (bwd_levels, "bwd_levels")):
+        spans.append(math.prod(coarsening_factors(cfactor, _levels_arg(levels, name))))
+    unit = math.lcm(*spans)
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps % unit != 0:
+        if spans[0] == spans[1]:
+            return None  # one grid: the solver's own message says what fits
+        raise MGRITConfigError(
+            f"num_steps={num_steps!r} cannot be split into whole coarsest intervals of both "
+            f"the forward grid (fwd_levels={fwd_levels}: {spans[0]} steps each) and the "
+            f"adjoint grid (bwd_levels={bwd_levels}: {spans[1]} steps each); every coarse "
+            f"point must be a fine point. Use num_steps a multiple of {unit}, or fewer levels"
+        )
+    units = split_evenly(num_steps // unit, size)
+    return [u * unit // spans[0] for u in units], [u * unit // spans[1] for u in units]
 
 
 class TimeStepper:
@@ -40,9 +79,11 @@ class TimeStepper:
     Args:
         phi: the step; on coarse levels it is called with ``dt = h * stride``.
         uses: for step k, which of the differentiable tensors it reads.
-        shared: the differentiable tensors are replicated on all ranks (e.g. a
-            GRU cell used by every step): their gradients are summed over ranks.
-        context: ``(save, restore)`` of other state ``phi`` reads, kept per forward pass.
+        levels, tol: the shared defaults of ``fwd_levels``/``bwd_levels`` and
+            ``fwd_tol``/``bwd_tol``: the forward and the adjoint solve may use
+            different grids and stop at different residuals (torchbraid's
+            ``max_fwd_levels``/``max_bwd_levels``, ``setFwdAbsTol``/``setBwdAbsTol``).
+        fine_relax: relaxation of the fine level of both solves (default: ``relax``).
 
     Example::
 
@@ -57,7 +98,7 @@ class TimeStepper:
         uses: Uses,
         num_steps: int,
         Tf: float,
-        comm: Communicator | None = None,
+        comm: CommLike = None,
         levels: int = 2,
         cfactor: int | Sequence[int] = 2,
         fwd_iters: int = 2,
@@ -66,36 +107,46 @@ class TimeStepper:
         relax: str = "F",
         nrelax: int = 1,
         skip_downcycle: bool = True,
-        shared: bool = False,
-        context: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        fwd_levels: int | None = None,
+        bwd_levels: int | None = None,
+        fwd_tol: float | None = None,
+        bwd_tol: float | None = None,
+        fine_relax: str | None = None,
     ) -> None:
-        self.phi, self.uses, self.shared = phi, uses, shared
-        # (save, restore) of whatever else phi reads (e.g. the input sequence), so that a
-        # backward pass sees its own forward's inputs even after later forward passes.
-        self.context = context
-        self.comm = world() if comm is None else comm
+        self.phi, self.uses = phi, uses
+        self.comm = as_communicator(comm)
         self.N, self.h = num_steps, float(Tf) / num_steps
+        fwd_levels = levels if fwd_levels is None else fwd_levels
+        bwd_levels = levels if bwd_levels is None else bwd_levels
+        tol = check_tol(tol, "tol")
+        fwd_tol = check_tol(tol if fwd_tol is None else fwd_tol, "fwd_tol")
+        bwd_tol = check_tol(tol if bwd_tol is None else bwd_tol, "bwd_tol")
+        blocks = shared_blocks(num_steps, cfactor, fwd_levels, bwd_levels, self.comm.size)
+        fwd_blocks, bwd_blocks = (None, None) if blocks is None else blocks
         opts: dict[str, Any] = {
-            "levels": levels,
             "cfactor": cfactor,
-            "tol": tol,
             "relax": relax,
             "nrelax": nrelax,
             "skip_downcycle": skip_downcycle,
+            "fine_relax": fine_relax,
         }
-        self.fwd = MGRIT(self._step, 0.0, Tf, num_steps, self.comm, max_iters=fwd_iters, **opts)
+        self.fwd = MGRIT(
+            self._step, 0.0, Tf, num_steps, self.comm, levels=fwd_levels, max_iters=fwd_iters,
+            tol=fwd_tol, blocks=fwd_blocks, **opts,
+        )  # fmt: skip
         reverse = self.comm.split(0, key=self.comm.size - 1 - self.comm.rank)
         assert reverse is not None
         self.rcomm = reverse
-        blocks = self.fwd.layout.blocks[::-1]
         self.bwd = MGRIT(
-            self._adjoint_step, 0.0, Tf, num_steps, reverse, max_iters=bwd_iters, blocks=blocks,
-            **opts,
+            self._adjoint_step, 0.0, Tf, num_steps, reverse, levels=bwd_levels,
+            max_iters=bwd_iters, tol=bwd_tol,
+            blocks=self.fwd.layout.blocks[::-1] if bwd_blocks is None else bwd_blocks[::-1], **opts,
         )  # fmt: skip
         lv = self.fwd.layout.levels[0]
         #: the steps (layers) this rank computes: k in [first, stop)
         self.first, self.stop = lv.first, lv.first + lv.count
         self._states: torch.Tensor | None = None
+        self._forcing: torch.Tensor | None = None
 
     def owned_steps(self) -> range:
         """The steps this rank holds (their layers live here)."""
@@ -110,6 +161,9 @@ class TimeStepper:
     def _adjoint_step(self, lam: torch.Tensor, t: float, dt: float) -> torch.Tensor:
         k = self.N - 1 - self._index(t)
         assert self._states is not None
+        if self._forcing is not None:
+            # The loss reads x_{k+1} too: lam_{k+1} = nu_{k+1} + dL/dx_{k+1} (see adjoint()).
+            lam = lam + self._forcing[k - self.first]
         with torch.enable_grad():
             x = self._states[k - self.first].detach().requires_grad_(True)
             (g,) = torch.autograd.grad(self.phi(k, x, dt), x, lam, allow_unused=True)
@@ -122,6 +176,30 @@ class TimeStepper:
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
         return xN, self.fwd._u[0].clone()
+
+    def adjoint(self, states: torch.Tensor, forcing: torch.Tensor) -> torch.Tensor:
+        """The adjoint of a loss of every state: ``lam_{k+1}`` for this rank's steps k, in order.
+
+        ``forcing`` holds ``dL/dx_{k+1}`` of this rank's points (rows of ``states[1:]``,
+        the final point's gradient included). The adjoint ``lam_k = J_k^T lam_{k+1} +
+        dL/dx_k`` is solved for ``nu_k = lam_k - dL/dx_k``, which starts from 0 at
+        ``x_N``, and whose step ``nu_k = J_k^T (nu_{k+1} + dL/dx_{k+1})`` reads the
+        forcing at the step's start: a point this rank owns, so no forcing crosses ranks.
+        """
+        self._states, self._forcing = states, forcing
+        try:
+            with torch.no_grad():
+                self.bwd.solve(states.new_zeros(states.shape[1:]))
+        finally:
+            self._states, self._forcing = None, None
+        return self._lam_next(forcing)
+
+    def _lam_next(self, forcing: torch.Tensor | None) -> torch.Tensor:
+        """``lam_{k+1}`` (or ``nu_{k+1} + forcing``) of the owned steps k, after the solve."""
+        rev_first = self.bwd.layout.levels[0].first
+        rows = [self.N - 1 - k - rev_first for k in self.owned_steps()]
+        lams = self.bwd._u[0][rows]
+        return lams if forcing is None else lams + forcing
 
     def backward(
         self, gN: torch.Tensor, tensors: Sequence[torch.Tensor], states: torch.Tensor
@@ -167,12 +245,6 @@ class TimeStepper:
             buf = lam0.detach().to("cpu", copy=True).contiguous()
             broadcast(buf, 0, comm=self.comm)
             lam0 = buf.to(gN.device)
-            if self.shared:
-                for i, t in enumerate(tensors):
-                    mine = grads[i]
-                    total = (torch.zeros_like(t) if mine is None else mine).to("cpu", copy=True)
-                    total = allreduce(total.contiguous(), "sum", comm=self.comm)
-                    grads[i] = total.to(t.device)
         return lam0, grads
 
     def apply(self, x0: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -187,13 +259,10 @@ class _Solve(torch.autograd.Function):
         ctx.stepper = stepper
         ctx.tensors = tensors
         xN, ctx.states = stepper.forward(x0)
-        ctx.context = stepper.context[0]() if stepper.context is not None else None
         return xN
 
     @staticmethod
     def backward(ctx: Any, gN: torch.Tensor) -> Any:
         stepper: TimeStepper = ctx.stepper
-        if stepper.context is not None:
-            stepper.context[1](ctx.context)
         lam0, grads = stepper.backward(gN, ctx.tensors, ctx.states)
         return (None, lam0, *grads)

@@ -19,17 +19,50 @@ the layer at its start point with the longer step ``h * stride``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, world
+from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper
-from mpx.mgrit.errors import MGRITConfigError
+from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 
 __all__ = ["LayerParallel", "SerialResNet"]
+
+
+def _step_layers(
+    step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module],
+    num_steps: int,
+    owned: range,
+) -> list[nn.Module]:
+    """The ``owned`` step layers: a module copied, picked from a list, or made by a factory."""
+    if isinstance(step_layers, nn.Module):
+        return [copy.deepcopy(step_layers) for _ in owned]
+    if callable(step_layers):
+        # Every rank calls the factory for every step, in order, and keeps its own: the
+        # random initialisation then gives the same layers for any number of ranks.
+        layers = [step_layers() for _ in range(num_steps)]
+        wrong = next((layer for layer in layers if not isinstance(layer, nn.Module)), None)
+        if wrong is not None:
+            raise MGRITTypeError(
+                f"the step_layers factory must return an nn.Module, it returned "
+                f"{type(wrong).__name__}; write it as lambda: StepLayer(...)"
+            )
+        return [layers[k] for k in owned]
+    if not isinstance(step_layers, Sequence):
+        raise MGRITTypeError(
+            f"step_layers must be an nn.Module, a list of num_steps modules or a factory "
+            f"(lambda: StepLayer(...)), got {type(step_layers).__name__}"
+        )
+    layers = list(step_layers)
+    if len(layers) != num_steps:
+        raise MGRITConfigError(
+            f"step_layers has {len(layers)} modules but num_steps={num_steps}; "
+            "give one module per step, a single module to copy, or a factory"
+        )
+    return [layers[k] for k in owned]
 
 
 class SerialResNet(nn.Module):
@@ -65,15 +98,24 @@ class LayerParallel(nn.Module):
     Args:
         open_layer: the first layer (replicated on every rank).
         step_layers: one module (copied for every step: each step has its own
-            weights) or a list of ``num_steps`` modules; a rank keeps only its own.
+            weights), a list of ``num_steps`` modules, or a factory called once per
+            step (``lambda: StepLayer(c)``, as torchbraid's ``LayerParallel`` takes);
+            a rank keeps only its own.
         close_layer: the last layer (replicated).
         num_steps: N, the number of residual steps.
         Tf: final time; the step size is ``h = Tf / num_steps``.
-        comm: the ranks that share the layers (default: all).
+        comm: the ranks that share the layers (default: all); an mpx Communicator or an
+            mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels, cfactor: MGRIT grid levels and coarsening.
         fwd_iters, bwd_iters: MGRIT V-cycles of the forward and adjoint solves.
         tol: stop either solve early below this residual.
+        fwd_levels, bwd_levels: levels of the forward and of the adjoint solve
+            (default: ``levels``; torchbraid's ``max_fwd_levels``/``max_bwd_levels``).
+        fwd_tol, bwd_tol: the residual each solve stops at (default: ``tol``;
+            torchbraid's ``setFwdAbsTol``/``setBwdAbsTol``).
         relax, nrelax, skip_downcycle: as for :class:`~mpx.mgrit.MGRIT`.
+        fine_relax: relaxation of the fine level only (default: ``relax``):
+            torchbraid's ``fine_fcf=True`` is ``fine_relax="FCF"``.
 
     Example::
 
@@ -85,11 +127,11 @@ class LayerParallel(nn.Module):
     def __init__(
         self,
         open_layer: nn.Module,
-        step_layers: nn.Module | Sequence[nn.Module],
+        step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module],
         close_layer: nn.Module,
         num_steps: int,
         Tf: float = 1.0,
-        comm: Communicator | None = None,
+        comm: CommLike = None,
         levels: int = 2,
         cfactor: int | Sequence[int] = 2,
         fwd_iters: int = 2,
@@ -98,25 +140,22 @@ class LayerParallel(nn.Module):
         relax: str = "F",
         nrelax: int = 1,
         skip_downcycle: bool = True,
+        fwd_levels: int | None = None,
+        bwd_levels: int | None = None,
+        fwd_tol: float | None = None,
+        bwd_tol: float | None = None,
+        fine_relax: str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise MGRITConfigError(f"num_steps must be an int >= 1, got {num_steps!r}")
-        if isinstance(step_layers, nn.Module):
-            layers: list[nn.Module] | None = None
-            template: nn.Module | None = step_layers
-        else:
-            layers, template = list(step_layers), None
-            if len(layers) != num_steps:
-                raise MGRITConfigError(
-                    f"step_layers has {len(layers)} modules but num_steps={num_steps}; "
-                    "give one module per step, or a single module to copy"
-                )
-        self.comm = world() if comm is None else comm
+        self.comm = as_communicator(comm)
         self.num_steps, self.Tf = num_steps, float(Tf)
         self.config: dict[str, Any] = {
             "levels": levels, "cfactor": cfactor, "fwd_iters": fwd_iters, "bwd_iters": bwd_iters,
             "tol": tol, "relax": relax, "nrelax": nrelax, "skip_downcycle": skip_downcycle,
+            "fwd_levels": fwd_levels, "bwd_levels": bwd_levels, "fwd_tol": fwd_tol,
+            "bwd_tol": bwd_tol, "fine_relax": fine_relax,
         }  # fmt: skip
         self.stepper = TimeStepper(
             self._phi, self._uses, num_steps, Tf, comm=self.comm, **self.config
@@ -125,9 +164,7 @@ class LayerParallel(nn.Module):
         self.close_layer = close_layer
         owned = self.stepper.owned_steps()
         self.first_step = owned.start
-        self.local_steps = nn.ModuleList(
-            [layers[k] if layers is not None else copy.deepcopy(template) for k in owned]  # type: ignore[misc]
-        )
+        self.local_steps = nn.ModuleList(_step_layers(step_layers, num_steps, owned))
         self._param_index: list[list[int]] = []
         self._params: list[nn.Parameter] = []
         for layer in self.local_steps:

@@ -36,17 +36,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpx.collectives import Communicator, allgather, broadcast, world
+from mpx.collectives import allgather, broadcast
+from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit._transport import Neighbours, Shift
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 from mpx.mgrit.grid import Layout
 
-__all__ = ["MGRIT", "Step"]
+__all__ = ["MGRIT", "Step", "check_tol"]
 
 #: ``step(u, t, dt) -> u``: one time step from ``t`` to ``t + dt``. With
 #: ``vectorized=True``, ``u`` has a leading batch dimension of k states and
 #: ``t``, ``dt`` are float64 tensors of shape (k,).
 Step = Callable[[torch.Tensor, Any, Any], torch.Tensor]
+
+
+def check_tol(tol: float, name: str) -> float:
+    """``tol`` as a float, or an error naming the argument ``name`` and the fix."""
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+        raise MGRITConfigError(
+            f"{name} must be a number >= 0 (the residual norm to stop at; 0 runs every "
+            f"iteration), got {name}={tol!r}"
+        )
+    return float(tol)
 
 
 class MGRIT:
@@ -55,13 +66,17 @@ class MGRIT:
     Args:
         step: one time step ``step(u, t, dt) -> u`` on torch tensors (CPU or CUDA).
         t0, tf: the time interval; ``nt`` steps on ``numpy.linspace(t0, tf, nt + 1)``.
-        comm: the ranks that share the time grid (default: all).
+        comm: the ranks that share the time grid (default: all); an mpx Communicator or an
+            mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels: grid levels (1 = a sequential solve).
         cfactor: coarsening factor, one int or one per coarsening.
         max_iters: most V-cycles.
         tol: stop when the C-point residual norm is below this.
         relax: ``"FCF"`` (F, then ``nrelax`` times C and F) or ``"F"``.
         nrelax: CF sweeps after the first F sweep (FCF only).
+        fine_relax: the relaxation of the fine level only (``"F"`` or ``"FCF"``;
+            default: ``relax``). torchbraid relaxes coarse levels with FCF and the
+            fine level with F unless ``fine_fcf``: ``relax="FCF", fine_relax="F"``.
         skip_downcycle: build the initial guess coarse to fine (see the module doc).
         vectorized: ``step`` accepts a batch of states (leading dimension) with
             tensors ``t`` and ``dt``; relaxation then steps all intervals at once.
@@ -84,7 +99,7 @@ class MGRIT:
         t0: float,
         tf: float,
         nt: int,
-        comm: Communicator | None = None,
+        comm: CommLike = None,
         levels: int = 2,
         cfactor: int | Sequence[int] = 2,
         max_iters: int = 10,
@@ -95,9 +110,14 @@ class MGRIT:
         vectorized: bool = False,
         blocks: Sequence[int] | None = None,
         float_times: bool = False,
+        fine_relax: str | None = None,
     ) -> None:
         if relax not in ("F", "FCF"):
             raise MGRITConfigError(f'relax must be "F" or "FCF", got {relax!r}')
+        if fine_relax not in (None, "F", "FCF"):
+            raise MGRITConfigError(
+                f'fine_relax must be "F", "FCF" or None (= relax), got {fine_relax!r}'
+            )
         if isinstance(nrelax, bool) or not isinstance(nrelax, int) or nrelax < 0:
             raise MGRITConfigError(f"nrelax must be an int >= 0, got {nrelax!r}")
         if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
@@ -105,13 +125,16 @@ class MGRIT:
         if not callable(step):
             raise MGRITTypeError(f"step must be callable step(u, t, dt) -> u, got {step!r}")
         self.step = step
-        self.comm = world() if comm is None else comm
+        self.comm = as_communicator(comm)
         self.layout = Layout(t0, tf, nt, levels, cfactor, self.comm.size, self.comm.rank, blocks)
         self.nt = nt
         self.num_levels = levels
         self.max_iters = max_iters
-        self.tol = float(tol)
+        self.tol = check_tol(tol, "tol")
         self.ncf = nrelax if relax == "FCF" else 0
+        # CF sweeps per level: the fine level may relax differently from the coarse ones.
+        fine_ncf = self.ncf if fine_relax is None else (nrelax if fine_relax == "FCF" else 0)
+        self.ncf_per_level = [fine_ncf] + [self.ncf] * (levels - 1)
         self.skip_downcycle = skip_downcycle
         self.vectorized = vectorized
         self.float_times = float_times
@@ -361,7 +384,7 @@ class MGRIT:
             return
         if lvl > 0 or first:
             self._f_relax(lvl)
-        for _ in range(self.ncf):
+        for _ in range(self.ncf_per_level[lvl]):
             self._c_relax(lvl)
             self._exchange_f_relax(lvl)
         self._restrict(lvl)
