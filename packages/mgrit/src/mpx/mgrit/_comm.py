@@ -1,7 +1,7 @@
 """The ``comm=`` argument of mpx-mgrit: an mpx Communicator, or a raw mpi4py one.
 
-torchbraid's users pass ``MPI.COMM_WORLD``; mpx-mgrit wraps such a communicator
-once, where it is given (``Communicator.from_mpi`` duplicates it: collective).
+torchbraid's users pass ``MPI.COMM_WORLD``; mpx-collectives wraps such a
+communicator once (collective the first time) and reuses the wrapper.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import TypeAlias
 
 from mpi4py import MPI
 
-from mpx.collectives import Communicator, world
+from mpx.collectives import Communicator, MPXTypeError
+from mpx.collectives import as_communicator as wrap
 from mpx.mgrit.errors import MGRITTypeError
 
 __all__ = ["CommLike", "as_communicator"]
@@ -20,14 +21,12 @@ CommLike: TypeAlias = "Communicator | MPI.Intracomm | None"
 
 
 def as_communicator(comm: CommLike) -> Communicator:
-    """``comm`` as an mpx Communicator: all ranks for None, a raw mpi4py one wrapped."""
-    if comm is None:
-        return world()
-    if isinstance(comm, Communicator):
-        return comm
-    if isinstance(comm, MPI.Intracomm):
-        return Communicator.from_mpi(comm)
-    raise MGRITTypeError(
-        f"comm must be an mpx.collectives.Communicator, an mpi4py intracommunicator "
-        f"(e.g. MPI.COMM_WORLD) or None, got {type(comm).__name__}"
-    )
+    """``comm`` as an mpx Communicator: all ranks for None, a raw mpi4py one wrapped once.
+
+    mpx-collectives' :func:`~mpx.collectives.as_communicator`, raising this
+    package's error type for anything else.
+    """
+    try:
+        return wrap(comm)
+    except MPXTypeError as error:
+        raise MGRITTypeError(str(error)) from None
