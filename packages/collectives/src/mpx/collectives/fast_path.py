@@ -11,6 +11,8 @@ anyway takes this path instead::
         not requiring grad, not empty
       the policy chooses "mpi" for it              no --> general path
         (policy.choose: the same decision, cached)
+      the communicator waits in MPI (not           no --> general path
+        ``yielding``: an oversubscribed node)
       communicator: no deadline, nothing queued    no --> general path
       --> MPI_Iallreduce / MPI_Ibcast on the tensor's memory, wait
 
@@ -179,6 +181,9 @@ def _takes(op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: s
         and (op != "allreduce" or reduce_op in MPI_OPS)
         and not (reduce_op == "avg" and not t.is_floating_point())
         and not current().check
+        # MPI_Wait spins; on an oversubscribed node the general path's
+        # yielding wait leaves the cores to the ranks that compute.
+        and not comm.yielding
         and choose(op, False, t.nbytes, comm, impl) == "mpi"
     )
 
