@@ -109,7 +109,9 @@ def main() -> None:
         return
     mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
     runs: list[dict[str, list[float]]] = []
+    loads: list[float] = []  # other jobs on the machine compete for its cores too
     for _ in range(args.runs):
+        loads.append(os.getloadavg()[0])
         done = subprocess.run(
             [
                 mpxrun,
@@ -140,7 +142,8 @@ def main() -> None:
         f"{args.steps} single-threaded 192×192 matrix products while ranks 1..{args.n - 1} "
         "wait in the collective it joins afterwards. Per job the median of "
         f"{args.rounds} rounds; ranges over {args.runs} jobs. Slowdown = rank 0's compute "
-        "time ÷ its time alone (same job); CPU = the waiting ranks' CPU time ÷ their wait.\n"
+        "time ÷ its time alone (same job); CPU = the waiting ranks' CPU time ÷ their wait. "
+        f"Load average when the jobs started: {min(loads):.1f}–{max(loads):.1f}.\n"
     )
     print("| ranks 1.. wait in | rank 0 compute (s) | slowdown | waiting ranks' CPU |")
     print("|---|---|---|---|")
