@@ -11,6 +11,12 @@ mpx's traffic never matches the user's own messages. Beside it, each keeps::
 
 Creating a communicator, ``split``, ``node`` and ``leaders`` are collective:
 every rank of the parent calls them, in the same order.
+
+Each also decides, at creation, how its blocking operations wait
+(``yielding``, see :mod:`mpx.collectives.handle`): MPI's spinning wait, or,
+when this host runs more of the job's ranks than a rank has cores
+(``MPX_WAIT=auto``), a polling wait that sleeps and so leaves the cores to
+the ranks that compute.
 """
 
 from __future__ import annotations
@@ -51,13 +57,17 @@ from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
 from mpx.collectives.policy import ChoiceCache
 from mpx.collectives.policy import current as current_policy
 
-__all__ = ["CommLike", "Communicator", "as_communicator", "usable_cores", "world"]
+__all__ = [
+    "CommLike",
+    "Communicator",
+    "as_communicator",
+    "usable_cores",
+    "waits_yielding",
+    "world",
+]
 
 T = TypeVar("T")
 
-# Shape, dtype, op and root of every call are compared across ranks when
-# MPX_CHECK=1. A signature is a fixed-size int64 vector so that one allgather
-# carries it.
 _UNORDERED = frozenset({"send", "recv"})
 
 
@@ -69,6 +79,22 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+# The most ranks of this job seen sharing this host (MPI_COMM_TYPE_SHARED of
+# any communicator created here, world first): a sub-communicator's own node
+# part undercounts the ranks competing for the cores.
+_host_ranks = [1]
+
+
+def waits_yielding(host_ranks: int, cores: int | None = None) -> bool:
+    """Whether blocking waits should yield: ``MPX_WAIT``, or with ``auto`` whether
+    ``host_ranks`` ranks on this host outnumber the ``cores`` (this process's
+    affinity mask by default)."""
+    mode = settings.WAIT.get()
+    if mode != "auto":
+        return mode == "yield"
+    return host_ranks > (usable_cores() if cores is None else cores)
+
+
 class Communicator:
     """A group of ranks that run collectives together.
 
@@ -77,6 +103,8 @@ class Communicator:
         rank: this rank's index in the group.
         size: number of ranks.
         timeout: default timeout of every operation (``MPX_TIMEOUT``).
+        yielding: blocking operations wait by polling and sleeping, not in
+            MPI's spinning wait (decided at creation: :func:`waits_yielding`).
         background_progress: hand unfinished asynchronous operations to the
             progress thread (True by default). A caller that drives its own
             traffic between compute steps (``mpx.pipeline`` polls between
@@ -95,7 +123,9 @@ class Communicator:
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.timeout = settings.TIMEOUT.get() if timeout is None else timeout
-        self._node_comm = _split_node(mpi_comm, self.rank)
+        self._node_comm, host_size = _split_node(mpi_comm, self.rank)
+        _host_ranks[0] = max(_host_ranks[0], host_size)
+        self.yielding = waits_yielding(_host_ranks[0])
         self.node_rank: int = self._node_comm.Get_rank()
         self.node_size: int = self._node_comm.Get_size()
         self._node_members = self._node_comm.Get_group().Translate_ranks(
@@ -247,7 +277,7 @@ class Communicator:
                 # deadline, so drive the steps right here -- without the lock,
                 # which the progress thread may need meanwhile for another
                 # communicator's operation that a peer must finish first.
-                return drive(steps)
+                return drive(steps, self.yielding)
         handle = Handle(
             op,
             impl,
@@ -257,6 +287,7 @@ class Communicator:
             on_timeout=lambda: self._mark_broken(op),
             # Point-to-point matches by source and tag: it bypasses the FIFO.
             queue=None if op in _UNORDERED else self._queue,
+            yielding=self.yielding,
         )
         if not async_op:
             return handle.wait()
@@ -488,20 +519,23 @@ class Communicator:
         return [pickle.loads(part) for part in every]
 
 
-def _split_node(mpi_comm: MPI.Intracomm, rank: int) -> MPI.Intracomm:
-    """The ranks sharing memory with this one; ``MPX_RANKS_PER_NODE`` simulates nodes.
+def _split_node(mpi_comm: MPI.Intracomm, rank: int) -> tuple[MPI.Intracomm, int]:
+    """The ranks sharing memory with this one, and how many share the real host.
+
+    ``MPX_RANKS_PER_NODE`` simulates nodes.
 
     With ``MPX_RANKS_PER_NODE=k`` world ranks ``0..k-1`` count as one node,
     ``k..2k-1`` as the next, and so on (within the real node): the hierarchical
     algorithms can then be tested on one machine.
     """
     shared = MPI.Intracomm(mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
+    host_size: int = shared.Get_size()
     per_node = settings.RANKS_PER_NODE.get()
     if per_node is None:
-        return shared
+        return shared, host_size
     fake = MPI.Intracomm(shared.Split(MPI.COMM_WORLD.Get_rank() // per_node, rank))
     shared.Free()
-    return fake
+    return fake, host_size
 
 
 class Hierarchy:

@@ -7,18 +7,21 @@ cimport cython
 
 cdef extern from *:
     """
-    /* MPI_Iallreduce, MPI_Ibcast and MPI_Wait of the MPI library mpi4py loaded,
+    /* MPI_Iallreduce, MPI_Ibcast, MPI_Wait and MPI_Test of the MPI library mpi4py loaded,
        with MPICH's ABI (handles are C ints; MPI_IN_PLACE is (void *)-1 and
        MPI_STATUS_IGNORE (MPI_Status *)1): no mpi.h is needed to build this.
        fast_path.py checks the ABI on mpi4py's handles before loading them. */
     #include <dlfcn.h>
     #include <stddef.h>
+    #include <time.h>
     typedef int (*mpx_iallreduce_fn)(const void *, void *, int, int, int, int, int *);
     typedef int (*mpx_ibcast_fn)(void *, int, int, int, int, int *);
     typedef int (*mpx_wait_fn)(int *, void *);
+    typedef int (*mpx_test_fn)(int *, int *, void *);
     static mpx_iallreduce_fn mpx_iallreduce_ptr = NULL;
     static mpx_ibcast_fn mpx_ibcast_ptr = NULL;
     static mpx_wait_fn mpx_wait_ptr = NULL;
+    static mpx_test_fn mpx_test_ptr = NULL;
 
     /* library: the file of mpi4py's MPI module, already loaded; its symbols
        resolve to the MPI library it was loaded with. */
@@ -28,8 +31,10 @@ cdef extern from *:
         mpx_iallreduce_ptr = (mpx_iallreduce_fn)dlsym(lib, "MPI_Iallreduce");
         mpx_ibcast_ptr = (mpx_ibcast_fn)dlsym(lib, "MPI_Ibcast");
         mpx_wait_ptr = (mpx_wait_fn)dlsym(lib, "MPI_Wait");
+        mpx_test_ptr = (mpx_test_fn)dlsym(lib, "MPI_Test");
         dlclose(lib);  /* drops the reference dlopen took; Python keeps its own */
-        return mpx_iallreduce_ptr != NULL && mpx_ibcast_ptr != NULL && mpx_wait_ptr != NULL;
+        return mpx_iallreduce_ptr != NULL && mpx_ibcast_ptr != NULL && mpx_wait_ptr != NULL
+            && mpx_test_ptr != NULL;
     }
 
     static int mpx_mpi_start(int bcast, size_t address, int count, unsigned int datatype,
@@ -44,11 +49,29 @@ cdef extern from *:
     static int mpx_mpi_wait(int *request) {
         return mpx_wait_ptr(request, (void *)1);
     }
+
+    /* handle.wait_yielding in C: test 50 times, then test and sleep 20 us
+       growing to 1 ms, so that an oversubscribed core goes to a rank that
+       computes instead of to MPI_Wait's spinning. */
+    static int mpx_mpi_wait_yielding(int *request) {
+        int flag = 0, spins = 0, err;
+        long sleep_ns = 20000;
+        for (;;) {
+            err = mpx_test_ptr(request, &flag, (void *)1);
+            if (err != 0 || flag) return err;
+            if (++spins > 50) {
+                struct timespec pause = {0, sleep_ns};
+                nanosleep(&pause, NULL);
+                sleep_ns = sleep_ns * 3 / 2 < 1000000 ? sleep_ns * 3 / 2 : 1000000;
+            }
+        }
+    }
     """
     int mpx_mpi_load(const char *library)
     int mpx_mpi_start(bint bcast, size_t address, int count, unsigned int datatype,
                       unsigned int target, unsigned int comm, int *request) nogil
     int mpx_mpi_wait(int *request) nogil
+    int mpx_mpi_wait_yielding(int *request) nogil
 
 cdef object _TENSOR
 cdef object _IN_PLACE
@@ -71,6 +94,7 @@ cdef class _Call:
     cdef object queue
     cdef long long *board
     cdef bint direct
+    cdef bint yielding
     cdef size_t address
     cdef Py_ssize_t count
     cdef unsigned int datatype

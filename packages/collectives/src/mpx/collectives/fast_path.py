@@ -33,6 +33,10 @@ MPI, MVAPICH; checked at import: ``DIRECT``). That and the Python it saves
 take a 4 KiB allreduce's cost from about 1.4× mpi4py's own prepared call to
 about 1.1× on two ranks (``benchmarks/bench_overhead.py``). ``COMPILED`` says
 which form runs.
+
+On a communicator that waits *yielding* (an oversubscribed host, see
+:mod:`mpx.collectives.handle`) the wait polls with ``MPI_Test`` and sleeps
+between polls instead of spinning in ``MPI_Wait``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from mpi4py import MPI
 from mpx.collectives.communicator import Communicator, as_communicator, world
 from mpx.collectives.consistency import LEDGER_FIELDS, MASK, PRIME, signature_hash
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.collectives.handle import LOCK
+from mpx.collectives.handle import LOCK, Requests, wait_yielding
 from mpx.collectives.impl_mpi import MPI_OPS
 from mpx.collectives.policy import choose, current
 
@@ -137,7 +141,8 @@ class _Call:
     (nothing may jump it). Compiled: ``board`` points to this rank's count on
     the communicator's board, and ``direct`` calls MPI with ``address``,
     ``count``, ``datatype``, ``target`` (the op's handle, or the root) and
-    ``comm`` (MPICH handles) instead of ``start``.
+    ``comm`` (MPICH handles) instead of ``start``. ``yielding``: wait by
+    polling and sleeping (the communicator's choice), not in ``MPI_Wait``.
     """
 
     def __init__(
@@ -161,6 +166,7 @@ class _Call:
             self.start, self.args = comm.mpi.Iallreduce, (_IN_PLACE, message, mpi_op)
         self.queue = comm._queue._handles
         self.direct = DIRECT and count < 2**31  # MPI's count is a C int
+        self.yielding = bool(comm.yielding)
         self.address = key[0]
         self.count = count
         self.datatype = _handle(message[1]) if DIRECT else 0
@@ -324,12 +330,20 @@ def _run_now(comm: Communicator, call: _Call) -> bool:
     if cython.compiled:
         if call.direct:
             if err == 0:
-                with cython.nogil:
-                    err = mpx_mpi_wait(cython.address(request))
+                if call.yielding:
+                    with cython.nogil:
+                        err = mpx_mpi_wait_yielding(cython.address(request))
+                else:
+                    with cython.nogil:
+                        err = mpx_mpi_wait(cython.address(request))
             if err != 0:
                 raise MPI.Exception(err)
+        elif call.yielding:
+            wait_yielding(Requests([mpi_request]))
         else:
             mpi_request.Wait()
+    elif call.yielding:
+        wait_yielding(Requests([mpi_request]))
     else:
         mpi_request.Wait()
     return True
@@ -385,4 +399,7 @@ if not cython.compiled:
         raise AssertionError("compiled only")
 
     def mpx_mpi_wait(request: Any) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_mpi_wait_yielding(request: Any) -> int:
         raise AssertionError("compiled only")

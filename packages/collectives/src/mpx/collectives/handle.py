@@ -19,6 +19,15 @@ progress thread keeps driving other communicators' operations meanwhile. On a
 deadline the handle raises :class:`CollectiveTimeout` naming the peers it was
 waiting for.
 
+How a blocked rank waits depends on whether it has a core to itself. MPI's
+own wait spins, which is the lowest latency when every rank has a core; when
+a node's ranks outnumber its cores (``MPX_WAIT=auto``), a spinning rank takes
+the core of a rank that computes, so blocking waits *yield* instead: they
+poll the step, sleeping between polls (:func:`wait_yielding`)::
+
+    MPI's wait (spin)        test test test test ...   ~65 % of a core each
+    wait_yielding            test x50, then test + sleep 20 us .. 1 ms
+
 Collectives on one communicator are matched by MPI in the order they are
 issued, and the shared-memory slots are reused in call order, so every rank
 must advance them in the same order whatever it polls first. A
@@ -49,13 +58,30 @@ from mpi4py import MPI
 
 from mpx.collectives.errors import CollectiveTimeout
 
-__all__ = ["LOCK", "Done", "Handle", "Pending", "Queue", "Requests", "Steps", "drive"]
+__all__ = [
+    "LOCK",
+    "Done",
+    "Handle",
+    "Pending",
+    "Queue",
+    "Requests",
+    "Steps",
+    "drive",
+    "wait_yielding",
+]
 
 # One lock for every generator of the process: the caller and the progress
 # thread take turns (re-entrant: a step may start another operation).
 LOCK = threading.RLock()
 
 T = TypeVar("T")
+
+# The yielding wait: a short spin keeps the latency of a peer that is nearly
+# there; then sleeps growing to 1 ms hand the core to a rank that computes
+# (a peer arriving during a sleep waits at most that long).
+_SPINS = 50
+_MIN_SLEEP_S = 20e-6
+_MAX_SLEEP_S = 1e-3
 
 
 class Pending:
@@ -104,12 +130,30 @@ class Done(Pending):
 Steps = Generator[Pending, None, T]
 
 
-def drive(steps: Steps[T]) -> T:
-    """Runs ``steps`` to the end, blocking in each (no handle, no deadline)."""
+def wait_yielding(pending: Pending) -> None:
+    """Waits for ``pending`` by polling it, sleeping between polls (frees the core)."""
+    spins = 0
+    sleep = _MIN_SLEEP_S
+    while not pending.test():
+        spins += 1
+        if spins > _SPINS:
+            time.sleep(sleep)
+            sleep = min(_MAX_SLEEP_S, sleep * 1.5)
+
+
+def drive(steps: Steps[T], yielding: bool = False) -> T:
+    """Runs ``steps`` to the end, blocking in each (no handle, no deadline).
+
+    Args:
+        yielding: wait with :func:`wait_yielding` instead of MPI's spinning wait.
+    """
     try:
         pending = next(steps)
         while True:
-            pending.wait()
+            if yielding:
+                wait_yielding(pending)
+            else:
+                pending.wait()
             pending = next(steps)
     except StopIteration as stop:
         return stop.value  # type: ignore[no-any-return]
@@ -135,8 +179,10 @@ class Handle(Generic[T]):
         behind: Callable[[], list[int]] | None = None,
         on_timeout: Callable[[], None] | None = None,
         queue: Queue | None = None,
+        yielding: bool = False,
     ) -> None:
         self.op, self.impl = op, impl
+        self._yielding = yielding  # wait() without a deadline: wait_yielding, not MPI's
         self._steps = steps
         self._timeout = timeout
         self._behind = behind
@@ -266,7 +312,10 @@ class Handle(Generic[T]):
                 continue
             assert pending is not None
             try:
-                pending.wait()
+                if self._yielding:
+                    wait_yielding(pending)
+                else:
+                    pending.wait()
             except BaseException as error:
                 with LOCK:
                     target._fail(error)

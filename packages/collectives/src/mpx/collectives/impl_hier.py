@@ -67,9 +67,10 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tenso
     if hier.lanes is None:
         return (yield from _allreduce_by_leaders(comm, hier, t, op))
     lane = hier.lanes
+    ws = yield from Workspace.ready(hier.node)
     return (
         yield from slotted_allreduce(
-            Workspace.of(hier.node),
+            ws,
             hier.node.rank,
             hier.node.size,
             t,

@@ -42,7 +42,7 @@ class IpcWorkspace:
 
     Example::
 
-        ws = IpcWorkspace.of(comm, torch.device("cuda", 0))   # collective
+        ws = yield from IpcWorkspace.ready(comm, torch.device("cuda", 0))   # in steps
         peer = ws.slot(1, 0, torch.float32)                   # rank 1's slot 0
     """
 
@@ -63,10 +63,19 @@ class IpcWorkspace:
         comm.mpi.Barrier()
 
     @classmethod
-    def of(cls, comm: Communicator, device: torch.device) -> IpcWorkspace:
+    def ready(cls, comm: Communicator, device: torch.device) -> Steps[IpcWorkspace]:
+        """The workspace on ``device``; the first call creates it (collective).
+
+        Creation exchanges handles with blocking MPI calls that no deadline
+        reaches: every rank first arrives at a non-blocking barrier, polled
+        under the operation's timeout (as ``shm``'s ``Workspace.ready``).
+        """
         key = f"ipc:{device}"
         found = comm.cached(key)
-        return found if isinstance(found, IpcWorkspace) else comm.cache(key, cls(comm, device))
+        if isinstance(found, IpcWorkspace):
+            return found
+        yield Requests([comm.mpi.Ibarrier()])
+        return comm.cache(key, cls(comm, device))
 
     def slot(self, rank: int, buf: int, dtype: torch.dtype) -> torch.Tensor:
         raw = self._raw[rank][buf * self.bytes : (buf + 1) * self.bytes]
@@ -108,7 +117,7 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tenso
     _check(comm, t, "allreduce")
     if comm.size == 1 or t.numel() == 0:
         return t.div_(1) if op == "avg" else t
-    ws = IpcWorkspace.of(comm, t.device)
+    ws = yield from IpcWorkspace.ready(comm, t.device)
     result = yield from slotted_allreduce(ws, comm.rank, comm.size, t, op)
     torch.cuda.current_stream(t.device).synchronize()
     return result
@@ -118,7 +127,7 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
     _check(comm, t, "broadcast")
     if comm.size == 1 or t.numel() == 0:
         return t
-    ws = IpcWorkspace.of(comm, t.device)
+    ws = yield from IpcWorkspace.ready(comm, t.device)
     result = yield from slotted_broadcast(ws, comm.rank, t, root)
     torch.cuda.current_stream(t.device).synchronize()
     return result

@@ -70,7 +70,7 @@ class Workspace:
 
     Example::
 
-        ws = Workspace.of(comm)               # collective on first use
+        ws = yield from Workspace.ready(comm)   # inside an operation's steps
         mine = ws.slot(comm.rank, 0, torch.float32)
     """
 
@@ -95,9 +95,21 @@ class Workspace:
         comm.mpi.Barrier()
 
     @classmethod
-    def of(cls, comm: Communicator) -> Workspace:
+    def ready(cls, comm: Communicator) -> Steps[Workspace]:
+        """The communicator's workspace; the first call creates it (collective).
+
+        ``MPI.Win.Allocate_shared`` blocks until every rank has called it and
+        cannot be timed out, so a peer that never arrives would hang the first
+        ``shm`` call past its ``timeout=``. Every rank therefore first arrives
+        at a non-blocking barrier, which the handle polls under the deadline
+        (a timeout names the ranks that did not arrive); only then, with every
+        rank known to be here, are the windows allocated.
+        """
         found = comm.cached("shm")
-        return found if isinstance(found, Workspace) else comm.cache("shm", cls(comm))
+        if isinstance(found, Workspace):
+            return found
+        yield Requests([comm.mpi.Ibarrier()])
+        return comm.cache("shm", cls(comm))
 
     def slot(self, rank: int, buf: int, dtype: torch.dtype) -> torch.Tensor:
         """Rank ``rank``'s slot ``buf`` (0 or 1) viewed as ``dtype``."""
@@ -242,15 +254,17 @@ def slotted_broadcast(ws: Slots, rank: int, t: torch.Tensor, root: int) -> Steps
 def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     if comm.size == 1 or t.numel() == 0:
         return t.div_(1) if op == "avg" else t
-    return (yield from slotted_allreduce(Workspace.of(comm), comm.rank, comm.size, t, op))
+    ws = yield from Workspace.ready(comm)
+    return (yield from slotted_allreduce(ws, comm.rank, comm.size, t, op))
 
 
 def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Tensor]:
-    return (yield from slotted_broadcast(Workspace.of(comm), comm.rank, t, root))
+    ws = yield from Workspace.ready(comm)
+    return (yield from slotted_broadcast(ws, comm.rank, t, root))
 
 
 def allgather(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:
-    ws = Workspace.of(comm)
+    ws = yield from Workspace.ready(comm)
     out = torch.empty((comm.size, *t.shape), dtype=t.dtype)
     flat, outs = t.reshape(-1), out.view(comm.size, -1)
     outs[comm.rank].copy_(flat)

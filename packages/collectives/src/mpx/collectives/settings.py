@@ -32,6 +32,7 @@ __all__ = [
     "SMALL_BYTES",
     "STAGED_CHUNK",
     "TIMEOUT",
+    "WAIT",
     "XDG_CACHE_HOME",
 ]
 
@@ -148,6 +149,16 @@ PROGRESS_THREAD = declare(
     True,
     "a background thread drives asynchronous operations (needs MPI_THREAD_MULTIPLE)",
     package=_PACKAGE,
+)
+WAIT = declare(
+    "MPX_WAIT",
+    "choice",
+    "auto",
+    "how a blocking operation waits: spin (MPI's own wait, lowest latency), yield (poll, "
+    "sleeping between polls: frees the core), auto (yield when this node's ranks outnumber "
+    "the cores a rank may use)",
+    package=_PACKAGE,
+    choices=("auto", "spin", "yield"),
 )
 RANKS_PER_NODE: Setting[int | None] = declare(
     "MPX_RANKS_PER_NODE",
