@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from mpx.collectives import Communicator
+from mpx.collectives import CollectiveTimeout, Communicator, Handle
 from mpx.pipeline.stage import Stage
-from mpx.pipeline.transport import WAITED, Inbox, Outbox
+from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
 
 __all__ = ["LossFn", "Micro", "StagePasses"]
 
@@ -74,7 +74,15 @@ class StagePasses:
         self.grad_in = Inbox(comm, nxt, "grad") if not self.last else None
         self.grad_out = Outbox(comm, prev, "grad") if not self.first else None
         self.boxes = [b for b in (self.act_in, self.act_out, self.grad_in, self.grad_out) if b]
+        self.inboxes = [b for b in (self.act_in, self.grad_in) if b is not None]
+        self.outboxes = [b for b in (self.act_out, self.grad_out) if b is not None]
         self.busy_seconds = 0.0
+        self.doing = "nothing yet"  # the pass under way, for the message if it fails
+
+    def set_interrupt(self, interrupt: Interrupt) -> None:
+        """Every wait for a message calls ``interrupt`` now and then (see ``failure``)."""
+        for box in self.boxes:
+            box.interrupt = interrupt
 
     # -- one call ---------------------------------------------------------------
 
@@ -103,10 +111,50 @@ class StagePasses:
             if box is not None:
                 box.wait_all()
 
+    # -- settling after a failure (see mpx.pipeline.failure) ------------------------
+
+    def ledger(self) -> dict[str, dict[int, Any]]:
+        """Per neighbour: messages sent (count and last sizes per tag), receives posted per tag."""
+        return {
+            "sent": {
+                box.peer: {tag: (n, list(box.sizes[tag])) for tag, n in box.sent.items()}
+                for box in self.outboxes
+            },
+            "posted": {box.peer: dict(box.posted) for box in self.inboxes},
+        }
+
+    def in_flight(self) -> list[tuple[torch.Tensor, Handle[Any]]]:
+        return [entry for box in self.boxes for entry in box.in_flight()]
+
+    def settle(self, ledgers: list[dict[str, dict[int, Any]]]) -> None:
+        """Matches every message in flight on this stage's links, waits for all, resets.
+
+        Args:
+            ledgers: every stage's :meth:`ledger`, by stage.
+
+        Raises:
+            CollectiveTimeout: a message did not complete in time.
+        """
+        me = self.stage_id
+        for inbox in self.inboxes:
+            inbox.drain(ledgers[inbox.peer]["sent"].get(me, {}))
+        for outbox in self.outboxes:
+            outbox.answer(ledgers[outbox.peer]["posted"].get(me, {}))
+        for box in self.boxes:
+            for _, handle in box.in_flight():
+                try:
+                    wait_for(handle, box.comm, "settle", box.peer, None)
+                except CollectiveTimeout:
+                    raise
+                except Exception:  # it completed with an error: complete is what counts here
+                    pass
+            box.reset()
+
     # -- one micro-batch --------------------------------------------------------
 
     def input(self, j: int, x: torch.Tensor | None) -> Micro:
         """Micro-batch ``j``'s input: ``x`` on the first stage, else received."""
+        self.doing = f"input of micro-batch {j}"
         if self.first:
             assert x is not None
             return Micro(feed=x)
@@ -118,6 +166,7 @@ class StagePasses:
         return Micro(feed=feed, buf=buf)
 
     def forward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None) -> None:
+        self.doing = f"forward of micro-batch {j}"
         with torch.set_grad_enabled(not mb.recompute):
             y = self.stage.run(mb.feed, g, mb.extra.get("weights"))
             if self.last:
@@ -138,6 +187,7 @@ class StagePasses:
         self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float
     ) -> torch.Tensor | None:
         """Runs the backward of micro-batch ``j``; returns the gradient sent back."""
+        self.doing = f"backward of micro-batch {j}"
         if mb.recompute:
             with self.stage.frozen_statistics(), torch.enable_grad():
                 mb.out = self.stage.run(mb.feed, g, mb.extra.get("backward_weights"))

@@ -12,17 +12,30 @@ cut into ``chunks`` micro-batches; the schedule (see :mod:`mpx.pipeline.schedule
 orders their forward and backward passes. The loss is the mean over
 micro-batches of ``loss_fn(output, target)``: for a mean-reduced loss and equal
 micro-batches, the loss and gradients of the whole batch.
+
+A call that fails on one stage raises :class:`PipelineRemoteError` on every
+stage, naming the stage and its error (see :mod:`mpx.pipeline.failure`), and
+is undone: gradients, BatchNorm statistics and micro-batch numbering are as
+before the call, so the next call gives what a fresh pipeline would. (``async``
+keeps the optimizer steps it took before the failure and restarts its stream.)
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from mpx.collectives import CommLike, Communicator, Handle, allreduce, as_communicator, broadcast
-from mpx.pipeline.errors import PipelineRemoteError, PipelineTypeError, PipelineValueError
+from mpx.collectives import CommLike, Communicator, allreduce, as_communicator, broadcast
+from mpx.pipeline.errors import (
+    PipelineError,
+    PipelineRemoteError,
+    PipelineTypeError,
+    PipelineValueError,
+)
+from mpx.pipeline.failure import FailureAgreement, Status
 from mpx.pipeline.partition import (
     check_balance,
     check_no_tied_weights,
@@ -38,6 +51,46 @@ from mpx.pipeline.stale import StaleRunner
 __all__ = ["Pipeline"]
 
 CHECKPOINTS = ("never", "except_last", "always")
+
+
+class _UndoPoint:
+    """What a failed call puts back: gradients, BatchNorm statistics, numbering.
+
+    The gradients already in ``.grad`` are set aside (not copied) for the call,
+    which accumulates into empty ones; :meth:`keep` adds the two, :meth:`undo`
+    puts the old ones back. ``async`` learns that a call succeeded on every
+    stage only in the next call, so it may undo the last call too: its
+    :meth:`keep` leaves the set-aside gradients intact (a new sum).
+    """
+
+    def __init__(self, pipe: Pipeline, set_aside_grads: bool) -> None:
+        self.pipe = pipe
+        self.counters = (pipe._microbatches, pipe._eval_calls)
+        self.statistics = pipe.stage.save_statistics()
+        self.params = list(pipe.parameters()) if set_aside_grads else []
+        self.grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def keep(self, in_place: bool = True) -> None:
+        """The call succeeded here: its gradients add to those set aside."""
+        for p, old in zip(self.params, self.grads, strict=True):
+            if old is None:
+                continue
+            if p.grad is None:
+                p.grad = old if in_place else old.clone()
+            elif in_place:
+                p.grad = old.add_(p.grad)
+            else:
+                p.grad = old + p.grad
+
+    def undo(self, optimizer: torch.optim.Optimizer | None) -> None:
+        for p, old in zip(self.params, self.grads, strict=True):
+            p.grad = old
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        self.pipe.stage.restore_statistics(self.statistics)
+        self.pipe._microbatches, self.pipe._eval_calls = self.counters
 
 
 class Pipeline(nn.Module):
@@ -122,7 +175,13 @@ class Pipeline(nn.Module):
         self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
         self._eval_calls = 0
         self._stale: StaleRunner | None = None
-        self._pending_loss: tuple[torch.Tensor, Handle[torch.Tensor]] | None = None
+        # Every call ends with a status collective; a stage that fails tells
+        # the others at once (mpx.pipeline.failure).
+        self._agreement = FailureAgreement(self.comm, self._passes)
+        self._passes.set_interrupt(self._agreement.interrupt)
+        self._pending_status: Status | None = None  # async: read by the next call
+        self._deferred: PipelineError | None = None  # raised by the next call (failure.py)
+        self._last_call_undo: _UndoPoint | None = None  # async: undoes the last call too
         async_opts = (weight_prediction, gap_aware, step_every, recompute, weight_stashing)
         if schedule == "async":
             # The runner gets what it drives explicitly: the stage's passes and
@@ -172,10 +231,10 @@ class Pipeline(nn.Module):
 
     def _progress(self) -> None:
         self._passes.progress()
-        if self._pending_loss is not None:
-            # async: the loss broadcast started at the end of the last call
-            # moves only when polled (no background thread on this comm).
-            self._pending_loss[1].done()
+        if self._pending_status is not None:
+            # async: the status started at the end of the last call moves
+            # only when polled (no background thread on this comm).
+            self._pending_status.handle.done()
 
     def local_layers(self) -> dict[int, nn.Module]:
         """This rank's layers by their index in the whole module."""
@@ -221,21 +280,118 @@ class Pipeline(nn.Module):
             ``async`` returns the previous call's loss (NaN on the first call;
             ``flush`` returns the last one): sharing it at once would make
             every call wait for the last stage, a flush in all but name.
+
+        Raises:
+            PipelineRemoteError: on every stage, when the call failed on one
+                (its arguments, a layer, the loss, a backward); the call is
+                undone. ``async`` may raise it in the next call, on every
+                stage alike; the stage that failed returns NaN meanwhile.
+            PipelineError: the stages could not settle a failure in time.
         """
-        xs = self._split(inputs, "inputs", self.first)
-        ts = self._split(target, "target", self.last)
+        self._begin_call("checking the arguments")
         if self._stale is not None:
-            return self._share_loss_later(self._stale.call(xs, ts, loss_fn, optimizer, scheduler))
-        else:
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
+            return self._async_step(inputs, target, loss_fn, optimizer, scheduler)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        undo = _UndoPoint(self, set_aside_grads=True)
+        status_due = True
+        try:
+            xs = self._split(inputs, "inputs", self.first)
+            ts = self._split(target, "target", self.last)
             loss = self._sync_call(xs, ts, loss_fn)
-            self._average_replica_grads()
-            if optimizer is not None:
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-        return self._share_loss(loss)
+            status = self._agreement.issue(loss, ok=True)
+            status_due = False
+            loss = self._agreement.read(status)
+        except Exception as error:
+            return self._fail(error, "step", undo, optimizer, status_due)
+        undo.keep()
+        self._average_replica_grads()
+        if optimizer is not None:
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        return self._average_replica_loss(loss)
+
+    def _async_step(
+        self,
+        inputs: torch.Tensor | None,
+        target: torch.Tensor | None,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+    ) -> float:
+        assert self._stale is not None
+        # With an optimizer the call steps (and zeroes) the gradients itself:
+        # a failure drops the ones accumulated toward the next step.
+        undo = _UndoPoint(self, set_aside_grads=optimizer is None)
+        status_due = True
+        try:
+            xs = self._split(inputs, "inputs", self.first)
+            ts = self._split(target, "target", self.last)
+            loss = self._stale.call(xs, ts, loss_fn, optimizer, scheduler)
+            # Reading this call's status at once would make every call wait
+            # for the last stage, a flush in all but name: the next call reads it.
+            previous, self._pending_status = self._pending_status, None
+            self._pending_status = self._agreement.issue(loss, ok=True)
+            status_due = False
+            shared = self._read_status(previous)
+        except Exception as error:
+            return self._fail(error, "step", undo, optimizer, status_due)
+        undo.keep(in_place=False)
+        self._last_call_undo = undo
+        return shared
+
+    def _read_status(self, status: Status | None) -> float:
+        """The loss ``status`` carries, averaged over the replicas; NaN without one."""
+        if status is None:
+            return math.nan
+        return self._average_replica_loss(self._agreement.read(status))
+
+    def _fail(
+        self,
+        error: Exception,
+        call: str,
+        undo: _UndoPoint,
+        optimizer: torch.optim.Optimizer | None,
+        status_due: bool,
+    ) -> float:
+        """Settles with the other stages, undoes the call, raises the same error as they do.
+
+        Returns:
+            NaN, for a call that raises its error in the next call instead (``async``).
+        """
+        raised = self._agreement.settle(
+            error,
+            f"Pipeline.{call} (schedule={self.schedule!r}) failed",
+            status_due=status_due,
+            where=self._passes.doing,
+        )
+        self._pending_status = None  # settled: every status has completed
+        if self._agreement.failed_in < self._agreement.calls and self._last_call_undo is not None:
+            # async: this stage had finished the failed call and begun the next.
+            undo = self._last_call_undo
+        self._last_call_undo = None
+        undo.undo(optimizer)
+        if self._stale is not None:
+            self._stale.reset()
+        if self._agreement.raise_in > self._agreement.calls:
+            # Another stage was a call ahead: every stage raises in that call.
+            raised.__cause__ = error
+            self._deferred = raised
+            return math.nan
+        raise raised from error
+
+    def _begin_call(self, doing: str) -> None:
+        """Counts the call; raises a failure settled in the last one, or a broken pipeline."""
+        self._agreement.calls += 1
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            raise deferred
+        if self._agreement.broken is not None:
+            raise PipelineError(
+                f"{self._agreement.broken}. The pipeline is unusable: build a new Pipeline"
+            )
+        self._passes.doing = doing
 
     def _sync_call(self, xs: list[torch.Tensor], ts: list[torch.Tensor], loss_fn: LossFn) -> float:
         m, base = self.chunks, self._microbatches
@@ -270,27 +426,12 @@ class Pipeline(nn.Module):
                 p.grad = torch.zeros_like(p)
             allreduce(p.grad, "avg", comm=self.dp_comm)
 
-    def _share_loss(self, loss: float) -> float:
+    def _average_replica_loss(self, loss: float) -> float:
+        if self.dp_comm is None or self.dp_comm.size == 1:
+            return loss
         value = torch.tensor([loss], dtype=torch.float64)
-        broadcast(value, self.num_stages - 1, comm=self.comm)
-        if self.dp_comm is not None and self.dp_comm.size > 1:
-            allreduce(value, "avg", comm=self.dp_comm)
+        allreduce(value, "avg", comm=self.dp_comm)
         return float(value)
-
-    def _share_loss_later(self, loss: float | None) -> float:
-        """Starts sharing ``loss``; returns the one shared before (NaN if none)."""
-        previous = self._pending_loss
-        self._pending_loss = None
-        if loss is not None:
-            value = torch.tensor([loss], dtype=torch.float64)
-            handle = broadcast(value, self.num_stages - 1, comm=self.comm, async_op=True)
-            self._pending_loss = (value, handle)
-        if previous is None:
-            return float("nan")
-        previous[1].wait()
-        if self.dp_comm is not None and self.dp_comm.size > 1:
-            allreduce(previous[0], "avg", comm=self.dp_comm)
-        return float(previous[0])
 
     def forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
         """Forward only, without gradients; the output on the last stage, None elsewhere.
@@ -298,6 +439,22 @@ class Pipeline(nn.Module):
         Micro-batches follow ``chunks`` (the batch must divide). In training
         mode dropout draws from a stream apart from ``step``'s.
         """
+        self._begin_call("checking the arguments")
+        undo = _UndoPoint(self, set_aside_grads=False)
+        status_due = True
+        try:
+            out = self._forward_call(inputs)
+            status = self._agreement.issue(0.0, ok=True)
+            status_due = False
+            self._agreement.read(status)
+        except Exception as error:
+            self._fail(error, "forward", undo, None, status_due)
+            return None  # (not reached: forward reads its status in the call)
+        if self._stale is not None:
+            self._last_call_undo = undo
+        return out
+
+    def _forward_call(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
         xs = self._split(inputs, "inputs", self.first)
         m = self.chunks
         passes = self._passes
@@ -309,6 +466,7 @@ class Pipeline(nn.Module):
         with torch.no_grad():
             for j in range(m):
                 mb = passes.input(j, xs[j] if self.first else None)
+                passes.doing = f"forward of micro-batch {j}"
                 y = self.stage.run(mb.feed, -self._eval_calls * m - j)
                 if self.last:
                     outs.append(y)
@@ -337,8 +495,17 @@ class Pipeline(nn.Module):
         """
         if self._stale is None:
             return float("nan")
-        self._stale.flush(optimizer, scheduler)
-        return self._share_loss_later(None)
+        self._begin_call("flushing")
+        undo = _UndoPoint(self, set_aside_grads=optimizer is None)
+        try:
+            self._stale.flush(optimizer, scheduler)
+            previous, self._pending_status = self._pending_status, None
+            loss = self._read_status(previous)
+        except Exception as error:
+            return self._fail(error, "flush", undo, optimizer, status_due=False)
+        undo.keep(in_place=False)
+        self._last_call_undo = undo
+        return loss
 
     def __call__(self, inputs: torch.Tensor | None) -> torch.Tensor | None:  # typed call
         return super().__call__(inputs)  # type: ignore[no-any-return]

@@ -132,17 +132,25 @@ class Stage(nn.Module):
                 g.set_state(state)
         return x
 
+    def save_statistics(self) -> list[dict[str, torch.Tensor]]:
+        """Copies of the BatchNorm running statistics (small: a few floats per channel)."""
+        return [
+            {k: b.clone() for k, b in bn.named_buffers() if b is not None} for bn in self.batchnorms
+        ]
+
+    def restore_statistics(self, saved: list[dict[str, torch.Tensor]]) -> None:
+        """Puts back what :meth:`save_statistics` returned."""
+        # Through ``.data``: an unrecomputed micro-batch's graph holds these
+        # buffers, and a tracked write would fail its backward's version check.
+        for bn, buffers in zip(self.batchnorms, saved, strict=True):
+            for k, b in bn.named_buffers():
+                b.data.copy_(buffers[k])
+
     @contextlib.contextmanager
     def frozen_statistics(self) -> Iterator[None]:
         """BatchNorm running statistics are left as they were (for recomputation)."""
-        saved = [
-            {k: b.clone() for k, b in bn.named_buffers() if b is not None} for bn in self.batchnorms
-        ]
+        saved = self.save_statistics()
         try:
             yield
         finally:
-            # Through ``.data``: an unrecomputed micro-batch's graph holds these
-            # buffers, and a tracked write would fail its backward's version check.
-            for bn, buffers in zip(self.batchnorms, saved, strict=True):
-                for k, b in bn.named_buffers():
-                    b.data.copy_(buffers[k])
+            self.restore_statistics(saved)

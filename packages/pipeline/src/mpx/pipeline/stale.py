@@ -274,6 +274,12 @@ class StaleRunner:
         self._progress()
         return sum(losses) / len(losses) if losses else 0.0
 
+    def reset(self) -> None:
+        """Drops the stream after a failure: the micro-batches in flight are forgotten and
+        numbering restarts at 0, as in a fresh pipeline (the weights keep their steps)."""
+        self.live.clear()
+        self.done_f = self.done_b = self.total = 0
+
     def flush(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
         """Runs the backwards still owed; a last partial accumulation steps too."""
         for _, j in flush_ops(self.done_f, self.done_b):
