@@ -10,7 +10,7 @@
 The job runs as a process tree in its own session::
 
     mpxrun ─(watches stderr for status lines, the clock, Ctrl-C)
-      └── launcher (mpiexec / mpirun / srun), new session
+      └── launcher (mpiexec / mpiexec.gforker / mpirun / srun), new session
             └── per rank: python -m mpx.launch.rank -- prog args…
 
 When a rank fails, its supervisor prints a status line; ``mpxrun`` gives the
@@ -289,6 +289,15 @@ class Job:
         return code
 
 
+def _all_local(launcher: Launcher, hostfile: str | None, virtual: VirtualCluster | None) -> bool:
+    return hostfile is None and launcher.kind != "slurm" and virtual is None
+
+
+# What a launcher tells its ranks; inherited from an enclosing job (mpxrun
+# inside a rank), they would describe that job to this one's ranks.
+_ENCLOSING_JOB_VARIABLES = ("PMI_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+
+
 def _job_environment(
     launcher: Launcher,
     nprocs: int,
@@ -296,12 +305,16 @@ def _job_environment(
     gpus: str,
     virtual: VirtualCluster | None = None,
 ) -> dict[str, str]:
-    local = hostfile is None and launcher.kind != "slurm" and virtual is None
+    local = _all_local(launcher, hostfile, virtual)
     hosts = _hosts_in(hostfile) if hostfile else []
     if virtual is not None:
         hosts = list(virtual.addresses)
     oversubscribed = (local or virtual is not None) and nprocs > usable_cores()
     env = dict(os.environ)
+    if launcher.forker:
+        # Hydra overwrites these for its ranks; gforker sets only PMI_RANK/SIZE/FD.
+        for key in [k for k in env if k.startswith(_ENCLOSING_JOB_VARIABLES)]:
+            del env[key]
     for key, value in launcher.environment(
         nprocs, oversubscribed=oversubscribed, local=local
     ).items():
@@ -311,7 +324,7 @@ def _job_environment(
     # A rendezvous point for torch.distributed's env:// (see init_torch_env).
     master = "127.0.0.1" if local else (hosts[0] if hosts else os.uname().nodename)
     env.setdefault("MPX_MASTER_ADDR", master)
-    env.setdefault("MPX_MASTER_PORT", str(free_port()))
+    env.setdefault("MPX_MASTER_PORT", str(free_port(master if local else "")))
     env["MPX_JOB_ID"] = uuid.uuid4().hex[:12]
     env["MPX_GPUS"] = gpus
     return env
@@ -357,6 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.virtual_nodes is not None:
                 _check_virtual(launcher, args.hostfile)
                 virtual = stack.enter_context(VirtualCluster(args.virtual_nodes))
+            local = _all_local(launcher, args.hostfile, virtual)
+            if local and args.bind == "none":
+                launcher = launcher.on_this_host()
             env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus, virtual)
             supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
             exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
