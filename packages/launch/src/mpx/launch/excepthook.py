@@ -26,6 +26,8 @@ import sys
 from types import TracebackType
 from typing import Any, NoReturn
 
+from mpx.launch import stacks
+
 __all__ = ["install"]
 
 
@@ -55,7 +57,7 @@ def _exit_code(arg: Any) -> int:
 
 
 def install() -> None:
-    """Chains a fast-exit step after ``sys.excepthook``, and one for non-zero ``sys.exit``."""
+    """Installs the rank's hooks: fast exit on failure, and its stack on SIGUSR1."""
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
@@ -83,3 +85,4 @@ def install() -> None:
     # Registered before mpi4py is imported: Python runs atexit steps last in,
     # first out, and mpi4py finalizes MPI after all of them.
     atexit.register(at_exit)
+    stacks.register()

@@ -308,7 +308,7 @@ def check_environment(out: IO[str]) -> int:
     return 1 if bad else 0
 
 
-# -- mpx-launch's own variables (mpxrun sets the first four for its ranks) ----
+# -- mpx-launch's own variables (mpxrun and the rank supervisor set all but MPX_LAUNCHER) --
 
 LAUNCHER = declare(
     "MPX_LAUNCHER",
@@ -344,5 +344,21 @@ MASTER_PORT = declare(
     "str",
     "",
     "port torch.distributed rendezvous uses (set by mpxrun; MASTER_PORT wins if set)",
+    package="launch",
+)
+STATUS_KEY = declare(
+    "MPX_STATUS_KEY",
+    "str",
+    "",
+    "set by mpxrun for the rank supervisors: the per-job key that signs their status lines "
+    "(hidden from the ranks' programs, so their output cannot forge one)",
+    package="launch",
+)
+STACK_FILE = declare(
+    "MPX_STACK_FILE",
+    "str",
+    "",
+    "set by the rank supervisor: where the rank's Python stack is written on SIGUSR1 "
+    "(mpxrun --timeout asks for it before stopping the job)",
     package="launch",
 )
