@@ -87,12 +87,12 @@ def _socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nprocs: int) -> None:
+@pytest.mark.parametrize(("nprocs", "bind"), [(2, "none"), (3, "none"), (2, "core")])
+def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nprocs: int, bind: str) -> None:
     script = tmp_path / "prog.py"
     script.write_text(PROGRAM)
     proc = subprocess.Popen(
-        [MPXRUN, "-n", str(nprocs), "--timeout", "120", str(script), str(tmp_path)],
+        [MPXRUN, "-n", str(nprocs), "--bind", bind, "--timeout", "120", str(script), str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -155,6 +155,8 @@ def test_single_host_mpich_jobs_use_gforker_when_installed() -> None:
     local = launcher.on_this_host()
     assert local.forker, "the mpich wheel ships mpiexec.gforker beside mpiexec"
     assert local.command(2, ["prog"], tag_output=True) == [local.path, "-n", "2", "-l", "prog"]
-    with pytest.raises(ValueError, match="--hostfile and --bind need Hydra"):
-        local.command(2, ["prog"], bind="core")
+    # gforker cannot bind: the rank supervisors do (MPX_BIND).
+    assert local.command(2, ["prog"], bind="core") == [local.path, "-n", "2", "prog"]
+    with pytest.raises(ValueError, match="--hostfile needs Hydra"):
+        local.command(2, ["prog"], hostfile="hosts")
     assert Launcher("openmpi", "mpirun").on_this_host() == Launcher("openmpi", "mpirun")

@@ -458,9 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _check_virtual(launcher, args.hostfile)
                 virtual = stack.enter_context(VirtualCluster(args.virtual_nodes))
             local = _all_local(launcher, args.hostfile, virtual)
-            if local and args.bind == "none":
+            if local:
                 launcher = launcher.on_this_host()
             env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus, virtual)
+            if launcher.forker:
+                env["MPX_BIND"] = args.bind  # gforker cannot bind: the supervisors do
             supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
             exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
             command = launcher.command(

@@ -20,7 +20,9 @@ transports are pinned to ``lo`` (MPICH: ``UCX_NET_DEVICES``, ``FI_TCP_IFACE``;
 Open MPI: ``btl_tcp_if_include``, ``oob_tcp_if_include``), and MPICH's ranks
 are started by ``mpiexec.gforker`` (:meth:`Launcher.on_this_host`), which
 forks them and speaks PMI over socket pairs, where Hydra's ``mpiexec``
-listens for its proxies on a TCP port of every interface.
+listens for its proxies on a TCP port of every interface. gforker tags output
+with ``-l`` (lines read ``1>``) and cannot bind: for ``--bind`` the rank
+supervisor pins its program itself (``MPX_BIND``, :mod:`mpx.launch.binding`).
 """
 
 from __future__ import annotations
@@ -127,10 +129,10 @@ class Launcher:
             raise UsageError(f"--bind must be one of {', '.join(BIND_CHOICES)}, got {bind!r}")
         cmd = [self.path, "-n", str(nprocs)]
         if self.forker:
-            if hostfile or bind != "none":
+            # Binding is the rank supervisor's job here (MPX_BIND, mpx.launch.binding).
+            if hostfile:
                 raise UsageError(
-                    f"{self.path} starts ranks on this host, unbound: "
-                    "--hostfile and --bind need Hydra's mpiexec"
+                    f"{self.path} starts ranks on this host only: --hostfile needs Hydra's mpiexec"
                 )
             if tag_output:
                 cmd += ["-l"]

@@ -40,13 +40,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import IO
 
-from mpx.launch import stacks
+from mpx.launch import binding, stacks
 from mpx.launch.environment import Environment, environment
-from mpx.launch.settings import GPUS, STACK_FILE, STATUS_KEY
+from mpx.launch.settings import BIND, GPUS, STACK_FILE, STATUS_KEY
 from mpx.launch.status import format_status
 
 __all__ = ["die_with_parent", "main", "rank_environment", "usable_cores"]
@@ -172,7 +172,14 @@ def _supervise(
     reporter: _Reporter,
     stack_file: str,
 ) -> int:
-    preexec: Callable[[], None] = lambda: die_with_parent(signal.SIGKILL)  # noqa: E731
+    level = BIND.read()
+    cpus = binding.cpus_for(level, env.local_rank) if level != "none" else None
+
+    def preexec() -> None:
+        die_with_parent(signal.SIGKILL)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
     try:
         child = subprocess.Popen(
             args,

@@ -362,3 +362,12 @@ STACK_FILE = declare(
     "(mpxrun --timeout asks for it before stopping the job)",
     package="launch",
 )
+BIND = declare(
+    "MPX_BIND",
+    "choice",
+    "none",
+    "set by mpxrun --bind where the launcher cannot bind (MPICH's gforker): the rank "
+    "supervisor pins its program to one core or NUMA node per local rank, round robin",
+    package="launch",
+    choices=("none", "core", "numa"),
+)
