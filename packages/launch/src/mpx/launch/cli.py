@@ -56,6 +56,9 @@ __all__ = ["Job", "RankFailure", "build_parser", "main"]
 LAUNCHER_GRACE_S = 1.0
 # Between SIGTERM and SIGKILL.
 TERM_GRACE_S = 2.0
+# After every rank reported a clean exit, how long a launcher that is done
+# but lingers (see Job.end_when_ranks_exit) may take before it is stopped.
+LINGER_S = 0.2
 # At --timeout, how long the ranks get to send their stacks.
 STACKS_WAIT_S = stacks.DUMP_WAIT_S + 1.0
 EXIT_USAGE = 2
@@ -237,6 +240,13 @@ class Job:
         nprocs: the number of ranks (0: unknown).
         local: every rank runs on this host (so ``mpxrun`` can signal their
             supervisors itself rather than through the launcher).
+        end_when_ranks_exit: once every rank has reported exit code 0, stop
+            the launcher instead of waiting for it. For MPICH's gforker, which
+            waits 2 s after its last rank more often than not (its
+            MPIE_WaitForProcesses counts a live rank again on every pass, so
+            one live rank at the first look makes it sit out its timeout).
+            Only safe where the ranks' output does not pass through the
+            launcher (gforker without ``-l``).
     """
 
     command: list[str]
@@ -245,6 +255,7 @@ class Job:
     status_key: str = ""
     nprocs: int = 0
     local: bool = True
+    end_when_ranks_exit: bool = False
     failures: list[RankFailure] = field(default_factory=list)
     exited: dict[int, int] = field(default_factory=dict)
     stacks: dict[int, list[str]] = field(default_factory=dict)
@@ -324,6 +335,14 @@ class Job:
         self.stderr.write(("\n".join(lines) + "\n").encode())
         self.stderr.flush()
 
+    def _all_ranks_done(self) -> bool:
+        return (
+            self.end_when_ranks_exit
+            and self.nprocs > 0
+            and len(self.exited) == self.nprocs
+            and not any(self.exited.values())
+        )
+
     def _signal_all(self, proc: subprocess.Popen[bytes], sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
@@ -350,6 +369,7 @@ class Job:
         pump.start()
         start = time.monotonic()
         failed_at: float | None = None
+        all_exited_at: float | None = None
         try:
             while proc.poll() is None:
                 now = time.monotonic()
@@ -363,6 +383,14 @@ class Job:
                     if now - failed_at > LAUNCHER_GRACE_S:
                         self._stop(proc)
                         break
+                elif self._all_ranks_done():
+                    all_exited_at = now if all_exited_at is None else all_exited_at
+                    if now - all_exited_at > LINGER_S:
+                        # SIGKILL: a SIGTERMed gforker reports each rank as "signaled".
+                        self._signal_all(proc, signal.SIGKILL)
+                        proc.wait()
+                        pump.join(timeout=5.0)
+                        return 0
                 time.sleep(0.02)
         except KeyboardInterrupt:
             self._stop(proc)
@@ -485,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             status_key=env["MPX_STATUS_KEY"],
             nprocs=args.nprocs,
             local=local,
+            end_when_ranks_exit=launcher.forker and not args.tag_output,
         )
         return _run_job(job, args.timeout)
 
