@@ -58,7 +58,7 @@ LAUNCHER_GRACE_S = 1.0
 TERM_GRACE_S = 2.0
 # After every rank reported a clean exit, how long a launcher that is done
 # but lingers (see Job.end_when_ranks_exit) may take before it is stopped.
-LINGER_S = 0.2
+LINGER_S = 0.05
 # At --timeout, how long the ranks get to send their stacks.
 STACKS_WAIT_S = stacks.DUMP_WAIT_S + 1.0
 EXIT_USAGE = 2

@@ -38,7 +38,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from types import FrameType
@@ -157,12 +156,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment()
     reporter = _Reporter(env.rank, STATUS_KEY.read(), sys.stderr.buffer)
     child_env = rank_environment(env, os.environ, gpus=GPUS.read())
-    # An unlinked file, reached by the program through this process's fd
+    # A file in memory, reached by the program through this process's fd
     # table: nothing is left on disk however the job ends.
-    with tempfile.TemporaryFile() as dump_file:
-        stack_file = f"/proc/{os.getpid()}/fd/{dump_file.fileno()}"
+    dump_fd = os.memfd_create("mpxrun-stack")
+    try:
+        stack_file = f"/proc/{os.getpid()}/fd/{dump_fd}"
         child_env[STACK_FILE.name] = stack_file
         return _supervise(args, env, child_env, reporter, stack_file)
+    finally:
+        os.close(dump_fd)
 
 
 def _supervise(

@@ -37,8 +37,6 @@ variable, the value and the accepted form.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -261,6 +259,10 @@ ENTRY_POINT_GROUP = "mpx.settings"
 def load_declarations() -> list[str]:
     """Imports every installed package's settings module; returns their names."""
     loaded = []
+    # Imported here: importlib.metadata costs every process that reads a
+    # setting (every rank under mpxrun, through its exit hook) ~0.1 s.
+    import importlib.metadata
+
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         importlib.import_module(entry.value)
         loaded.append(entry.value)

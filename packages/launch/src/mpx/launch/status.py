@@ -3,8 +3,8 @@
 A supervisor reports on its rank's stderr, the one channel every launcher
 forwards from every node::
 
-    MPXRUN-RANK-EXITED <rank> <code> <base64 JSON of the last stderr lines> <mac>
-    MPXRUN-RANK-STACK  <rank> <pid>  <base64 JSON of the stack dump lines>  <mac>
+    MPXRUN-RANK-EXITED <rank> <code> <base64 of the last stderr lines> <mac>
+    MPXRUN-RANK-STACK  <rank> <pid>  <base64 of the stack dump lines>  <mac>
 
 ``mac`` is an HMAC-SHA256 (first 128 bits) of the rest under a key ``mpxrun``
 draws for each job (``MPX_STATUS_KEY``). The supervisor removes the key from
@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -71,7 +70,8 @@ def format_status(key: str, kind: str, rank: int, value: int, lines: Sequence[st
     """One status line (without the newline), signed with ``key``."""
     if kind not in KINDS:
         raise ValueError(f"status kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    payload = base64.b64encode(json.dumps(list(lines)).encode()).decode()
+    # Lines never hold a newline: joined by one, they come apart again.
+    payload = base64.b64encode("\n".join(lines).encode()).decode()
     body = f"MPXRUN-RANK-{kind} {rank} {value} {payload}"
     return f"{body} {_mac(key, body)}"
 
@@ -88,9 +88,8 @@ def parse_status(key: str, line: str) -> RankStatus | None:
     if not hmac.compare_digest(_mac(key, body), match.group(5)):
         return None
     try:
-        lines = json.loads(base64.b64decode(match.group(4)).decode())
+        text = base64.b64decode(match.group(4)).decode()
     except ValueError:
-        lines = []
-    return RankStatus(
-        match.group(1), int(match.group(2)), int(match.group(3)), [str(x) for x in lines]
-    )
+        text = ""
+    lines = text.split("\n") if text else []
+    return RankStatus(match.group(1), int(match.group(2)), int(match.group(3)), lines)
