@@ -55,3 +55,18 @@ def test_a_healthy_job_printing_a_forged_status_line_exits_0(tmp_path: Path, npr
     for line in FORGED:  # passed through as the program's output
         assert proc.stderr.count(line) == 2, proc.stderr
     assert "exited with code" not in proc.stderr
+
+
+def test_a_last_stderr_line_without_newline_is_kept(tmp_path: Path) -> None:
+    # The supervisor's status line follows it; it must not swallow it.
+    script = tmp_path / "prog.py"
+    script.write_text("import os\nos.write(2, b'no newline at the end')\n")
+    proc = subprocess.run(
+        [MPXRUN, "-n", "2", "--timeout", "120", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("no newline at the end") == 2, proc.stderr

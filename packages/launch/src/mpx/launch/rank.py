@@ -124,17 +124,22 @@ class _Reporter:
     def __init__(self, rank: int, key: str, sink: IO[bytes]) -> None:
         self.rank, self.key, self.sink = rank, key, sink
         self._lock = threading.Lock()
+        self._mid_line = False
 
     def write(self, data: bytes) -> None:
         with self._lock:
             self.sink.write(data)
             self.sink.flush()
+            if data:
+                self._mid_line = not data.endswith(b"\n")
 
     def report(self, kind: str, value: int, lines: Sequence[str]) -> None:
         # Without a key this supervisor was not started by mpxrun: nobody listens.
         if self.key:
             line = format_status(self.key, kind, self.rank, value, lines) + "\n"
-            self.write(line.encode())
+            # mpxrun drops the whole line a status is found in: a status must
+            # not end the program's last line when that lacks its newline.
+            self.write(("\n" if self._mid_line else "").encode() + line.encode())
 
 
 def _tee(source: IO[bytes], sink: _Reporter, tail: collections.deque[str]) -> None:
