@@ -240,13 +240,17 @@ class Job:
         nprocs: the number of ranks (0: unknown).
         local: every rank runs on this host (so ``mpxrun`` can signal their
             supervisors itself rather than through the launcher).
+        launcher_lingers: the launcher is MPICH's gforker, which waits 2 s
+            after its last rank more often than not (its MPIE_WaitForProcesses
+            counts a live rank again on every pass, so one live rank at the
+            first look makes it sit out its timeout), and does not stop the
+            other ranks when one fails. When stopping the job, ``mpxrun``
+            waits for the local rank supervisors to end, not for it, and gives
+            it no grace after a failure.
         end_when_ranks_exit: once every rank has reported exit code 0, stop
-            the launcher instead of waiting for it. For MPICH's gforker, which
-            waits 2 s after its last rank more often than not (its
-            MPIE_WaitForProcesses counts a live rank again on every pass, so
-            one live rank at the first look makes it sit out its timeout).
-            Only safe where the ranks' output does not pass through the
-            launcher (gforker without ``-l``).
+            the launcher instead of waiting for it (for a lingering launcher;
+            only safe where the ranks' output does not pass through it:
+            gforker without ``-l``).
     """
 
     command: list[str]
@@ -255,6 +259,7 @@ class Job:
     status_key: str = ""
     nprocs: int = 0
     local: bool = True
+    launcher_lingers: bool = False
     end_when_ranks_exit: bool = False
     failures: list[RankFailure] = field(default_factory=list)
     exited: dict[int, int] = field(default_factory=dict)
@@ -351,6 +356,8 @@ class Job:
         self._signal_all(proc, signal.SIGTERM)
         deadline = time.monotonic() + TERM_GRACE_S
         while proc.poll() is None and time.monotonic() < deadline:
+            if self.launcher_lingers and self.local and not self._supervisors(proc):
+                break  # every rank has ended: only the launcher's linger is left
             time.sleep(0.02)
         self._signal_all(proc, signal.SIGKILL)
 
@@ -380,7 +387,8 @@ class Job:
                     break
                 if self._failed.is_set():
                     failed_at = now if failed_at is None else failed_at
-                    if now - failed_at > LAUNCHER_GRACE_S:
+                    grace = 0.0 if self.launcher_lingers else LAUNCHER_GRACE_S
+                    if now - failed_at > grace:
                         self._stop(proc)
                         break
                 elif self._all_ranks_done():
@@ -513,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             status_key=env["MPX_STATUS_KEY"],
             nprocs=args.nprocs,
             local=local,
+            launcher_lingers=launcher.forker,
             end_when_ranks_exit=launcher.forker and not args.tag_output,
         )
         return _run_job(job, args.timeout)
