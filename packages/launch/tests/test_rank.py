@@ -1,16 +1,16 @@
-"""The per-rank supervisor's status line and environment."""
+"""The per-rank supervisor's environment."""
 
 from __future__ import annotations
 
 from mpx.launch import Environment
-from mpx.launch.rank import format_status, parse_status, rank_environment
+from mpx.launch.rank import rank_environment
 
 
-def test_status_line_round_trips_through_a_rank_prefix() -> None:
-    tail = ["Traceback (most recent call last):", "  ValueError: ünïcode and spaces"]
-    line = "[1] " + format_status(1, -9, tail) + "\n"
-    assert parse_status(line) == (1, -9, tail)
-    assert parse_status("an ordinary line of output") is None
+def test_the_program_does_not_see_the_status_key() -> None:
+    env = Environment(0, 0, 1, 1, 0, "mpich")
+    out = rank_environment(env, {"MPX_STATUS_KEY": "secret", "MPX_JOB_ID": "j"}, gpu_count=0)
+    assert "MPX_STATUS_KEY" not in out
+    assert out["MPX_JOB_ID"] == "j"
 
 
 def test_threads_are_cores_per_local_rank() -> None:

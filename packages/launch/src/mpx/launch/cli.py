@@ -10,13 +10,18 @@
 The job runs as a process tree in its own session::
 
     mpxrun ─(watches stderr for status lines, the clock, Ctrl-C)
-      └── launcher (mpiexec / mpirun / srun), new session
+      └── launcher (mpiexec / mpiexec.gforker / mpirun / srun), new session
             └── per rank: python -m mpx.launch.rank -- prog args…
 
-When a rank fails, its supervisor prints a status line; ``mpxrun`` gives the
-launcher a moment to tear the job down by itself, then signals the whole
-session (SIGTERM, then SIGKILL). The exit code is the failed rank's (128+N for
-a signal), 124 for ``--timeout``, 2 for bad usage.
+When a rank fails, its supervisor prints a status line, signed with the job's
+key (:mod:`mpx.launch.status`); ``mpxrun`` gives the launcher a moment to tear
+the job down by itself, then signals the whole session (SIGTERM, then
+SIGKILL). The exit code is the failed rank's (128+N for a signal), 124 for
+``--timeout``, 2 for bad usage.
+
+At ``--timeout`` ``mpxrun`` first asks every rank still running for its
+Python stack (SIGUSR1 to their supervisors, see :mod:`mpx.launch.stacks`) and
+prints them, then stops the job.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, NoReturn
 
-from mpx.launch import settings, shm_cleanup
+from mpx.launch import settings, shm_cleanup, stacks
 from mpx.launch.check import run_check
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS, Launcher, find_launcher
-from mpx.launch.rank import die_with_parent, parse_status, usable_cores
+from mpx.launch.rank import die_with_parent, usable_cores
+from mpx.launch.status import new_key, parse_status
 from mpx.launch.virtual_cluster import VirtualCluster
 
 __all__ = ["Job", "RankFailure", "build_parser", "main"]
@@ -50,6 +56,11 @@ __all__ = ["Job", "RankFailure", "build_parser", "main"]
 LAUNCHER_GRACE_S = 1.0
 # Between SIGTERM and SIGKILL.
 TERM_GRACE_S = 2.0
+# After every rank reported a clean exit, how long a launcher that is done
+# but lingers (see Job.end_when_ranks_exit) may take before it is stopped.
+LINGER_S = 0.05
+# At --timeout, how long the ranks get to send their stacks.
+STACKS_WAIT_S = stacks.DUMP_WAIT_S + 1.0
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124
 
@@ -216,28 +227,126 @@ class Job:
 
     Example::
 
-        job = Job(["mpiexec", "-n", "2", "python", "-m", "mpx.launch.rank", "--", "hostname"])
+        key = new_key()
+        env = dict(os.environ, MPX_STATUS_KEY=key)
+        job = Job(["mpiexec", "-n", "2", "python", "-m", "mpx.launch.rank", "--", "hostname"],
+                  env=env, status_key=key, nprocs=2)
         code = job.run(timeout=60)
         print(job.failures)
+
+    Attributes:
+        status_key: the key the supervisors sign status lines with; lines
+            not signed with it are ordinary output.
+        nprocs: the number of ranks (0: unknown).
+        local: every rank runs on this host (so ``mpxrun`` can signal their
+            supervisors itself rather than through the launcher).
+        launcher_lingers: the launcher is MPICH's gforker, which waits 2 s
+            after its last rank more often than not (its MPIE_WaitForProcesses
+            counts a live rank again on every pass, so one live rank at the
+            first look makes it sit out its timeout), and does not stop the
+            other ranks when one fails. When stopping the job, ``mpxrun``
+            waits for the local rank supervisors to end, not for it, and gives
+            it no grace after a failure.
+        end_when_ranks_exit: once every rank has reported exit code 0, stop
+            the launcher instead of waiting for it (for a lingering launcher;
+            only safe where the ranks' output does not pass through it:
+            gforker without ``-l``).
     """
 
     command: list[str]
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     stderr: IO[bytes] = field(default_factory=lambda: sys.stderr.buffer)
+    status_key: str = ""
+    nprocs: int = 0
+    local: bool = True
+    launcher_lingers: bool = False
+    end_when_ranks_exit: bool = False
     failures: list[RankFailure] = field(default_factory=list)
+    exited: dict[int, int] = field(default_factory=dict)
+    stacks: dict[int, list[str]] = field(default_factory=dict)
     timed_out: bool = False
     _failed: threading.Event = field(default_factory=threading.Event)
 
     def _pump(self, source: IO[bytes]) -> None:
         for raw in iter(source.readline, b""):
-            status = parse_status(raw.decode(errors="replace"))
+            status = parse_status(self.status_key, raw.decode(errors="replace"))
             if status is None:
                 self.stderr.write(raw)
                 self.stderr.flush()
+            elif status.kind == "STACK":
+                self.stacks[status.rank] = status.lines
             else:
-                self.failures.append(RankFailure(*status))
-                self._failed.set()
+                self.exited[status.rank] = status.value
+                if status.value != 0:
+                    self.failures.append(RankFailure(status.rank, status.value, status.lines))
+                    self._failed.set()
         source.close()
+
+    def _supervisors(self, proc: subprocess.Popen[bytes]) -> list[int]:
+        """The pids of the rank supervisors the launcher started on this host.
+
+        Found by descent from the launcher, not by session: Hydra puts each
+        proxy and each rank in a session of its own.
+        """
+        children: dict[int, list[int]] = {}
+        commands: dict[int, list[bytes]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    commands[int(entry)] = fh.read().split(b"\0")
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+        found, todo = [], [proc.pid]
+        while todo:
+            pid = todo.pop()
+            if commands.get(pid, [])[1:3] == [b"-m", b"mpx.launch.rank"]:
+                found.append(pid)  # its program is its business
+            else:
+                todo.extend(children.get(pid, []))
+        return found
+
+    def _collect_stacks(self, proc: subprocess.Popen[bytes]) -> None:
+        """Asks the ranks still running for their Python stacks and prints them."""
+        if self.local:
+            for pid in self._supervisors(proc):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, stacks.DUMP_SIGNAL)
+        else:
+            # Hydra, mpirun and srun pass SIGUSR1 on to the processes they started.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, stacks.DUMP_SIGNAL)
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            if self.nprocs and set(range(self.nprocs)) - set(self.exited) <= set(self.stacks):
+                break
+            time.sleep(0.02)
+        # Without a rank count, the ranks that answered are the ones running.
+        running = sorted(set(range(self.nprocs)) - set(self.exited)) or sorted(self.stacks)
+        if not running:
+            return
+        ranks = ("ranks " if len(running) > 1 else "rank ") + ", ".join(map(str, running))
+        lines = [f"mpxrun: --timeout reached; still running: {ranks}"]
+        for rank in running:
+            if rank in self.stacks:
+                lines.append(f"mpxrun: rank {rank}'s Python stack:")
+                lines.extend(f"    {line}" for line in self.stacks[rank])
+            else:
+                lines.append(f"mpxrun: rank {rank} sent no stack within {STACKS_WAIT_S:g} s")
+        self.stderr.write(("\n".join(lines) + "\n").encode())
+        self.stderr.flush()
+
+    def _all_ranks_done(self) -> bool:
+        return (
+            self.end_when_ranks_exit
+            and self.nprocs > 0
+            and len(self.exited) == self.nprocs
+            and not any(self.exited.values())
+        )
 
     def _signal_all(self, proc: subprocess.Popen[bytes], sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -247,6 +356,8 @@ class Job:
         self._signal_all(proc, signal.SIGTERM)
         deadline = time.monotonic() + TERM_GRACE_S
         while proc.poll() is None and time.monotonic() < deadline:
+            if self.launcher_lingers and self.local and not self._supervisors(proc):
+                break  # every rank has ended: only the launcher's linger is left
             time.sleep(0.02)
         self._signal_all(proc, signal.SIGKILL)
 
@@ -265,18 +376,29 @@ class Job:
         pump.start()
         start = time.monotonic()
         failed_at: float | None = None
+        all_exited_at: float | None = None
         try:
             while proc.poll() is None:
                 now = time.monotonic()
                 if timeout is not None and now - start > timeout:
                     self.timed_out = True
+                    self._collect_stacks(proc)
                     self._stop(proc)
                     break
                 if self._failed.is_set():
                     failed_at = now if failed_at is None else failed_at
-                    if now - failed_at > LAUNCHER_GRACE_S:
+                    grace = 0.0 if self.launcher_lingers else LAUNCHER_GRACE_S
+                    if now - failed_at > grace:
                         self._stop(proc)
                         break
+                elif self._all_ranks_done():
+                    all_exited_at = now if all_exited_at is None else all_exited_at
+                    if now - all_exited_at > LINGER_S:
+                        # SIGKILL: a SIGTERMed gforker reports each rank as "signaled".
+                        self._signal_all(proc, signal.SIGKILL)
+                        proc.wait()
+                        pump.join(timeout=5.0)
+                        return 0
                 time.sleep(0.02)
         except KeyboardInterrupt:
             self._stop(proc)
@@ -289,6 +411,15 @@ class Job:
         return code
 
 
+def _all_local(launcher: Launcher, hostfile: str | None, virtual: VirtualCluster | None) -> bool:
+    return hostfile is None and launcher.kind != "slurm" and virtual is None
+
+
+# What a launcher tells its ranks; inherited from an enclosing job (mpxrun
+# inside a rank), they would describe that job to this one's ranks.
+_ENCLOSING_JOB_VARIABLES = ("PMI_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+
+
 def _job_environment(
     launcher: Launcher,
     nprocs: int,
@@ -296,12 +427,16 @@ def _job_environment(
     gpus: str,
     virtual: VirtualCluster | None = None,
 ) -> dict[str, str]:
-    local = hostfile is None and launcher.kind != "slurm" and virtual is None
+    local = _all_local(launcher, hostfile, virtual)
     hosts = _hosts_in(hostfile) if hostfile else []
     if virtual is not None:
         hosts = list(virtual.addresses)
     oversubscribed = (local or virtual is not None) and nprocs > usable_cores()
     env = dict(os.environ)
+    if launcher.forker:
+        # Hydra overwrites these for its ranks; gforker sets only PMI_RANK/SIZE/FD.
+        for key in [k for k in env if k.startswith(_ENCLOSING_JOB_VARIABLES)]:
+            del env[key]
     for key, value in launcher.environment(
         nprocs, oversubscribed=oversubscribed, local=local
     ).items():
@@ -311,8 +446,9 @@ def _job_environment(
     # A rendezvous point for torch.distributed's env:// (see init_torch_env).
     master = "127.0.0.1" if local else (hosts[0] if hosts else os.uname().nodename)
     env.setdefault("MPX_MASTER_ADDR", master)
-    env.setdefault("MPX_MASTER_PORT", str(free_port()))
+    env.setdefault("MPX_MASTER_PORT", str(free_port(master if local else "")))
     env["MPX_JOB_ID"] = uuid.uuid4().hex[:12]
+    env["MPX_STATUS_KEY"] = new_key()
     env["MPX_GPUS"] = gpus
     return env
 
@@ -357,7 +493,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.virtual_nodes is not None:
                 _check_virtual(launcher, args.hostfile)
                 virtual = stack.enter_context(VirtualCluster(args.virtual_nodes))
+            local = _all_local(launcher, args.hostfile, virtual)
+            if local:
+                launcher = launcher.on_this_host()
             env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus, virtual)
+            if launcher.forker:
+                env["MPX_BIND"] = args.bind  # gforker cannot bind: the supervisors do
             supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
             exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
             command = launcher.command(
@@ -374,7 +515,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except LaunchError as exc:
             print(f"mpxrun: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        return _run_job(Job(command, env=env), args.timeout)
+        job = Job(
+            command,
+            env=env,
+            status_key=env["MPX_STATUS_KEY"],
+            nprocs=args.nprocs,
+            local=local,
+            launcher_lingers=launcher.forker,
+            end_when_ranks_exit=launcher.forker and not args.tag_output,
+        )
+        return _run_job(job, args.timeout)
 
 
 def _check_virtual(launcher: Launcher, hostfile: str | None) -> None:

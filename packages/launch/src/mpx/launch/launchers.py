@@ -14,6 +14,15 @@ environment of whichever launcher is there::
 Oversubscription (more ranks than cores) makes MPICH busy-poll and Open MPI
 refuse to start; the defaults below make both yield instead. A variable the
 user has already set is never overridden.
+
+A job whose ranks all run on this host listens on loopback only: its MPI
+transports are pinned to ``lo`` (MPICH: ``UCX_NET_DEVICES``, ``FI_TCP_IFACE``;
+Open MPI: ``btl_tcp_if_include``, ``oob_tcp_if_include``), and MPICH's ranks
+are started by ``mpiexec.gforker`` (:meth:`Launcher.on_this_host`), which
+forks them and speaks PMI over socket pairs, where Hydra's ``mpiexec``
+listens for its proxies on a TCP port of every interface. gforker tags output
+with ``-l`` (lines read ``1>``) and cannot bind: for ``--bind`` the rank
+supervisor pins its program itself (``MPX_BIND``, :mod:`mpx.launch.binding`).
 """
 
 from __future__ import annotations
@@ -41,6 +50,16 @@ _MPICH_YIELD = {
     "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
     "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1",
 }
+# Every transport on loopback: what a job confined to this host needs, and
+# nothing another machine can reach. UCX is MPICH's default netmod, OFI/tcp
+# its other (FI_PROVIDER=tcp below).
+_MPICH_LOOPBACK = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+_OPENMPI_LOOPBACK = {
+    "OMPI_MCA_btl_tcp_if_include": "lo",
+    "OMPI_MCA_oob_tcp_if_include": "lo",
+    "PRTE_MCA_oob_tcp_if_include": "lo",
+}
+_GFORKER = "mpiexec.gforker"
 # Below this much free /dev/shm MPICH dies with bus errors; NOLOCAL routes
 # intra-node traffic through the network module instead.
 _MIN_DEV_SHM_BYTES = 256 << 20
@@ -57,6 +76,8 @@ class Launcher:
     Attributes:
         kind: ``"mpich"``, ``"openmpi"`` or ``"slurm"``.
         path: the executable (``mpiexec``, ``mpirun`` or ``srun``).
+        forker: ``path`` is MPICH's ``mpiexec.gforker``, which starts ranks
+            on this host only (see :meth:`on_this_host`).
 
     Example::
 
@@ -67,6 +88,21 @@ class Launcher:
 
     kind: str
     path: str
+    forker: bool = False
+
+    def on_this_host(self) -> Launcher:
+        """The launcher for a job whose ranks all run on this host.
+
+        For MPICH, the ``mpiexec.gforker`` installed beside ``mpiexec`` if
+        there is one: it opens no TCP port, where Hydra listens on every
+        interface. Otherwise this launcher.
+        """
+        if self.kind != "mpich" or self.forker:
+            return self
+        beside = Path(self.path).resolve().parent / _GFORKER
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return Launcher("mpich", str(beside), forker=True)
+        return self
 
     def command(
         self,
@@ -92,7 +128,15 @@ class Launcher:
         if bind not in BIND_CHOICES:
             raise UsageError(f"--bind must be one of {', '.join(BIND_CHOICES)}, got {bind!r}")
         cmd = [self.path, "-n", str(nprocs)]
-        if self.kind == "mpich":
+        if self.forker:
+            # Binding is the rank supervisor's job here (MPX_BIND, mpx.launch.binding).
+            if hostfile:
+                raise UsageError(
+                    f"{self.path} starts ranks on this host only: --hostfile needs Hydra's mpiexec"
+                )
+            if tag_output:
+                cmd += ["-l"]
+        elif self.kind == "mpich":
             if hostfile:
                 cmd += ["-f", hostfile]
             if bind != "none":
@@ -136,9 +180,12 @@ class Launcher:
                 # Start local ranks by fork instead of through ssh.
                 env["HYDRA_LAUNCHER"] = "fork"
                 env["FI_PROVIDER"] = "tcp"
+                env.update(_MPICH_LOOPBACK)
             if _dev_shm_free() < _MIN_DEV_SHM_BYTES:
                 env["MPIR_CVAR_NOLOCAL"] = "1"
         elif self.kind == "openmpi":
+            if local:
+                env.update(_OPENMPI_LOOPBACK)
             if oversubscribed:
                 env["OMPI_MCA_mpi_yield_when_idle"] = "1"
                 env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"

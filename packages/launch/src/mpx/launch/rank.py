@@ -8,10 +8,17 @@ rank; this module starts ``prog`` as its child and watches it::
                                                 │
               stderr of prog ──tee──> stderr ───┘ (+ the last lines kept)
 
-If ``prog`` exits non-zero or is killed, the supervisor writes one status
-line (``MPXRUN-RANK-FAILED rank code tail``) to stderr. The launcher forwards
-stderr from every node, so ``mpxrun`` learns which rank failed and why even on
-a cluster, strips the line, stops the job and reports it.
+When ``prog`` exits, the supervisor writes one status line
+(``MPXRUN-RANK-EXITED rank code tail mac``, see :mod:`mpx.launch.status`) to
+stderr. The launcher forwards stderr from every node, so ``mpxrun`` learns
+which rank failed and why even on a cluster, strips the line, stops the job
+and reports it. The line is signed with the job's key (``MPX_STATUS_KEY``),
+which the supervisor keeps from ``prog``: nothing ``prog`` prints can pass
+for a status line.
+
+On SIGUSR1 (``mpxrun --timeout`` sends it) the supervisor asks ``prog`` for
+its Python stack (:mod:`mpx.launch.stacks`) and sends it to ``mpxrun`` the
+same way (``MPXRUN-RANK-STACK``).
 
 Nothing is left behind: the child dies with its supervisor (``PR_SET_PDEATHSIG``)
 and a supervisor that is told to stop (SIGTERM/SIGINT/SIGHUP) passes the
@@ -24,35 +31,25 @@ has set them.
 
 from __future__ import annotations
 
-import base64
 import collections
 import contextlib
 import ctypes
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import IO
 
+from mpx.launch import binding, stacks
 from mpx.launch.environment import Environment, environment
-from mpx.launch.settings import GPUS
+from mpx.launch.settings import BIND, GPUS, STACK_FILE, STATUS_KEY
+from mpx.launch.status import format_status
 
-__all__ = [
-    "STATUS_PATTERN",
-    "die_with_parent",
-    "format_status",
-    "main",
-    "parse_status",
-    "rank_environment",
-    "usable_cores",
-]
+__all__ = ["die_with_parent", "main", "rank_environment", "usable_cores"]
 
-STATUS_PATTERN = re.compile(r"MPXRUN-RANK-FAILED (\d+) (-?\d+) ([A-Za-z0-9+/=]*)")
 TAIL_LINES = 20
 KILL_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
@@ -64,24 +61,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def format_status(rank: int, code: int, tail: Sequence[str]) -> str:
-    """The status line a failed rank's supervisor writes to stderr."""
-    payload = base64.b64encode(json.dumps(list(tail)).encode()).decode()
-    return f"MPXRUN-RANK-FAILED {rank} {code} {payload}"
-
-
-def parse_status(line: str) -> tuple[int, int, list[str]] | None:
-    """Reads a status line back: (rank, exit code, last stderr lines), or None."""
-    match = STATUS_PATTERN.search(line)
-    if match is None:
-        return None
-    try:
-        tail = json.loads(base64.b64decode(match.group(3)).decode())
-    except ValueError:
-        tail = []
-    return int(match.group(1)), int(match.group(2)), [str(x) for x in tail]
 
 
 def _gpu_count() -> int:
@@ -106,6 +85,8 @@ def rank_environment(
         gpu_count: GPUs on this node; read from the driver when None.
     """
     out = dict(base)
+    # The program must not be able to sign status lines (see mpx.launch.status).
+    out.pop(STATUS_KEY.name, None)
     if "OMP_NUM_THREADS" not in out:
         cores = usable_cores()
         out["OMP_NUM_THREADS"] = str(max(1, cores // max(env.local_world_size, 1)))
@@ -131,18 +112,41 @@ def die_with_parent(sig: int) -> None:
         pass
 
 
-def _tee(source: IO[bytes], sink: IO[bytes], tail: collections.deque[str]) -> None:
-    for line in iter(source.readline, b""):
-        sink.write(line)
-        sink.flush()
-        tail.append(line.decode(errors="replace").rstrip("\n"))
-    source.close()
-
-
 def _pass_fds() -> tuple[int, ...]:
-    # Hydra hands each rank its PMI connection as an inherited descriptor.
+    # Hydra and gforker hand each rank its PMI connection as an inherited descriptor.
     fd = os.environ.get("PMI_FD", "")
     return (int(fd),) if fd.isdigit() else ()
+
+
+class _Reporter:
+    """Writes this rank's signed status lines to stderr, one whole line at a time."""
+
+    def __init__(self, rank: int, key: str, sink: IO[bytes]) -> None:
+        self.rank, self.key, self.sink = rank, key, sink
+        self._lock = threading.Lock()
+        self._mid_line = False
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            self.sink.write(data)
+            self.sink.flush()
+            if data:
+                self._mid_line = not data.endswith(b"\n")
+
+    def report(self, kind: str, value: int, lines: Sequence[str]) -> None:
+        # Without a key this supervisor was not started by mpxrun: nobody listens.
+        if self.key:
+            line = format_status(self.key, kind, self.rank, value, lines) + "\n"
+            # mpxrun drops the whole line a status is found in: a status must
+            # not end the program's last line when that lacks its newline.
+            self.write(("\n" if self._mid_line else "").encode() + line.encode())
+
+
+def _tee(source: IO[bytes], sink: _Reporter, tail: collections.deque[str]) -> None:
+    for line in iter(source.readline, b""):
+        sink.write(line)
+        tail.append(line.decode(errors="replace").rstrip("\n"))
+    source.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,8 +159,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     die_with_parent(signal.SIGTERM)
     env = environment()
+    reporter = _Reporter(env.rank, STATUS_KEY.read(), sys.stderr.buffer)
     child_env = rank_environment(env, os.environ, gpus=GPUS.read())
-    preexec: Callable[[], None] = lambda: die_with_parent(signal.SIGKILL)  # noqa: E731
+    # A file in memory, reached by the program through this process's fd
+    # table: nothing is left on disk however the job ends.
+    dump_fd = os.memfd_create("mpxrun-stack")
+    try:
+        stack_file = f"/proc/{os.getpid()}/fd/{dump_fd}"
+        child_env[STACK_FILE.name] = stack_file
+        return _supervise(args, env, child_env, reporter, stack_file)
+    finally:
+        os.close(dump_fd)
+
+
+def _supervise(
+    args: list[str],
+    env: Environment,
+    child_env: dict[str, str],
+    reporter: _Reporter,
+    stack_file: str,
+) -> int:
+    level = BIND.read()
+    cpus = binding.cpus_for(level, env.local_rank) if level != "none" else None
+
+    def preexec() -> None:
+        die_with_parent(signal.SIGKILL)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
     try:
         child = subprocess.Popen(
             args,
@@ -167,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except OSError as exc:
         message = f"rank {env.rank}: cannot start {args[0]!r}: {exc.strerror}"
-        print(message, file=sys.stderr)
-        print(format_status(env.rank, 127, [message]), file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
+        reporter.report("EXITED", 127, [message])
         return 127
 
     stopped_by: list[int] = []
@@ -188,14 +218,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
 
+    def send_stack() -> None:
+        reporter.report("STACK", child.pid, stacks.dump(child.pid, stack_file))
+
+    def stack_requested(_signum: int, _frame: FrameType | None) -> None:
+        # Waiting for the dump would block the handler: a thread does it.
+        threading.Thread(target=send_stack, daemon=True).start()
+
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, stop)
+    signal.signal(stacks.DUMP_SIGNAL, stack_requested)
 
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     assert child.stderr is not None
-    reader = threading.Thread(
-        target=_tee, args=(child.stderr, sys.stderr.buffer, tail), daemon=True
-    )
+    reader = threading.Thread(target=_tee, args=(child.stderr, reporter, tail), daemon=True)
     reader.start()
     code = child.wait()
     # A grandchild may still hold the pipe open; don't wait for it forever.
@@ -203,14 +239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if stopped_by:
         # Stopped from outside (mpxrun, the launcher, Ctrl-C): not this rank's fault.
         return 128 + stopped_by[0]
-    if code != 0:
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            tail.append(f"(rank {env.rank} was killed by {name})")
-        print(format_status(env.rank, code, list(tail)), file=sys.stderr, flush=True)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        tail.append(f"(rank {env.rank} was killed by {name})")
+    reporter.report("EXITED", code, list(tail) if code != 0 else [])
     return code if code >= 0 else 128 - code
 
 

@@ -37,8 +37,6 @@ variable, the value and the accepted form.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -261,6 +259,10 @@ ENTRY_POINT_GROUP = "mpx.settings"
 def load_declarations() -> list[str]:
     """Imports every installed package's settings module; returns their names."""
     loaded = []
+    # Imported here: importlib.metadata costs every process that reads a
+    # setting (every rank under mpxrun, through its exit hook) ~0.1 s.
+    import importlib.metadata
+
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         importlib.import_module(entry.value)
         loaded.append(entry.value)
@@ -308,7 +310,7 @@ def check_environment(out: IO[str]) -> int:
     return 1 if bad else 0
 
 
-# -- mpx-launch's own variables (mpxrun sets the first four for its ranks) ----
+# -- mpx-launch's own variables (mpxrun and the rank supervisor set all but MPX_LAUNCHER) --
 
 LAUNCHER = declare(
     "MPX_LAUNCHER",
@@ -345,4 +347,29 @@ MASTER_PORT = declare(
     "",
     "port torch.distributed rendezvous uses (set by mpxrun; MASTER_PORT wins if set)",
     package="launch",
+)
+STATUS_KEY = declare(
+    "MPX_STATUS_KEY",
+    "str",
+    "",
+    "set by mpxrun for the rank supervisors: the per-job key that signs their status lines "
+    "(hidden from the ranks' programs, so their output cannot forge one)",
+    package="launch",
+)
+STACK_FILE = declare(
+    "MPX_STACK_FILE",
+    "str",
+    "",
+    "set by the rank supervisor: where the rank's Python stack is written on SIGUSR1 "
+    "(mpxrun --timeout asks for it before stopping the job)",
+    package="launch",
+)
+BIND = declare(
+    "MPX_BIND",
+    "choice",
+    "none",
+    "set by mpxrun --bind where the launcher cannot bind (MPICH's gforker): the rank "
+    "supervisor pins its program to one core or NUMA node per local rank, round robin",
+    package="launch",
+    choices=("none", "core", "numa"),
 )

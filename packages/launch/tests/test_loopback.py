@@ -1,0 +1,162 @@
+"""A job whose ranks all run on this host listens on loopback only."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mpx.launch.cli import _job_environment
+from mpx.launch.launchers import Launcher
+
+MPXRUN = os.path.join(os.path.dirname(sys.executable), "mpxrun")
+
+# Each rank initialises MPI (its transports open their listening sockets),
+# says so, and waits for the test to let it go.
+PROGRAM = textwrap.dedent(
+    """
+    import os, sys, time
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    comm.Barrier()
+    out = sys.argv[1]
+    with open(os.path.join(out, f"ready.{comm.Get_rank()}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    while not os.path.exists(os.path.join(out, "go")):
+        time.sleep(0.05)
+    comm.Barrier()
+    """
+)
+
+
+def _listening_sockets() -> dict[int, str]:
+    """inode -> address of every listening TCP socket of this network namespace."""
+    found = {}
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(path) as fh:
+            rows = fh.read().splitlines()[1:]
+        for row in rows:
+            fields = row.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            raw = bytes.fromhex(fields[1].split(":")[0])
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found[int(fields[9])] = socket.inet_ntop(family, words)
+    return found
+
+
+def _tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, []))
+    return pids
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+@pytest.mark.parametrize(("nprocs", "bind"), [(2, "none"), (3, "none"), (2, "core")])
+def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nprocs: int, bind: str) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.Popen(
+        [MPXRUN, "-n", str(nprocs), "--bind", bind, "--timeout", "120", str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 100
+        while len(list(tmp_path.glob("ready.*"))) < nprocs and proc.poll() is None:
+            assert time.monotonic() < deadline, "the ranks never got ready"
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        pids = _tree(proc.pid)
+        ranks = {int(p.read_text()) for p in tmp_path.glob("ready.*")}
+        assert ranks <= set(pids)  # the scan covers mpxrun, the launcher and every rank
+        listening = _listening_sockets()
+        exposed = sorted(
+            (pid, listening[inode])
+            for pid in pids
+            for inode in _socket_inodes(pid)
+            if inode in listening and not ipaddress.ip_address(listening[inode]).is_loopback
+        )
+        assert exposed == [], f"listening beyond loopback (pid, address): {exposed}"
+    finally:
+        (tmp_path / "go").touch()
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+
+
+def test_transports_are_pinned_to_loopback_only_for_single_host_jobs() -> None:
+    mpich = Launcher("mpich", "mpiexec")
+    assert mpich.environment(2, oversubscribed=False, local=True)["UCX_NET_DEVICES"] == "lo"
+    assert mpich.environment(2, oversubscribed=False, local=True)["FI_TCP_IFACE"] == "lo"
+    ompi = Launcher("openmpi", "mpirun").environment(2, oversubscribed=False, local=True)
+    assert ompi["OMPI_MCA_btl_tcp_if_include"] == "lo"
+    assert ompi["OMPI_MCA_oob_tcp_if_include"] == "lo"
+    for launcher in (mpich, Launcher("openmpi", "mpirun")):
+        remote = launcher.environment(2, oversubscribed=False, local=False)
+        assert not {k for k, v in remote.items() if v == "lo"}, remote
+
+
+def test_a_multi_node_job_keeps_the_users_interface(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1\nnode2\n")
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
+    monkeypatch.delenv("FI_TCP_IFACE", raising=False)
+    env = _job_environment(Launcher("mpich", "mpiexec"), 4, str(hostfile), "none")
+    assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
+    assert "FI_TCP_IFACE" not in env
+    # And a user's choice wins on a single host too.
+    env = _job_environment(Launcher("mpich", "mpiexec"), 2, None, "none")
+    assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
+    assert env["FI_TCP_IFACE"] == "lo"
+
+
+def test_single_host_mpich_jobs_use_gforker_when_installed() -> None:
+    from mpx.launch import find_launcher
+
+    launcher = find_launcher("mpich")
+    local = launcher.on_this_host()
+    assert local.forker, "the mpich wheel ships mpiexec.gforker beside mpiexec"
+    assert local.command(2, ["prog"], tag_output=True) == [local.path, "-n", "2", "-l", "prog"]
+    # gforker cannot bind: the rank supervisors do (MPX_BIND).
+    assert local.command(2, ["prog"], bind="core") == [local.path, "-n", "2", "prog"]
+    with pytest.raises(ValueError, match="--hostfile needs Hydra"):
+        local.command(2, ["prog"], hostfile="hosts")
+    assert Launcher("openmpi", "mpirun").on_this_host() == Launcher("openmpi", "mpirun")
