@@ -199,18 +199,20 @@ def test_the_python_form_runs_without_cython(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(vars(ops), "fast_path", python_form)
     comm.choices.fast.clear()
     try:
-        before = 0
-        # Twice: MPX_CHECK=auto sends a signature's first call the general
-        # path (it compares it); the second pass is all on this path.
-        for _ in range(2):
-            before = python_form.payload()
-            for dtype in (torch.float32, torch.int64):
-                t = torch.full((9,), comm.rank + 1, dtype=dtype)
-                allreduce(t)
-                assert t.tolist() == [sum(range(1, comm.size + 1))] * 9
-                b = torch.full((5,), comm.rank, dtype=dtype)
-                broadcast(b, comm.size - 1)
-                assert b.tolist() == [comm.size - 1] * 5
+        # MPX_CHECK=0: the default check sends a signature's first call, and
+        # every MPX_CHECK_INTERVAL-th call, the general path (it compares them).
+        monkeypatch.setenv("MPX_CHECK", "0")
+        reload_settings()
+        before = python_form.payload()
+        for dtype in (torch.float32, torch.int64):
+            t = torch.full((9,), comm.rank + 1, dtype=dtype)
+            allreduce(t)
+            assert t.tolist() == [sum(range(1, comm.size + 1))] * 9
+            b = torch.full((5,), comm.rank, dtype=dtype)
+            broadcast(b, comm.size - 1)
+            assert b.tolist() == [comm.size - 1] * 5
         assert python_form.payload() - before == (9 + 5) * 4 + (9 + 5) * 8  # float32, int64
     finally:
         comm.choices.fast.clear()
+        monkeypatch.delenv("MPX_CHECK", raising=False)
+        reload_settings()

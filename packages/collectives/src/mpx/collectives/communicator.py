@@ -163,7 +163,7 @@ class Communicator:
         self.background_progress = True
         self._cache: dict[str, Any] = {}
         # MPX_CHECK's record of this communicator's calls, and the
-        # configurations already compared (check_call, check_same).
+        # configurations already compared (check_steps, check_same).
         self.ledger = CallLedger(current_policy().check_interval)
         self._same: set[tuple[str, tuple[tuple[str, Hashable], ...]]] = set()
         self.hierarchy: Hierarchy | None = Hierarchy.build(self) if self.num_nodes > 1 else None
@@ -319,55 +319,62 @@ class Communicator:
             MismatchError: on every rank, naming the field that differs and
                 the calls of rank 0 and of a rank that differs from it.
         """
-        self._compare(op, signature_of(op, tensor, reduce_op, root), False, timeout)
+        steps = self._compare_steps(op, signature_of(op, tensor, reduce_op, root), False)
+        self.run(op + " (MPX_CHECK)", "check", steps, False, timeout)
 
-    def check_call(
-        self,
-        op: str,
-        tensor: torch.Tensor | None,
-        reduce_op: str = "",
-        root: int = -1,
-        timeout: float | None = None,
-    ) -> None:
-        """The consistency check of one collective call, as ``MPX_CHECK`` says.
+    def check_steps(
+        self, op: str, tensor: torch.Tensor | None, reduce_op: str = "", root: int = -1
+    ) -> Steps[None] | None:
+        """The consistency check of one collective call, as ``MPX_CHECK`` says: steps, or None.
 
         ``auto`` (the default) counts the call in the communicator's ledger and
         compares across ranks only when its signature is new here or the
         periodic comparison of digests is due (see :mod:`mpx.collectives.consistency`);
-        ``1`` compares every call; ``0`` nothing. Collective when it compares,
-        and every rank decides alike when that is.
+        ``1`` compares every call; ``0`` nothing. The comparison runs as the
+        first steps of the call itself (the operations chain it before their
+        own): it is ordered with the call, and an ``async_op=True`` call does
+        not block in it. Every rank decides alike when to compare.
 
-        Raises:
-            MismatchError: on every rank, naming the op, the field that differs and both values.
+        The steps raise :class:`MismatchError` on every rank, naming the op,
+        the field that differs and both values.
         """
         mode = current_policy().check
         if mode == "0" or op not in CHECKED_OPS:
-            return
+            return None
         signature = signature_of(op, tensor, reduce_op, root)
         if mode == "1":
-            self._compare(op, signature, False, timeout)
-            return
+            return self._compare_steps(op, signature, False)
         new, due = self.ledger.count(signature)
         if new or due:
-            self._compare(op, signature, due, timeout)
+            return self._compare_steps(op, signature, due)
+        return None
 
-    def _compare(self, op: str, signature: Signature, digests: bool, timeout: float | None) -> None:
+    def _compare_steps(self, op: str, signature: Signature, digests: bool) -> Steps[None]:
+        # The ledger's position is taken now, when the call is issued: the
+        # steps may run later, after this rank has issued (and counted) more.
         ledger = self.ledger
         mine = encode(signature, ledger.calls, int(ledger.state[1]))
+        recent = ledger.recent() if digests else []
+        return self._compare(op, signature, mine, recent)
+
+    def _compare(
+        self,
+        op: str,
+        signature: Signature,
+        mine: np.ndarray,
+        recent: list[tuple[int, Signature | None]],
+    ) -> Steps[None]:
         every = np.empty((self.size, ROW), dtype=np.int64)
-
-        def steps() -> Steps[None]:
-            yield Requests([self.mpi.Iallgather(mine, every)])
-
-        self.run(op + " (MPX_CHECK)", "check", steps(), False, timeout)
+        yield Requests([self.mpi.Iallgather(mine, every)])
         rows = [decode(row) for row in every]
         error = first_difference(op, [sig for sig, _, _ in rows], " (MPX_CHECK)")
         if error is not None:
             raise error
-        ledger.verified.add(signature)
-        if digests and any(row[1:] != rows[0][1:] for row in rows):
-            recent = self.allgather_object(ledger.recent(), timeout)
-            raise ledger.first_divergence(op, recent)
+        self.ledger.verified.add(signature)
+        if recent and any(row[1:] != rows[0][1:] for row in rows):
+            data = pickle.dumps(recent, protocol=pickle.HIGHEST_PROTOCOL)
+            parts = yield from gather_bytes(self.mpi, data)
+            raise self.ledger.first_divergence(op, [pickle.loads(part) for part in parts])
 
     def check_same(
         self, what: str, fields: Mapping[str, Hashable], timeout: float | None = None

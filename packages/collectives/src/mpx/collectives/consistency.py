@@ -16,6 +16,10 @@ is checked, at a cost small enough to leave on::
     1            --                                  compare every call's signature
     0            --                                  nothing
 
+The comparison runs as the first steps of the call itself, so it is ordered
+with the call and an ``async_op=True`` call never blocks in it; whether a call
+compares is decided when it is issued.
+
 A signature is what MPI matches on: the op, the dtype, the element count, the
 reduce op and the root (a shape with the same element count reduces the same
 memory, so it is not compared). In a correct program every rank calls the same
@@ -159,7 +163,9 @@ class CallLedger:
     Attributes:
         state: the int64 array described by ``LEDGER_FIELDS`` (shared with
             the fast path, which counts its calls in it).
-        verified: signatures every rank has compared equal on this communicator.
+        verified: signatures every rank has compared equal on this communicator
+            (the fast path takes only these).
+        seen: signatures counted here (compared, or to be compared, once).
         signatures: hash -> signature, for the hashes this rank has counted.
     """
 
@@ -168,6 +174,7 @@ class CallLedger:
         self.state[2] = interval
         self.state[3] = interval
         self.verified: set[Signature] = set()
+        self.seen: set[Signature] = set()
         self.signatures: dict[int, Signature] = {}
 
     @property
@@ -190,7 +197,12 @@ class CallLedger:
         due = n >= int(state[2])
         if due:
             state[2] = n + self.interval
-        return signature not in self.verified, due
+        # New means new at issue time: an asynchronous call may be issued
+        # before the comparison of an earlier one with its signature has run,
+        # and every rank must decide alike whatever ran when.
+        new = signature not in self.seen
+        self.seen.add(signature)
+        return new, due
 
     def count_hash(self, h: int) -> None:
         """Counts one call of a known signature (the fast path, run as Python)."""
@@ -219,7 +231,7 @@ class CallLedger:
                 number = every[0][position][0]
                 known = [s if s is not None else (op, "?", 0, "", -1) for s in signatures]
                 how = (
-                    f" (call {number} on this communicator, found {self.calls - number} "
+                    f" (call {number} on this communicator, found {every[0][-1][0] - number} "
                     "calls later by MPX_CHECK=auto's comparison of digests: its results and "
                     "those since are wrong)"
                 )

@@ -24,7 +24,7 @@ from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import CommLike, as_communicator
 from mpx.collectives.dtypes import check_op_for_dtype
 from mpx.collectives.errors import MPXValueError
-from mpx.collectives.handle import Handle
+from mpx.collectives.handle import Handle, Steps
 from mpx.collectives.implementations import MODULES
 from mpx.collectives.policy import choose
 
@@ -76,9 +76,21 @@ def _run(
     # The one decision of this call: the policy is consulted here, once.
     name = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
     _payload[0] += nbytes
-    comm.check_call(op, t, reduce_op, root, timeout)
     steps = getattr(MODULES[name], op)(comm, *(() if t is None else (t,)), *args)
+    check = comm.check_steps(op, t, reduce_op, root)
+    if check is not None:
+        steps = _checked(check, steps)
     return comm.run(op, name, steps, async_op, timeout)
+
+
+def _checked(check: Steps[None], steps: Steps[Any]) -> Steps[Any]:
+    """The call's steps after its consistency check's (``MPX_CHECK``), as one operation."""
+    try:
+        yield from check
+    except BaseException:
+        steps.close()  # never started: nothing of the data moved
+        raise
+    return (yield from steps)
 
 
 @overload
