@@ -390,3 +390,19 @@ def test_group_timeout_is_honoured(groups: dict[str, dist.ProcessGroup]) -> None
         work.wait()
     assert raised.value.seconds == 1
     dist.destroy_process_group(group)
+
+
+def test_keyword_forms_and_several_tensors_match_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    """``pg.allreduce(t, op=...)``, ``pg.broadcast(t, root=...)``; a list: one value over all."""
+    rank = dist.get_rank()
+
+    def run(group: dist.ProcessGroup) -> object:
+        t = torch.full((2,), float(rank + 1))
+        group.allreduce(t, op=dist.ReduceOp.MAX).wait()
+        b = torch.full((2,), float(rank))
+        group.broadcast(b, root=0).wait()
+        several = [torch.full((2,), 1.0 + rank), torch.full((2,), 2.0 + rank)]
+        group.allreduce(several).wait()
+        return [t, b, several]
+
+    _on_both(groups, run)

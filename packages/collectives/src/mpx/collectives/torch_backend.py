@@ -242,13 +242,15 @@ class MPXProcessGroup(dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------------
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> MPXWork:  # type: ignore[override]
+    def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> MPXWork:  # type: ignore[override]
+        """``allreduce(tensors, AllreduceOptions)``, or ``allreduce(tensor, op=ReduceOp)``."""
+        opts = op if op is not None else opts
         tensors = _all_of(tensors)
-        op = self._op_of(opts, "allreduce")
+        name = self._op_of(opts, "allreduce")
         if len(tensors) == 1 and tensors[0].is_sparse:
-            return self._sparse_allreduce(tensors[0], op)
+            return self._sparse_allreduce(tensors[0], name)
         # Several tensors (torch's multi-device form): one value over all of them.
-        forms = [reduce_form(t, op, "allreduce") for t in tensors]
+        forms = [reduce_form(t, name, "allreduce") for t in tensors]
         combined = forms[0]
         if len(forms) > 1:
             combined = ReduceForm(tensors[0], _fold_local(forms), forms[0].op)
@@ -394,7 +396,11 @@ class MPXProcessGroup(dist.ProcessGroup):
 
     # -- data movement ---------------------------------------------------------------
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> MPXWork:  # type: ignore[override]
+    def broadcast(  # type: ignore[override]
+        self, tensors: Any, opts: Any = None, root: int | None = None
+    ) -> MPXWork:
+        """``broadcast(tensors, BroadcastOptions)``, or ``broadcast(tensor, root)``."""
+        opts = root if root is not None else opts
         tensors = _all_of(tensors)
         if isinstance(opts, int):  # pg.broadcast(tensor, root)
             root, index = opts, 0

@@ -302,6 +302,10 @@ def _job_environment(
         hosts = list(virtual.addresses)
     oversubscribed = (local or virtual is not None) and nprocs > usable_cores()
     env = dict(os.environ)
+    # Inside another mpxrun job, that job's torchrun variables (RANK, ...) are
+    # its ranks', not the user's: this job's ranks get their own.
+    for name in env.pop(settings.TORCH_ENV.name, "").split(","):
+        env.pop(name, None)
     for key, value in launcher.environment(
         nprocs, oversubscribed=oversubscribed, local=local
     ).items():

@@ -346,3 +346,11 @@ MASTER_PORT = declare(
     "port torch.distributed rendezvous uses (set by mpxrun; MASTER_PORT wins if set)",
     package="launch",
 )
+TORCH_ENV = declare(
+    "MPX_TORCH_ENV",
+    "str",
+    "",
+    "set by mpxrun in every rank: the torchrun variables (RANK, ...) it exported, which "
+    "an mpxrun started inside the job replaces",
+    package="launch",
+)
