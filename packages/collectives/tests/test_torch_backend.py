@@ -406,3 +406,21 @@ def test_keyword_forms_and_several_tensors_match_gloo(groups: dict[str, dist.Pro
         return [t, b, several]
 
     _on_both(groups, run)
+
+
+def test_ddp_with_sparse_embedding_bag_equals_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    """DDP with ``EmbeddingBag(sparse=True)``: sparse gradients summed as gloo sums them."""
+
+    def train(group: dist.ProcessGroup) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.EmbeddingBag(20, 4, mode="sum", sparse=True)
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(world().rank)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randint(0, 20, (6,), generator=data), torch.tensor([0, 3])).sum().backward()
+            opt.step()
+        return model.weight.detach().clone()
+
+    assert torch.equal(train(groups["mpx"]), train(groups["gloo"]))
