@@ -23,6 +23,9 @@ decode_header(header),      int64, for a receiver that must allocate its
 HEADER_LEN                  buffer before ``recv``
 empty_shared(...)           a tensor in node-shared memory: ``shm`` reduces  dataparallel
                             it without staging copies (collective)
+MPXProcessGroup, MPXWork    the ``mpx`` torch.distributed group and work:    quantize
+                            subclass, override an op, register with
+                            ``MPXProcessGroup.create`` as the creator
 ==========================  ===============================================  =============
 
 Progress control: a communicator hands unfinished asynchronous operations to
@@ -50,10 +53,13 @@ from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.policy import small_bytes
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
+from mpx.collectives.torch_backend import MPXProcessGroup, MPXWork
 
 __all__ = [
     "HEADER_LEN",
     "SUPPORTED_DTYPES",
+    "MPXProcessGroup",
+    "MPXWork",
     "decode_header",
     "empty_shared",
     "encode_header",

@@ -246,7 +246,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         """``allreduce(tensors, AllreduceOptions)``, or ``allreduce(tensor, op=ReduceOp)``."""
         opts = op if op is not None else opts
         tensors = _all_of(tensors)
-        name = self._op_of(opts, "allreduce")
+        name = self.reduce_op_name(opts, "allreduce")
         if len(tensors) == 1 and tensors[0].is_sparse:
             return self._sparse_allreduce(tensors[0], name)
         # Several tensors (torch's multi-device form): one value over all of them.
@@ -265,7 +265,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         return MPXWork([handle], tensors, write_back)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:
-        op = self._op_of(opts, "allreduce_coalesced")
+        op = self.reduce_op_name(opts, "allreduce_coalesced")
         forms = [reduce_form(t, op, "allreduce_coalesced") for t in tensors]
         handles = [self._allreduce_form(form) for form in forms]
 
@@ -277,7 +277,7 @@ class MPXProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors: Any, opts: Any = None) -> MPXWork:  # type: ignore[override]
         tensors = _all_of(tensors)
-        op = self._op_of(opts, "reduce")
+        op = self.reduce_op_name(opts, "reduce")
         root = self._check_root(opts.rootRank if opts is not None else 0, "reduce")
         form = reduce_form(tensors[0], op, "reduce")
         if op in BITWISE:  # reduced on every rank, into a scratch copy off the root
@@ -336,7 +336,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         outputs = _all_of(outputs)
         if input_lists and isinstance(input_lists[0], torch.Tensor):
             input_lists = [input_lists]
-        op = self._op_of(opts, "reduce_scatter")
+        op = self.reduce_op_name(opts, "reduce_scatter")
         steps = [
             self._reduce_scatter_rows([out], list(inputs), op, "reduce_scatter")
             for out, inputs in zip(outputs, input_lists, strict=True)
@@ -346,7 +346,7 @@ class MPXProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> MPXWork:
-        op = self._op_of(opts, "reduce_scatter_tensor")
+        op = self.reduce_op_name(opts, "reduce_scatter_tensor")
         if input.numel() != output.numel() * self.comm.size:
             raise MPXValueError(
                 f"reduce_scatter_tensor: the input has {input.numel()} elements, not "
@@ -607,10 +607,30 @@ class MPXProcessGroup(dist.ProcessGroup):
     # -- options -------------------------------------------------------------------------
 
     @staticmethod
-    def _op_of(opts: Any, where: str) -> str:
+    def reduce_op_name(opts: Any, where: str) -> str:
+        """mpx's name of the ReduceOp in torch's options (or a bare ReduceOp); sum if None."""
         if opts is None:
             return "sum"
         return reduce_op(getattr(opts, "reduceOp", opts), where)
+
+    @classmethod
+    def create(cls, options: Any, backend_options: Any = None) -> MPXProcessGroup:
+        """torch's creator (``register_backend(..., extended_api=True)``) for this class.
+
+        ``options`` is torch's ``_DistributedBackendOptions``: this rank's place
+        in the group, its global ranks and its timeout.
+        """
+        seconds = None if options.timeout is None else options.timeout.total_seconds()
+        comm = _group_communicator(options.global_ranks_in_group, seconds)
+        rank, size = options.group_rank, options.group_size
+        if (rank, size) != (comm.rank, comm.size):
+            comm.free()
+            raise MPXValueError(
+                f"torch asked for rank {rank} of {size}, but MPI says rank {comm.rank} of "
+                f"{comm.size}; start the job with mpxrun/mpiexec and let mpx.collectives."
+                "init_process_group() pass MPI's rank and size"
+            )
+        return cls(comm, options.timeout)
 
     # torch 2.13's names of the single-tensor forms (all_gather_into_tensor,
     # reduce_scatter_tensor and all_to_all_single call these).
@@ -700,17 +720,7 @@ def _group_communicator(ranks: Sequence[int], timeout: float | None) -> Communic
 
 
 def _create(options: Any, backend_options: Any = None) -> MPXProcessGroup:
-    seconds = None if options.timeout is None else options.timeout.total_seconds()
-    comm = _group_communicator(options.global_ranks_in_group, seconds)
-    rank, size = options.group_rank, options.group_size
-    if (rank, size) != (comm.rank, comm.size):
-        comm.free()
-        raise MPXValueError(
-            f"torch asked for rank {rank} of {size}, but MPI says rank {comm.rank} of "
-            f"{comm.size}; start the job with mpxrun/mpiexec and let mpx.collectives."
-            "init_process_group() pass MPI's rank and size"
-        )
-    return MPXProcessGroup(comm, options.timeout)
+    return MPXProcessGroup.create(options, backend_options)
 
 
 def register_torch_backend() -> None:
