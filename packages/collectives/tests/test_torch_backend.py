@@ -335,7 +335,9 @@ def test_sparse_all_reduce_matches_gloo(groups: dict[str, dist.ProcessGroup]) ->
 
     def run(group: dist.ProcessGroup) -> object:
         indices = torch.tensor([[rank, rank + 1]])
-        t = torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0 + rank]), (8,))
+        t = torch.sparse_coo_tensor(
+            indices, torch.tensor([1.0, 2.0 + rank]), (8,), check_invariants=True
+        )
         dist.all_reduce(t, group=group)
         return t.to_dense()
 
