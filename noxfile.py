@@ -189,3 +189,17 @@ def demo(session: nox.Session) -> None:
         "examples/train_digits.py",
         *args,
     )
+
+
+@nox.session(name="torch-conformance", default=False)
+def torch_conformance(session: nox.Session) -> None:
+    """PyTorch's own distributed suite on `mpx`, gloo the control: 2 ranks, subgroups on 3.
+
+    Prints "mpx passes X of the Y tests that gloo passes" and the differences;
+    the JSON results go to conformance-results/. Extra arguments go to
+    tests/conformance/run_conformance.py (e.g. `-- -k all_reduce`).
+    """
+    _install(session, "expecttest")  # torch's test utilities import it
+    script = "tests/conformance/run_conformance.py"
+    session.run("python", script, "--ranks", "2", *session.posargs)
+    session.run("python", script, "--ranks", "3", "--select", "subgroup", *session.posargs)

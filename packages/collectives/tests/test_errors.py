@@ -7,6 +7,7 @@ from types import ModuleType
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import mpx.collectives
 from mpx.collectives import (
@@ -28,7 +29,7 @@ from mpx.collectives import (
 )
 from mpx.collectives._torch_private import export_cuda_storage
 from mpx.collectives.checks import check_tensor
-from mpx.collectives.torch_backend import _op_name
+from mpx.collectives.torch_forms import reduce_form, reduce_op
 
 
 def public_errors(module: ModuleType) -> list[type[BaseException]]:
@@ -103,7 +104,18 @@ CASES = [
         id="staged",
     ),
     pytest.param(lambda: export_cuda_storage(torch.zeros(3)), MPXValueError, "cpu", id="cuda-ipc"),
-    pytest.param(lambda: _op_name("BXOR"), MPXValueError, "BXOR", id="torch-op"),
+    pytest.param(
+        lambda: reduce_op(dist.ReduceOp.PREMUL_SUM, "allreduce"),
+        MPXValueError,
+        "allreduce: ReduceOp.PREMUL_SUM is not supported by the mpx backend",
+        id="torch-op",
+    ),
+    pytest.param(
+        lambda: reduce_form(torch.ones(2), "bxor", "allreduce"),
+        MPXTypeError,
+        "allreduce: BXOR needs an integer or bool tensor",
+        id="torch-bitwise-float",
+    ),
 ]
 
 

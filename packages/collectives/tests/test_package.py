@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -44,6 +47,7 @@ def test_ships_its_type_marker_and_compiled_declarations() -> None:
         pytest.skip("an editable install: the files are the source tree's")
     assert "mpx/collectives/py.typed" in files
     assert "mpx/collectives/fast_path.pxd" in files
+    assert "mpx/_collectives_autoload.py" in files  # the torch.backends entry point
 
 
 def test_compiled_fast_path_is_not_older_than_its_source() -> None:
@@ -59,3 +63,21 @@ def test_compiled_fast_path_is_not_older_than_its_source() -> None:
             "compiled module: rebuild it with `pip install -e packages/collectives` (or "
             "build with MPX_COLLECTIVES_CYTHON=OFF to develop on the Python module)"
         )
+
+
+def test_import_torch_registers_mpx_without_starting_mpi() -> None:
+    """The ``torch.backends`` entry point: ``mpx`` is known after ``import torch`` alone."""
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "print('mpx' in dist.Backend.backend_list, 'mpi4py' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    seen = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert seen.stdout.split() == ["True", "False"]
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # torch's switch turns it off
+    seen = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert seen.stdout.split() == ["False", "False"]

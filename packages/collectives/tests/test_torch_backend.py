@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpx.collectives import init_process_group, world
+from mpx.collectives import CollectiveTimeout, MPXError, init_process_group, world
 from mpx.launch import init_torch_env
 
 pytestmark = pytest.mark.mpi
@@ -72,3 +73,356 @@ def test_ddp_on_mpx_equals_ddp_on_gloo(groups: dict[str, dist.ProcessGroup]) -> 
     reference = flat.clone()
     dist.broadcast(reference, 0)
     assert torch.equal(flat, reference)
+
+
+# -- every c10d operation against gloo (issue 15) ------------------------------------
+
+
+def _on_both(
+    groups: dict[str, dist.ProcessGroup], run: Callable[[dist.ProcessGroup], object]
+) -> None:
+    """Runs ``run`` on the mpx group and on the gloo group; their results must be equal."""
+    on_gloo = run(groups["gloo"])
+    on_mpx = run(groups["mpx"])
+    assert _flat(on_mpx) == _flat(on_gloo), f"mpx {on_mpx!r} != gloo {on_gloo!r}"
+
+
+def _flat(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return (str(value.dtype), tuple(value.shape), value.tolist())
+    if isinstance(value, (list, tuple)):
+        return [_flat(v) for v in value]
+    return value
+
+
+def _data(
+    dtype: torch.dtype, shape: tuple[int, ...] = (2, 3), salt: int = 0, rank: int | None = None
+) -> torch.Tensor:
+    """A tensor that differs per rank (``rank``'s, this rank's by default), of any dtype."""
+    rank = world().rank if rank is None else rank
+    base = torch.arange(1, 1 + int(torch.tensor(shape).prod())).reshape(shape) + 3 * rank + salt
+    if dtype == torch.bool:
+        return (base % 2).bool()
+    if dtype.is_complex:
+        return torch.complex(base.double(), -base.double()).to(dtype)
+    return base.to(dtype)
+
+
+_FOLD: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "SUM": lambda a, b: a + b if a.dtype != torch.bool else a | b,
+    "MAX": torch.maximum,
+    "MIN": torch.minimum,
+    "PRODUCT": lambda a, b: a * b if a.dtype != torch.bool else a & b,
+    "BAND": torch.bitwise_and,
+    "BOR": torch.bitwise_or,
+    "BXOR": torch.bitwise_xor,
+}
+
+
+def _expected(
+    dtype: torch.dtype, op: dist.ReduceOp, shape: tuple[int, ...] = (2, 3)
+) -> torch.Tensor:
+    """Every rank's ``_data`` reduced in rank order, in the dtype (narrow sums wrap)."""
+    fold = _FOLD[str(op).split(".")[-1]]
+    out = _data(dtype, shape, rank=0)
+    for r in range(1, world().size):
+        out = fold(out, _data(dtype, shape, rank=r)).to(dtype)
+    return out
+
+
+REDUCE_CASES = [
+    (torch.float32, dist.ReduceOp.SUM),
+    (torch.float64, dist.ReduceOp.MAX),
+    (torch.int8, dist.ReduceOp.SUM),
+    (torch.int8, dist.ReduceOp.PRODUCT),
+    (torch.int16, dist.ReduceOp.MIN),
+    (torch.int16, dist.ReduceOp.SUM),
+    (torch.bool, dist.ReduceOp.SUM),
+    (torch.bool, dist.ReduceOp.MIN),
+    (torch.complex64, dist.ReduceOp.SUM),
+    (torch.int32, dist.ReduceOp.BAND),
+    (torch.int64, dist.ReduceOp.BOR),
+    (torch.uint8, dist.ReduceOp.BXOR),
+    (torch.bool, dist.ReduceOp.BXOR),
+]
+
+
+@pytest.mark.parametrize(("dtype", "op"), REDUCE_CASES, ids=str)
+def test_all_reduce_dtypes_and_ops(
+    groups: dict[str, dist.ProcessGroup], dtype: torch.dtype, op: dist.ReduceOp
+) -> None:
+    """gloo's dtypes and ReduceOps on mpx, against every rank's data reduced here."""
+    t = _data(dtype)
+    dist.all_reduce(t, op=op, group=groups["mpx"])
+    assert torch.equal(t, _expected(dtype, op))
+    strided = _data(dtype, (2, 6))[:, ::2]  # a view that is not contiguous
+    dist.all_reduce(strided, op=op, group=groups["mpx"])
+    assert torch.equal(strided, _expected(dtype, op, (2, 6))[:, ::2])
+
+
+@pytest.mark.parametrize(("dtype", "op"), REDUCE_CASES, ids=str)
+def test_reduce_dtypes_and_ops(
+    groups: dict[str, dist.ProcessGroup], dtype: torch.dtype, op: dist.ReduceOp
+) -> None:
+    root = world().size - 1
+    t = _data(dtype)
+    dist.reduce(t, dst=root, op=op, group=groups["mpx"])
+    assert torch.equal(t, _expected(dtype, op) if world().rank == root else _data(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.bool, torch.int16])
+def test_data_movement_matches_reference(
+    groups: dict[str, dist.ProcessGroup], dtype: torch.dtype
+) -> None:
+    """broadcast, all_gather(_into_tensor), gather, scatter and all_to_all_single."""
+    size, rank, group = world().size, world().rank, groups["mpx"]
+    every = [_data(dtype, rank=r) for r in range(size)]
+    b = _data(dtype)
+    dist.broadcast(b, src=size - 1, group=group)
+    assert torch.equal(b, every[-1])
+    outs = [torch.empty((2, 3), dtype=dtype) for _ in range(size)]
+    dist.all_gather(outs, _data(dtype), group=group)
+    assert all(torch.equal(o, e) for o, e in zip(outs, every, strict=True))
+    whole = torch.empty((2 * size, 3), dtype=dtype)
+    dist.all_gather_into_tensor(whole, _data(dtype), group=group)
+    assert torch.equal(whole, torch.cat(every))
+    gathered = [torch.empty((2, 3), dtype=dtype) for _ in range(size)] if rank == 0 else None
+    dist.gather(_data(dtype), gathered, dst=0, group=group)
+    if gathered is not None:
+        assert all(torch.equal(g, e) for g, e in zip(gathered, every, strict=True))
+    got = torch.empty((2, 3), dtype=dtype)
+    pieces = [_data(dtype, salt=10 * r) for r in range(size)] if rank == 0 else None
+    dist.scatter(got, pieces, src=0, group=group)
+    assert torch.equal(got, _data(dtype, salt=10 * rank, rank=0))
+    mine = torch.empty((size, 3), dtype=dtype)
+    dist.all_to_all_single(mine, _data(dtype, (size, 3)), group=group)
+    expected = torch.stack([_data(dtype, (size, 3), rank=r)[rank] for r in range(size)])
+    assert torch.equal(mine, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8])
+def test_data_movement_matches_gloo(
+    groups: dict[str, dist.ProcessGroup], dtype: torch.dtype
+) -> None:
+    size, rank = world().size, world().rank
+
+    def run(group: dist.ProcessGroup) -> object:
+        results: list[object] = []
+        b = _data(dtype)
+        dist.broadcast(b, src=size - 1, group=group)
+        outs = [torch.empty((2, 3), dtype=dtype) for _ in range(size)]
+        dist.all_gather(outs, _data(dtype), group=group)
+        gathered = [torch.empty((2, 3), dtype=dtype) for _ in range(size)] if rank == 0 else None
+        dist.gather(_data(dtype), gathered, dst=0, group=group)
+        got = torch.empty((2, 3), dtype=dtype)
+        pieces = [_data(dtype, salt=10 * r) for r in range(size)] if rank == 0 else None
+        dist.scatter(got, pieces, src=0, group=group)
+        results += [b, outs, gathered, got]
+        return results
+
+    _on_both(groups, run)
+
+
+def test_uneven_all_to_all_matches_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    size, rank = dist.get_world_size(), dist.get_rank()
+    # Rank r sends r + j + 1 rows to rank j.
+    send_rows = [rank + j + 1 for j in range(size)]
+    recv_rows = [j + rank + 1 for j in range(size)]
+
+    def run(group: dist.ProcessGroup) -> object:
+        out = torch.empty((sum(recv_rows), 2))
+        data = torch.arange(sum(send_rows) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+        dist.all_to_all_single(out, data, recv_rows, send_rows, group=group)
+        return out
+
+    _on_both(groups, run)
+    # The list form with blocks of different sizes (gloo refuses them).
+    outs = [torch.empty(n, dtype=torch.int64) for n in recv_rows]
+    ins = [torch.full((n,), 10 * rank + j, dtype=torch.int64) for j, n in enumerate(send_rows)]
+    dist.all_to_all(outs, ins, group=groups["mpx"])
+    assert [o.tolist() for o in outs] == [[10 * j + rank] * n for j, n in enumerate(recv_rows)]
+
+
+def test_reduce_scatter_forms_match_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    size = dist.get_world_size()
+
+    def run(group: dist.ProcessGroup) -> object:
+        out = torch.empty(1, 3)
+        dist.reduce_scatter_tensor(out, _data(torch.float32, (size, 3)), group=group)
+        ints = torch.empty(1, 2, dtype=torch.int64)
+        dist.reduce_scatter_tensor(
+            ints, _data(torch.int64, (size, 2)), op=dist.ReduceOp.MAX, group=group
+        )
+        return [out, ints]
+
+    _on_both(groups, run)
+    # Blocks of different sizes (rank r gets r + 1 elements), in a dtype gloo lacks.
+    rank = world().rank
+    out = torch.empty(rank + 1, dtype=torch.int16)
+    blocks = [torch.full((r + 1,), rank + 1, dtype=torch.int16) for r in range(size)]
+    dist.reduce_scatter(out, blocks, group=groups["mpx"])
+    assert out.tolist() == [size * (size + 1) // 2] * (rank + 1)
+
+
+def test_coalesced_forms_match_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    size = dist.get_world_size()
+
+    def run(group: dist.ProcessGroup) -> object:
+        tensors = [_data(torch.float32), _data(torch.float32, (4,))]
+        dist.all_reduce_coalesced(tensors, group=group)
+        outs = [[torch.empty((2, 3)), torch.empty(4)] for _ in range(size)]
+        dist.all_gather_coalesced(outs, [_data(torch.float32), _data(torch.float32, (4,))], group)
+        return [tensors, outs]
+
+    _on_both(groups, run)
+
+
+def test_objects_match_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    size, rank = dist.get_world_size(), dist.get_rank()
+
+    def run(group: dist.ProcessGroup) -> object:
+        every: list[object] = [None] * size
+        dist.all_gather_object(every, {"rank": rank, "pad": "x" * rank}, group=group)
+        gathered: list[object] | None = [None] * size if rank == 0 else None
+        dist.gather_object(("from", rank), gathered, dst=0, group=group)
+        mine: list[object] = [None]
+        dist.scatter_object_list(mine, [f"to {r}" for r in range(size)], src=0, group=group)
+        told = [rank, "b"] if rank == 0 else [None, None]
+        dist.broadcast_object_list(told, src=0, group=group)
+        return [every, gathered, mine, told]
+
+    _on_both(groups, run)
+
+
+def test_point_to_point_matches_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    size, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % size, (rank - 1) % size
+
+    def run(group: dist.ProcessGroup) -> object:
+        got = torch.empty(3, dtype=torch.int8)
+        if size == 1:
+            return None
+        ops = [
+            dist.P2POp(dist.isend, torch.full((3,), rank, dtype=torch.int8), right, group),
+            dist.P2POp(dist.irecv, got, left, group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        # send/recv, then a receive from any source.
+        if rank == 0:
+            dist.send(torch.tensor([7.0, 8.0]), dst=1, group=group)
+            back = torch.empty(1)
+            source = dist.recv(back, group=group)
+            return [got, back, source]
+        mine = torch.empty(2)
+        if rank == 1:
+            dist.recv(mine, src=0, group=group)
+            dist.send(torch.tensor([float(rank)]), dst=0, group=group)
+        return [got, mine if rank == 1 else None]
+
+    _on_both(groups, run)
+
+
+def test_unsupported_names_mpx_and_the_op(groups: dict[str, dist.ProcessGroup]) -> None:
+    with pytest.raises(MPXError, match=r"allreduce.*BAND needs an integer"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, group=groups["mpx"])
+    with pytest.raises(MPXError, match=r"all_gather.*one output tensor per rank"):
+        dist.all_gather([torch.empty(1)] * (world().size + 1), torch.ones(1), groups["mpx"])
+
+
+def test_sparse_all_reduce_matches_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    rank = dist.get_rank()
+
+    def run(group: dist.ProcessGroup) -> object:
+        indices = torch.tensor([[rank, rank + 1]])
+        t = torch.sparse_coo_tensor(
+            indices, torch.tensor([1.0, 2.0 + rank]), (8,), check_invariants=True
+        )
+        dist.all_reduce(t, group=group)
+        return t.to_dense()
+
+    _on_both(groups, run)
+
+
+def test_process_group_calling_conventions(groups: dict[str, dist.ProcessGroup]) -> None:
+    """``pg.allreduce(tensor)``, ``pg.broadcast(tensor, root)`` and list forms, as on gloo."""
+    size = dist.get_world_size()
+
+    def run(group: dist.ProcessGroup) -> object:
+        t = torch.ones(3, 2)
+        fut = group.allreduce(t).get_future()
+        value = fut.wait()
+        b = torch.full((2,), float(dist.get_rank()))
+        group.broadcast(b, 0).wait()
+        return [value, b, size]
+
+    _on_both(groups, run)
+
+
+def test_subgroups_not_spanning_every_rank(groups: dict[str, dist.ProcessGroup]) -> None:
+    """new_group of the first size-1 ranks (all at 1 rank), new_subgroups, destroy(group)."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    members = list(range(max(1, size - 1)))
+    mpx_sub = dist.new_group(members, backend="mpx")
+    gloo_sub = dist.new_group(members, backend="gloo")
+    if rank in members:
+        on_mpx, on_gloo = _data(torch.float32), _data(torch.float32)
+        dist.all_reduce(on_mpx, group=mpx_sub)
+        dist.all_reduce(on_gloo, group=gloo_sub)
+        assert torch.equal(on_mpx, on_gloo)
+        outs = [torch.empty(2, 3) for _ in members]
+        dist.all_gather(outs, _data(torch.float32), group=mpx_sub)
+        assert [o[0, 0].item() for o in outs] == [1.0 + 3 * r for r in members]
+    else:
+        assert mpx_sub == dist.GroupMember.NON_GROUP_MEMBER
+    dist.destroy_process_group(mpx_sub)
+    dist.destroy_process_group(gloo_sub)
+    mine, _ = dist.new_subgroups(group_size=1, backend="mpx")  # type: ignore[no-untyped-call]
+    one = torch.full((2,), float(rank + 1))
+    dist.all_reduce(one, group=mine)  # a group of one rank: unchanged
+    assert one.tolist() == [rank + 1.0] * 2
+    dist.barrier(group=groups["mpx"])
+
+
+def test_group_timeout_is_honoured(groups: dict[str, dist.ProcessGroup]) -> None:
+    """A peer that never sends: the receive raises after the group's timeout, as on gloo."""
+    group = dist.new_group(backend="mpx", timeout=timedelta(seconds=1))
+    work = group.recv([torch.empty(1)], dist.get_rank(), 99)
+    with pytest.raises(CollectiveTimeout) as raised:
+        work.wait()
+    assert raised.value.seconds == 1
+    dist.destroy_process_group(group)
+
+
+def test_keyword_forms_and_several_tensors_match_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    """``pg.allreduce(t, op=...)``, ``pg.broadcast(t, root=...)``; a list: one value over all."""
+    rank = dist.get_rank()
+
+    def run(group: dist.ProcessGroup) -> object:
+        t = torch.full((2,), float(rank + 1))
+        group.allreduce(t, op=dist.ReduceOp.MAX).wait()
+        b = torch.full((2,), float(rank))
+        group.broadcast(b, root=0).wait()
+        several = [torch.full((2,), 1.0 + rank), torch.full((2,), 2.0 + rank)]
+        group.allreduce(several).wait()
+        return [t, b, several]
+
+    _on_both(groups, run)
+
+
+def test_ddp_with_sparse_embedding_bag_equals_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
+    """DDP with ``EmbeddingBag(sparse=True)``: sparse gradients summed as gloo sums them."""
+
+    def train(group: dist.ProcessGroup) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.EmbeddingBag(20, 4, mode="sum", sparse=True)
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(world().rank)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randint(0, 20, (6,), generator=data), torch.tensor([0, 3])).sum().backward()
+            opt.step()
+        return model.weight.detach().clone()
+
+    assert torch.equal(train(groups["mpx"]), train(groups["gloo"]))

@@ -213,3 +213,21 @@ def test_no_mpi_installed_says_what_to_install(
     assert err.startswith("mpxrun: no MPI launcher found")
     assert "pip install mpi4py mpich" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_nested_job_replaces_the_outer_jobs_torchrun_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """mpxrun inside an mpxrun rank: RANK & co. are the outer rank's, not the user's."""
+    from mpx.launch.cli import _job_environment
+    from mpx.launch.launchers import find_launcher
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "7")  # set by the user: not in MPX_TORCH_ENV
+    monkeypatch.setenv("MPX_TORCH_ENV", "RANK,WORLD_SIZE")
+    env = _job_environment(find_launcher(), 3, None, "none")
+    assert "RANK" not in env
+    assert "WORLD_SIZE" not in env
+    assert "MPX_TORCH_ENV" not in env
+    assert env["LOCAL_RANK"] == "7"

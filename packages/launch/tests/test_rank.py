@@ -38,3 +38,34 @@ def test_users_visible_devices_are_shared_out() -> None:
         rank_environment(env, {"CUDA_VISIBLE_DEVICES": "4,6"}, gpus="none")["CUDA_VISIBLE_DEVICES"]
         == ""
     )
+
+
+def test_torchrun_variables_for_an_unmodified_torchrun_script() -> None:
+    env = Environment(3, 1, 4, 2, 1, "mpich")
+    base = {"MPX_MASTER_ADDR": "10.0.0.1", "MPX_MASTER_PORT": "29511"}
+    out = rank_environment(env, base, gpu_count=0)
+    assert {k: out[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    assert (out["GROUP_RANK"], out["MASTER_ADDR"], out["MASTER_PORT"]) == ("1", "10.0.0.1", "29511")
+    assert out["MPX_TORCH_ENV"].split(",") == sorted(
+        [
+            "GROUP_RANK",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RANK",
+            "WORLD_SIZE",
+        ]
+    )
+
+
+def test_torchrun_variables_the_user_set_are_kept() -> None:
+    env = Environment(0, 0, 2, 2, 0, "mpich")
+    out = rank_environment(env, {"MASTER_PORT": "1234", "MPX_MASTER_PORT": "29511"}, gpu_count=0)
+    assert out["MASTER_PORT"] == "1234"
+    assert "MASTER_PORT" not in out["MPX_TORCH_ENV"].split(",")

@@ -25,6 +25,9 @@ checks_enabled()            whether cross-rank consistency checks run        dat
                             (``MPX_CHECK`` is not ``0``)
 empty_shared(...)           a tensor in node-shared memory: ``shm`` reduces  dataparallel
                             it without staging copies (collective)
+MPXProcessGroup, MPXWork    the ``mpx`` torch.distributed group and work:    quantize
+                            subclass, override an op, register with
+                            ``MPXProcessGroup.create`` as the creator
 ==========================  ===============================================  =============
 
 Progress control: a communicator hands unfinished asynchronous operations to
@@ -53,10 +56,13 @@ from mpx.collectives.policy import current as current_policy
 from mpx.collectives.policy import small_bytes
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
+from mpx.collectives.torch_backend import MPXProcessGroup, MPXWork
 
 __all__ = [
     "HEADER_LEN",
     "SUPPORTED_DTYPES",
+    "MPXProcessGroup",
+    "MPXWork",
     "checks_enabled",
     "decode_header",
     "empty_shared",

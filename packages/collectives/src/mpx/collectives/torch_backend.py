@@ -8,24 +8,47 @@ mpx's (so ``impl="auto"`` chooses shm/ring/mpi for them) and wraps each
                                                               └─ mpx allreduce(async_op=True)
                                                                    └─ MPXWork(handle).wait()
 
+Every c10d operation is here: the reductions (all_reduce, reduce,
+reduce_scatter and their tensor/coalesced forms), the data movers (broadcast,
+all_gather, gather, scatter, all_to_all, uneven splits included) and
+point-to-point (send/recv/isend/irecv, from any source, batch_isend_irecv).
+Dtypes and ReduceOps mpx has no kernel for travel in the forms of
+:mod:`mpx.collectives.torch_forms`; what still cannot work raises an mpx
+error naming the op.
+
 The ranks come from MPI, not from a rendezvous: :func:`init_process_group`
-needs no MASTER_ADDR and works under any MPI launcher. This module is the one
-place that relies on torch's ProcessGroup extension points (subclassing
-``dist.ProcessGroup`` and ``dist.Work`` in Python).
+needs no MASTER_ADDR and works under any MPI launcher. Every group
+(``dist.new_group([0, 1])`` in a 3-rank job too) gets an MPI communicator of
+its own, made by its members alone (``MPI_Comm_create_group``) and freed by
+``destroy_process_group``. The
+``timeout`` given to ``init_process_group``/``new_group`` bounds every
+operation of the group (:class:`CollectiveTimeout` after it, as gloo
+raises). This module is the one place that relies on torch's ProcessGroup
+extension points (subclassing ``dist.ProcessGroup`` and ``dist.Work`` in
+Python).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
 from mpx.collectives import ops
 from mpx.collectives.communicator import Communicator, world
-from mpx.collectives.errors import MPXValueError
+from mpx.collectives.errors import CollectiveTimeout, MPXTypeError, MPXValueError
 from mpx.collectives.handle import Handle
+from mpx.collectives.torch_forms import (
+    BITWISE,
+    ReduceForm,
+    bytes_of,
+    reduce_form,
+    reduce_op,
+)
 
 __all__ = [
     "BACKEND_NAME",
@@ -37,47 +60,48 @@ __all__ = [
 
 BACKEND_NAME = "mpx"
 
-_REDUCE_OPS = {
-    dist.ReduceOp.SUM: "sum",
-    dist.ReduceOp.AVG: "avg",
-    dist.ReduceOp.MAX: "max",
-    dist.ReduceOp.MIN: "min",
-    dist.ReduceOp.PRODUCT: "prod",
-}
-
-
-def _op_name(reduce_op: Any) -> str:
-    for key, name in _REDUCE_OPS.items():
-        if reduce_op == key:
-            return name
-    raise MPXValueError(
-        f"reduce op {reduce_op} is not supported by the mpx backend; "
-        "use SUM, AVG, MAX, MIN or PRODUCT"
-    )
-
 
 class MPXWork(dist.Work):
     """A ``dist.Work`` over mpx handles; ``then`` runs when they complete."""
 
     def __init__(
-        self, handles: list[Handle[Any]], result: list[torch.Tensor], then: Any = None
+        self,
+        handles: Sequence[Handle[Any]],
+        result: list[torch.Tensor],
+        then: Callable[[], None] | None = None,
+        source: Callable[[], int] | None = None,
     ) -> None:
         super().__init__()
-        self._handles = handles
+        self._handles = list(handles)
         self._result = result
         self._then = then
+        self._source = source
         self._finished = False
 
     def _finish(self) -> None:
         if not self._finished:
             for handle in self._handles:
-                handle.wait()
+                try:
+                    handle.wait()
+                except CollectiveTimeout as late:
+                    raise CollectiveTimeout(
+                        late.op,
+                        late.impl,
+                        late.seconds,
+                        late.peers,
+                        "the process group's timeout (init_process_group/new_group "
+                        "timeout=) expired; every later operation of this group raises",
+                    ) from late
             if self._then is not None:
                 self._then()
             self._finished = True
 
     def is_completed(self) -> bool:
         return self._finished or all(handle.done() for handle in self._handles)
+
+    def is_success(self) -> bool:
+        self._finish()
+        return True
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         self._finish()
@@ -87,6 +111,14 @@ class MPXWork(dist.Work):
         self._finish()
         return self._result
 
+    def _source_rank(self) -> int:
+        self._finish()
+        if self._source is None:
+            raise MPXValueError(
+                "_source_rank: only a recv from any source knows its source; this work is not one"
+            )
+        return self._source()
+
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         # No progress thread yet: the future is completed here, so work
         # chained on it (DDP's bucket hooks) sees the reduced tensors.
@@ -94,6 +126,41 @@ class MPXWork(dist.Work):
         future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         future.set_result(self._result)
         return future
+
+
+class _MPIRequest:
+    """A receive from any source, posted on mpx's private communicator.
+
+    mpx's ``recv`` names its source; torch's ``recv(src=None)`` does not, so
+    this one request is posted here, beside mpx's sends (which travel on the
+    same communicator, ``comm.mpi``, with the caller's tag).
+    """
+
+    def __init__(self, request: MPI.Request) -> None:
+        self._request = request
+        self._status = MPI.Status()
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done:
+            self._request.Wait(self._status)
+            self._done = True
+
+    def done(self) -> bool:
+        return self._done or bool(self._request.Test(self._status))
+
+    def source(self) -> int:
+        self.wait()
+        return int(self._status.Get_source())
+
+
+def _all_of(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """torch's list form of an argument also given as one tensor (``pg.allreduce(t)``)."""
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _rows(stacked: torch.Tensor, size: int) -> torch.Tensor:
+    return stacked.reshape(size, -1)
 
 
 class MPXProcessGroup(dist.ProcessGroup):
@@ -106,79 +173,565 @@ class MPXProcessGroup(dist.ProcessGroup):
         dist.all_reduce(t)
     """
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, timeout: timedelta | None = None) -> None:
         super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]
         self.comm = comm
+        # Every operation of the group is bounded by the group's timeout.
+        self.timeout_s = None if timeout is None else timeout.total_seconds()
+        self._group_name = ""
+        self._shut = False
+        self._group_desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:  # type: ignore[override]
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
-        handles = [ops.allreduce(t, op, comm=self.comm, async_op=True) for t in tensors]
-        return MPXWork(handles, tensors)
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:  # type: ignore[override]
-        root = opts.rootRank if opts is not None else 0
-        handles = [ops.broadcast(t, root, comm=self.comm, async_op=True) for t in tensors]
-        return MPXWork(handles, tensors)
+    # torch keeps a group's name on its C++ backends, which a Python group
+    # has none of: ``destroy_process_group(group)`` reads it back from here.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
 
-    def allgather(  # type: ignore[override]
-        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def shutdown(self) -> None:
+        """Frees the group's MPI communicator (``destroy_process_group`` calls it)."""
+        if not self._shut:
+            self._shut = True
+            self.comm.free()
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _allreduce_form(self, form: ReduceForm) -> Handle[torch.Tensor]:
+        """An in-place allreduce of ``form.tensor``; BAND/BOR/BXOR by gather and fold."""
+        if form.op not in BITWISE:
+            return ops.allreduce(
+                form.tensor, form.op, comm=self.comm, async_op=True, timeout=self.timeout_s
+            )
+        fold = BITWISE[form.op]
+        gathered = self._allgather_bytes(form.tensor)  # any integer dtype, bool too
+
+        def folded() -> torch.Tensor:
+            rows = gathered.wait().view(form.tensor.dtype).reshape(self.comm.size, -1)
+            out = rows[0].clone()
+            for row in rows[1:]:
+                out = fold(out, row)
+            form.tensor.copy_(out.reshape(form.tensor.shape))
+            return form.tensor
+
+        return _Deferred(gathered, folded)  # type: ignore[return-value]
+
+    def _allgather_bytes(self, t: torch.Tensor) -> Handle[torch.Tensor]:
+        data, _ = bytes_of(t)
+        return ops.allgather(data, comm=self.comm, async_op=True, timeout=self.timeout_s)
+
+    def _check_root(self, root: int, op: str) -> int:
+        if not 0 <= root < self.comm.size:
+            raise MPXValueError(f"{op}: root must be a rank in [0, {self.comm.size}), got {root}")
+        return root
+
+    # -- reductions -------------------------------------------------------------------
+
+    def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> MPXWork:  # type: ignore[override]
+        """``allreduce(tensors, AllreduceOptions)``, or ``allreduce(tensor, op=ReduceOp)``."""
+        opts = op if op is not None else opts
+        tensors = _all_of(tensors)
+        name = self.reduce_op_name(opts, "allreduce")
+        if len(tensors) == 1 and tensors[0].is_sparse:
+            return self._sparse_allreduce(tensors[0], name)
+        # Several tensors (torch's multi-device form): one value over all of them.
+        forms = [reduce_form(t, name, "allreduce") for t in tensors]
+        combined = forms[0]
+        if len(forms) > 1:
+            combined = ReduceForm(tensors[0], _fold_local(forms), forms[0].op)
+        handle = self._allreduce_form(combined)
+
+        def write_back() -> None:
+            for form in forms:
+                if form is not combined:
+                    form.tensor.copy_(combined.tensor)
+                form.write_back()
+
+        return MPXWork([handle], tensors, write_back)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:
+        op = self.reduce_op_name(opts, "allreduce_coalesced")
+        forms = [reduce_form(t, op, "allreduce_coalesced") for t in tensors]
+        handles = [self._allreduce_form(form) for form in forms]
+
+        def write_back() -> None:
+            for form in forms:
+                form.write_back()
+
+        return MPXWork(handles, tensors, write_back)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> MPXWork:  # type: ignore[override]
+        tensors = _all_of(tensors)
+        op = self.reduce_op_name(opts, "reduce")
+        root = self._check_root(opts.rootRank if opts is not None else 0, "reduce")
+        form = reduce_form(tensors[0], op, "reduce")
+        if op in BITWISE:  # reduced on every rank, into a scratch copy off the root
+            form = ReduceForm(tensors[0], form.tensor.clone(), op)
+            handle: Any = self._allreduce_form(form)
+        else:
+            handle = ops.reduce(
+                form.tensor, root, form.op, comm=self.comm, async_op=True, timeout=self.timeout_s
+            )
+
+        def write_back() -> None:
+            if self.comm.rank == root:
+                form.write_back()
+
+        return MPXWork([handle], tensors, write_back)
+
+    def _reduce_scatter_rows(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str, where: str
+    ) -> tuple[Handle[torch.Tensor], Callable[[], None]]:
+        """Block r of ``inputs`` reduced into rank r's ``outputs[0]``; blocks may differ in size."""
+        size = self.comm.size
+        if len(inputs) != size:
+            raise MPXValueError(
+                f"{where}: needs one input tensor per rank ({size}), got {len(inputs)}"
+            )
+        forms = [reduce_form(t, op, where) for t in inputs]
+        widest = max(form.tensor.numel() for form in forms)
+        stacked = torch.zeros(
+            (size, widest), dtype=forms[0].tensor.dtype, device=forms[0].tensor.device
+        )
+        for row, form in zip(stacked, forms, strict=True):
+            row[: form.tensor.numel()] = form.tensor.reshape(-1)
+        out = reduce_form(outputs[0], op, where)
+        mine = out.tensor.numel()
+        if forms[0].op in BITWISE:
+            whole = self._allreduce_form(ReduceForm(stacked, stacked, forms[0].op))
+
+            def take_bitwise() -> None:
+                out.tensor.reshape(-1).copy_(whole.wait()[self.comm.rank, :mine])
+                out.write_back()
+
+            return whole, take_bitwise
+        handle = ops.reduce_scatter(
+            stacked, forms[0].op, comm=self.comm, async_op=True, timeout=self.timeout_s
+        )
+
+        def take() -> None:
+            out.tensor.reshape(-1).copy_(handle.wait()[0, :mine])
+            out.write_back()
+
+        return handle, take
+
+    def reduce_scatter(  # type: ignore[override]
+        self, outputs: Any, input_lists: Any, opts: Any = None
     ) -> MPXWork:
-        handles = [ops.allgather(t, comm=self.comm, async_op=True) for t in inputs]
+        outputs = _all_of(outputs)
+        if input_lists and isinstance(input_lists[0], torch.Tensor):
+            input_lists = [input_lists]
+        op = self.reduce_op_name(opts, "reduce_scatter")
+        steps = [
+            self._reduce_scatter_rows([out], list(inputs), op, "reduce_scatter")
+            for out, inputs in zip(outputs, input_lists, strict=True)
+        ]
+        return MPXWork([h for h, _ in steps], outputs, _in_turn([then for _, then in steps]))
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> MPXWork:
+        op = self.reduce_op_name(opts, "reduce_scatter_tensor")
+        if input.numel() != output.numel() * self.comm.size:
+            raise MPXValueError(
+                f"reduce_scatter_tensor: the input has {input.numel()} elements, not "
+                f"{self.comm.size} x the output's {output.numel()}"
+            )
+        blocks = list(_rows(input.contiguous(), self.comm.size))
+        handle, then = self._reduce_scatter_rows([output], blocks, op, "reduce_scatter_tensor")
+        return MPXWork([handle], [output], then)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> MPXWork:
+        works = [
+            self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return MPXWork([], outputs, _in_turn([w.wait for w in works]))
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: str) -> MPXWork:
+        """Sums sparse COO tensors as gloo does: every rank's entries, coalesced."""
+        if op != "sum":
+            raise MPXValueError(
+                f"allreduce: a sparse tensor can only be summed, got {op!r}; use SUM"
+            )
+        local = t.coalesce()
+        indices, values = local.indices().contiguous(), local.values().contiguous()
+        counts = ops.allgather(
+            torch.tensor([indices.shape[1]], dtype=torch.int64),
+            comm=self.comm,
+            timeout=self.timeout_s,
+        )
+        widest = int(counts.max())
+        padded_i = torch.zeros((indices.shape[0], widest), dtype=torch.int64)
+        padded_i[:, : indices.shape[1]] = indices
+        padded_v = torch.zeros((widest, *values.shape[1:]), dtype=values.dtype)
+        padded_v[: values.shape[0]] = values
+        all_i = ops.allgather(padded_i, comm=self.comm, timeout=self.timeout_s)
+        all_v = self._allgather_bytes(padded_v).wait()
+        all_v = all_v.view(values.dtype).reshape(self.comm.size, *padded_v.shape)
+        keep = [int(n) for n in counts.reshape(-1)]
+        summed = torch.sparse_coo_tensor(
+            torch.cat([all_i[r][:, :n] for r, n in enumerate(keep)], dim=1),
+            torch.cat([all_v[r][:n] for r, n in enumerate(keep)]),
+            t.shape,
+            check_invariants=False,  # built from valid tensors: skip the check and its warning
+        ).coalesce()
+        t.copy_(summed)
+        return MPXWork([], [t])
+
+    # -- data movement ---------------------------------------------------------------
+
+    def broadcast(  # type: ignore[override]
+        self, tensors: Any, opts: Any = None, root: int | None = None
+    ) -> MPXWork:
+        """``broadcast(tensors, BroadcastOptions)``, or ``broadcast(tensor, root)``."""
+        opts = root if root is not None else opts
+        tensors = _all_of(tensors)
+        if isinstance(opts, int):  # pg.broadcast(tensor, root)
+            root, index = opts, 0
+        else:
+            root = opts.rootRank if opts is not None else 0
+            index = opts.rootTensor if opts is not None else 0
+        self._check_root(root, "broadcast")
+        data, write_back = bytes_of(tensors[index])
+        handle = ops.broadcast(data, root, comm=self.comm, async_op=True, timeout=self.timeout_s)
+
+        def then() -> None:
+            write_back()
+            for i, t in enumerate(tensors):
+                if i != index:
+                    t.copy_(tensors[index])
+
+        return MPXWork([handle], tensors, then)
+
+    def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> MPXWork:
+        inputs = _all_of(inputs)
+        if output_lists and isinstance(output_lists[0], torch.Tensor):
+            output_lists = [output_lists]
+        for outputs in output_lists:
+            if len(outputs) != self.comm.size:
+                raise MPXValueError(
+                    f"all_gather: needs one output tensor per rank ({self.comm.size}), "
+                    f"got {len(outputs)}"
+                )
+        handles = [self._allgather_bytes(t) for t in inputs]
 
         def scatter_rows() -> None:
             for handle, outputs in zip(handles, output_lists, strict=True):
-                stacked = handle.wait()
-                for row, out in zip(stacked, outputs, strict=True):
-                    out.copy_(row)
+                _copy_rows(handle.wait(), outputs, "all_gather")
+
+        return MPXWork(handles, [t for outs in output_lists for t in outs], scatter_rows)
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> MPXWork:
+        # torch's order: output_lists[rank][i] receives rank's inputs[i].
+        handles = [self._allgather_bytes(t) for t in inputs]
+
+        def scatter_rows() -> None:
+            for i, handle in enumerate(handles):
+                _copy_rows(
+                    handle.wait(), [outs[i] for outs in output_lists], "all_gather_coalesced"
+                )
 
         return MPXWork(handles, [t for outs in output_lists for t in outs], scatter_rows)
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> MPXWork:
-        handle = ops.allgather(input, comm=self.comm, async_op=True)
-        return MPXWork([handle], [output], lambda: output.view(-1).copy_(handle.wait().view(-1)))
+        if output.numel() != input.numel() * self.comm.size:
+            raise MPXValueError(
+                f"all_gather_into_tensor: the output has {output.numel()} elements, not "
+                f"{self.comm.size} x the input's {input.numel()}"
+            )
+        handle = self._allgather_bytes(input)
+        target, write_back = bytes_of(output)
 
-    def reduce_scatter(  # type: ignore[override]
-        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+        def then() -> None:
+            target.copy_(handle.wait().reshape(-1))
+            write_back()
+
+        return MPXWork([handle], [output], then)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> MPXWork:
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
-        handles = [
-            ops.reduce_scatter(torch.stack(inputs), op, comm=self.comm, async_op=True)
-            for inputs in input_lists
-        ]
+        works = [self._allgather_base(o, i) for o, i in zip(outputs, inputs, strict=True)]
+        return MPXWork([], outputs, _in_turn([w.wait for w in works]))
 
-        def copy_out() -> None:
-            for handle, out in zip(handles, outputs, strict=True):
-                out.copy_(handle.wait()[0])
+    def gather(  # type: ignore[override]
+        self, output_lists: Any, inputs: Any, opts: Any = None
+    ) -> MPXWork:
+        inputs = _all_of(inputs)
+        root = self._check_root(opts.rootRank if opts is not None else 0, "gather")
+        if self.comm.rank == root and (not output_lists or len(output_lists[0]) != self.comm.size):
+            raise MPXValueError(f"gather: the root needs a gather_list of {self.comm.size} tensors")
+        handle = self._allgather_bytes(inputs[0])
 
-        return MPXWork(handles, outputs, copy_out)
+        def then() -> None:
+            if self.comm.rank == root:
+                _copy_rows(handle.wait(), output_lists[0], "gather")
+
+        outputs = list(output_lists[0]) if output_lists else []
+        return MPXWork([handle], outputs, then)
+
+    def scatter(  # type: ignore[override]
+        self, outputs: Any, input_lists: Any, opts: Any = None
+    ) -> MPXWork:
+        outputs = _all_of(outputs)
+        root = self._check_root(opts.rootRank if opts is not None else 0, "scatter")
+        target, write_back = bytes_of(outputs[0])
+        whole = torch.empty((self.comm.size, target.numel()), dtype=torch.uint8)
+        if self.comm.rank == root:
+            if not input_lists or len(input_lists[0]) != self.comm.size:
+                raise MPXValueError(
+                    f"scatter: the root needs a scatter_list of {self.comm.size} tensors"
+                )
+            for row, t in zip(whole, input_lists[0], strict=True):
+                row.copy_(bytes_of(t)[0])
+        handle = ops.broadcast(whole, root, comm=self.comm, async_op=True, timeout=self.timeout_s)
+
+        def then() -> None:
+            target.copy_(whole[self.comm.rank])
+            write_back()
+
+        return MPXWork([handle], outputs, then)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> MPXWork:
+        size = self.comm.size
+        if not input_split_sizes and not output_split_sizes:
+            if input.numel() % size:
+                raise MPXValueError(
+                    f"all_to_all_single: {input.numel()} elements do not split evenly over "
+                    f"{size} ranks; pass input_split_sizes and output_split_sizes"
+                )
+            data, _ = bytes_of(input)
+            target, write_back = bytes_of(output)
+            handle = ops.alltoall(
+                _rows(data, size), comm=self.comm, async_op=True, timeout=self.timeout_s
+            )
+
+            def even() -> None:
+                target.copy_(handle.wait().reshape(-1))
+                write_back()
+
+            return MPXWork([handle], [output], even)
+        rows_in = input_split_sizes or [input.shape[0] // size] * size
+        rows_out = output_split_sizes or [output.shape[0] // size] * size
+        send = list(torch.split(input, rows_in)) if input.dim() else [input]
+        receive = list(torch.split(output, rows_out)) if output.dim() else [output]
+        return self.alltoall(receive, send, opts)
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> MPXWork:
+        size = self.comm.size
+        if len(inputs) != size or len(outputs) != size:
+            raise MPXValueError(
+                f"all_to_all: needs {size} input and output tensors, got "
+                f"{len(inputs)} and {len(outputs)}"
+            )
+        # Blocks may differ in size: each travels padded to the largest of the job.
+        sizes = [t.numel() * t.element_size() for t in inputs]
+        widest = ops.allreduce(
+            torch.tensor([max(sizes)], dtype=torch.int64),
+            "max",
+            comm=self.comm,
+            timeout=self.timeout_s,
+        )
+        blocks = torch.zeros((size, int(widest)), dtype=torch.uint8)
+        for row, t, n in zip(blocks, inputs, sizes, strict=True):
+            row[:n] = bytes_of(t)[0]
+        handle = ops.alltoall(blocks, comm=self.comm, async_op=True, timeout=self.timeout_s)
+
+        def unpad() -> None:
+            received = handle.wait()
+            for row, out in zip(received, outputs, strict=True):
+                target, write_back = bytes_of(out)
+                target.copy_(row[: target.numel()])
+                write_back()
+
+        return MPXWork([handle], outputs, unpad)
+
+    # -- point to point ------------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> MPXWork:
+        data, _ = bytes_of(tensors[0])
+        handle = ops.send(data, dstRank, tag, comm=self.comm, async_op=True, timeout=self.timeout_s)
+        return MPXWork([handle], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> MPXWork:
+        target, write_back = bytes_of(tensors[0])
+        handle = ops.recv(
+            target, srcRank, tag, comm=self.comm, async_op=True, timeout=self.timeout_s
+        )
+        return MPXWork([handle], tensors, write_back, source=lambda: srcRank)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> MPXWork:
+        target, write_back = bytes_of(tensors[0])
+        request = _MPIRequest(self.comm.mpi.Irecv(target.numpy(), source=MPI.ANY_SOURCE, tag=tag))
+        return MPXWork([request], tensors, write_back, source=request.source)  # type: ignore[list-item]
 
     def barrier(self, opts: Any = None) -> MPXWork:
-        return MPXWork([ops.barrier(comm=self.comm, async_op=True)], [])
+        return MPXWork([ops.barrier(comm=self.comm, async_op=True, timeout=self.timeout_s)], [])
 
-
-def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> MPXProcessGroup:
-    comm = world()
-    if (rank, world_size) != (comm.rank, comm.size):
-        raise MPXValueError(
-            f"torch asked for rank {rank} of {world_size}, but MPI says rank {comm.rank} of "
-            f"{comm.size}; start the job with mpxrun/mpiexec and let mpx.collectives."
-            "init_process_group() pass MPI's rank and size"
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        raise MPXTypeError(
+            "monitored_barrier: torch implements it for gloo only; on mpx use dist.barrier() "
+            "(it raises CollectiveTimeout naming the ranks behind after the group's timeout)"
         )
-    return MPXProcessGroup(comm)
+
+    # -- options -------------------------------------------------------------------------
+
+    @staticmethod
+    def reduce_op_name(opts: Any, where: str) -> str:
+        """mpx's name of the ReduceOp in torch's options (or a bare ReduceOp); sum if None."""
+        if opts is None:
+            return "sum"
+        return reduce_op(getattr(opts, "reduceOp", opts), where)
+
+    @classmethod
+    def create(cls, options: Any, backend_options: Any = None) -> MPXProcessGroup:
+        """torch's creator (``register_backend(..., extended_api=True)``) for this class.
+
+        ``options`` is torch's ``_DistributedBackendOptions``: this rank's place
+        in the group, its global ranks and its timeout.
+        """
+        seconds = None if options.timeout is None else options.timeout.total_seconds()
+        comm = _group_communicator(options.global_ranks_in_group, seconds)
+        rank, size = options.group_rank, options.group_size
+        if (rank, size) != (comm.rank, comm.size):
+            comm.free()
+            raise MPXValueError(
+                f"torch asked for rank {rank} of {size}, but MPI says rank {comm.rank} of "
+                f"{comm.size}; start the job with mpxrun/mpiexec and let mpx.collectives."
+                "init_process_group() pass MPI's rank and size"
+            )
+        return cls(comm, options.timeout)
+
+    # torch 2.13's names of the single-tensor forms (all_gather_into_tensor,
+    # reduce_scatter_tensor and all_to_all_single call these).
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+
+class _Deferred:
+    """A handle whose result is computed from another's when it is waited for."""
+
+    def __init__(self, inner: Handle[Any], compute: Callable[[], torch.Tensor]) -> None:
+        self._inner, self._compute = inner, compute
+        self._value: torch.Tensor | None = None
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._compute()
+        return self._value
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+
+def _in_turn(calls: Sequence[Callable[[], object]]) -> Callable[[], None]:
+    """One completion step that runs each of ``calls`` in order."""
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
+
+
+def _fold_local(forms: list[ReduceForm]) -> torch.Tensor:
+    """The tensors of one rank reduced together (torch's several-tensors-per-call form)."""
+    out = forms[0].tensor.clone()
+    for form in forms[1:]:
+        other = form.tensor
+        if form.op in ("sum", "avg"):
+            out += other
+        elif form.op == "max":
+            out = torch.maximum(out, other)
+        elif form.op == "min":
+            out = torch.minimum(out, other)
+        elif form.op == "prod":
+            out *= other
+        else:
+            out = BITWISE[form.op](out, other)
+    if forms[0].op == "avg":
+        out /= len(forms)
+    return out
+
+
+def _copy_rows(stacked: torch.Tensor, outputs: Sequence[torch.Tensor], where: str) -> None:
+    """Row r of the gathered bytes into ``outputs[r]``."""
+    for row, out in zip(_rows(stacked, len(outputs)), outputs, strict=True):
+        target, write_back = bytes_of(out)
+        if target.numel() != row.numel():
+            raise MPXValueError(
+                f"{where}: output tensor of {out.numel()} {out.dtype} elements does not match "
+                f"the {row.numel()} bytes each rank sent; give every rank the same shape"
+            )
+        target.copy_(row)
+        write_back()
+
+
+def _group_communicator(ranks: Sequence[int], timeout: float | None) -> Communicator:
+    """A communicator of its own for a group of world ranks, made by its members alone.
+
+    torch creates a group only on its members, so the communicator comes
+    from ``MPI_Comm_create_group`` (collective over them), not a split of
+    the world. Being the group's own, its FIFO keeps the group's operations
+    apart from other groups' and from mpx's own calls on :func:`world`, and
+    a timeout that breaks it breaks no other group.
+    """
+    parent = MPI.COMM_WORLD
+    members = list(ranks) if ranks else list(range(parent.Get_size()))
+    group = parent.Get_group().Incl(members)
+    try:
+        mpi_comm = parent.Create_group(group, tag=0)
+    finally:
+        group.Free()
+    return Communicator(MPI.Intracomm(mpi_comm), timeout)
+
+
+def _create(options: Any, backend_options: Any = None) -> MPXProcessGroup:
+    return MPXProcessGroup.create(options, backend_options)
 
 
 def register_torch_backend() -> None:
     """Registers ``"mpx"`` with ``torch.distributed`` (idempotent)."""
     if BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
+        )
 
 
-def init_process_group(init_method: str | None = None) -> None:
+def init_process_group(init_method: str | None = None, timeout: timedelta | None = None) -> None:
     """``dist.init_process_group("mpx")`` with MPI's rank and size.
 
     Args:
@@ -186,17 +739,20 @@ def init_process_group(init_method: str | None = None) -> None:
             enough for every collective on the default group), or
             ``"env://"`` when other groups (``dist.new_group(backend="gloo")``)
             must rendezvous too (see ``mpx.launch.init_torch_env``).
+        timeout: bounds every operation of the group (torch's default when None).
     """
     register_torch_backend()
     comm = world()
+    extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     if init_method is None:
         dist.init_process_group(
             BACKEND_NAME,
             rank=comm.rank,
             world_size=comm.size,
             store=dist.HashStore(),  # type: ignore[attr-defined]
+            **extra,
         )
     else:
         dist.init_process_group(
-            BACKEND_NAME, init_method=init_method, rank=comm.rank, world_size=comm.size
+            BACKEND_NAME, init_method=init_method, rank=comm.rank, world_size=comm.size, **extra
         )

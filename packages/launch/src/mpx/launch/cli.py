@@ -437,6 +437,10 @@ def _job_environment(
         # Hydra overwrites these for its ranks; gforker sets only PMI_RANK/SIZE/FD.
         for key in [k for k in env if k.startswith(_ENCLOSING_JOB_VARIABLES)]:
             del env[key]
+    # Inside another mpxrun job, that job's torchrun variables (RANK, ...) are
+    # its ranks', not the user's: this job's ranks get their own.
+    for name in env.pop(settings.TORCH_ENV.name, "").split(","):
+        env.pop(name, None)
     for key, value in launcher.environment(
         nprocs, oversubscribed=oversubscribed, local=local
     ).items():

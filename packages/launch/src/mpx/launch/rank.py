@@ -24,9 +24,10 @@ Nothing is left behind: the child dies with its supervisor (``PR_SET_PDEATHSIG``
 and a supervisor that is told to stop (SIGTERM/SIGINT/SIGHUP) passes the
 signal on and kills the child after a grace period.
 
-Per rank it also sets ``OMP_NUM_THREADS`` (cores per local rank) and
-``CUDA_VISIBLE_DEVICES`` (one GPU per local rank, round robin) unless the user
-has set them.
+Per rank it also sets ``OMP_NUM_THREADS`` (cores per local rank),
+``CUDA_VISIBLE_DEVICES`` (one GPU per local rank, round robin) and torchrun's
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...)
+unless the user has set them.
 """
 
 from __future__ import annotations
@@ -45,10 +46,24 @@ from typing import IO
 
 from mpx.launch import binding, stacks
 from mpx.launch.environment import Environment, environment
-from mpx.launch.settings import BIND, GPUS, STACK_FILE, STATUS_KEY
+from mpx.launch.settings import (
+    BIND,
+    GPUS,
+    MASTER_ADDR,
+    MASTER_PORT,
+    STACK_FILE,
+    STATUS_KEY,
+    TORCH_ENV,
+)
 from mpx.launch.status import format_status
 
-__all__ = ["die_with_parent", "main", "rank_environment", "usable_cores"]
+__all__ = [
+    "die_with_parent",
+    "main",
+    "rank_environment",
+    "torchrun_variables",
+    "usable_cores",
+]
 
 TAIL_LINES = 20
 KILL_GRACE_S = 2.0
@@ -100,6 +115,31 @@ def rank_environment(
         count = _gpu_count() if gpu_count is None else gpu_count
         if count > 0:
             out["CUDA_VISIBLE_DEVICES"] = str(env.local_rank % count)
+    out.update(torchrun_variables(env, base))
+    return out
+
+
+def torchrun_variables(env: Environment, base: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables for this rank, so a torchrun-style script runs under mpxrun.
+
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``, and ``MASTER_ADDR``/``MASTER_PORT`` from mpxrun's
+    rendezvous point: ``init_process_group(backend)`` with its default
+    ``env://`` then needs nothing else. Variables the user set are kept; the
+    names exported are listed in ``MPX_TORCH_ENV`` (an mpxrun started inside
+    the job replaces them rather than taking them for the user's).
+    """
+    wanted = {
+        "RANK": env.rank,
+        "WORLD_SIZE": env.world_size,
+        "LOCAL_RANK": env.local_rank,
+        "LOCAL_WORLD_SIZE": env.local_world_size,
+        "GROUP_RANK": env.node_rank,
+        "MASTER_ADDR": base.get(MASTER_ADDR.name, ""),
+        "MASTER_PORT": base.get(MASTER_PORT.name, ""),
+    }
+    out = {name: str(value) for name, value in wanted.items() if name not in base and value != ""}
+    out[TORCH_ENV.name] = ",".join(sorted(out))
     return out
 
 

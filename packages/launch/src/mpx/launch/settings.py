@@ -373,3 +373,11 @@ BIND = declare(
     package="launch",
     choices=("none", "core", "numa"),
 )
+TORCH_ENV = declare(
+    "MPX_TORCH_ENV",
+    "str",
+    "",
+    "set by mpxrun in every rank: the torchrun variables (RANK, ...) it exported, which "
+    "an mpxrun started inside the job replaces",
+    package="launch",
+)

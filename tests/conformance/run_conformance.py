@@ -1,0 +1,228 @@
+"""PyTorch's own distributed test suite against ``mpx``, with ``gloo`` as the control.
+
+Runs ``DistributedTest._DistTestBase`` from the installed torch wheel
+(``torch/testing/_internal/distributed/distributed_test.py``) under
+``mpxrun -n RANKS`` once per backend, then prints how many of the tests that
+gloo passes mpx passes too, and lists the rest::
+
+    python tests/conformance/run_conformance.py --ranks 2
+    python tests/conformance/run_conformance.py --ranks 3 --select subgroup
+    python tests/conformance/run_conformance.py --ranks 2 -k all_reduce --backends mpx
+
+The tests of one backend run in one job, one after another (a job start costs
+torch's import); a test that hangs or kills a rank ends the job, and the job
+restarts after it with that test counted as failed. Results go to
+``--out`` (default ``conformance-results/``): ``<backend>-<ranks>.json``
+and ``summary-<ranks>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compare", "error_line", "merge_ranks", "select_tests", "suite_tests"]
+
+HERE = Path(__file__).resolve().parent
+# A test that shows no progress for this long is stuck: its job is stopped.
+STALL_S = 150.0
+
+
+def suite_tests() -> list[str]:
+    """The names of the suite's tests (importing it needs BACKEND and WORLD_SIZE set)."""
+    env = dict(os.environ, BACKEND="gloo", WORLD_SIZE="2")
+    code = (
+        "import torch.testing._internal.distributed.distributed_test as m\n"
+        "print('\\n'.join(sorted(n for n in dir(m.DistributedTest._DistTestBase)"
+        " if n.startswith('test_'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+    )
+    return out.stdout.split()
+
+
+def select_tests(names: Iterable[str], select: str, pattern: str | None) -> list[str]:
+    """``all``, or ``subgroup``: the tests on groups that need not span every rank."""
+    chosen = list(names)
+    if select == "subgroup":
+        chosen = [n for n in chosen if "group" in n and "full_group" not in n]
+    if pattern:
+        chosen = [n for n in chosen if re.search(pattern, n)]
+    return chosen
+
+
+def merge_ranks(per_rank: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One outcome per test from every rank's: fail if any failed, else skip if any skipped."""
+    merged: dict[str, dict[str, Any]] = {}
+    tests = {t for outcomes in per_rank for t in outcomes}
+    for test in tests:
+        seen = [outcomes[test] for outcomes in per_rank if test in outcomes]
+        fails = [o for o in seen if o["event"] != "pass" and o["event"] != "skip"]
+        if fails or len(seen) < len(per_rank):
+            detail = fails[0]["detail"] if fails else "a rank recorded no outcome"
+            merged[test] = {"event": "fail", "detail": detail}
+        elif any(o["event"] == "skip" for o in seen):
+            merged[test] = {"event": "skip", "detail": seen[0]["detail"]}
+        else:
+            merged[test] = {"event": "pass", "detail": ""}
+    return merged
+
+
+def compare(
+    control: dict[str, dict[str, Any]], tested: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """How many of the tests the control passes the tested backend passes, and which not."""
+    baseline = sorted(t for t, o in control.items() if o["event"] == "pass")
+    passed = [t for t in baseline if tested.get(t, {}).get("event") == "pass"]
+    failed = {t: tested.get(t, {"event": "missing", "detail": ""}) for t in baseline}
+    return {
+        "control_passes": len(baseline),
+        "passes": len(passed),
+        "differ": {t: o for t, o in failed.items() if t not in passed},
+    }
+
+
+def _read_events(out: Path) -> list[dict[str, dict[str, Any]]]:
+    per_rank = []
+    for path in sorted(out.glob("rank*.jsonl")):
+        outcomes: dict[str, dict[str, Any]] = {}
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event["event"] != "stuck-peer":
+                outcomes[event["test"]] = event
+        per_rank.append(outcomes)
+    return per_rank
+
+
+def _progress_mark(out: Path) -> int:
+    return sum(p.stat().st_size for p in out.glob("rank*.jsonl"))
+
+
+def run_backend(
+    backend: str, tests: list[str], ranks: int, out: Path, driver_args: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Runs ``tests`` on ``backend``; restarts the job after a test that ends it."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    remaining = list(tests)
+    jobs = 0
+    while remaining:
+        jobs += 1
+        list_file = out / f"tests-{jobs}.txt"
+        list_file.write_text("\n".join(remaining) + "\n")
+        log = (out / f"job-{jobs}.log").open("w")
+        command = ["mpxrun", "-n", str(ranks), "--", sys.executable, str(HERE / "driver.py")]
+        command += ["--backend", backend, "--tests", str(list_file), "--out", str(out)]
+        command += driver_args
+        job = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        mark, last_change = _progress_mark(out), time.monotonic()
+        while job.poll() is None:
+            time.sleep(1.0)
+            now_mark = _progress_mark(out)
+            if now_mark != mark:
+                mark, last_change = now_mark, time.monotonic()
+            elif time.monotonic() - last_change > STALL_S:
+                os.killpg(job.pid, signal.SIGTERM)
+                try:
+                    job.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
+        log.close()
+        per_rank = _read_events(out)
+        finished = [t for t in remaining if all(_finished(o, t) for o in per_rank)]
+        started = [t for t in remaining if any(t in o for o in per_rank)]
+        # The first test some rank started but not every rank finished ended the job.
+        unfinished = [t for t in started if t not in finished]
+        if unfinished:
+            culprit = unfinished[0]
+            index = remaining.index(culprit)
+            remaining = remaining[index + 1 :]
+            _mark_failed(out, culprit, f"the job ended in this test (exit {job.returncode})")
+        elif started:
+            remaining = remaining[remaining.index(started[-1]) + 1 :]
+        elif job.returncode != 0:
+            raise SystemExit(f"{backend}: the job failed before any test; see {log.name}")
+    return merge_ranks(_read_events(out))
+
+
+def _finished(outcomes: dict[str, dict[str, Any]], test: str) -> bool:
+    return test in outcomes and outcomes[test]["event"] != "start"
+
+
+def _mark_failed(out: Path, test: str, why: str) -> None:
+    with (out / "rank0.jsonl").open("a") as f:
+        f.write(json.dumps({"test": test, "event": "fail", "detail": why}) + "\n")
+
+
+def error_line(detail: str) -> str:
+    """The exception's own line of a traceback (the last line naming an error)."""
+    lines = [line.strip() for line in detail.strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Timeout)\b", line)]
+    return named[-1] if named else (lines[-1] if lines else "")
+
+
+def _summary_line(ranks: int, result: dict[str, Any], tested: str, control: str) -> str:
+    return (
+        f"{ranks} ranks: {tested} passes {result['passes']} of the "
+        f"{result['control_passes']} tests that {control} passes"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--select", choices=["all", "subgroup"], default="all")
+    parser.add_argument("-k", dest="pattern", help="only tests whose name matches this regex")
+    parser.add_argument("--backends", default="gloo,mpx", help="control first (default gloo,mpx)")
+    parser.add_argument("--out", type=Path, default=Path("conformance-results"))
+    args = parser.parse_args(argv)
+
+    tests = select_tests(suite_tests(), args.select, args.pattern)
+    backends = args.backends.split(",")
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for backend in backends:
+        start = time.monotonic()
+        # The subgroup tests need the suite's size gate lifted (see driver.py).
+        extra = ["--lift-size-gate"] if args.select == "subgroup" else []
+        results[backend] = run_backend(
+            backend, tests, args.ranks, args.out / f"{backend}-{args.ranks}", extra
+        )
+        counts = {
+            e: sum(o["event"] == e for o in results[backend].values())
+            for e in ("pass", "skip", "fail")
+        }
+        seconds = time.monotonic() - start
+        print(f"{backend}, {args.ranks} ranks, {len(tests)} tests: {counts} in {seconds:.0f} s")
+        (args.out / f"{backend}-{args.ranks}.json").write_text(
+            json.dumps(results[backend], indent=1, sort_keys=True)
+        )
+    if len(backends) < 2:
+        return 0
+    control, tested = backends[0], backends[1]
+    result = compare(results[control], results[tested])
+    (args.out / f"summary-{args.ranks}.json").write_text(
+        json.dumps(result, indent=1, sort_keys=True)
+    )
+    print(_summary_line(args.ranks, result, tested, control))
+    for test, outcome in sorted(result["differ"].items()):
+        print(f"  {outcome['event']:5} {test}: {error_line(outcome.get('detail', ''))[:160]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

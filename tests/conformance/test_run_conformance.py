@@ -1,0 +1,70 @@
+"""The conformance harness's bookkeeping: per-rank outcomes merged, backends compared."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+_PATH = Path(__file__).with_name("run_conformance.py")
+
+
+def _harness() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_conformance", _PATH)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _harness()
+
+
+def _event(event: str, detail: str = "") -> dict[str, str]:
+    return {"event": event, "detail": detail}
+
+
+def test_a_test_passes_only_where_every_rank_passed() -> None:
+    rank0 = {
+        "a": _event("pass"),
+        "b": _event("pass"),
+        "c": _event("skip", "no gpu"),
+        "d": _event("pass"),
+    }
+    rank1 = {"a": _event("pass"), "b": _event("fail", "boom"), "c": _event("skip", "no gpu")}
+    merged = harness.merge_ranks([rank0, rank1])
+    assert {t: o["event"] for t, o in merged.items()} == {
+        "a": "pass",
+        "b": "fail",
+        "c": "skip",
+        "d": "fail",  # rank 1 never finished it: the job ended there
+    }
+    assert merged["b"]["detail"] == "boom"
+
+
+def test_compare_counts_the_controls_passes_only() -> None:
+    control = {"a": _event("pass"), "b": _event("pass"), "c": _event("fail")}
+    tested = {"a": _event("pass"), "b": _event("fail", "x"), "c": _event("pass")}
+    result = harness.compare(control, tested)
+    assert (result["passes"], result["control_passes"]) == (1, 2)
+    assert list(result["differ"]) == ["b"]
+
+
+def test_subgroup_selection_leaves_out_full_groups() -> None:
+    names = [
+        "test_reduce_group_sum",
+        "test_reduce_full_group_sum",
+        "test_new_subgroups",
+        "test_isend",
+    ]
+    assert harness.select_tests(names, "subgroup", None) == [
+        "test_reduce_group_sum",
+        "test_new_subgroups",
+    ]
+    assert harness.select_tests(names, "all", "isend") == ["test_isend"]
+
+
+def test_error_line_is_the_exceptions_line() -> None:
+    detail = 'Traceback:\n  File "x.py"\nRuntimeError: No backend type\n\nTo execute this test, run'
+    assert harness.error_line(detail) == "RuntimeError: No backend type"

@@ -1,0 +1,57 @@
+"""An unmodified torchrun-style DDP script runs under mpxrun on mpx (and cgx) as on gloo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
+SCRIPT = ROOT / "examples" / "ddp_torchrun.py"
+
+
+def _run(backend: str, **extra: str) -> list[str]:
+    # Started from inside a job too (nox's mpi runs): not as one of its ranks.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_")} | extra
+    done = subprocess.run(
+        [
+            MPXRUN,
+            "-n",
+            "2",
+            "--timeout",
+            "240",
+            "--",
+            sys.executable,
+            str(SCRIPT),
+            *["--backend", backend],
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_script_on_mpx_equals_gloo() -> None:
+    on_mpx = _run("mpx")
+    assert len(on_mpx) == 5
+    assert on_mpx == _run("gloo")
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_script_on_cgx() -> None:
+    """``init_process_group("cgx")``: exact at CGX's 32 bits, quantized at 4."""
+    on_gloo = _run("gloo")
+    assert _run("cgx", CGX_COMPRESSION_QUANTIZATION_BITS="32") == on_gloo
+    at_4_bits = _run("cgx", CGX_COMPRESSION_QUANTIZATION_BITS="4")
+    assert len(at_4_bits) == 5
+    assert at_4_bits != on_gloo
