@@ -107,9 +107,12 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nprocs: int,
         ranks = {int(p.read_text()) for p in tmp_path.glob("ready.*")}
         assert ranks <= set(pids)  # the scan covers mpxrun, the launcher and every rank
         listening = _listening_sockets()
+        # The ranks' own sockets (their MPI transport). Hydra's control port
+        # (mpiexec, hydra_pmi_proxy) still listens on every interface: gforker,
+        # which opens none, truncates non-ASCII output (see launchers.py).
         exposed = sorted(
             (pid, listening[inode])
-            for pid in pids
+            for pid in ranks
             for inode in _socket_inodes(pid)
             if inode in listening and not ipaddress.ip_address(listening[inode]).is_loopback
         )
@@ -148,15 +151,39 @@ def test_a_multi_node_job_keeps_the_users_interface(
     assert env["FI_TCP_IFACE"] == "lo"
 
 
-def test_single_host_mpich_jobs_use_gforker_when_installed() -> None:
+def test_gforker_on_request_and_hydra_by_default() -> None:
     from mpx.launch import find_launcher
 
     launcher = find_launcher("mpich")
-    local = launcher.on_this_host()
-    assert local.forker, "the mpich wheel ships mpiexec.gforker beside mpiexec"
-    assert local.command(2, ["prog"], tag_output=True) == [local.path, "-n", "2", "-l", "prog"]
+    assert launcher.on_this_host() is launcher  # Hydra: gforker mangles non-ASCII output
+    gforker = Launcher("mpich", "mpiexec.gforker", forker=True)
+    assert gforker.command(2, ["prog"], tag_output=True) == [gforker.path, "-n", "2", "-l", "prog"]
     # gforker cannot bind: the rank supervisors do (MPX_BIND).
-    assert local.command(2, ["prog"], bind="core") == [local.path, "-n", "2", "prog"]
+    assert gforker.command(2, ["prog"], bind="core") == [gforker.path, "-n", "2", "prog"]
     with pytest.raises(ValueError, match="--hostfile needs Hydra"):
-        local.command(2, ["prog"], hostfile="hosts")
+        gforker.command(2, ["prog"], hostfile="hosts")
     assert Launcher("openmpi", "mpirun").on_this_host() == Launcher("openmpi", "mpirun")
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_output_that_is_not_ascii_arrives_whole(nprocs: int) -> None:
+    """Under gforker, print("a – b") arrived as "a" and the rank died of a broken pipe."""
+    text = "a – b × c é"
+    done = subprocess.run(
+        [
+            MPXRUN,
+            "-n",
+            str(nprocs),
+            "--timeout",
+            "120",
+            "--",
+            sys.executable,
+            "-c",
+            f"print({text!r})",
+        ],
+        capture_output=True,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert done.stdout.decode().splitlines() == [text] * nprocs
