@@ -21,6 +21,7 @@ from mpx.dataparallel.errors import (
 from mpx.dataparallel.gradients import allreduce_gradients
 from mpx.dataparallel.optimizer import DistributedOptimizer
 from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
+from mpx.dataparallel.resume import ResumePoint, latest_checkpoint, resume, save_resumable
 from mpx.dataparallel.runtime import init, is_root, local_rank, rank, world_size
 from mpx.dataparallel.synchronize import broadcast_tensors, synchronize
 
@@ -39,15 +40,19 @@ __all__ = [
     "PSHandle",
     "ParameterServer",
     "ParameterServerError",
+    "ResumePoint",
     "__version__",
     "allreduce_gradients",
     "broadcast_tensors",
     "init",
     "is_root",
+    "latest_checkpoint",
     "load_checkpoint",
     "local_rank",
     "rank",
+    "resume",
     "save_checkpoint",
+    "save_resumable",
     "synchronize",
     "total_workers",
     "world_size",

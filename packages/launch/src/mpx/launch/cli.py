@@ -3,8 +3,8 @@
 ::
 
     mpxrun -n N [--hostfile F] [--bind none|core|numa] [--gpus auto|none]
-           [--timeout S] [--tag-output] [--launcher auto|mpich|openmpi|slurm|PATH]
-           [--virtual-nodes K] [--] prog args…
+           [--timeout S] [--max-restarts N [--restart-delay S]] [--tag-output]
+           [--launcher auto|mpich|openmpi|slurm|PATH] [--virtual-nodes K] [--] prog args…
     mpxrun --check
 
 The job runs as a process tree in its own session::
@@ -22,6 +22,14 @@ SIGKILL). The exit code is the failed rank's (128+N for a signal), 124 for
 At ``--timeout`` ``mpxrun`` first asks every rank still running for its
 Python stack (SIGUSR1 to their supervisors, see :mod:`mpx.launch.stacks`) and
 prints them, then stops the job.
+
+With ``--max-restarts N`` a failed attempt (a rank's exit code or signal, or
+``--timeout``, which then bounds each attempt) is torn down as above and the
+job is started again, up to N times, after ``--restart-delay`` seconds. Each
+rank sees the attempt's number in ``MPX_RESTART_COUNT`` and in torchrun's
+``TORCHELASTIC_RESTART_COUNT`` (0 first), so a program can resume from its
+last checkpoint. When the restarts run out, the exit code is the last
+attempt's.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, NoReturn
 
@@ -93,6 +101,30 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _restart_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"--max-restarts must be a whole number >= 0, got {text!r}"
+        )
+    return value
+
+
+def _delay(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(
+            f"--restart-delay must be a number of seconds >= 0, got {text!r}"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``mpxrun``."""
     parser = _Parser(
@@ -126,7 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=_positive_float,
         default=None,
-        help="stop the job after this many seconds (exit 124)",
+        help="stop the job after this many seconds (exit 124); with --max-restarts, each attempt",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=_restart_count,
+        default=0,
+        metavar="N",
+        help="when a rank fails or the job hangs past --timeout, stop the job and start it "
+        "again, up to N times (ranks read the attempt in MPX_RESTART_COUNT; default 0)",
+    )
+    parser.add_argument(
+        "--restart-delay",
+        type=_delay,
+        default=0.0,
+        metavar="S",
+        help="seconds to wait before each restart (default 0)",
     )
     parser.add_argument(
         "--tag-output", action="store_true", help="prefix output lines with the rank"
@@ -504,7 +551,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if launcher.forker:
                 env["MPX_BIND"] = args.bind  # gforker cannot bind: the supervisors do
             supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
-            exported = sorted(k for k in env if k.startswith(("MPX_", "MPIR_", "OMP_", "CUDA_")))
+            prefixes = ("MPX_", "MPIR_", "OMP_", "CUDA_")
+            per_attempt = {"MPX_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}
+            exported = sorted({k for k in env if k.startswith(prefixes)} | per_attempt)
             command = launcher.command(
                 args.nprocs,
                 supervised,
@@ -519,16 +568,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         except LaunchError as exc:
             print(f"mpxrun: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        job = Job(
-            command,
-            env=env,
-            status_key=env["MPX_STATUS_KEY"],
-            nprocs=args.nprocs,
-            local=local,
-            launcher_lingers=launcher.forker,
-            end_when_ranks_exit=launcher.forker and not args.tag_output,
-        )
-        return _run_job(job, args.timeout)
+
+        def new_job(attempt: int) -> Job:
+            # Both names: mpx programs read MPX_RESTART_COUNT, torchrun-style
+            # ones TORCHELASTIC_RESTART_COUNT; launchers forward MPX_* only.
+            count = str(attempt)
+            attempt_env = dict(env, MPX_RESTART_COUNT=count, TORCHELASTIC_RESTART_COUNT=count)
+            return Job(
+                command,
+                env=attempt_env,
+                status_key=env["MPX_STATUS_KEY"],
+                nprocs=args.nprocs,
+                local=local,
+                launcher_lingers=launcher.forker,
+                end_when_ranks_exit=launcher.forker and not args.tag_output,
+            )
+
+        return _run_job(new_job, args.timeout, args.max_restarts, args.restart_delay)
 
 
 def _check_virtual(launcher: Launcher, hostfile: str | None) -> None:
@@ -541,7 +597,23 @@ def _check_virtual(launcher: Launcher, hostfile: str | None) -> None:
         raise UsageError("--virtual-nodes and --hostfile exclude each other: pick one")
 
 
-def _run_job(job: Job, timeout: float | None) -> int:
+def _failure(job: Job, code: int, timeout: float | None) -> str | None:
+    """What went wrong in a finished attempt, in a few words; None if nothing did."""
+    if job.timed_out:
+        return f"the job ran past --timeout {timeout:g} s"
+    if job.failures:
+        return job.failures[0].describe()
+    if code != 0:
+        return f"the launcher exited with code {code}"
+    return None
+
+
+def _run_job(
+    new_job: Callable[[int], Job],
+    timeout: float | None,
+    max_restarts: int = 0,
+    restart_delay: float = 0.0,
+) -> int:
     # SIGTERM/SIGHUP (a batch system, `timeout`, a closed terminal) stop the
     # job the way Ctrl-C does, instead of orphaning it in its own session; the
     # exit code then says which signal it was, as a shell's does (128 + N).
@@ -553,17 +625,42 @@ def _run_job(job: Job, timeout: float | None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
-    # MPI shared memory of ranks that died is removed once the job has ended.
-    before = shm_cleanup.segments()
+    attempt = 0
     try:
-        code = job.run(timeout=timeout)
+        while True:
+            job = new_job(attempt)
+            started = time.monotonic()
+            # MPI shared memory of ranks that died is removed once the attempt has ended.
+            before = shm_cleanup.segments()
+            try:
+                code = job.run(timeout=timeout)
+            finally:
+                shm_cleanup.remove_orphans(before)
+            failure = _failure(job, code, timeout)
+            if failure is None or attempt >= max_restarts:
+                if failure is not None and max_restarts:
+                    print(
+                        f"mpxrun: giving up after {attempt} restart(s) (--max-restarts "
+                        f"{max_restarts}); the last attempt failed: {failure}",
+                        file=sys.stderr,
+                    )
+                return _report(job, code, timeout)
+            attempt += 1
+            # "Lost": the failed attempt's run and teardown, plus the delay;
+            # how much of the run the program redoes depends on its checkpoints.
+            lost = time.monotonic() - started + restart_delay
+            print(
+                f"mpxrun: {failure}; all ranks were stopped. Restart {attempt} of "
+                f"{max_restarts} in {restart_delay:g} s ({lost:.1f} s lost: the failed "
+                "attempt's run, its teardown and the delay)",
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(restart_delay)
     except KeyboardInterrupt:
         name = signal.Signals(received[0]).name
         print(f"mpxrun: {name} received; all ranks were stopped", file=sys.stderr)
         return 128 + received[0]
-    finally:
-        shm_cleanup.remove_orphans(before)
-    return _report(job, code, timeout)
 
 
 def run() -> NoReturn:

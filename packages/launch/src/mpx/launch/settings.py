@@ -381,3 +381,12 @@ TORCH_ENV = declare(
     "an mpxrun started inside the job replaces",
     package="launch",
 )
+RESTART_COUNT = declare(
+    "MPX_RESTART_COUNT",
+    "int",
+    0,
+    "set by mpxrun in every rank: how many times --max-restarts has restarted the job so far "
+    "(0 on the first attempt; TORCHELASTIC_RESTART_COUNT carries the same number)",
+    package="launch",
+    minimum=0,
+)
