@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mpx.dataparallel as dp
-from mpx.collectives import MPXError, RemoteError
+from mpx.collectives import MismatchError, MPXError, RemoteError
 from mpx.dataparallel import (
     DataParallelError,
     DataParallelRemoteError,
@@ -27,6 +27,7 @@ def test_every_public_error_derives_from_mpx_error() -> None:
     errors = {x for x in found if isinstance(x, type) and issubclass(x, BaseException)}
     assert errors == {
         DataParallelError,
+        dp.DataParallelMismatchError,
         DataParallelRemoteError,
         DataParallelTypeError,
         DataParallelValueError,
@@ -39,6 +40,8 @@ def test_every_public_error_derives_from_mpx_error() -> None:
     # Raised on every rank when some failed: a RemoteError, no argument error.
     assert issubclass(DataParallelRemoteError, RemoteError)
     assert not issubclass(DataParallelRemoteError, (ValueError, TypeError))
+    # Models that differ across ranks: a MismatchError of collectives' kind.
+    assert issubclass(dp.DataParallelMismatchError, MismatchError)
 
 
 def _container(data: Any, **kwargs: Any) -> dp.DistributedDataContainer:

@@ -64,8 +64,14 @@ def init(pin_device: bool = True, gpu_devices: Sequence[int] | None = None) -> C
 
 
 def default_comm(comm: CommLike | None) -> Communicator:
-    """``comm`` (an mpx or mpi4py communicator), or the world communicator when None."""
-    return as_communicator(comm)
+    """``comm`` (an mpx or mpi4py communicator), or the world communicator when None.
+
+    Anything else is passed through as it is: a stand-in with ``rank`` and
+    ``size`` serves the parts that only need those (the data container).
+    """
+    if comm is None or isinstance(comm, MPI.Intracomm):
+        return as_communicator(comm)
+    return comm
 
 
 def object_comm(comm: Communicator) -> MPI.Intracomm:
