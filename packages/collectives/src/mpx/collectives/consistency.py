@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from mpx.collectives.errors import MismatchError
+from mpx.collectives.policy import OPS
 
 __all__ = [
     "CHECKED_OPS",
@@ -71,19 +72,7 @@ PRIME = 0x100000001B3  # FNV-1a's 64-bit prime: a digest that depends on the ord
 
 # The collectives the ledger counts. Point-to-point calls (send, recv) differ
 # between peers by design and are matched by tag, not by order.
-CHECKED_OPS = frozenset(
-    {
-        "allreduce",
-        "broadcast",
-        "reduce",
-        "allgather",
-        "reduce_scatter",
-        "alltoall",
-        "barrier",
-        "gather",
-        "scatter",
-    }
-)
+CHECKED_OPS = frozenset(OPS) - {"send", "recv"}
 
 # The ledger's array (int64): the fast path reads and writes it through a pointer.
 #   [0] calls counted   [1] digest   [2] the call at which digests are compared next
