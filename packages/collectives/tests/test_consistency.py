@@ -29,6 +29,7 @@ from mpx.launch.settings import reload as reload_settings
 @pytest.fixture
 def comm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Communicator]:
     """A fresh communicator under the default MPX_CHECK, comparing digests every 4 calls."""
+    world()  # made first, under the default interval (it lives for the whole session)
     monkeypatch.delenv("MPX_CHECK", raising=False)
     monkeypatch.setenv("MPX_CHECK_INTERVAL", "4")
     reload_settings()

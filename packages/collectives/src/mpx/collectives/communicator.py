@@ -354,15 +354,17 @@ class Communicator:
         # steps may run later, after this rank has issued (and counted) more.
         ledger = self.ledger
         mine = encode(signature, ledger.calls, int(ledger.state[1]))
-        recent = ledger.recent() if digests else []
-        return self._compare(op, signature, mine, recent)
+        # A copy of the array (a memcpy): the list of recent calls is built
+        # from it only if the digests differ.
+        position = ledger.state.copy() if digests else None
+        return self._compare(op, signature, mine, position)
 
     def _compare(
         self,
         op: str,
         signature: Signature,
         mine: np.ndarray,
-        recent: list[tuple[int, Signature | None]],
+        position: np.ndarray | None,
     ) -> Steps[None]:
         every = np.empty((self.size, ROW), dtype=np.int64)
         yield Requests([self.mpi.Iallgather(mine, every)])
@@ -371,7 +373,8 @@ class Communicator:
         if error is not None:
             raise error
         self.ledger.verified.add(signature)
-        if recent and any(row[1:] != rows[0][1:] for row in rows):
+        if position is not None and any(row[1:] != rows[0][1:] for row in rows):
+            recent = self.ledger.recent(position)
             data = pickle.dumps(recent, protocol=pickle.HIGHEST_PROTOCOL)
             parts = yield from gather_bytes(self.mpi, data)
             raise self.ledger.first_divergence(op, [pickle.loads(part) for part in parts])

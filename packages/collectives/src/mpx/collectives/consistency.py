@@ -201,12 +201,17 @@ class CallLedger:
         state[1] = ((int(state[1]) * PRIME) ^ h) & MASK
         state[LEDGER_FIELDS + n % self.interval] = h
 
-    def recent(self) -> list[tuple[int, Signature | None]]:
-        """The last calls counted, oldest first: (call number, signature)."""
-        n, interval = self.calls, self.interval
+    def recent(self, state: np.ndarray | None = None) -> list[tuple[int, Signature | None]]:
+        """The last calls counted, oldest first: (call number, signature).
+
+        ``state``: a copy of :attr:`state` taken earlier (the position of an
+        asynchronous call when it was issued); the current one by default.
+        """
+        state = self.state if state is None else state
+        n, interval = int(state[0]), int(state[3])
         out: list[tuple[int, Signature | None]] = []
         for i in range(max(1, n - interval + 1), n + 1):
-            h = int(self.state[LEDGER_FIELDS + i % interval])
+            h = int(state[LEDGER_FIELDS + i % interval])
             out.append((i, self.signatures.get(h)))
         return out
 

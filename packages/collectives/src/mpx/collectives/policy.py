@@ -258,7 +258,7 @@ class Policy:
     check: str
     tuned: dict[str, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
     source: str = "built-in"
-    check_interval: int = 256
+    check_interval: int = 4096
     _log_seen: set[tuple[str, bool, int]] = field(default_factory=set, repr=False)
 
     @classmethod
