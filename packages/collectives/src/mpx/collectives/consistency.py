@@ -178,11 +178,9 @@ class CallLedger:
         """Counts one call: (its signature is new here, the digests are due now)."""
         h = signature_hash(signature)
         self.signatures[h] = signature
+        self.count_hash(h)
         state = self.state
-        n = int(state[0]) + 1
-        state[0] = n
-        state[1] = ((int(state[1]) * PRIME) ^ h) & MASK
-        state[LEDGER_FIELDS + n % self.interval] = h
+        n = int(state[0])
         due = n >= int(state[2])
         if due:
             state[2] = n + self.interval
