@@ -753,6 +753,11 @@ def init_process_group(init_method: str | None = None, timeout: timedelta | None
             **extra,
         )
     else:
+        # Every rank must be done with the previous group before any rank
+        # meets the store: a rank that connects while rank 0 still serves the
+        # old group's store on the same MASTER_PORT counts itself there, and
+        # rank 0's new store then waits for it until its timeout (a CI hang).
+        ops.barrier(comm=comm, timeout=None if timeout is None else timeout.total_seconds())
         dist.init_process_group(
             BACKEND_NAME, init_method=init_method, rank=comm.rank, world_size=comm.size, **extra
         )
