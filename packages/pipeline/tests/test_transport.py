@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from mpx.collectives import world
 from mpx.pipeline import PipelineError
+from mpx.pipeline.border import unflatten
 from mpx.pipeline.transport import Inbox, Outbox, _Pool, decode_header, encode_header
 
 
@@ -42,19 +45,53 @@ def test_send_to_self_with_header_and_reuse() -> None:
     comm = world().split(world().rank)
     assert comm is not None
     out, inbox = Outbox(comm, 0, "act"), Inbox(comm, 0, "act")
+    allocated = []
     for call in range(3):
         ids = [10 * call, 10 * call + 1]
         inbox.expect(ids)
-        out.new_call()
         sent = [torch.randn(4, 5) for _ in ids]
         for j, t in zip(ids, sent, strict=True):
-            out.send(j, t)
+            assert out.send(j, t) == [False]  # no gradient comes back for it
         for j, t in zip(reversed(ids), reversed(sent), strict=True):  # any order
-            buf = inbox.get(j)
-            assert torch.equal(buf, t)
-            inbox.release(buf)
+            parcel = inbox.get(j)
+            assert parcel.spec == "T"
+            assert torch.equal(parcel.tensors[0], t)
+            inbox.release(parcel.tensors)
         out.wait_all()
-    assert inbox.pool.allocated == 2  # buffers reused across calls
+        allocated.append(inbox.pool.allocated)
+    # Buffers (headers and tensors) reused across calls.
+    assert allocated[0] == allocated[-1] <= 4
+
+
+@pytest.mark.mpi
+def test_structures_cross_with_their_own_shapes_per_microbatch() -> None:
+    # A tuple with a dict, a mask that needs no gradient, plain values; the
+    # second micro-batch has other shapes than the first.
+    comm = world().split(world().rank)
+    assert comm is not None
+    out, inbox = Outbox(comm, 0, "act"), Inbox(comm, 0, "act")
+    inbox.expect([0, 1])
+    sent: list[tuple[dict[str, Any], None, list[float]]] = []
+    for j, n in enumerate((3, 5)):
+        h = torch.randn(2, n, requires_grad=True)
+        obj: tuple[dict[str, Any], None, list[float]] = (
+            {"h": h * 2, "mask": torch.ones(2, n, dtype=torch.bool), "n": n},
+            None,
+            [1.5],
+        )
+        sent.append(obj)
+        assert out.send(j, obj) == [True, False]
+    for j, obj in enumerate(sent):
+        parcel = inbox.get(j)
+        assert parcel.flags == [True, False]
+        got = unflatten(parcel.spec, parcel.tensors)
+        assert got[1:] == (None, [1.5])
+        assert got[0]["n"] == obj[0]["n"]
+        assert torch.equal(got[0]["h"], obj[0]["h"].detach())
+        assert torch.equal(got[0]["mask"], obj[0]["mask"])
+    out.wait_all()
+    with pytest.raises(PipelineError, match=r"output\[0\]\['x'\] is a set"):
+        out.send(2, ({"x": {1}},))
 
 
 def test_dropped_boxes_keep_messages_in_flight_alive() -> None:
@@ -67,9 +104,8 @@ def test_dropped_boxes_keep_messages_in_flight_alive() -> None:
     assert comm is not None
     sent = torch.randn(1 << 18)  # 1 MiB: MPI waits for the receiver (rendezvous)
     out = Outbox(comm, 0, "act")
-    out.new_call()
     out.send(3, sent.clone())
-    in_flight = [h for _, h in out._inflight.values() if not h.completed]
+    in_flight = [h for es in out._inflight.values() for _, h in es if not h.completed]
     del out
     gc.collect()
     adopted = [t for t, h in transport._ORPHANS if any(h is g for g in in_flight)]
@@ -77,15 +113,15 @@ def test_dropped_boxes_keep_messages_in_flight_alive() -> None:
     # The message is still intact for a receiver that comes later.
     inbox = Inbox(comm, 0, "act")
     inbox.expect([3])
-    assert torch.equal(inbox.get(3), sent)
+    assert torch.equal(inbox.get(3).tensors[0], sent)
     # A dropped inbox keeps its posted receive buffers alive the same way.
-    inbox.post(5, sent.shape, sent.dtype)  # posted, never waited for
-    buf = inbox._pending[5][0]
+    inbox.post(5, [(sent.shape, sent.dtype)])  # posted, never waited for
+    buf = inbox._pending[5][0][0]
     del inbox
     gc.collect()
     assert any(t is buf for t, _ in transport._ORPHANS)
     later = Outbox(comm, 0, "act")
-    later.send(5, sent.clone())  # (no header: not a new call)
+    later.send_tensors(5, [sent.clone()])  # (no header: as gradients travel)
     later.wait_all()  # the orphaned receive takes it
     transport._reap_orphans()
     assert torch.equal(buf, sent)

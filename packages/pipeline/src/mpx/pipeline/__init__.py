@@ -2,7 +2,9 @@
 
 GPipe, 1F1B (PipeDream-flush) and the asynchronous 1F1B with weight stashing,
 weight prediction and gap-aware penalties; one stage of an ``nn.Sequential``
-per rank, activations and gradients sent point to point through mpx.collectives.
+per rank (stage borders of any structure of tensors, skip connections with
+``skippable``/``stash``/``pop``, models of ordinary modules through ``Keyed``,
+tied weights), activations and gradients sent point to point through mpx.collectives.
 
 Example::
 
@@ -17,14 +19,17 @@ from mpx.pipeline.errors import (
     PipelineTypeError,
     PipelineValueError,
 )
+from mpx.pipeline.keyed import Keyed
 from mpx.pipeline.partition import balance_by_time, split_times
 from mpx.pipeline.pipeline import CHECKPOINTS, Pipeline
 from mpx.pipeline.schedule import SCHEDULES, bubble_fraction, grid
+from mpx.pipeline.skip import pop, skippable, stash
 from mpx.pipeline.stage import layer_seed
 
 __all__ = [
     "CHECKPOINTS",
     "SCHEDULES",
+    "Keyed",
     "Pipeline",
     "PipelineError",
     "PipelineRemoteError",
@@ -35,7 +40,10 @@ __all__ = [
     "bubble_fraction",
     "grid",
     "layer_seed",
+    "pop",
+    "skippable",
     "split_times",
+    "stash",
 ]
 
 __version__ = "0.1.0"

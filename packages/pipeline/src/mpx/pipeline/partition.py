@@ -24,11 +24,11 @@ from mpx.pipeline.errors import PipelineValueError
 __all__ = [
     "balance_by_time",
     "check_balance",
-    "check_no_tied_weights",
     "has_inplace",
     "layer_times",
     "split_times",
     "stage_bounds",
+    "tied_groups",
 ]
 
 
@@ -61,26 +61,22 @@ def stage_bounds(balance: Sequence[int], stage: int) -> tuple[int, int]:
     return start, start + balance[stage]
 
 
-def check_no_tied_weights(module: nn.Sequential, balance: Sequence[int]) -> None:
-    """Raises if a parameter (or a whole layer) is shared by two stages.
+def tied_groups(module: nn.Sequential, balance: Sequence[int]) -> list[dict[int, tuple[int, str]]]:
+    """Parameters shared by layers of different stages (tied weights), in module order.
 
-    Tied weights across stages would need their gradients summed and their
-    updates kept in step across ranks; mpx-pipeline refuses them instead.
+    Returns:
+        Per shared parameter, ``{stage: (layer index, name in that layer)}`` for
+        each stage using it (its first use there). Sharing within one stage is
+        not listed: it needs nothing.
     """
-    owner: dict[int, tuple[int, int]] = {}  # id(param) -> (stage, layer)
+    uses: dict[int, dict[int, tuple[int, str]]] = {}  # id(param) -> {stage: (layer, name)}
     stage = 0
     for index, layer in enumerate(module):
         while index >= sum(balance[: stage + 1]):
             stage += 1
-        for param in layer.parameters():
-            seen = owner.setdefault(id(param), (stage, index))
-            if seen[0] != stage:
-                raise PipelineValueError(
-                    f"layer {index} (stage {stage}) shares a parameter of shape "
-                    f"{tuple(param.shape)} with layer {seen[1]} (stage {seen[0]}): tied weights "
-                    "across stages are not supported; put both layers in one stage (change "
-                    "balance) or untie them"
-                )
+        for name, param in layer.named_parameters():
+            uses.setdefault(id(param), {}).setdefault(stage, (index, name))
+    return [owners for owners in uses.values() if len(owners) > 1]
 
 
 def has_inplace(layer: nn.Module) -> bool:

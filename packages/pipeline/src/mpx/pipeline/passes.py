@@ -23,23 +23,27 @@ from typing import Any
 import torch
 
 from mpx.collectives import CollectiveTimeout, Communicator, Handle
+from mpx.pipeline.border import flatten, unflatten
 from mpx.pipeline.stage import Stage
 from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
 
 __all__ = ["LossFn", "Micro", "StagePasses"]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(output, target)``: the last stage's output and the target (tensors or structures)."""
 
 
 @dataclass
 class Micro:
     """What a stage keeps of one micro-batch between its forward and backward."""
 
-    feed: torch.Tensor  # the stage input (a leaf requiring grad past stage 0)
-    buf: torch.Tensor | None = None  # pooled receive buffer behind ``feed``
-    out: torch.Tensor | None = None  # output with its graph (None if recomputed)
+    feed: Any  # the stage input: a border structure (leaves requiring grad past stage 0)
+    bufs: list[torch.Tensor] = field(default_factory=list)  # pooled buffers behind ``feed``
+    leaves: list[torch.Tensor] = field(default_factory=list)  # feed tensors owed a gradient
+    out: Any = None  # output with its graph (None if recomputed)
+    flags: list[bool] = field(default_factory=list)  # which output tensors get a gradient
     loss: torch.Tensor | None = None  # last stage: the loss with its graph
-    target: torch.Tensor | None = None
+    target: Any = None
     recompute: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # the async schedule's state
 
@@ -87,11 +91,9 @@ class StagePasses:
     # -- one call ---------------------------------------------------------------
 
     def start_call(self, ids: list[int]) -> None:
-        """Posts the header receive of a call carrying micro-batches ``ids``; opens the sends."""
+        """Posts the header receives of a call carrying micro-batches ``ids``."""
         if self.act_in is not None:
             self.act_in.expect(ids)
-        if self.act_out is not None:
-            self.act_out.new_call()
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -152,18 +154,20 @@ class StagePasses:
 
     # -- one micro-batch --------------------------------------------------------
 
-    def input(self, j: int, x: torch.Tensor | None) -> Micro:
+    def input(self, j: int, x: Any) -> Micro:
         """Micro-batch ``j``'s input: ``x`` on the first stage, else received."""
         self.doing = f"input of micro-batch {j}"
         if self.first:
             assert x is not None
             return Micro(feed=x)
         assert self.act_in is not None
-        buf = self.act_in.get(j)
-        feed = buf.detach()
-        if feed.is_floating_point():
-            feed.requires_grad_(True)
-        return Micro(feed=feed, buf=buf)
+        parcel = self.act_in.get(j)
+        tensors = [buf.detach() for buf in parcel.tensors]
+        leaves = []
+        for t, flag in zip(tensors, parcel.flags, strict=True):
+            if flag:
+                leaves.append(t.requires_grad_(True))
+        return Micro(feed=unflatten(parcel.spec, tensors), bufs=parcel.tensors, leaves=leaves)
 
     def forward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None) -> None:
         self.doing = f"forward of micro-batch {j}"
@@ -176,17 +180,18 @@ class StagePasses:
             else:
                 assert self.act_out is not None
                 assert self.grad_in is not None
-                self.act_out.send(j, y)
-                self.grad_in.post(j, y.shape, y.dtype)
+                mb.flags = self.act_out.send(j, y)
+                tensors, _ = flatten(y)
+                self.grad_in.post(
+                    j, [(t.shape, t.dtype) for t, f in zip(tensors, mb.flags, strict=True) if f]
+                )
         if not mb.recompute:
             mb.out = y
         elif mb.loss is not None:
             mb.loss = mb.loss.detach()
 
-    def backward(
-        self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float
-    ) -> torch.Tensor | None:
-        """Runs the backward of micro-batch ``j``; returns the gradient sent back."""
+    def backward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float) -> None:
+        """Runs the backward of micro-batch ``j`` and sends its input's gradients back."""
         self.doing = f"backward of micro-batch {j}"
         if mb.recompute:
             with self.stage.frozen_statistics(), torch.enable_grad():
@@ -194,25 +199,27 @@ class StagePasses:
                 if self.last and loss_fn is not None:
                     assert mb.target is not None
                     mb.loss = loss_fn(mb.out, mb.target)
-        assert mb.out is not None
         if self.last:
             assert mb.loss is not None
             torch.autograd.backward(mb.loss * scale)
         else:
             assert self.grad_in is not None
             assert self.act_out is not None
-            grad = self.grad_in.get(j)
-            if mb.out.requires_grad:
-                torch.autograd.backward(mb.out, grad)
-            self.grad_in.release(grad)
-            self.act_out.wait(j)  # the output may alias ``buf``: done before reuse
-        sent = None
+            grads = self.grad_in.get(j).tensors
+            outs, _ = flatten(mb.out)
+            owed = [t for t, flag in zip(outs, mb.flags, strict=True) if flag]
+            # A recomputed output may not require grad where its first (no-grad)
+            # pass guessed it would (see border.carries_grad): its gradient is dropped.
+            pairs = [(t, gr) for t, gr in zip(owed, grads, strict=True) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [gr for _, gr in pairs])
+            self.grad_in.release(grads)
+            self.act_out.wait(j)  # the output may alias ``bufs``: done before reuse
         if not self.first:
             assert self.grad_out is not None
             assert self.act_in is not None
-            sent = mb.feed.grad if mb.feed.grad is not None else torch.zeros_like(mb.feed)
-            self.grad_out.send(j, sent)
-            assert mb.buf is not None
-            self.act_in.release(mb.buf)
+            self.grad_out.send_tensors(
+                j, [t.grad if t.grad is not None else torch.zeros_like(t) for t in mb.leaves]
+            )
+            self.act_in.release(mb.bufs)
         mb.out = mb.loss = None
-        return sent

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import CommLike, Communicator, allreduce, as_communicator, broadcast
+from mpx.pipeline import border
 from mpx.pipeline.errors import (
     PipelineError,
     PipelineRemoteError,
@@ -38,10 +39,10 @@ from mpx.pipeline.errors import (
 from mpx.pipeline.failure import FailureAgreement, Status
 from mpx.pipeline.partition import (
     check_balance,
-    check_no_tied_weights,
     layer_times,
     split_times,
     stage_bounds,
+    tied_groups,
 )
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
 from mpx.pipeline.schedule import SCHEDULES, Op, stage_ops
@@ -166,9 +167,9 @@ class Pipeline(nn.Module):
         if balance is None:
             balance = self._profile(module, sample)
         self.balance = check_balance(balance, len(module), self.num_stages)
-        check_no_tied_weights(module, self.balance)
         start, stop = stage_bounds(self.balance, self.stage_id)
         self.stage = Stage(module, start, stop, seed)
+        self._tied = self._tie(module)
         self._passes = StagePasses(self.comm, self.stage)
         if self._passes.boxes:
             self.stage.progress = self._progress
@@ -190,7 +191,7 @@ class Pipeline(nn.Module):
                 self._passes,
                 chunks=chunks,
                 checkpoint=checkpoint,
-                average_grads=self._average_replica_grads,
+                average_grads=self._step_grads,
                 progress=self._progress,
                 weight_prediction=weight_prediction,
                 gap_aware=gap_aware,
@@ -205,6 +206,30 @@ class Pipeline(nn.Module):
             )
 
     # -- construction ---------------------------------------------------------
+
+    def _tie(self, module: nn.Sequential) -> list[tuple[nn.Parameter, Communicator]]:
+        """Per parameter shared with other stages: this stage's copy and the owners' comm.
+
+        Every owner keeps a copy (the module was built alike everywhere) and
+        the copies' gradients are summed before each optimizer step, so the
+        copies take the same steps and stay equal (Megatron's word embeddings).
+        """
+        tied = []
+        layers = self.stage.layer_modules()
+        for owners in tied_groups(module, self.balance):
+            # Collective over the pipeline: every stage splits, owners or not.
+            group = self.comm.split(0 if self.stage_id in owners else None)
+            if group is not None:
+                index, name = owners[self.stage_id]
+                tied.append((layers[index].get_parameter(name), group))
+        return tied
+
+    def _sum_tied_grads(self) -> None:
+        """Sums the gradients of tied copies over the stages that own them."""
+        for param, group in self._tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            allreduce(param.grad, "sum", comm=group)
 
     def _profile(self, module: nn.Sequential, sample: torch.Tensor | None) -> list[int]:
         """The first stage times every layer on ``sample``; everyone gets its balance."""
@@ -242,27 +267,22 @@ class Pipeline(nn.Module):
 
     # -- inputs ---------------------------------------------------------------
 
-    def _split(self, t: torch.Tensor | None, what: str, needed: bool) -> list[torch.Tensor]:
-        if t is None:
+    def _split(self, t: Any, what: str, needed: bool) -> list[Any]:
+        if t is None or not needed:
             if needed:
                 raise PipelineValueError(
                     f"{what} is None on stage {self.stage_id}, which reads it; pass {what} "
                     "on this rank"
                 )
             return []
-        if t.dim() == 0 or t.shape[0] % self.chunks:
-            raise PipelineValueError(
-                f"{what} has batch size {t.shape[0] if t.dim() else 'none'}, not divisible by "
-                f"chunks={self.chunks}; use a batch size that is a multiple of chunks"
-            )
-        return list(t.chunk(self.chunks))
+        return border.split(t, self.chunks, what)
 
     # -- public API -------------------------------------------------------------
 
     def step(
         self,
-        inputs: torch.Tensor | None,
-        target: torch.Tensor | None,
+        inputs: Any,
+        target: Any,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
@@ -304,6 +324,8 @@ class Pipeline(nn.Module):
             loss = self._agreement.read(status)
         except Exception as error:
             return self._fail(error, "step", undo, optimizer, status_due)
+        # This call's gradients only (the earlier ones, set aside, were summed).
+        self._sum_tied_grads()
         undo.keep()
         self._average_replica_grads()
         if optimizer is not None:
@@ -314,8 +336,8 @@ class Pipeline(nn.Module):
 
     def _async_step(
         self,
-        inputs: torch.Tensor | None,
-        target: torch.Tensor | None,
+        inputs: Any,
+        target: Any,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None,
         scheduler: Any,
@@ -393,7 +415,7 @@ class Pipeline(nn.Module):
             )
         self._passes.doing = doing
 
-    def _sync_call(self, xs: list[torch.Tensor], ts: list[torch.Tensor], loss_fn: LossFn) -> float:
+    def _sync_call(self, xs: list[Any], ts: list[Any], loss_fn: LossFn) -> float:
         m, base = self.chunks, self._microbatches
         self._microbatches += m
         passes = self._passes
@@ -418,6 +440,11 @@ class Pipeline(nn.Module):
         passes.finish_sends()
         return total / m
 
+    def _step_grads(self) -> None:
+        """async, before each optimizer step: tied copies summed, replicas averaged."""
+        self._sum_tied_grads()
+        self._average_replica_grads()
+
     def _average_replica_grads(self) -> None:
         if self.dp_comm is None or self.dp_comm.size == 1:
             return
@@ -433,7 +460,7 @@ class Pipeline(nn.Module):
         allreduce(value, "avg", comm=self.dp_comm)
         return float(value)
 
-    def forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
+    def forward(self, inputs: Any) -> Any:
         """Forward only, without gradients; the output on the last stage, None elsewhere.
 
         Micro-batches follow ``chunks`` (the batch must divide). In training
@@ -454,7 +481,7 @@ class Pipeline(nn.Module):
             self._last_call_undo = undo
         return out
 
-    def _forward_call(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
+    def _forward_call(self, inputs: Any) -> Any:
         xs = self._split(inputs, "inputs", self.first)
         m = self.chunks
         passes = self._passes
@@ -474,11 +501,11 @@ class Pipeline(nn.Module):
                     assert passes.act_out is not None
                     passes.act_out.send(j, y)
                     passes.act_out.wait(j)
-                if mb.buf is not None:
+                if mb.bufs:
                     assert passes.act_in is not None
-                    passes.act_in.release(mb.buf)
+                    passes.act_in.release(mb.bufs)
         passes.finish_sends()
-        return torch.cat(outs) if self.last else None
+        return border.concat(outs) if self.last else None
 
     def flush(
         self,
@@ -507,8 +534,8 @@ class Pipeline(nn.Module):
         self._last_call_undo = undo
         return loss
 
-    def __call__(self, inputs: torch.Tensor | None) -> torch.Tensor | None:  # typed call
-        return super().__call__(inputs)  # type: ignore[no-any-return]
+    def __call__(self, inputs: Any) -> Any:  # typed call
+        return super().__call__(inputs)
 
     def extra_repr(self) -> str:
         return (

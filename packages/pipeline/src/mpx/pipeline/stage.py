@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from mpx.pipeline._torch_private import is_batchnorm
-from mpx.pipeline.errors import PipelineTypeError
+from mpx.pipeline.border import first_tensor, map_tensors
 from mpx.pipeline.partition import has_inplace
+from mpx.pipeline.skip import check_skips, tracking, uses_skips
 
 __all__ = ["Stage", "Weights", "layer_seed"]
 
@@ -67,6 +69,12 @@ class Stage(nn.Module):
         super().__init__()
         self.start, self.stop, self.seed = start, stop, seed
         self.layers = nn.ModuleList(module[i] for i in range(start, stop))
+        # With skip connections in the model a border is (output, {skip name:
+        # tensor}): the skips stashed before it and popped after (see skip.py).
+        self.skips = uses_skips(module)
+        if self.skips:
+            check_skips(list(module))
+        self.first, self.last = start == 0, stop == len(module)
         # An in-place first layer would overwrite the received activation (a
         # leaf we need for the backward), so it gets a copy.
         self.copy_input = has_inplace(self.layers[0]) if len(self.layers) else False
@@ -90,46 +98,60 @@ class Stage(nn.Module):
 
     def run(
         self,
-        x: torch.Tensor,
+        x: Any,
         microbatch: int,
         weights: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
-        """Runs ``x`` through the layers with the seeds of ``microbatch``.
+    ) -> Any:
+        """Runs ``x`` (a tensor or a border structure) through the layers with the seeds
+        of ``microbatch``; each layer gets the previous one's output as its argument.
 
         Args:
             weights: run with these tensors instead of the layers' parameters.
         """
         if self.copy_input:
-            x = x.clone()
+            x = map_tensors(torch.clone, x)
+        skips: dict[str, torch.Tensor] = {}
+        if self.skips and not self.first:
+            # A copy: a recomputation pops from the received skips again.
+            x, received = x
+            skips = dict(received)
         # The CPU generator, and the input's CUDA device's (dropout on a GPU
         # draws from it). Not torch.manual_seed: it queues seeding for every
         # CUDA device and records a stack trace each time (slow).
         generators = [torch.default_generator]
-        if x.is_cuda:
-            generators.append(cuda_generator(x.device))
+        on_gpu = first_tensor(x, lambda t: t.is_cuda)
+        if on_gpu is not None:
+            generators.append(cuda_generator(on_gpu.device))
         saved = [g.get_state() for g in generators]
         try:
-            for k, layer in enumerate(self.layers):
-                index = self.start + k
-                for g in generators:
-                    g.manual_seed(layer_seed(self.seed, microbatch, index))
-                if weights is None or index not in weights:
-                    x = layer(x)
-                else:
-                    x = functional_call(layer, dict(weights[index]), (x,))
-                if not isinstance(x, torch.Tensor):
-                    raise PipelineTypeError(
-                        f"layer {index} returned {type(x).__name__}; a pipelined "
-                        "nn.Sequential must pass one tensor from layer to layer"
-                    )
-                if self.progress is not None and k < len(self.layers) - 1:
-                    self.progress()
-                    if x.requires_grad:
-                        # The same between layers of the backward.
-                        x.register_hook(self._progress_hook)  # type: ignore[no-untyped-call]
+            with tracking(skips):
+                x = self._run_layers(x, microbatch, weights, generators)
         finally:
             for g, state in zip(generators, saved, strict=True):
                 g.set_state(state)
+        return (x, skips) if self.skips and not self.last else x
+
+    def _run_layers(
+        self,
+        x: Any,
+        microbatch: int,
+        weights: Mapping[int, Mapping[str, torch.Tensor]] | None,
+        generators: list[torch.Generator],
+    ) -> Any:
+        for k, layer in enumerate(self.layers):
+            index = self.start + k
+            for g in generators:
+                g.manual_seed(layer_seed(self.seed, microbatch, index))
+            if weights is None or index not in weights:
+                x = layer(x)
+            else:
+                x = functional_call(layer, dict(weights[index]), (x,))
+            if self.progress is not None and k < len(self.layers) - 1:
+                self.progress()
+                hooked = first_tensor(x, lambda t: t.requires_grad)
+                if hooked is not None:
+                    # The same between layers of the backward.
+                    hooked.register_hook(self._progress_hook)  # type: ignore[no-untyped-call]
         return x
 
     def save_statistics(self) -> list[dict[str, torch.Tensor]]:

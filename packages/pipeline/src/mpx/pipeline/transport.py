@@ -4,19 +4,25 @@
 
     stage s-1                         stage s                          stage s+1
     ---------                         -------                          ---------
-    header ------------------------>  (once per call: shape, dtype)
-    act j  ---- send(async) ------->  recv posted early into a pooled buffer
-                                      ...                  header --->
-                                      act j ---- send(async) ------>
-                                      grad recv posted right after F(j) <--- grad j
-    grad j <--- send(async) --------
+    header j, tensors of j  ------->  header recv posted early; its tensors'
+         (one tag per micro-batch)    recvs posted as soon as it arrives
+                                      ...           header j, tensors ---->
+                                      grad recvs posted right after F(j) <--- grads j
+    grads j <--- send(async) -------
 
-``recv`` needs a preallocated tensor, so the sender opens each call with a
-10-int header (dtype, ndim, dims); the receiver then posts the receives for the
-call's micro-batches at once, into buffers drawn from a pool keyed by (shape,
-dtype) and given back after the micro-batch's backward: a new shape allocates,
-a repeated one reuses. Every message of micro-batch ``j`` carries its own tag,
-so the order in which receives complete does not matter. Send handles are
+A stage border carries any structure of tensors (:mod:`mpx.pipeline.border`):
+``recv`` needs a preallocated tensor, so every micro-batch's activation opens
+with a header (the structure, each tensor's shape, dtype and whether its
+gradient comes back), then one message per tensor, all under the micro-batch's
+tag: MPI delivers messages of one tag in the order they were sent, to receives
+in the order they were posted, so the header meets the receive posted first.
+The receiver posts the header receives of a call's micro-batches at once and
+each micro-batch's tensor receives as soon as its header is in (while polling
+between layers), into buffers drawn from a pool keyed by (shape, dtype) and
+given back after the micro-batch's backward: shapes may change from one
+micro-batch to the next; a repeated one reuses. Gradients need no header: the
+receiver knows the shapes it sent. Every micro-batch has its own tag, so the
+order in which micro-batches complete does not matter. Send handles are
 polled and dropped as they finish and waited for at the end of each call.
 
 Memory safety: MPI writes into a receive buffer (and reads a send buffer)
@@ -34,13 +40,24 @@ import time
 import weakref
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mpx.collectives import CollectiveTimeout, Communicator, Handle, recv, send
-from mpx.collectives.building_blocks import HEADER_LEN, decode_header, usable_cores
+from mpx.collectives.building_blocks import decode_header, usable_cores
 from mpx.collectives.building_blocks import encode_header as _encode_header
+from mpx.pipeline.border import (
+    HEADER_BYTES,
+    MAX_TENSORS,
+    Spec,
+    carries_grad,
+    decode,
+    encode,
+    flatten,
+    wire_dtype,
+)
 from mpx.pipeline.errors import PipelineError, PipelineTypeError, PipelineValueError
 
 __all__ = [
@@ -48,17 +65,19 @@ __all__ = [
     "Inbox",
     "Interrupt",
     "Outbox",
+    "Parcel",
     "adopt",
     "decode_header",
     "encode_header",
     "wait_for",
 ]
 
-_HEADER_TAG = 1
 _NO_LIMIT_S = 10.0**9
 _WINDOW = 8192  # micro-batches that may be in flight on one link at once
 _TAG_BASE = {"act": _WINDOW, "grad": 2 * _WINDOW}
-_LOGGED_SENDS = 8  # sizes kept per tag: enough for every send a failure can leave unmatched
+# Sizes kept per tag: enough for every send a failure can leave unmatched (one
+# micro-batch's header and tensors; a tag is reused only _WINDOW micro-batches later).
+_LOGGED_SENDS = MAX_TENSORS + 1
 _SPINS = 200  # polls before a waiting rank starts to sleep (oversubscribed only)
 _CHECK_EVERY = 64  # polls between two looks at the other stages' failure notices
 
@@ -120,7 +139,8 @@ def _tag(kind: str, j: int) -> int:
 
 
 def encode_header(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """The header of an activation (:func:`mpx.collectives.building_blocks.encode_header`).
+    """One tensor's shape and dtype (:func:`mpx.collectives.building_blocks.encode_header`),
+    as a border's header holds them for each of its tensors.
 
     Raises:
         PipelineValueError: more dimensions than a header holds.
@@ -149,14 +169,12 @@ def adopt(entries: list[tuple[torch.Tensor, Handle[Any]]]) -> None:
 def _adopt_box(box: dict[str, Any]) -> None:
     """A box's finalizer (gets the box's ``__dict__``): adopts its messages in flight."""
     entries: list[tuple[torch.Tensor, Handle[Any]]] = [
-        *box.get("_inflight", {}).values(),
-        *box.get("_headers", []),
-        *box.get("_pending", {}).values(),
+        *(e for es in box.get("_inflight", {}).values() for e in es),
+        *box.get("_headers", {}).values(),
+        *(e for es in box.get("_pending", {}).values() for e in es),
         *box.get("_drains", []),
         *box.get("_answers", []),
     ]
-    if box.get("_header_handle") is not None:
-        entries.append((box["_header"], box["_header_handle"]))
     adopt(entries)
 
 
@@ -180,11 +198,23 @@ class _Pool:
         return torch.empty(shape, dtype=dtype)
 
     def give(self, buf: torch.Tensor) -> None:
+        if buf.dtype != wire_dtype(buf.dtype):
+            buf = buf.view(wire_dtype(buf.dtype))  # a bool view of a uint8 buffer
         self._free[(buf.shape, buf.dtype)].append(buf)
 
 
+@dataclass
+class Parcel:
+    """One micro-batch's message on a link: its tensors (receive buffers) and, for an
+    activation, the structure they fill and which of them carry a gradient back."""
+
+    tensors: list[torch.Tensor]
+    spec: Spec = "T"
+    flags: list[bool] = field(default_factory=list)
+
+
 class Inbox:
-    """Receives from one neighbour: activations (with headers) or gradients.
+    """Receives from one neighbour: activations (each with its header) or gradients.
 
     Attributes:
         posted: receives posted so far, per tag (what :mod:`~mpx.pipeline.failure`
@@ -198,10 +228,12 @@ class Inbox:
         self.interrupt = interrupt
         self.pool = _Pool()
         self.posted: Counter[int] = Counter()
-        self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        self._header_handle: Handle[torch.Tensor] | None = None
-        self._expect: list[int] = []
-        self._pending: dict[int, tuple[torch.Tensor, Handle[torch.Tensor]]] = {}
+        # Per micro-batch: a header receive not yet decoded (activations only).
+        self._headers: dict[int, tuple[torch.Tensor, Handle[torch.Tensor]]] = {}
+        # Per micro-batch: its tensors' receives, posted (all messages share the tag).
+        self._pending: dict[int, list[tuple[torch.Tensor, Handle[torch.Tensor]]]] = {}
+        self._described: dict[int, tuple[Spec, list[bool]]] = {}
+        self._dtypes: dict[int, list[torch.dtype]] = {}  # what each buffer holds (bool as uint8)
         self._drains: list[tuple[torch.Tensor, Handle[torch.Tensor]]] = []  # settling only
         # Dropped with receives posted: their buffers must outlive them.
         weakref.finalize(self, _adopt_box, self.__dict__)
@@ -212,61 +244,84 @@ class Inbox:
         return handle
 
     def expect(self, ids: list[int]) -> None:
-        """Activations: posts the header receive of a call carrying micro-batches ``ids``."""
-        if not ids:
-            return
-        if self._header_handle is not None:
-            # Reposting would drop a receive MPI may still write into.
-            raise PipelineError("internal: a header receive is already posted on this link")
-        self._expect = ids
-        self._header_handle = self._recv(self._header, _HEADER_TAG)
+        """Activations: posts the header receives of micro-batches ``ids``.
 
-    def _post_expected(self) -> None:
-        assert self._header_handle is not None
-        wait_for(self._header_handle, self.comm, "recv", self.peer, self.interrupt)
-        self._header_handle = None
-        shape, dtype = decode_header(self._header)
-        for j in self._expect:
-            self.post(j, shape, dtype)
-        self._expect = []
+        A header shares its micro-batch's tag and is sent first, so it
+        matches the receive posted first; its tensors' receives follow once
+        it is read (:meth:`progress`, :meth:`get`)."""
+        for j in ids:
+            if j in self._headers or j in self._pending:
+                # Reposting would drop a receive MPI may still write into.
+                raise PipelineError(f"internal: micro-batch {j} already has a receive posted")
+            buf = self.pool.take(torch.Size((HEADER_BYTES,)), torch.uint8)
+            self._headers[j] = (buf, self._recv(buf, _tag(self.kind, j)))
 
-    def post(self, j: int, shape: torch.Size, dtype: torch.dtype) -> None:
-        """Posts the receive of micro-batch ``j`` into a pooled buffer."""
+    def _open(self, j: int) -> None:
+        """Reads micro-batch ``j``'s header (waiting for it) and posts its tensors' receives."""
+        buf, handle = self._headers[j]
+        wait_for(handle, self.comm, "recv", self.peer, self.interrupt)
+        del self._headers[j]
+        # The message fills only the start of the buffer; unpickling stops at its end.
+        spec, metas, flags = decode(buf)
+        self.pool.give(buf)
+        self._described[j] = (spec, flags)
+        self.post(j, metas)
+
+    def post(self, j: int, metas: list[tuple[torch.Size, torch.dtype]]) -> None:
+        """Posts the receives of micro-batch ``j``'s tensors into pooled buffers."""
         if j in self._pending:
-            # Overwriting the entry would free a buffer MPI still writes into.
+            # Overwriting the entry would free buffers MPI still writes into.
             raise PipelineError(f"internal: micro-batch {j} already has a receive posted")
-        buf = self.pool.take(shape, dtype)
-        self._pending[j] = (buf, self._recv(buf, _tag(self.kind, j)))
+        tag = _tag(self.kind, j)
+        entries = self._pending[j] = []
+        for shape, dtype in metas:
+            buf = self.pool.take(shape, wire_dtype(dtype))
+            entries.append((buf, self._recv(buf, tag)))
+        self._dtypes[j] = [dtype for _, dtype in metas]
 
-    def get(self, j: int) -> torch.Tensor:
-        """Waits for micro-batch ``j``; the buffer is ours until :meth:`release`."""
-        if j not in self._pending and self._header_handle is not None:
-            self._post_expected()
+    def get(self, j: int) -> Parcel:
+        """Waits for micro-batch ``j``; the buffers are ours until :meth:`release`."""
+        if j in self._headers:
+            self._open(j)
         if j not in self._pending:
             raise PipelineError(f"internal: no receive posted for micro-batch {j}")
-        buf, handle = self._pending[j]
-        # Stays pending until complete: a wait that raises leaves the buffer here.
-        wait_for(handle, self.comm, "recv", self.peer, self.interrupt)
+        entries = self._pending[j]
+        # Stay pending until complete: a wait that raises leaves the buffers here.
+        for _, handle in entries:
+            wait_for(handle, self.comm, "recv", self.peer, self.interrupt)
         del self._pending[j]
-        return buf
+        spec, flags = self._described.pop(j, ("T", []))
+        dtypes = self._dtypes.pop(j)
+        tensors = [
+            buf if buf.dtype == d else buf.view(d)
+            for (buf, _), d in zip(entries, dtypes, strict=True)
+        ]
+        return Parcel(tensors, spec, flags)
 
-    def release(self, buf: torch.Tensor) -> None:
-        self.pool.give(buf)
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        for buf in tensors:
+            self.pool.give(buf)
 
     def progress(self) -> None:
-        """Lets MPI move the messages in flight (a test per pending receive)."""
-        for _, handle in self._pending.values():
-            handle.done()
+        """Lets MPI move the messages in flight (a test per pending receive); a header
+        that has arrived gets its tensors' receives posted at once (before the sender
+        of a large message waits for them)."""
+        for j in [j for j, (_, h) in self._headers.items() if h.done()]:
+            self._open(j)
+        for entries in self._pending.values():
+            for _, handle in entries:
+                handle.done()
         _reap_orphans()
 
     # -- settling after a failure (see mpx.pipeline.failure) ----------------------
 
     def in_flight(self) -> list[tuple[torch.Tensor, Handle[Any]]]:
         """The receives posted and not yet taken, with their buffers."""
-        entries: list[tuple[torch.Tensor, Handle[Any]]] = [*self._pending.values(), *self._drains]
-        if self._header_handle is not None:
-            entries.append((self._header, self._header_handle))
-        return entries
+        return [
+            *self._headers.values(),
+            *(entry for entries in self._pending.values() for entry in entries),
+            *self._drains,
+        ]
 
     def drain(self, sent: dict[int, tuple[int, list[tuple[int, torch.dtype]]]]) -> None:
         """Posts a receive for every message the peer sent (``sent``: its ledger) and no
@@ -284,12 +339,15 @@ class Inbox:
     def reset(self) -> None:
         """Forgets everything in progress; every receive must have completed."""
         assert all(h.completed for _, h in self.in_flight())
-        for buf, _ in self._pending.values():
+        for buf, _ in self._headers.values():
             self.pool.give(buf)
+        for entries in self._pending.values():
+            self.release([buf for buf, _ in entries])
+        self._headers.clear()
         self._pending.clear()
+        self._described.clear()
+        self._dtypes.clear()
         self._drains.clear()
-        self._header_handle = None
-        self._expect = []
         self.posted.clear()
 
 
@@ -311,9 +369,7 @@ class Outbox:
         self.sizes: dict[int, deque[tuple[int, torch.dtype]]] = defaultdict(
             lambda: deque(maxlen=_LOGGED_SENDS)
         )
-        self._needs_header = False
-        self._inflight: dict[int, tuple[torch.Tensor, Handle[None]]] = {}
-        self._headers: list[tuple[torch.Tensor, Handle[None]]] = []
+        self._inflight: dict[int, list[tuple[torch.Tensor, Handle[None]]]] = {}
         self._answers: list[tuple[torch.Tensor, Handle[None]]] = []  # settling only
         # Dropped with sends in flight: hand them over instead of freeing them.
         weakref.finalize(self, _adopt_box, self.__dict__)
@@ -324,19 +380,34 @@ class Outbox:
         self.sizes[tag].append((t.numel(), t.dtype))
         return handle
 
-    def new_call(self) -> None:
-        """Activations: the next send opens with a header."""
-        self._needs_header = True
+    def send(self, j: int, obj: Any) -> list[bool]:
+        """Activations: sends micro-batch ``j``'s border ``obj`` (header, then tensors).
 
-    def send(self, j: int, t: torch.Tensor) -> None:
+        Returns:
+            Per tensor of ``obj`` (in :func:`~mpx.pipeline.border.flatten` order),
+            whether its gradient will come back.
+
+        Raises:
+            PipelineTypeError, PipelineValueError: ``obj`` cannot cross a border
+                (nothing is sent then).
+        """
+        tensors, spec = flatten(obj)
+        flags = [carries_grad(t) for t in tensors]
+        header = encode(tensors, spec, flags)
+        self.send_tensors(j, [header, *tensors])
+        return flags
+
+    def send_tensors(self, j: int, tensors: list[torch.Tensor]) -> None:
+        """Sends ``tensors`` as micro-batch ``j``'s messages, in order (one tag)."""
         if j in self._inflight:
             raise PipelineError(f"internal: micro-batch {j} is already being sent")
-        t = t.detach().contiguous()
-        if self._needs_header:
-            header = encode_header(t.shape, t.dtype)
-            self._headers.append((header, self._send(header, _HEADER_TAG)))
-            self._needs_header = False
-        self._inflight[j] = (t, self._send(t, _tag(self.kind, j)))
+        tag = _tag(self.kind, j)
+        entries = self._inflight[j] = []
+        for t in tensors:
+            wire = t.detach().contiguous()
+            if wire.dtype != wire_dtype(wire.dtype):
+                wire = wire.view(wire_dtype(wire.dtype))
+            entries.append((wire, self._send(wire, tag)))
         self._reap()
 
     def progress(self) -> None:
@@ -344,29 +415,24 @@ class Outbox:
         self._reap()
 
     def _reap(self) -> None:
-        for j in [j for j, (_, h) in self._inflight.items() if h.done()]:
+        for j in [j for j, es in self._inflight.items() if all(h.done() for _, h in es)]:
             del self._inflight[j]
-        self._headers = [(t, h) for t, h in self._headers if not h.done()]
         _reap_orphans()
 
     def wait(self, j: int) -> None:
-        entry = self._inflight.get(j)
-        if entry is not None:
-            wait_for(entry[1], self.comm, "send", self.peer, self.interrupt)
-            del self._inflight[j]
+        for _, handle in self._inflight.get(j, []):
+            wait_for(handle, self.comm, "send", self.peer, self.interrupt)
+        self._inflight.pop(j, None)
 
     def wait_all(self) -> None:
-        for entries in (self._headers, list(self._inflight.values())):
-            for _, handle in entries:
-                wait_for(handle, self.comm, "send", self.peer, self.interrupt)
-        self._headers.clear()
-        self._inflight.clear()
+        for j in list(self._inflight):
+            self.wait(j)
 
     # -- settling after a failure (see mpx.pipeline.failure) ----------------------
 
     def in_flight(self) -> list[tuple[torch.Tensor, Handle[Any]]]:
         """The sends not known to be complete, with their tensors."""
-        return [*self._headers, *self._inflight.values(), *self._answers]
+        return [*(e for es in self._inflight.values() for e in es), *self._answers]
 
     def answer(self, posted: dict[int, int]) -> None:
         """Sends an empty message to every receive the peer posted (``posted``: its
@@ -379,9 +445,7 @@ class Outbox:
     def reset(self) -> None:
         """Forgets everything in progress; every send must have completed."""
         assert all(h.completed for _, h in self.in_flight())
-        self._headers.clear()
         self._inflight.clear()
         self._answers.clear()
-        self._needs_header = False
         self.sent.clear()
         self.sizes.clear()
