@@ -431,3 +431,51 @@ def test_tied_copies_stay_equal_under_async() -> None:
     first, last = copies[0], copies[comm.size - 1]
     torch.testing.assert_close(first, last, rtol=0, atol=TOL)
     assert not torch.allclose(first, initial)  # it trained
+
+
+class Failing(nn.Module):
+    """A Block that raises on micro-batch ``at`` of its next call when armed."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.armed_at: int | None = None
+        self.seen = 0
+
+    def forward(self, s: State) -> State:
+        if self.armed_at is not None:
+            self.seen += 1
+            if self.seen > self.armed_at:
+                self.armed_at = None
+                raise ValueError("injected failure in a transformer block")
+        out: State = self.block(s)
+        return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("schedule", "checkpoint"), [("1f1b", "never"), ("gpipe", "always")])
+def test_a_failed_call_with_structured_borders_is_undone(schedule: str, checkpoint: str) -> None:
+    # Layer 4 (a Block) is on the last stage: it fails in micro-batch 1, while
+    # the earlier stages have sent (header and tensors) the next micro-batches.
+    # Every stage raises; the links settle; the next call is the reference's.
+    model, balance = make_model()
+    ref, _ = make_model()
+    model[4] = Failing(model[4])
+    pipe = Pipeline(model, balance, chunks=4, schedule=schedule, checkpoint=checkpoint)
+    x0, y0 = data(0)
+    x1, y1 = data(1)
+    pipe.step(x0, y0, loss_fn)
+    reference(ref, x0, y0, chunks=4)
+    trap = pipe.local_layers().get(4)
+    if isinstance(trap, Failing):
+        trap.armed_at, trap.seen = 1, 0
+    with pytest.raises(PipelineRemoteError, match=f"rank {world().size - 1}: .*injected failure"):
+        pipe.step(x1, y1, loss_fn)
+    loss = pipe.step(x1, y1, loss_fn)
+    ref_loss = reference(ref, x1, y1, chunks=4, first_microbatch=4)
+    assert abs(loss - ref_loss) < TOL
+    for index, layer in pipe.local_layers().items():
+        mine = dict((layer.block if isinstance(layer, Failing) else layer).named_parameters())
+        for name, p in ref[index].named_parameters():
+            assert p.grad is not None
+            torch.testing.assert_close(mine[name].grad, p.grad, rtol=0, atol=TOL)

@@ -48,6 +48,7 @@ from mpx.pipeline.passes import LossFn, Micro, StagePasses
 from mpx.pipeline.schedule import SCHEDULES, Op, stage_ops
 from mpx.pipeline.stage import Stage
 from mpx.pipeline.stale import StaleRunner
+from mpx.pipeline.transport import wait_for
 
 __all__ = ["Pipeline"]
 
@@ -207,7 +208,7 @@ class Pipeline(nn.Module):
 
     # -- construction ---------------------------------------------------------
 
-    def _tie(self, module: nn.Sequential) -> list[tuple[nn.Parameter, Communicator]]:
+    def _tie(self, module: nn.Sequential) -> list[tuple[nn.Parameter, Communicator, int]]:
         """Per parameter shared with other stages: this stage's copy and the owners' comm.
 
         Every owner keeps a copy (the module was built alike everywhere) and
@@ -221,15 +222,21 @@ class Pipeline(nn.Module):
             group = self.comm.split(0 if self.stage_id in owners else None)
             if group is not None:
                 index, name = owners[self.stage_id]
-                tied.append((layers[index].get_parameter(name), group))
+                other = min(r for r in owners if r != self.stage_id)
+                tied.append((layers[index].get_parameter(name), group, other))
         return tied
 
     def _sum_tied_grads(self) -> None:
         """Sums the gradients of tied copies over the stages that own them."""
-        for param, group in self._tied:
+        for param, group, other in self._tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            allreduce(param.grad, "sum", comm=group)
+            handle = allreduce(param.grad, "sum", comm=group, async_op=True)
+            # Polled, not blocking: under async the owners reach their steps at
+            # different times, and meanwhile this stage's messages and the last
+            # call's status (no progress thread on the pipeline's comm) must move,
+            # or the owner it waits for never gets here.
+            wait_for(handle, group, "allreduce", other, self._progress)
 
     def _profile(self, module: nn.Sequential, sample: torch.Tensor | None) -> list[int]:
         """The first stage times every layer on ``sample``; everyone gets its balance."""
