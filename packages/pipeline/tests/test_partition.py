@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpx.pipeline import PipelineError, split_times
+from mpx.pipeline import PipelineError, balance_by_time, split_times
 from mpx.pipeline.partition import check_balance, has_inplace, layer_times, stage_bounds
 
 
@@ -60,3 +60,32 @@ def test_layer_times_and_inplace_detection() -> None:
     assert all(p.grad is None for p in model.parameters())
     assert has_inplace(model[1])
     assert not has_inplace(model[0])
+
+
+def test_layer_times_follow_structures_and_skips() -> None:
+    # A dict sample, a bool mask, a skip from layer 0 to layer 2: every layer is timed.
+    from collections.abc import Generator
+    from typing import Any
+
+    from mpx.pipeline import Keyed, pop, skippable, stash
+    from mpx.pipeline.skip import Pop, Stash
+
+    @skippable(stash=["s"])
+    class Keep(nn.Module):
+        def forward(self, x: dict[str, Any]) -> Generator[Stash | Pop, Any, dict[str, Any]]:
+            yield stash("s", x["h"])
+            return x
+
+    @skippable(pop=["s"])
+    class Use(nn.Module):
+        def forward(self, x: dict[str, Any]) -> Generator[Stash | Pop, Any, torch.Tensor]:
+            s: torch.Tensor = yield pop("s")
+            h: torch.Tensor = x["h"] * x["mask"]
+            return h + s
+
+    model = nn.Sequential(Keep(), Keyed(nn.Linear(4, 4), "h", "h"), Use())
+    sample = {"h": torch.randn(3, 4), "mask": torch.ones(3, 4, dtype=torch.bool)}
+    times = layer_times(model, sample)
+    assert len(times) == 3
+    assert all(t > 0 for t in times)
+    assert len(balance_by_time(model, sample, 2)) == 2

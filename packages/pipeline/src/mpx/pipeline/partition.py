@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from mpx.pipeline.border import flatten, map_tensors
 from mpx.pipeline.errors import PipelineValueError
+from mpx.pipeline.skip import tracking
 
 __all__ = [
     "balance_by_time",
@@ -84,21 +87,35 @@ def has_inplace(layer: nn.Module) -> bool:
     return any(getattr(m, "inplace", False) is True for m in layer.modules())
 
 
-def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Seconds of forward + backward per layer on ``sample`` (the median of ``repeats``)."""
+def layer_times(module: nn.Sequential, sample: Any, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward per layer on ``sample`` (the median of ``repeats``).
+
+    ``sample`` may be a structure (see :mod:`mpx.pipeline.border`); skip
+    connections are followed, each layer timed on its own (inputs and skips
+    detached before it).
+    """
     times: list[list[float]] = [[] for _ in module]
     for _ in range(repeats):
         x = sample
-        for i, layer in enumerate(module):
-            x = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            y = layer(x.clone() if has_inplace(layer) else x)
-            if isinstance(y, torch.Tensor) and y.requires_grad:
-                torch.autograd.backward(y, torch.ones_like(y))
-            times[i].append(time.perf_counter() - start)
-            x = y.detach() if isinstance(y, torch.Tensor) else y
+        skips: dict[str, torch.Tensor] = {}
+        with tracking(skips):
+            for i, layer in enumerate(module):
+                x = map_tensors(_fresh_leaf, x)
+                for name, t in skips.items():
+                    skips[name] = _fresh_leaf(t)
+                start = time.perf_counter()
+                y = layer(map_tensors(torch.clone, x) if has_inplace(layer) else x)
+                outs = [t for t in flatten(y)[0] if t.requires_grad]
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                times[i].append(time.perf_counter() - start)
+                x = y
     module.zero_grad(set_to_none=True)
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
 
 
 def split_times(times: Sequence[float], num_stages: int) -> list[int]:
@@ -136,6 +153,6 @@ def split_times(times: Sequence[float], num_stages: int) -> list[int]:
     return balance[::-1]
 
 
-def balance_by_time(module: nn.Sequential, sample: torch.Tensor, num_stages: int) -> list[int]:
+def balance_by_time(module: nn.Sequential, sample: Any, num_stages: int) -> list[int]:
     """Profiles ``module`` on ``sample`` and balances it over ``num_stages``."""
     return split_times(layer_times(module, sample), num_stages)

@@ -133,7 +133,7 @@ class Pipeline(nn.Module):
         *,
         seed: int = 0,
         data_parallel_comm: CommLike | None = None,
-        sample: torch.Tensor | None = None,
+        sample: Any = None,
         weight_stashing: bool = True,
         weight_prediction: str | None = None,
         gap_aware: str | None = None,
@@ -238,7 +238,7 @@ class Pipeline(nn.Module):
             # or the owner it waits for never gets here.
             wait_for(handle, group, "allreduce", other, self._progress)
 
-    def _profile(self, module: nn.Sequential, sample: torch.Tensor | None) -> list[int]:
+    def _profile(self, module: nn.Sequential, sample: Any) -> list[int]:
         """The first stage times every layer on ``sample``; everyone gets its balance."""
         times = torch.zeros(len(module), dtype=torch.float64)
         # Every rank raises if the first stage cannot measure, instead of one
