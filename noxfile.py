@@ -27,6 +27,7 @@ RANK_COUNTS = (1, 2, 3)
 TEST_DEPS = ["torch", "numpy", "mpi4py", "mpich", "pytest", "pytest-timeout", "scikit-learn"]
 TEST_DEPS += ["matplotlib"]  # the examples' plots, run by the tests
 TEST_DEPS += ["pymgrit"]  # mpx-mgrit: the reference solver of its tests
+TEST_DEPS += ["lightning"]  # the Lightning Trainer example on the mpx backend
 # Wall-clock limit of one multi-rank pytest run; each test has its own (300 s).
 MPI_RUN_TIMEOUT_S = "1200"
 HAS_GPU = shutil.which("nvidia-smi") is not None
