@@ -9,20 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from fresh_job import fresh_job_environment
 
 pytest.importorskip("lightning", reason="the nox test sessions install lightning")
 
 ROOT = Path(__file__).resolve().parent.parent
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 SCRIPT = ROOT / "examples" / "lightning_digits.py"
-TORCHRUN = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
-TORCHRUN |= {"MASTER_ADDR", "MASTER_PORT", "MPX_TORCH_ENV"}
 
 
 def _epochs(backend: str, nprocs: int) -> list[str]:
-    # Not as a rank of a job around this one, nor with the torchrun variables
-    # an earlier test left in this process (mpxrun would keep them as the user's).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_") and k not in TORCHRUN}
+    env = fresh_job_environment()
     mpxrun = [MPXRUN, "-n", str(nprocs), "--timeout", "400", "--"]
     done = subprocess.run(
         [*mpxrun, sys.executable, str(SCRIPT), "--backend", backend, "--epochs", "2"],

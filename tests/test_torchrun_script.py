@@ -9,20 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from fresh_job import fresh_job_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 SCRIPT = ROOT / "examples" / "ddp_torchrun.py"
-TORCHRUN = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
-TORCHRUN |= {"MASTER_ADDR", "MASTER_PORT", "MPX_TORCH_ENV"}
 
 
 def _run(backend: str, **extra: str) -> list[str]:
-    # Neither as a rank of a job around this one (nox's mpi runs), nor with the
-    # torchrun variables an earlier test left in this process (init_torch_env):
-    # those would be the user's, which mpxrun keeps.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_") and k not in TORCHRUN}
-    env |= extra
+    env = fresh_job_environment(**extra)
     done = subprocess.run(
         [
             MPXRUN,
