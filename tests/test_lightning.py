@@ -6,10 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fresh_job import fresh_job_environment
 
 pytest.importorskip("lightning", reason="the nox test sessions install lightning")
 
@@ -18,8 +18,7 @@ MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun
 SCRIPT = ROOT / "examples" / "lightning_digits.py"
 
 
-def _epochs(backend: str, nprocs: int) -> list[str]:
-    env = fresh_job_environment()
+def _epochs(backend: str, nprocs: int, env: dict[str, str]) -> list[str]:
     mpxrun = [MPXRUN, "-n", str(nprocs), "--timeout", "400", "--"]
     done = subprocess.run(
         [*mpxrun, sys.executable, str(SCRIPT), "--backend", backend, "--epochs", "2"],
@@ -37,9 +36,11 @@ def _epochs(backend: str, nprocs: int) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_lightning_trainer_on_mpx_equals_gloo() -> None:
+def test_lightning_trainer_on_mpx_equals_gloo(
+    fresh_job_environment: Callable[[], dict[str, str]],
+) -> None:
     # Two ranks' float32 gradients sum exactly in any order: bitwise equal.
-    on_mpx = _epochs("mpx", 2)
-    assert on_mpx == _epochs("gloo", 2)
+    on_mpx = _epochs("mpx", 2, fresh_job_environment())
+    assert on_mpx == _epochs("gloo", 2, fresh_job_environment())
     loss = [float(line.split()[3]) for line in on_mpx]
     assert loss[1] < loss[0] < 2.4  # it learns (ln 10 = 2.30 at chance)
