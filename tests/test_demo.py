@@ -72,3 +72,21 @@ def test_other_modes_train(
     assert accuracy > 0.5  # learning, after 4 epochs
     assert spread == 0.0
     assert (tmp_path / f"digits_{args[1]}.png").exists()
+
+
+def test_gpt_mode_learns(tmp_path: Path, user_environment: dict[str, str]) -> None:
+    """``--mode gpt``: the small GPT of examples/train_gpt.py, 2 stages, async.
+
+    Bounds from a 4-rank run (2 stages x 2 replicas): 4 epochs took the loss
+    from 3.46 to 2.41 nats/char and the held-out next-character accuracy to 45 %;
+    a model that learned only the characters' frequencies stays near 3.2 and
+    below 20 % (the space).
+    """
+    accuracy, spread, _ = _run(
+        tmp_path, user_environment, "--mode", "gpt", "--schedule", "async", "--epochs", "4"
+    )
+    assert accuracy > 0.3
+    assert spread == 0.0
+    summary = json.loads((tmp_path / "digits_gpt.json").read_text())
+    assert summary["loss"][-1] < min(2.8, summary["loss"][0])
+    assert (tmp_path / "digits_gpt.png").stat().st_size > 10_000
