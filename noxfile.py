@@ -6,6 +6,8 @@
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
     nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked)
+    nox -s wheelhouse  fresh environments install mpx-pipeline, mpx-dataparallel[quantize]
+                       by name from dist/ and run a 2-rank job under mpxrun
 
 Every session installs from constraints.txt (torch pinned to the CPU build).
 """
@@ -266,3 +268,90 @@ def build(session: nox.Session) -> None:
     session.log("build times: " + ", ".join(timings))
     for path in built:
         session.log(f"{path.stat().st_size / 1024:8.1f} KiB  {path.name}")
+
+
+# What a user installs by name from the wheelhouse, and the job that must then run
+# on 2 ranks (tests/wheelhouse/). Every torch-using package brings mpx-launch, so
+# mpxrun comes with each.
+WHEELHOUSE_JOBS = {"mpx-pipeline": "pipeline", "mpx-dataparallel[quantize]": "dataparallel"}
+
+
+def _wheelhouse_constraints(directory: Path) -> Path:
+    """constraints.txt plus ``mpx-x==version`` for each wheel in dist/.
+
+    Pins every mpx package to the version built here, so that pip takes it from
+    the wheelhouse even if an index had another release of the same name.
+    """
+    pins = []
+    for wheel in sorted(DIST.glob("mpx_*.whl")):
+        name, version = wheel.name.split("-")[:2]
+        pins.append(f"{name.replace('_', '-')}=={version}")
+    if not pins:
+        raise RuntimeError(f"no mpx wheels in {DIST}: run `nox -s build` first")
+    path = directory / "constraints.txt"
+    path.write_text((ROOT / "constraints.txt").read_text() + "\n".join(pins) + "\n")
+    return path
+
+
+@nox.session(default=False)
+def wheelhouse(session: nox.Session) -> None:
+    """Installs by name from dist/ into fresh environments and runs a 2-rank job in each.
+
+    For each of WHEELHOUSE_JOBS: a new virtual environment, ``pip install
+    --find-links dist NAME mpich`` (torch and the rest from constraints.txt), then
+    ``mpxrun -n 2`` of the job from a temporary directory, with the environment's
+    own mpxrun and python: the source tree is never on the path, and the job
+    checks that each mpx module comes from the environment's site-packages.
+    Run ``nox -s build`` first.
+    """
+    tmp = Path(session.create_tmp()).resolve() / "wheelhouse"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    constraints = _wheelhouse_constraints(tmp)
+    for requirement, job in WHEELHOUSE_JOBS.items():
+        workdir = tmp / requirement.split("[")[0]
+        workdir.mkdir()
+        shutil.copy(ROOT / "tests" / "wheelhouse" / "job.py", workdir / "job.py")
+        venv = workdir / "venv"
+        start = time.monotonic()
+        session.run("python", "-m", "venv", str(venv))
+        bin_dir = venv / "bin"
+        session.run(
+            str(bin_dir / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-compile",  # no .pyc for torch's thousands of modules: half the install time
+            "--find-links",
+            str(DIST),
+            "-c",
+            str(constraints),
+            requirement,
+            "mpich",
+            external=True,
+        )
+        session.log(
+            f"{requirement}: fresh environment installed in {time.monotonic() - start:.1f} s"
+        )
+        # PYTHONPATH unset: nothing of the caller's path leaks into the job.
+        with session.chdir(workdir):
+            output = session.run(
+                str(bin_dir / "mpxrun"),
+                "-n",
+                "2",
+                "--timeout",
+                "300",
+                "--",
+                str(bin_dir / "python"),
+                "job.py",
+                job,
+                external=True,
+                silent=True,
+                env={"PYTHONPATH": None},
+            )
+        assert isinstance(output, str)
+        print(output)
+        oks = [line for line in output.splitlines() if " ok (" in line]
+        if len(oks) != 2:
+            session.error(f"{requirement}: expected an 'ok' line from each of 2 ranks:\n{output}")
