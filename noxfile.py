@@ -265,6 +265,8 @@ def build(session: nox.Session) -> None:
             session.run("auditwheel", "repair", "--wheel-dir", str(DIST), str(wheel))
     built = sorted(DIST.iterdir())
     session.run("twine", "check", "--strict", *map(str, built))
+    # License file, py.typed, classifiers, URLs, keywords, manylinux tags.
+    session.run("python", str(ROOT / "tests" / "wheelhouse" / "check_dists.py"), str(DIST))
     session.log("build times: " + ", ".join(timings))
     for path in built:
         session.log(f"{path.stat().st_size / 1024:8.1f} KiB  {path.name}")
