@@ -77,8 +77,21 @@ def test_release_refused_outside_a_siblings_range(repo: Path) -> None:
 
 
 def test_release_refused_below_the_current_version(repo: Path) -> None:
-    with pytest.raises(release.ReleaseError, match="must be above"):
-        release.plan(repo, "launch", "0.1.0", TODAY)
+    with pytest.raises(release.ReleaseError, match="cannot go below"):
+        release.plan(repo, "launch", "0.0.9", TODAY)
+
+
+def test_first_release_of_the_current_version_then_not_again(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+        monkeypatch.setenv(variable, "t")
+    for variable in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(variable, "t@example.invalid")
+    assert release.release(repo, "mgrit", "0.1.0", TODAY) == "mgrit-v0.1.0"
+    assert "## 0.1.0 (2026-11-23)" in (repo / "packages/mgrit/CHANGELOG.md").read_text()
+    with pytest.raises(release.ReleaseError, match="exists already"):
+        release.release(repo, "mgrit", "0.1.0", TODAY)
 
 
 def test_release_refused_on_a_dirty_tree(repo: Path) -> None:

@@ -5,7 +5,7 @@
 The version lives in one place, ``packages/<name>/pyproject.toml`` (the module's
 ``__version__`` reads the installed metadata). The release:
 
-1. refuses a dirty work tree, a version not above the current one, and a version
+1. refuses a dirty work tree, a version below the current one or already tagged, and a version
    that a sibling's dependency range leaves out (``mpx-collectives>=0.1,<0.2``
    with collectives 0.2.0: widen the sibling's range first, in a release of its own);
 2. writes the version into pyproject.toml;
@@ -63,8 +63,10 @@ def plan(root: Path, name: str, version: str, today: datetime.date) -> dict[Path
         raise ReleaseError(f"unknown package {name!r}: one of {', '.join(PACKAGES)}")
     new = Version(version)
     current = Version(str(_project(root, name)["version"]))
-    if new <= current:
-        raise ReleaseError(f"mpx-{name} is at {current}: the release must be above it, not {new}")
+    # Equal is allowed: the first release of the version pyproject.toml holds
+    # ("## 0.1.0 (unreleased)"); release() refuses a version whose tag exists.
+    if new < current:
+        raise ReleaseError(f"mpx-{name} is at {current}: the release cannot go below it to {new}")
     for sibling in PACKAGES:
         dependencies = _project(root, sibling).get("dependencies", [])
         assert isinstance(dependencies, list)
