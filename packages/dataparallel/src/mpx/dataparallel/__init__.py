@@ -62,7 +62,9 @@ __all__ = [
 
 # FluxMPI's spellings.
 DistributedOptimiser = DistributedOptimizer
+"""FluxMPI's spelling of :class:`DistributedOptimizer`."""
 total_workers = world_size
+"""FluxMPI's name of :func:`world_size`."""
 
 # pyproject.toml's version, as installed: the one place it is written.
 __version__ = _metadata.version("mpx-dataparallel")
