@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import re
 import subprocess
 import sys
@@ -124,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.dry_run:
             for path, text in plan(root, args.package, args.version, today).items():
-                print(f"--- {path.relative_to(root)}\n{text[:600]}")
+                name = str(path.relative_to(root))
+                old = path.read_text().splitlines(keepends=True)
+                sys.stdout.writelines(
+                    difflib.unified_diff(old, text.splitlines(keepends=True), name, name)
+                )
         else:
             print(f"tagged {release(root, args.package, args.version, today)}")
     except ReleaseError as error:
