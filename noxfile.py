@@ -6,6 +6,8 @@
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
     nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked)
+    nox -s docs        the API reference site (MkDocs + mkdocstrings, --strict) into build/site
+    nox -s release -- NAME VERSION   version, changelog, commit and tag NAME-vVERSION
     nox -s wheelhouse  fresh environments install mpx-pipeline, mpx-dataparallel[quantize]
                        by name from dist/ and run a 2-rank job under mpxrun
 
@@ -14,9 +16,11 @@ Every session installs from constraints.txt (torch pinned to the CPU build).
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -124,7 +128,7 @@ def tests_gpu(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check), mypy (strict), and the import contract."""
     _install(session, "ruff", "mypy", "matplotlib", "import-linter")
-    targets = ["packages", "examples", "tests", "noxfile.py", "conftest.py"]
+    targets = ["packages", "examples", "tests", "tools", "noxfile.py", "conftest.py"]
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
     sources = [f"packages/{name}/src/mpx/{name}" for name in PACKAGES]
@@ -132,7 +136,7 @@ def lint(session: nox.Session) -> None:
     # explicit_package_bases names them by path (packages.quantize.tests.test_package),
     # so the test_package.py of every package stays a module of its own.
     checks = [f"packages/{name}/{part}" for name in PACKAGES for part in ("tests", "benchmarks")]
-    session.run("mypy", *sources, "examples", *checks, "tests", "conftest.py")
+    session.run("mypy", *sources, "examples", *checks, "tests", "tools", "conftest.py")
     # The layer rules and "no private imports across packages" ([tool.importlinter]
     # in pyproject.toml), checked on this working tree: the sources come first on
     # the path, ahead of the copies installed into the session.
@@ -295,65 +299,161 @@ def _wheelhouse_constraints(directory: Path) -> Path:
     return path
 
 
+def _python_310() -> str:
+    """The Python 3.10 interpreter: on the PATH, or pyenv's (its shim runs only where selected)."""
+    candidates = [shutil.which("python3.10") or ""]
+    candidates += sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.10*/bin/python3.10"))
+    for candidate in filter(None, candidates):
+        probe = subprocess.run([candidate, "-c", "import venv"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return candidate
+    raise RuntimeError("no Python 3.10 found: mpx-launch declares requires-python >=3.10")
+
+
+def _install_and_run(
+    session: nox.Session, workdir: Path, python: str, requirement: str, job: str
+) -> None:
+    """A fresh venv of ``python`` in workdir, ``requirement`` installed by name, job on 2 ranks."""
+    workdir.mkdir()
+    shutil.copy(ROOT / "tests" / "wheelhouse" / "job.py", workdir / "job.py")
+    venv = workdir / "venv"
+    start = time.monotonic()
+    session.run(python, "-m", "venv", str(venv), external=True)
+    bin_dir = venv / "bin"
+    session.run(
+        str(bin_dir / "python"),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-compile",  # no .pyc for torch's thousands of modules: half the install time
+        "--find-links",
+        str(DIST),
+        "-c",
+        str(_wheelhouse_constraints(workdir)),
+        requirement,
+        "mpich",
+        external=True,
+    )
+    session.log(f"{requirement}: fresh environment installed in {time.monotonic() - start:.1f} s")
+    # PYTHONPATH unset: nothing of the caller's path leaks into the job.
+    with session.chdir(workdir):
+        output = session.run(
+            str(bin_dir / "mpxrun"),
+            "-n",
+            "2",
+            "--timeout",
+            "300",
+            "--",
+            str(bin_dir / "python"),
+            "job.py",
+            job,
+            external=True,
+            silent=True,
+            env={"PYTHONPATH": None},
+        )
+    assert isinstance(output, str)
+    print(output)
+    oks = [line for line in output.splitlines() if " ok (" in line]
+    if len(oks) != 2:
+        session.error(f"{requirement}: expected an 'ok' line from each of 2 ranks:\n{output}")
+
+
 @nox.session(default=False)
 def wheelhouse(session: nox.Session) -> None:
     """Installs by name from dist/ into fresh environments and runs a 2-rank job in each.
 
     For each of WHEELHOUSE_JOBS: a new virtual environment, ``pip install
     --find-links dist NAME mpich`` (torch and the rest from constraints.txt), then
-    ``mpxrun -n 2`` of the job from a temporary directory, with the environment's
-    own mpxrun and python: the source tree is never on the path, and the job
-    checks that each mpx module comes from the environment's site-packages.
+    ``mpxrun -n 2`` of tests/wheelhouse/job.py from a temporary directory, with the
+    environment's own mpxrun and python: the source tree is never on the path, and
+    the job checks that each mpx module comes from the environment's site-packages.
+    Then mpx-launch[mpich] alone on Python 3.10, the lowest version it declares (the
+    torch packages declare 3.11: no CPU torch for 3.10 can be installed here).
     Run ``nox -s build`` first.
     """
     tmp = Path(session.create_tmp()).resolve() / "wheelhouse"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    constraints = _wheelhouse_constraints(tmp)
     for requirement, job in WHEELHOUSE_JOBS.items():
         workdir = tmp / requirement.split("[")[0]
-        workdir.mkdir()
-        shutil.copy(ROOT / "tests" / "wheelhouse" / "job.py", workdir / "job.py")
-        venv = workdir / "venv"
-        start = time.monotonic()
-        session.run("python", "-m", "venv", str(venv))
-        bin_dir = venv / "bin"
-        session.run(
-            str(bin_dir / "python"),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-compile",  # no .pyc for torch's thousands of modules: half the install time
-            "--find-links",
-            str(DIST),
-            "-c",
-            str(constraints),
-            requirement,
-            "mpich",
-            external=True,
-        )
-        session.log(
-            f"{requirement}: fresh environment installed in {time.monotonic() - start:.1f} s"
-        )
-        # PYTHONPATH unset: nothing of the caller's path leaks into the job.
-        with session.chdir(workdir):
-            output = session.run(
-                str(bin_dir / "mpxrun"),
-                "-n",
-                "2",
-                "--timeout",
-                "300",
-                "--",
-                str(bin_dir / "python"),
-                "job.py",
-                job,
-                external=True,
-                silent=True,
-                env={"PYTHONPATH": None},
-            )
-        assert isinstance(output, str)
-        print(output)
-        oks = [line for line in output.splitlines() if " ok (" in line]
-        if len(oks) != 2:
-            session.error(f"{requirement}: expected an 'ok' line from each of 2 ranks:\n{output}")
+        _install_and_run(session, workdir, "python", requirement, job)
+    _install_and_run(session, tmp / "launch-py310", _python_310(), "mpx-launch[mpich]", "launch")
+
+
+DOCS_SOURCE = ROOT / "build" / "docs-src"  # mkdocs.yml's docs_dir
+DOCS_TOOLS = ["mkdocs", "mkdocstrings", "mkdocstrings-python"]
+
+
+def _stage_docs() -> None:
+    """The repository's markdown, laid out as in the repository, plus one API page a package.
+
+    Staged rather than pointed at: mkdocs reads one directory, and the pages link
+    to each other across docs/, packages/ and the root (../../examples/...).
+    """
+    shutil.rmtree(DOCS_SOURCE, ignore_errors=True)
+    DOCS_SOURCE.mkdir(parents=True)
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(ROOT / name, DOCS_SOURCE / name)
+    shutil.copytree(ROOT / "docs", DOCS_SOURCE / "docs")
+    shutil.copytree(ROOT / "examples", DOCS_SOURCE / "examples")
+    (DOCS_SOURCE / "api").mkdir()
+    for name in PACKAGES:
+        (DOCS_SOURCE / "packages" / name).mkdir(parents=True)
+        for page in ("README.md", "CHANGELOG.md"):
+            shutil.copy(ROOT / "packages" / name / page, DOCS_SOURCE / "packages" / name / page)
+        # mkdocstrings reads the sources (griffe, statically): nothing is imported,
+        # so neither torch nor an MPI is needed to build the reference.
+        page = f"# mpx.{name}\n\nThe public API of mpx-{name}, from its docstrings.\n\n"
+        page += f"::: mpx.{name}\n    options:\n      show_root_heading: false\n"
+        # A function named as its module (mpx.quantize.allreduce) resolves to the
+        # module, which the page leaves out: the function gets its own entry.
+        for member in _public_names(name):
+            if (ROOT / "packages" / name / "src" / "mpx" / name / f"{member}.py").exists():
+                page += f"\n::: mpx.{name}.{member}.{member}\n"
+        (DOCS_SOURCE / "api" / f"{name}.md").write_text(page)
+
+
+def _public_names(name: str) -> list[str]:
+    """``__all__`` of mpx.<name>, read from the source (nothing imported), dunders left out."""
+    init = ROOT / "packages" / name / "src" / "mpx" / name / "__init__.py"
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            return [n for n in ast.literal_eval(node.value) if not n.startswith("__")]
+    raise RuntimeError(f"{init} has no __all__")
+
+
+def _undocumented() -> list[str]:
+    """Public names without an entry in their package's built API page."""
+    missing = []
+    for name in PACKAGES:
+        html = (ROOT / "build" / "site" / "api" / name / "index.html").read_text()
+        anchors = set(re.findall(r'id="(mpx\.[\w.]+)"', html))
+        for member in _public_names(name):
+            if not {f"mpx.{name}.{member}", f"mpx.{name}.{member}.{member}"} & anchors:
+                missing.append(f"mpx.{name}.{member}")
+    return missing
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """The API reference site: MkDocs + mkdocstrings, warnings as errors, into build/site."""
+    session.install("-c", CONSTRAINTS, *DOCS_TOOLS)
+    _stage_docs()
+    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"))
+    # A name of __all__ with no docstring gets no entry: mkdocs does not warn of it.
+    missing = _undocumented()
+    if missing:
+        session.error(f"public names missing from the API reference (no docstring?): {missing}")
+    session.log(f"site: {ROOT / 'build' / 'site' / 'index.html'}")
+
+
+@nox.session(default=False)
+def release(session: nox.Session) -> None:
+    """``nox -s release -- pipeline 0.2.0 [--dry-run]``: tools/release.py (see its docstring)."""
+    if len([arg for arg in session.posargs if not arg.startswith("-")]) != 2:
+        session.error("usage: nox -s release -- NAME VERSION [--dry-run]")
+    session.install("-c", CONSTRAINTS, "packaging")
+    session.run("python", str(ROOT / "tools" / "release.py"), *session.posargs, external=True)

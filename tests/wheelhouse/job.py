@@ -1,7 +1,8 @@
 """The 2-rank jobs of ``nox -s wheelhouse``, run where only the wheels are installed.
 
-``python job.py pipeline`` (after ``pip install mpx-pipeline``) and ``python job.py
-dataparallel`` (after ``pip install mpx-dataparallel[quantize]``), under ``mpxrun -n 2``.
+``python job.py pipeline`` (after ``pip install mpx-pipeline``), ``python job.py
+dataparallel`` (after ``pip install mpx-dataparallel[quantize]``) and ``python job.py
+launch`` (after ``pip install mpx-launch[mpich]``, on Python 3.10), under ``mpxrun -n 2``.
 The session copies this file into a temporary directory and runs it with a fresh
 environment's python: the source tree is not on the path, and each job first checks
 that every mpx module it uses comes from that environment's site-packages.
@@ -14,9 +15,6 @@ import os
 import sys
 from importlib.metadata import version
 from pathlib import Path
-
-import torch
-from torch import nn
 
 
 def say(line: str) -> None:
@@ -43,6 +41,9 @@ def check_installed(*distributions: str) -> str:
 
 def pipeline() -> None:
     """Two stages of a 1F1B pipeline learn, and agree on the loss."""
+    import torch
+    from torch import nn
+
     from mpx.collectives import world
     from mpx.pipeline import Pipeline
 
@@ -67,6 +68,9 @@ def pipeline() -> None:
 
 def dataparallel() -> None:
     """Data parallel with 4-bit gradients: the replicas stay equal, the kernels ran."""
+    import torch
+    from torch import nn
+
     import mpx.dataparallel as dp
     from mpx.quantize import CompressionConfig
 
@@ -93,5 +97,18 @@ def dataparallel() -> None:
     say(f"rank {comm.rank}/{comm.size}: dataparallel[quantize] ok ({installed})")
 
 
+def launch() -> None:
+    """mpx-launch alone (no torch) on the lowest Python it supports: mpxrun starts MPI ranks."""
+    from mpi4py import MPI
+
+    installed = check_installed("mpx-launch")
+    comm = MPI.COMM_WORLD
+    total = comm.allreduce(comm.rank + 1)
+    if total != comm.size * (comm.size + 1) // 2:
+        raise SystemExit(f"allreduce of rank + 1 gave {total}")
+    python = ".".join(map(str, sys.version_info[:2]))
+    say(f"rank {comm.rank}/{comm.size}: launch ok ({installed}) on Python {python}")
+
+
 if __name__ == "__main__":
-    {"pipeline": pipeline, "dataparallel": dataparallel}[sys.argv[1]]()
+    {"pipeline": pipeline, "dataparallel": dataparallel, "launch": launch}[sys.argv[1]]()
