@@ -7,6 +7,7 @@
     nox -s demo        the main job: distributed training on scikit-learn's digits
     nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked)
     nox -s docs        the API reference site (MkDocs + mkdocstrings, --strict) into build/site
+    nox -s compat      each package with the oldest sibling release its ranges allow
     nox -s release -- NAME VERSION   version, changelog, commit and tag NAME-vVERSION
     nox -s wheelhouse  fresh environments install mpx-pipeline, mpx-dataparallel[quantize]
                        by name from dist/ and run a 2-rank job under mpxrun
@@ -25,6 +26,9 @@ import time
 from pathlib import Path
 
 import nox
+import tomllib
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = str(ROOT / "constraints.txt")
@@ -282,16 +286,19 @@ def build(session: nox.Session) -> None:
 WHEELHOUSE_JOBS = {"mpx-pipeline": "pipeline", "mpx-dataparallel[quantize]": "dataparallel"}
 
 
-def _wheelhouse_constraints(directory: Path) -> Path:
-    """constraints.txt plus ``mpx-x==version`` for each wheel in dist/.
+def _wheelhouse_constraints(directory: Path, *wheel_dirs: Path) -> Path:
+    """constraints.txt plus ``mpx-x==version`` for each wheel in dist/ (or ``wheel_dirs``).
 
     Pins every mpx package to the version built here, so that pip takes it from
-    the wheelhouse even if an index had another release of the same name.
+    the wheelhouse even if an index had another release of the same name. A wheel
+    in ``wheel_dirs`` (an older sibling) pins its package instead of dist/'s.
     """
-    pins = []
-    for wheel in sorted(DIST.glob("mpx_*.whl")):
-        name, version = wheel.name.split("-")[:2]
-        pins.append(f"{name.replace('_', '-')}=={version}")
+    versions = {}
+    for folder in (DIST, *wheel_dirs):
+        for wheel in sorted(folder.glob("mpx_*.whl")):
+            name, version = wheel.name.split("-")[:2]
+            versions[name.replace("_", "-")] = version
+    pins = [f"{name}=={version}" for name, version in sorted(versions.items())]
     if not pins:
         raise RuntimeError(f"no mpx wheels in {DIST}: run `nox -s build` first")
     path = directory / "constraints.txt"
@@ -311,9 +318,17 @@ def _python_310() -> str:
 
 
 def _install_and_run(
-    session: nox.Session, workdir: Path, python: str, requirement: str, job: str
+    session: nox.Session,
+    workdir: Path,
+    python: str,
+    requirement: str,
+    job: str,
+    older: Path | None = None,
 ) -> None:
-    """A fresh venv of ``python`` in workdir, ``requirement`` installed by name, job on 2 ranks."""
+    """A fresh venv of ``python`` in workdir, ``requirement`` installed by name, job on 2 ranks.
+
+    ``older``: a folder of older sibling wheels, taken instead of dist/'s.
+    """
     workdir.mkdir()
     shutil.copy(ROOT / "tests" / "wheelhouse" / "job.py", workdir / "job.py")
     venv = workdir / "venv"
@@ -329,8 +344,9 @@ def _install_and_run(
         "--no-compile",  # no .pyc for torch's thousands of modules: half the install time
         "--find-links",
         str(DIST),
+        *(["--find-links", str(older)] if older else []),
         "-c",
-        str(_wheelhouse_constraints(workdir)),
+        str(_wheelhouse_constraints(workdir, *([older] if older else []))),
         requirement,
         "mpich",
         external=True,
@@ -357,6 +373,111 @@ def _install_and_run(
     oks = [line for line in output.splitlines() if " ok (" in line]
     if len(oks) != 2:
         session.error(f"{requirement}: expected an 'ok' line from each of 2 ranks:\n{output}")
+
+
+# The job of tests/wheelhouse/job.py that exercises each package (and its extras).
+COMPAT_JOBS = {
+    "collectives": ("mpx-collectives", "imports"),
+    "quantize": ("mpx-quantize[allreduce]", "imports"),
+    "mgrit": ("mpx-mgrit", "imports"),
+    "pipeline": ("mpx-pipeline", "pipeline"),
+    "dataparallel": ("mpx-dataparallel[quantize]", "dataparallel"),
+}
+
+
+def _version(name: str) -> Version:
+    with (ROOT / "packages" / name / "pyproject.toml").open("rb") as file:
+        return Version(tomllib.load(file)["project"]["version"])
+
+
+def oldest_allowed_siblings() -> list[tuple[str, str, Version]]:
+    """(package, sibling, oldest sibling version its range allows) for every sibling range.
+
+    The candidates are the sibling's releases (its git tags ``<sibling>-vX.Y.Z``)
+    and its version in this tree. A range that admits none fails here.
+    """
+    tags = subprocess.run(
+        ["git", "tag", "--list", "*-v*"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found = []
+    for package in PACKAGES:
+        with (ROOT / "packages" / package / "pyproject.toml").open("rb") as file:
+            project = tomllib.load(file)["project"]
+        extras = [r for group in project.get("optional-dependencies", {}).values() for r in group]
+        for text in [*project.get("dependencies", []), *extras]:
+            requirement = Requirement(text)
+            sibling = requirement.name.removeprefix("mpx-")
+            if sibling in (requirement.name, package):
+                continue
+            released = {Version(t.split("-v", 1)[1]) for t in tags if t.startswith(f"{sibling}-v")}
+            allowed = sorted(
+                v for v in released | {_version(sibling)} if v in requirement.specifier
+            )
+            if not allowed:
+                raise RuntimeError(f"mpx-{package} requires {requirement}: no release admits it")
+            if (package, sibling, allowed[0]) not in found:
+                found.append((package, sibling, allowed[0]))
+    return found
+
+
+@nox.session(default=False)
+def compat(session: nox.Session) -> None:
+    """Each package with the oldest release of each sibling that its ranges allow.
+
+    For a sibling whose oldest allowed version is older than this tree's, its
+    wheel is built from the tag ``<sibling>-v<version>`` and installed with the
+    package's wheel from dist/ (and the rest of dist/), and the package's job of
+    tests/wheelhouse/job.py runs on 2 ranks. A sibling whose oldest allowed
+    version is this tree's is what ``nox -s tests`` (and wheelhouse) install already.
+    ``nox -s compat -- pipeline`` checks only mpx-pipeline. Run ``nox -s build`` first.
+    """
+    pairs = [
+        (package, sibling, oldest)
+        for package, sibling, oldest in oldest_allowed_siblings()
+        if not session.posargs or package in session.posargs
+    ]
+    older_pairs = [pair for pair in pairs if pair[2] != _version(pair[1])]
+    for package, sibling, oldest in pairs:
+        if (package, sibling, oldest) not in older_pairs:
+            session.log(f"mpx-{package} with mpx-{sibling} {oldest}: this tree's (nox -s tests)")
+    if not older_pairs:
+        return
+    session.install("-c", CONSTRAINTS, *BUILD_TOOLS, *BUILD_BACKENDS)
+    tmp = Path(session.create_tmp()).resolve() / "compat"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for package, sibling, oldest in older_pairs:
+        older = tmp / f"{sibling}-{oldest}"
+        source = older / "source"
+        session.run(
+            "git",
+            "worktree",
+            "add",
+            "--detach",
+            str(source),
+            f"{sibling}-v{oldest}",
+            external=True,
+        )
+        try:
+            session.run(
+                "python",
+                "-m",
+                "build",
+                "--no-isolation",
+                "--wheel",
+                "--outdir",
+                str(older),
+                str(source / "packages" / sibling),
+                env=_build_env(),
+            )
+        finally:
+            session.run("git", "worktree", "remove", "--force", str(source), external=True)
+        for wheel in older.glob("*-linux_*.whl"):
+            session.run("auditwheel", "repair", "--wheel-dir", str(older), str(wheel))
+            wheel.unlink()
+        requirement, job = COMPAT_JOBS[package]
+        workdir = tmp / f"{package}-with-{sibling}-{oldest}"
+        _install_and_run(session, workdir, "python", requirement, job, older=older)
 
 
 @nox.session(default=False)

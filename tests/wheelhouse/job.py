@@ -110,5 +110,26 @@ def launch() -> None:
     say(f"rank {comm.rank}/{comm.size}: launch ok ({installed}) on Python {python}")
 
 
+def imports() -> None:
+    """Every installed mpx package imports, from site-packages, on every rank (nox -s compat)."""
+    from importlib.metadata import distributions
+
+    from mpx.collectives import world
+
+    names = sorted(
+        {d.metadata["Name"] for d in distributions() if d.metadata["Name"].startswith("mpx-")}
+    )
+    installed = check_installed(*names)
+    comm = world()
+    comm.allgather_object(None)  # every rank got here
+    say(f"rank {comm.rank}/{comm.size}: imports ok ({installed})")
+
+
 if __name__ == "__main__":
-    {"pipeline": pipeline, "dataparallel": dataparallel, "launch": launch}[sys.argv[1]]()
+    jobs = {
+        "pipeline": pipeline,
+        "dataparallel": dataparallel,
+        "launch": launch,
+        "imports": imports,
+    }
+    jobs[sys.argv[1]]()
