@@ -51,6 +51,7 @@ from mpx.pipeline.stale import StaleRunner
 __all__ = ["Pipeline"]
 
 CHECKPOINTS = ("never", "except_last", "always")
+"""The values of ``Pipeline(checkpoint=...)`` (synchronous schedules)."""
 
 
 class _UndoPoint:
