@@ -307,7 +307,7 @@ def _wheelhouse_constraints(directory: Path, *wheel_dirs: Path) -> Path:
     return path
 
 
-def _python_310() -> str:
+def _python_310() -> str | None:
     """The Python 3.10 interpreter: on the PATH, or pyenv's (its shim runs only where selected)."""
     candidates = [shutil.which("python3.10") or ""]
     candidates += sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.10*/bin/python3.10"))
@@ -315,7 +315,7 @@ def _python_310() -> str:
         probe = subprocess.run([candidate, "-c", "import venv"], capture_output=True, check=False)
         if probe.returncode == 0:
             return candidate
-    raise RuntimeError("no Python 3.10 found: mpx-launch declares requires-python >=3.10")
+    return None
 
 
 def _install_and_run(
@@ -500,7 +500,12 @@ def wheelhouse(session: nox.Session) -> None:
     for requirement, job in WHEELHOUSE_JOBS.items():
         workdir = tmp / requirement.split("[")[0]
         _install_and_run(session, workdir, "python", requirement, job)
-    _install_and_run(session, tmp / "launch-py310", _python_310(), "mpx-launch[mpich]", "launch")
+    python_310 = _python_310()
+    if python_310 is None:
+        # Not on every machine (this one has pyenv's); say so rather than fail CI or pass silently.
+        session.warn("no Python 3.10 here: mpx-launch's install on 3.10 was NOT checked")
+    else:
+        _install_and_run(session, tmp / "launch-py310", python_310, "mpx-launch[mpich]", "launch")
 
 
 DOCS_SOURCE = ROOT / "build" / "docs-src"  # mkdocs.yml's docs_dir
