@@ -312,8 +312,8 @@ def test_a_state_saved_and_loaded_rounds_the_next_calls_as_the_original(tmp_path
     loaded = mq.QuantizeState(config, comm)
     loaded.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     for call in (1, 2):
-        expected = mq.allreduce_tensors(grads(call), comm, config, "avg", names=names, state=original)
-        got = mq.allreduce_tensors(grads(call), comm, config, "avg", names=names, state=loaded)
+        expected = mq.allreduce_tensors(grads(call), comm, config, names=names, state=original)
+        got = mq.allreduce_tensors(grads(call), comm, config, names=names, state=loaded)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), call
     # The generator's draws and the residuals themselves, on every rank count.
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
