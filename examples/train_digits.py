@@ -23,6 +23,16 @@ summary (test accuracy, wall time, bytes communicated), saves the curves to
 (``digits_<mode>.json``). Bytes communicated: the tensors all ranks handed to
 mpx's collectives and point-to-point operations (with compression, the
 quantized buffers).
+
+``--checkpoint-dir DIR`` saves the run every ``--checkpoint-every`` epochs
+(``mpx.dataparallel.save_resumable``) and resumes from DIR's newest
+checkpoint at start, so under ``mpxrun --max-restarts N`` a job that loses a
+rank continues where it stopped and ends as an uninterrupted run would.
+``MPX_DEMO_FAIL_AT=E:R`` makes rank R kill itself (SIGKILL) at the start of
+epoch E of the first attempt, to watch it::
+
+    MPX_DEMO_FAIL_AT=3:1 mpxrun -n 2 --max-restarts 1 -- \
+        python examples/train_digits.py --checkpoint-dir ckpt
 """
 
 from __future__ import annotations
@@ -30,9 +40,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,9 +56,19 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from mpx.collectives import Communicator, allreduce, broadcast, bytes_communicated, world
+from mpx.launch.settings import RESTART_COUNT, declare
 
 MODES = ("dp", "ddp", "pipeline", "mgrit", "2d", "gpt")
 GPT_STEPS_PER_EPOCH = 10
+
+FAIL_AT = declare(
+    "MPX_DEMO_FAIL_AT",
+    "str",
+    "",
+    "examples/train_digits.py: 'E:R' makes rank R kill itself at the start of epoch E of the "
+    "first attempt (MPX_RESTART_COUNT 0), to watch mpxrun --max-restarts resume the job",
+    package="demo",
+)
 
 
 @dataclass
@@ -65,6 +87,19 @@ class History:
     residuals: list[list[float]] = field(default_factory=list)
 
 
+@dataclass
+class Resumable:
+    """What a checkpoint of the run holds; ``sharded``: ranks hold different parts."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    sharded: bool
+
+
+# Set by each mode for --checkpoint-dir (a mode that does not cannot checkpoint).
+RESUMABLE: list[Resumable] = []
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES, default="dp")
@@ -78,6 +113,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="mgrit: residual layers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="PNG file (default digits_<mode>.png)")
+    parser.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=1, help="with --checkpoint-dir: epochs per save"
+    )
     return parser.parse_args()
 
 
@@ -134,6 +173,7 @@ def data_parallel(args: argparse.Namespace, data: Data, comm: Communicator) -> C
         compression = CompressionConfig(bits=args.bits, bucket_size=512, minimal_size=0)
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     opt = dp.DistributedOptimizer(inner, model, compression=compression)
+    RESUMABLE.append(Resumable(model, opt, sharded=False))
     return _replicated_epoch(args, data, comm, model, model, opt)
 
 
@@ -177,6 +217,7 @@ def torch_ddp(args: argparse.Namespace, data: Data, comm: Communicator) -> Calla
     net = mlp()
     model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(net, opt, sharded=False))
     return _replicated_epoch(args, data, comm, model, net, opt)
 
 
@@ -221,6 +262,7 @@ def pipeline(args: argparse.Namespace, data: Data, comm: Communicator) -> Callab
     pipe = Pipeline(model, balance=_balance(len(model), comm.size), comm=comm,
                     chunks=args.chunks, schedule=args.schedule)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(pipe, opt, sharded=True))
     return _pipeline_epoch(args, data, pipe, opt, comm)
 
 
@@ -235,6 +277,7 @@ def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) ->
                     chunks=args.chunks, schedule=args.schedule,
                     data_parallel_comm=replica_comm)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(pipe, opt, sharded=True))
     return _pipeline_epoch(args, data, pipe, opt, comm, replica, replicas)
 
 
@@ -327,6 +370,7 @@ def layer_parallel(
         bwd_iters=1,
     )
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(net, opt, sharded=True))
     loss_fn = nn.CrossEntropyLoss()
 
     def epoch(index: int) -> tuple[float, float]:
@@ -353,6 +397,50 @@ def _balance(layers: int, stages: int) -> list[int]:
 
 
 # -- driver --------------------------------------------------------------------
+
+
+def resume(args: argparse.Namespace, comm: Communicator, history: History) -> int:
+    """Loads the newest checkpoint of --checkpoint-dir, if any; the epoch to start at."""
+    import mpx.dataparallel as dp
+
+    if not RESUMABLE:
+        raise SystemExit(f"--checkpoint-dir: --mode {args.mode} does not save checkpoints")
+    if args.checkpoint_every < 1:
+        raise SystemExit(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    run = RESUMABLE[0]
+    point = dp.resume(args.checkpoint_dir, run.model, run.optimizer, comm=comm)
+    if point.path is not None:
+        for name, values in point.extra["history"].items():
+            setattr(history, name, values)
+        if comm.rank == 0:
+            print(f"resumed from {point.path} at epoch {point.epoch + 1}", flush=True)
+    return point.epoch
+
+
+def checkpoint(args: argparse.Namespace, comm: Communicator, done: int, history: History) -> None:
+    """Saves the run after ``done`` epochs, every --checkpoint-every and at the end."""
+    import mpx.dataparallel as dp
+
+    if done % args.checkpoint_every and done != args.epochs:
+        return
+    run = RESUMABLE[0]
+    dp.save_resumable(args.checkpoint_dir, run.model, run.optimizer, epoch=done, batch=0,
+                      sharded=run.sharded, comm=comm, history=asdict(history))  # fmt: skip
+
+
+def fail_if_asked(epoch: int, comm: Communicator) -> None:
+    """MPX_DEMO_FAIL_AT=E:R: rank R dies at the start of epoch E (1-based), first attempt only."""
+    wanted = FAIL_AT.get()
+    if not wanted or RESTART_COUNT.get() != 0:
+        return
+    try:
+        at_epoch, at_rank = (int(part) for part in wanted.split(":"))
+    except ValueError:
+        raise SystemExit(f"MPX_DEMO_FAIL_AT={wanted!r}: expected EPOCH:RANK, e.g. 3:1") from None
+    if (epoch + 1, comm.rank) == (at_epoch, at_rank):
+        os.write(2, f"mpx demo: MPX_DEMO_FAIL_AT={wanted}: rank {comm.rank} kills itself "
+                    f"at the start of epoch {epoch + 1}\n".encode())  # fmt: skip
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def plot(history: History, path: str, title: str) -> None:
@@ -407,9 +495,11 @@ def main() -> None:
         what = f"layer-parallel (MGRIT), {args.steps} residual layers"
     if comm.rank == 0:
         print(f"mpx demo: {what}; {comm.size} rank(s); {args.epochs} epochs", flush=True)
+    first = resume(args, comm, history) if args.checkpoint_dir else 0
     start = time.perf_counter()
     bytes_before = bytes_communicated()
-    for index in range(args.epochs):
+    for index in range(first, args.epochs):
+        fail_if_asked(index, comm)
         tick = time.perf_counter()
         loss, acc = epoch(index)
         history.loss.append(loss)
@@ -425,6 +515,8 @@ def main() -> None:
                 f"test acc {100 * acc:5.1f}%  {history.seconds[-1]:.2f} s{extra}",
                 flush=True,
             )
+        if args.checkpoint_dir:
+            checkpoint(args, comm, index + 1, history)
     wall = time.perf_counter() - start
     sent = torch.tensor([float(bytes_communicated() - bytes_before)], dtype=torch.float64)
     allreduce(sent, comm=comm)
@@ -456,7 +548,8 @@ def main() -> None:
         print(
             f"summary: {what}; {comm.size} rank(s); final test accuracy "
             f"{100 * history.accuracy[-1]:.1f}%; wall time {wall:.1f} s "
-            f"({wall / args.epochs:.2f} s/epoch); {sent[0] / 2**20:.1f} MiB communicated; "
+            f"({wall / max(1, args.epochs - first):.2f} s/epoch); "
+            f"{sent[0] / 2**20:.1f} MiB communicated; "
             f"loss spread across ranks {float(spread[0] - check[0]):.1e}; plot {path}; "
             f"summary {summary_path}",
             flush=True,

@@ -56,3 +56,47 @@ def test_torchrun_script_on_cgx(fresh_job_environment: Callable[..., dict[str, s
     at_4_bits = _run("cgx", fresh_job_environment(CGX_COMPRESSION_QUANTIZATION_BITS="4"))
     assert len(at_4_bits) == 5
     assert at_4_bits != on_gloo
+
+
+# Rank 0 hosts the env:// rendezvous (TCPStore) on MASTER_PORT and dies with
+# its connections open; the restarted job's rank 0 listens on the same port.
+RESTARTED_SCRIPT = """
+import os, signal
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+t = torch.ones(4)
+dist.all_reduce(t)
+line = f"rank {rank} attempt {attempt} port {os.environ['MASTER_PORT']} sum {t[0]:.0f}\\n"
+os.write(1, line.encode())
+if attempt == "0" and rank == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_an_env_rendezvous_survives_a_restart_on_the_same_port(
+    tmp_path: Path, nprocs: int, fresh_job_environment: Callable[..., dict[str, str]]
+) -> None:
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED_SCRIPT)
+    env = fresh_job_environment()
+    done = subprocess.run(
+        [MPXRUN, "-n", str(nprocs), "--timeout", "240", "--max-restarts", "1", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=540,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 was killed by SIGKILL" in done.stderr
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("rank ")]
+    finished = sorted(int(w[1]) for w in lines if w[3] == "1")
+    assert finished == list(range(nprocs)), done.stdout
+    assert all(w[7] == str(nprocs) for w in lines), done.stdout  # every allreduce summed all
+    assert len({w[5] for w in lines}) == 1, done.stdout  # one MASTER_PORT for both attempts

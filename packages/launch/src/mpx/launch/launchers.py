@@ -9,6 +9,7 @@ environment of whichever launcher is there::
     --hostfile F       -f F               --hostfile F          (the allocation)
     --bind core|numa   -bind-to core|numa --bind-to core|numa   --cpu-bind=cores|ldoms
     --tag-output       -prepend-rank      --tag-output          --label
+    (one rank fails)   (Hydra stops all)  (mpirun stops all)    --kill-on-bad-exit=1
     environment        inherited          -x NAME for each      inherited
 
 Oversubscription (more ranks than cores) makes MPICH busy-poll and Open MPI
@@ -160,7 +161,10 @@ class Launcher:
                     "--hostfile cannot be used with srun: Slurm places ranks on the "
                     "nodes of the allocation (use salloc/sbatch --nodes instead)"
                 )
-            cmd += [f"--cpu-bind={_SLURM_BIND[bind]}"]
+            # Slurm ends the whole step when a task fails, on every node, even
+            # where mpxrun's signals to srun's session do not reach: with
+            # --max-restarts the next attempt's step then starts on free nodes.
+            cmd += [f"--cpu-bind={_SLURM_BIND[bind]}", "--kill-on-bad-exit=1"]
             if tag_output:
                 cmd += ["--label"]
         return cmd + list(program)
