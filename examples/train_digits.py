@@ -324,7 +324,8 @@ def gpt_2d(args: argparse.Namespace, comm: Communicator) -> Callable[..., Any]:
                     chunks=args.chunks, schedule=args.schedule,
                     data_parallel_comm=replica_comm, **async_opts)  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(args.seed + 1)
+    RESUMABLE.append(Resumable(pipe, opt, sharded=True))
+    gen = torch.Generator()
     share = args.batch_size // replicas
     mine = slice(replica * share, (replica + 1) * share)
     held_out_gen = torch.Generator().manual_seed(7)
@@ -333,6 +334,8 @@ def gpt_2d(args: argparse.Namespace, comm: Communicator) -> Callable[..., Any]:
     def epoch(index: int) -> tuple[float, float]:
         pipe.train()
         losses = []
+        # Seeded per epoch: a run resumed at epoch k draws the windows an uninterrupted one does.
+        gen.manual_seed(args.seed + 1 + 1009 * index)
         for _ in range(GPT_STEPS_PER_EPOCH):
             x, y = example.windows(train, args.batch_size, 32, gen)
             losses.append(pipe.step(x[mine], y[mine], example.next_char_loss, opt))

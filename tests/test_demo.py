@@ -105,8 +105,8 @@ def test_gpt_mode_learns(tmp_path: Path, user_environment: dict[str, str]) -> No
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["--mode", "pipeline", "--schedule", "async"]],
-    ids=["dp-4bit", "pipeline-async"],
+    [[], ["--mode", "pipeline", "--schedule", "async"], ["--mode", "gpt", "--schedule", "async"]],
+    ids=["dp-4bit", "pipeline-async", "gpt-async"],
 )
 def test_a_rank_killed_mid_run_restarts_from_the_checkpoint_to_the_same_result(
     tmp_path: Path, user_environment: dict[str, str], args: list[str]
