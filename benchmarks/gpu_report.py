@@ -32,6 +32,7 @@ run (``--group`` cuts the report into parts by hand instead).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -299,19 +300,15 @@ def run_part(part: Part, smoke: bool, md: Path, log: Path) -> bool:
         start = time.monotonic()
         status = ""
         try:
-            done = subprocess.run(
-                command, cwd=ROOT, env=env, capture_output=True, text=True,
-                timeout=max(left, 1.0), check=False,
-            )  # fmt: skip
-            out, err, code = done.stdout, done.stderr, done.returncode
-            if code != 0:
+            out, err, code = _run_within(command, env, max(left, 1.0))
+            if code is None:
+                status = (
+                    f"**timed out after its budget of {part.budget_s:g} s** (partial output above)"
+                )
+            elif code != 0:
                 status = f"**failed: exit {code}** (see gpu-report.log)"
         except OSError as exc:  # the command could not start (a missing program)
             out, err, status = "", str(exc), f"**failed to start: {exc}**"
-        except subprocess.TimeoutExpired as exc:
-            out = _text(exc.stdout)
-            err = _text(exc.stderr)
-            status = f"**timed out after its budget of {part.budget_s:g} s** (partial output above)"
         ok = ok and not status
         with log.open("a") as f:
             f.write(f"\n===== {part.name}: {' '.join(command)}\n{out}\n----- stderr\n{err}\n")
@@ -323,10 +320,35 @@ def run_part(part: Part, smoke: bool, md: Path, log: Path) -> bool:
     return ok
 
 
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data if isinstance(data, str) else data.decode(errors="replace")
+def _run_within(
+    command: list[str], env: dict[str, str], timeout: float
+) -> tuple[str, str, int | None]:
+    """stdout, stderr and exit status of ``command``; status None if it ran out of time.
+
+    The command gets a process group of its own, so that running out of time
+    ends all of it (an mpxrun job's ranks too), not only its first process:
+    SIGTERM first (mpxrun stops its job on it), SIGKILL 10 s later.
+    """
+    import signal
+
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return out, err, proc.returncode
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                out, err = proc.communicate(timeout=10)
+                return out, err, None
+            except subprocess.TimeoutExpired:
+                continue
+        # A process outside the group still holds the pipes: leave it, and its output.
+        return "", "(output lost: a process of the part outlived SIGKILL of its group)", None
 
 
 def _shown(command: list[str]) -> str:

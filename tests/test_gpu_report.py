@@ -10,8 +10,10 @@ by hand, ``python benchmarks/gpu_report.py --cpu-smoke`` (DEVELOPERS.md).
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -83,6 +85,35 @@ def test_a_part_past_its_budget_keeps_its_output_and_says_so(tmp_path: Path) -> 
     assert "timed out after its budget of 3 s" in text
 
 
+def test_a_part_past_its_budget_is_ended_with_its_children(tmp_path: Path) -> None:
+    """An mpxrun job's ranks are the part's grandchildren: none may outlive the budget."""
+    report = _module()
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print(f'| child | {p.pid} |', flush=True); time.sleep(120)"
+    )
+    part = report.Part("job", "cpu", "a job", 3, lambda smoke: [[sys.executable, "-c", code]])
+    md, log = tmp_path / "r.md", tmp_path / "r.log"
+    assert report.run_part(part, False, md, log) is False
+    match = re.search(r"\| child \| (\d+) \|", md.read_text())
+    assert match is not None
+    pid = int(match.group(1))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(pid):
+        time.sleep(0.1)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
 def test_a_failing_part_is_reported_and_the_next_one_still_runs(tmp_path: Path) -> None:
     report = _module()
     fails = report.Part(
@@ -140,8 +171,6 @@ def test_follow_says_still_running_when_time_is_up(tmp_path: Path) -> None:
     try:
         (state / "pid").write_text(str(slow.pid))
         (state / "gpu-report.md").write_text("# partial\n")
-        import time
-
         code = report.follow([], state, out, time.monotonic() + 1)
     finally:
         slow.kill()
