@@ -90,7 +90,8 @@ _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b ?(.*)$")
 
 def pytest_outcomes(output: str) -> str:
     """A table of pytest's ``-rA`` summary lines: one row per test (per skip reason)."""
-    rows = [m.groups() for m in map(_OUTCOME.match, output.splitlines()) if m]
+    # dict: once each, in order (under mpxrun every rank prints its summary).
+    rows = list(dict.fromkeys(m.groups() for m in map(_OUTCOME.match, output.splitlines()) if m))
     totals = [
         line
         for line in output.splitlines()
@@ -198,6 +199,7 @@ PARTS = [
                 "2" if smoke else "2,4,8",
             ]
         ],
+        env=lambda smoke: {"MPX_BENCH_STEPS": "1", "MPX_BENCH_ROUNDS": "1"} if smoke else {},
     ),
     Part(
         "pipeline-cpu",
@@ -532,7 +534,8 @@ def ddp_job(smoke: bool) -> None:
             "`mpx.quantize.ddp_comm_hook` (bucket 512, stochastic rounding). NCCL refuses two "
             "ranks on one GPU, in which case its rows say so.\n"
         )
-        _say("| gradients | backend | step (ms) | ÷ NCCL fp32 |\n|---|---|---|---|")
+        peer_name = "gloo" if smoke else "NCCL"
+        _say(f"| gradients | backend | step (ms) | ÷ {peer_name} fp32 |\n|---|---|---|---|")
     results: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     x = torch.randn(*shape, device=device)

@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # annotations only: the functions that run under mpxrun impor
     from torch import nn
 
 BATCH = 32  # per rank
-STEPS = 8
-ROUNDS = 3
+# MPX_BENCH_STEPS=1 MPX_BENCH_ROUNDS=1: a quick run (gpu_report.py --cpu-smoke).
+STEPS = int(os.environ.get("MPX_BENCH_STEPS", "8"))
+ROUNDS = int(os.environ.get("MPX_BENCH_ROUNDS", "3"))
 WARMUP = 2
 
 
