@@ -21,10 +21,10 @@ whole output to ``gpu-report.log`` in ``$OUT`` (if set, else ``./gpu-report``),
 so a run stopped from outside still leaves what it measured. Exit status: 0 if
 every part passed, 1 if one failed or ran out of time.
 
-The device tool allows 10 minutes per command, and the whole report takes
-about 22: ``--follow 540`` starts the report detached (its own session, which
+The device tool allows 10 minutes per command, and the parts' budgets add up
+to 21: ``--follow 560`` starts the report detached (its own session, which
 the tool leaves running while the machine is held) in ``STATE``, follows it for
-540 s from the command's start, copies its files into the output folder and
+560 s from the command's start, copies its files into the output folder and
 exits 3 while it still runs; the same command, called again, follows the same
 run (``--group`` cuts the report into parts by hand instead).
 """
