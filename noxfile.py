@@ -2,6 +2,8 @@
 
     nox -s tests       unit tests, then the mpi tests under mpxrun -n 1, 2, 3
     nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
+    nox -s gpu-report  CUDA build ON, then benchmarks/gpu_report.py: GPU tests and every
+                       benchmark, tables into $OUT or ./gpu-report (DEVELOPERS.md)
     nox -s lint        ruff, mypy, and the import contract (import-linter)
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
@@ -129,11 +131,22 @@ def tests_gpu(session: nox.Session) -> None:
     _mpi_runs(session, "gpu and mpi", env=env)
 
 
+@nox.session(name="gpu-report", default=False)
+def gpu_report(session: nox.Session) -> None:
+    """CUDA build ON; benchmarks/gpu_report.py (arguments after -- go to it).
+
+    Fails at once, saying what is missing, where torch sees no CUDA GPU;
+    ``nox -s gpu-report -- --cpu-smoke`` tries the plumbing on CPU instead.
+    """
+    _install(session, "matplotlib", cuda="ON")
+    session.run("python", str(ROOT / "benchmarks" / "gpu_report.py"), *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check), mypy (strict), and the import contract."""
     _install(session, "ruff", "mypy", "matplotlib", "import-linter")
-    targets = ["packages", "examples", "tests", "tools", "noxfile.py", "conftest.py"]
+    targets = ["packages", "examples", "tests", "tools", "benchmarks", "noxfile.py", "conftest.py"]
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
     sources = [f"packages/{name}/src/mpx/{name}" for name in PACKAGES]
@@ -141,7 +154,9 @@ def lint(session: nox.Session) -> None:
     # explicit_package_bases names them by path (packages.quantize.tests.test_package),
     # so the test_package.py of every package stays a module of its own.
     checks = [f"packages/{name}/{part}" for name in PACKAGES for part in ("tests", "benchmarks")]
-    session.run("mypy", *sources, "examples", *checks, "tests", "tools", "conftest.py")
+    session.run(
+        "mypy", *sources, "examples", *checks, "tests", "tools", "benchmarks", "conftest.py"
+    )
     # The layer rules and "no private imports across packages" ([tool.importlinter]
     # in pyproject.toml), checked on this working tree: the sources come first on
     # the path, ahead of the copies installed into the session.
