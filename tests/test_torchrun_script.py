@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,16 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 SCRIPT = ROOT / "examples" / "ddp_torchrun.py"
-TORCHRUN = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
-TORCHRUN |= {"MASTER_ADDR", "MASTER_PORT", "MPX_TORCH_ENV"}
 
 
-def _run(backend: str, **extra: str) -> list[str]:
-    # Neither as a rank of a job around this one (nox's mpi runs), nor with the
-    # torchrun variables an earlier test left in this process (init_torch_env):
-    # those would be the user's, which mpxrun keeps.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_") and k not in TORCHRUN}
-    env |= extra
+def _run(backend: str, env: dict[str, str]) -> list[str]:
     done = subprocess.run(
         [
             MPXRUN,
@@ -46,17 +40,63 @@ def _run(backend: str, **extra: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-def test_torchrun_script_on_mpx_equals_gloo() -> None:
-    on_mpx = _run("mpx")
+def test_torchrun_script_on_mpx_equals_gloo(
+    fresh_job_environment: Callable[..., dict[str, str]],
+) -> None:
+    on_mpx = _run("mpx", fresh_job_environment())
     assert len(on_mpx) == 5
-    assert on_mpx == _run("gloo")
+    assert on_mpx == _run("gloo", fresh_job_environment())
 
 
 @pytest.mark.timeout(600)
-def test_torchrun_script_on_cgx() -> None:
+def test_torchrun_script_on_cgx(fresh_job_environment: Callable[..., dict[str, str]]) -> None:
     """``init_process_group("cgx")``: exact at CGX's 32 bits, quantized at 4."""
-    on_gloo = _run("gloo")
-    assert _run("cgx", CGX_COMPRESSION_QUANTIZATION_BITS="32") == on_gloo
-    at_4_bits = _run("cgx", CGX_COMPRESSION_QUANTIZATION_BITS="4")
+    on_gloo = _run("gloo", fresh_job_environment())
+    assert _run("cgx", fresh_job_environment(CGX_COMPRESSION_QUANTIZATION_BITS="32")) == on_gloo
+    at_4_bits = _run("cgx", fresh_job_environment(CGX_COMPRESSION_QUANTIZATION_BITS="4"))
     assert len(at_4_bits) == 5
     assert at_4_bits != on_gloo
+
+
+# Rank 0 hosts the env:// rendezvous (TCPStore) on MASTER_PORT and dies with
+# its connections open; the restarted job's rank 0 listens on the same port.
+RESTARTED_SCRIPT = """
+import os, signal
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+t = torch.ones(4)
+dist.all_reduce(t)
+line = f"rank {rank} attempt {attempt} port {os.environ['MASTER_PORT']} sum {t[0]:.0f}\\n"
+os.write(1, line.encode())
+if attempt == "0" and rank == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_an_env_rendezvous_survives_a_restart_on_the_same_port(
+    tmp_path: Path, nprocs: int, fresh_job_environment: Callable[..., dict[str, str]]
+) -> None:
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED_SCRIPT)
+    env = fresh_job_environment()
+    done = subprocess.run(
+        [MPXRUN, "-n", str(nprocs), "--timeout", "240", "--max-restarts", "1", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=540,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 was killed by SIGKILL" in done.stderr
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("rank ")]
+    finished = sorted(int(w[1]) for w in lines if w[3] == "1")
+    assert finished == list(range(nprocs)), done.stdout
+    assert all(w[7] == str(nprocs) for w in lines), done.stdout  # every allreduce summed all
+    assert len({w[5] for w in lines}) == 1, done.stdout  # one MASTER_PORT for both attempts

@@ -213,6 +213,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tuned", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ranks", default="2,3", help="rank counts, one job each, comma-separated (default 2,3)"
+    )
     args = parser.parse_args()
     if args.inside:
         measure(args.tuned)
@@ -236,7 +239,7 @@ def main() -> None:
     summaries, latencies, policies = [], [], []
     here = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as tmp:
-        for nprocs in (2, 3):
+        for nprocs in (int(n) for n in args.ranks.split(",")):
             tuned = os.path.join(tmp, f"policy-{nprocs}.json")
             job = [mpxrun, "-n", str(nprocs), "--timeout", "1200"]
             tune = [*job, "--tune", "--", "--ops", "allreduce,broadcast"]

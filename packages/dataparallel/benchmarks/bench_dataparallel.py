@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # annotations only: the functions that run under mpxrun impor
     from torch import nn
 
 BATCH = 32  # per rank
-STEPS = 8
-ROUNDS = 3
+# MPX_BENCH_STEPS=1 MPX_BENCH_ROUNDS=1: a quick run (gpu_report.py --cpu-smoke).
+STEPS = int(os.environ.get("MPX_BENCH_STEPS", "8"))
+ROUNDS = int(os.environ.get("MPX_BENCH_ROUNDS", "3"))
 WARMUP = 2
 
 
@@ -196,17 +197,29 @@ def measure() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ranks", default="2", help="rank counts, one job and table each (default 2)"
+    )
     args = parser.parse_args()
     if args.inside:
         measure()
         return
     import torch
 
-    torch.set_num_threads(1)  # as each of the 2 ranks on this machine (mpxrun's default here)
+    torch.set_num_threads(1)  # as each of the ranks (mpxrun gives each rank one thread here)
     single = single_process()
+    for nprocs in (int(n) for n in args.ranks.split(",")):
+        report(nprocs, single)
+
+
+def report(nprocs: int, single: float) -> None:
+    """One job of ``nprocs`` ranks, and its table."""
+    import torch
+
     params = sum(p.numel() for p in make_model().parameters())
     mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
-    command = [mpxrun, "-n", "2", "--timeout", "600", "--", sys.executable, __file__, "--inside"]
+    command = [mpxrun, "-n", str(nprocs), "--timeout", "600", "--"]
+    command += [sys.executable, __file__, "--inside"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULTS ")]
     if done.returncode != 0 or not lines:
@@ -217,7 +230,7 @@ def main() -> None:
     auto_overlaps = bool(results.pop("auto overlaps"))
     gloo = results["torch DDP, gloo"]
     assert gloo is not None
-    print("## mpx-dataparallel: training step time, 2 ranks\n")
+    print(f"## mpx-dataparallel: training step time, {nprocs} ranks\n")
     print(
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, torch {torch.__version__}, MPICH wheel; model: MLP "

@@ -67,6 +67,7 @@ def test_slurm_command_and_hostfile_refusal() -> None:
         "-n",
         "4",
         "--cpu-bind=ldoms",
+        "--kill-on-bad-exit=1",
         "--label",
         "prog",
     ]

@@ -107,12 +107,11 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nprocs: int,
         ranks = {int(p.read_text()) for p in tmp_path.glob("ready.*")}
         assert ranks <= set(pids)  # the scan covers mpxrun, the launcher and every rank
         listening = _listening_sockets()
-        # The ranks' own sockets (their MPI transport). Hydra's control port
-        # (mpiexec, hydra_pmi_proxy) still listens on every interface: gforker,
-        # which opens none, truncates non-ASCII output (see launchers.py).
+        # Every process of the job: mpxrun, the launcher (Hydra's control port
+        # listened on 0.0.0.0; gforker opens none), the supervisors, the ranks.
         exposed = sorted(
             (pid, listening[inode])
-            for pid in ranks
+            for pid in pids
             for inode in _socket_inodes(pid)
             if inode in listening and not ipaddress.ip_address(listening[inode]).is_loopback
         )
@@ -151,17 +150,18 @@ def test_a_multi_node_job_keeps_the_users_interface(
     assert env["FI_TCP_IFACE"] == "lo"
 
 
-def test_gforker_on_request_and_hydra_by_default() -> None:
+def test_single_host_mpich_jobs_use_gforker_when_installed() -> None:
     from mpx.launch import find_launcher
 
     launcher = find_launcher("mpich")
-    assert launcher.on_this_host() is launcher  # Hydra: gforker mangles non-ASCII output
-    gforker = Launcher("mpich", "mpiexec.gforker", forker=True)
-    assert gforker.command(2, ["prog"], tag_output=True) == [gforker.path, "-n", "2", "-l", "prog"]
-    # gforker cannot bind: the rank supervisors do (MPX_BIND).
-    assert gforker.command(2, ["prog"], bind="core") == [gforker.path, "-n", "2", "prog"]
+    local = launcher.on_this_host()
+    assert local.forker, "the mpich wheel ships mpiexec.gforker beside mpiexec"
+    # gforker neither tags output whole nor binds: the rank supervisors do
+    # (MPX_TAG_OUTPUT, MPX_BIND), and the output bypasses gforker.
+    assert local.command(2, ["prog"], tag_output=True) == [local.path, "-n", "2", "prog"]
+    assert local.command(2, ["prog"], bind="core") == [local.path, "-n", "2", "prog"]
     with pytest.raises(ValueError, match="--hostfile needs Hydra"):
-        gforker.command(2, ["prog"], hostfile="hosts")
+        local.command(2, ["prog"], hostfile="hosts")
     assert Launcher("openmpi", "mpirun").on_this_host() == Launcher("openmpi", "mpirun")
 
 
@@ -187,3 +187,21 @@ def test_output_that_is_not_ascii_arrives_whole(nprocs: int) -> None:
     )
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     assert done.stdout.decode().splitlines() == [text] * nprocs
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_tagged_output_and_errors_that_are_not_ascii_arrive_whole(nprocs: int) -> None:
+    program = (
+        "import os, sys; r = os.environ['RANK']; print('é', r); print('✓', r, file=sys.stderr)"
+    )
+    mpxrun = [MPXRUN, "-n", str(nprocs), "--tag-output", "--timeout", "120", "--"]
+    done = subprocess.run(
+        [*mpxrun, sys.executable, "-c", program],
+        capture_output=True,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert sorted(done.stdout.decode().splitlines()) == [f"[{r}] é {r}" for r in range(nprocs)]
+    err = done.stderr.decode().splitlines()
+    assert sorted(line for line in err if "✓" in line) == [f"[{r}] ✓ {r}" for r in range(nprocs)]

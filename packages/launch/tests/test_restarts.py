@@ -7,6 +7,7 @@ so the tests need no clock and no training.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -119,3 +120,62 @@ def test_bad_restart_options_are_usage_errors(option: str, value: str) -> None:
     assert proc.returncode == 2
     assert f"{option} must be" in proc.stderr
     assert repr(value) in proc.stderr
+
+
+# A stand-in for srun inside an allocation: it logs its arguments and the
+# attempt it was started for, then runs the ranks through MPICH's mpiexec.
+# What it checks is mpxrun's side (one srun step per attempt, the attempt's
+# environment, --kill-on-bad-exit); Slurm's own step teardown is not here.
+FAKE_SRUN = """#!/bin/sh
+echo "$MPX_RESTART_COUNT $*" >> "$FAKE_SRUN_LOG"
+n=$2
+shift 2
+while [ "${1#--}" != "$1" ]; do shift; done  # srun's own options
+exec "$FAKE_SRUN_MPIEXEC" -n "$n" "$@"
+"""
+
+
+def test_under_slurm_each_attempt_is_a_new_srun_step(tmp_path: Path) -> None:
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    assert mpiexec is not None
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    log = tmp_path / "srun.log"
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",  # inside an allocation: mpxrun picks srun by itself
+        FAKE_SRUN_LOG=str(log),
+        FAKE_SRUN_MPIEXEC=mpiexec,
+    )
+    env.pop("MPX_LAUNCHER", None)
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.run(
+        [
+            MPXRUN,
+            "-n",
+            "2",
+            "--timeout",
+            str(JOB_TIMEOUT_S),
+            "--max-restarts",
+            "1",
+            str(script),
+            "exit",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3 * JOB_TIMEOUT_S,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Restart 1 of 1" in proc.stderr
+    assert "rank 1 finished attempt 1" in proc.stdout, proc.stdout
+    steps = log.read_text().splitlines()
+    assert [line.split()[0] for line in steps] == ["0", "1"], steps
+    assert all(" -n 2 --cpu-bind=none --kill-on-bad-exit=1 " in line for line in steps), steps

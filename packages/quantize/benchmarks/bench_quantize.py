@@ -43,12 +43,17 @@ def _label(count: int) -> str:
 
 # Callable[..., object]: the lambdas bind loop variables as defaults (x=x),
 # which mypy cannot fit to a Callable[[], object].
-def _best(fn: Callable[..., object], repeats: int) -> float:
+def _best(
+    fn: Callable[..., object], repeats: int, sync: Callable[[], None] = lambda: None
+) -> float:
+    """Median time of ``fn``; ``sync`` waits for a device's queued work (CUDA is asynchronous)."""
     fn()  # warm-up: page faults, thread start
+    sync()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -63,44 +68,54 @@ def naive_torch_round_trip(x: torch.Tensor, bits: int, bucket: int, out: torch.T
     unit = (rows.amax(1, keepdim=True) - mn) / levels
     codes = ((rows - mn) / unit + torch.rand_like(rows)).floor_().clamp_(0, levels)
     per = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
     packed = (codes.to(torch.uint8).view(-1, per) << shifts).sum(1, dtype=torch.uint8)
     back = (packed.view(-1, 1) >> shifts) & levels
     out.view(-1, bucket).copy_(back.view(-1, bucket).float() * unit + mn)
 
 
-def kernels() -> None:
+def kernels(device: str = "cpu", sizes: list[int] = KERNEL_SIZES) -> None:
+    """The kernel table; on ``device="cuda"`` the CUDA kernels against a device copy."""
     import torch
 
     import mpx.quantize as mq
     from mpx.quantize import reference
 
+    cuda = device.startswith("cuda")
+    kind = "CUDA" if cuda else "C++"
+    copy_name = "device copy" if cuda else "memcpy"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(
-        "| values | bits | bucket | C++ quantize (GB/s) | C++ quantize into `out` (GB/s) | "
-        "C++ dequantize (GB/s) | plain torch q+dq (GB/s) | mpx reference q+dq (GB/s) | "
-        "memcpy (GB/s) | C++ q+dq ÷ plain torch | C++ q+dq (into `out`) ÷ memcpy |"
+        f"| values | bits | bucket | {kind} quantize (GB/s) | {kind} quantize into `out` (GB/s) | "
+        f"{kind} dequantize (GB/s) | plain torch q+dq (GB/s) | mpx reference q+dq (GB/s) | "
+        f"{copy_name} (GB/s) | {kind} q+dq ÷ plain torch | {kind} q+dq (into `out`) ÷ "
+        f"{copy_name} |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for count in KERNEL_SIZES:
-        x = torch.randn(count)
+    for count in sizes:
+        x = torch.randn(count, device=device)
         out = torch.empty_like(x)
         nbytes = x.numel() * 4
         reps = max(3, min(20, (1 << 26) // count))
-        copy = _best(lambda x=x, out=out: out.copy_(x), reps)
-        cases = [(4, 512), (4, 1024)] + ([(2, 512), (8, 512)] if count == KERNEL_SIZES[-1] else [])
+        copy = _best(lambda x=x, out=out: out.copy_(x), reps, sync)
+        cases = [(4, 512), (4, 1024)] + ([(2, 512), (8, 512)] if count == sizes[-1] else [])
         for bits, bucket in cases:
             gen = torch.Generator().manual_seed(0)
-            tq = _best(lambda x=x, b=bits, s=bucket, g=gen: mq.quantize(x, b, s, generator=g), reps)
+            tq = _best(
+                lambda x=x, b=bits, s=bucket, g=gen: mq.quantize(x, b, s, generator=g), reps, sync
+            )
             q = mq.quantize(x, bits, bucket, generator=gen)
             # Into a reused buffer, as memcpy writes into ``out``: no page faults.
             tqo = _best(
                 lambda x=x, b=bits, s=bucket, g=gen, q=q: mq.quantize(x, b, s, generator=g, out=q),
                 reps,
+                sync,
             )
-            tdq = _best(lambda q=q, out=out: mq.dequantize(q, out=out), reps)
+            tdq = _best(lambda q=q, out=out: mq.dequantize(q, out=out), reps, sync)
             tnaive = _best(
                 lambda x=x, b=bits, s=bucket, out=out: naive_torch_round_trip(x, b, s, out),
                 max(1, reps // 4),
+                sync,
             )
             ref = "—"
             if count <= REFERENCE_MAX:
@@ -110,7 +125,7 @@ def kernels() -> None:
                 ) -> None:
                     reference.dequantize(reference.quantize(x, b, s, seed=1), out=out)
 
-                tref = _best(ref_round_trip, 1)
+                tref = _best(ref_round_trip, 1, sync)
                 ref = f"{nbytes / tref / 1e9:.3f}"
             print(
                 f"| {_label(count)} | {bits} | {bucket} | {nbytes / tq / 1e9:.2f} | "
@@ -245,6 +260,14 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-allreduce", action="store_true")
     parser.add_argument("--skip-shaped", action="store_true", help="no 1 Gbit/s link run")
+    parser.add_argument(
+        "--device", default="cpu", help="the kernels' tensors: cpu (default) or cuda"
+    )
+    parser.add_argument(
+        "--kernel-sizes",
+        default="",
+        help="values per kernel row, comma-separated (default: 1M to 64M)",
+    )
     args = parser.parse_args()
     if args.inside:
         allreduce_job([int(b) for b in args.sizes.split(",")], args.repeats)
@@ -259,8 +282,15 @@ def main() -> None:
         "input, stochastic rounding, GB/s of input, median of repeats; ratios > 1 mean the "
         "C++ kernel is faster.\n"
     )
+    if args.device.startswith("cuda"):
+        print(
+            f"Device: {torch.cuda.get_device_name(torch.device(args.device))}; CUDA kernels on "
+            "device tensors, each timing waits for the device (`torch.cuda.synchronize`); "
+            "device copy = `out.copy_(x)` on the device, GB/s of input.\n"
+        )
     if not args.skip_kernels:
-        kernels()
+        sizes = [int(v) for v in args.kernel_sizes.split(",")] if args.kernel_sizes else None
+        kernels(args.device, sizes or KERNEL_SIZES)
     if args.skip_allreduce:
         return
     print(

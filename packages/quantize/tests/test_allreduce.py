@@ -293,3 +293,32 @@ def test_cgx_communicator_type_gives_the_same_result(communicator: str) -> None:
         mq.allreduce(t, comm, config=config, op="sum")
         results.append(t)
     assert torch.equal(results[0], results[1])
+
+
+def test_a_state_saved_and_loaded_rounds_the_next_calls_as_the_original(tmp_path: Any) -> None:
+    """state_dict/load_state_dict: what a resumed training run needs (issue 18)."""
+    comm = world()
+    config = mq.CompressionConfig(bits=2, bucket_size=16, minimal_size=0, error_feedback=True)
+    names = ["a.weight", "b.weight"]
+
+    def grads(call: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(100 * call + comm.rank)
+        return [torch.randn(30, 20, generator=g), torch.randn(12, 12, generator=g)]
+
+    original = mq.QuantizeState(config, comm)
+    mq.allreduce_tensors(grads(0), comm, config, "avg", names=names, state=original)
+    # Through a file, as a checkpoint does (torch.load with weights_only).
+    torch.save(original.state_dict(), tmp_path / "state.pt")
+    loaded = mq.QuantizeState(config, comm)
+    loaded.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for call in (1, 2):
+        expected = mq.allreduce_tensors(grads(call), comm, config, names=names, state=original)
+        got = mq.allreduce_tensors(grads(call), comm, config, names=names, state=loaded)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), call
+    # The generator's draws and the residuals themselves, on every rank count.
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    first = mq.quantize(x, 2, 16, True, original.generator)
+    second = mq.quantize(x, 2, 16, True, loaded.generator)
+    assert torch.equal(first.buffer, second.buffer)
+    assert original.residuals.keys() == loaded.residuals.keys()
+    assert all(torch.equal(original.residuals[k], loaded.residuals[k]) for k in original.residuals)

@@ -10,6 +10,8 @@ Packages built on mpx-collectives also use :mod:`mpx.collectives.building_blocks
 the other modules are internal: other packages must not import them.
 """
 
+from importlib import metadata as _metadata
+
 from mpx.collectives.communicator import CommLike, Communicator, as_communicator, world
 from mpx.collectives.errors import (
     CollectiveTimeout,
@@ -67,4 +69,5 @@ __all__ = [
     "world",
 ]
 
-__version__ = "0.1.0"
+# pyproject.toml's version, as installed: the one place it is written.
+__version__ = _metadata.version("mpx-collectives")

@@ -89,6 +89,7 @@ OPS = (
 )
 # The implementations by name: the names MPX_COLLECTIVES_IMPL (and impl=) accept, but "auto".
 IMPLEMENTATIONS = tuple(name for name in settings.IMPL_NAMES if name != "auto")
+"""The implementations that ``impl=`` names (besides ``"auto"``, the policy's choice)."""
 # Operations whose CPU algorithms the tuner times and the policy can band.
 TUNABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 

@@ -7,6 +7,8 @@ Example::
     opt = dp.DistributedOptimizer(torch.optim.Adam(model.parameters()), model)
 """
 
+from importlib import metadata as _metadata
+
 from mpx.dataparallel.async_sgd import EASGD, DownpourSGD
 from mpx.dataparallel.checkpoint import load_checkpoint, save_checkpoint
 from mpx.dataparallel.data import DistributedDataContainer
@@ -60,6 +62,9 @@ __all__ = [
 
 # FluxMPI's spellings.
 DistributedOptimiser = DistributedOptimizer
+"""FluxMPI's spelling of :class:`DistributedOptimizer`."""
 total_workers = world_size
+"""FluxMPI's name of :func:`world_size`."""
 
-__version__ = "0.1.0"
+# pyproject.toml's version, as installed: the one place it is written.
+__version__ = _metadata.version("mpx-dataparallel")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import CommLike
+from mpx.collectives import CommLike, Communicator
 from mpx.dataparallel.errors import (
     DataParallelRemoteError,
     DataParallelTypeError,
@@ -168,6 +168,24 @@ def load_checkpoint(
             not an mpx checkpoint.
     """
     comm = default_comm(comm)
+    state = _read_synchronized(path, root, comm)
+    if optimizer is not None and state["optimizer"] is None:  # the same on every rank
+        raise DataParallelValueError(
+            f"load_checkpoint: could not load {path}: it holds no optimizer state (saved "
+            "with optimizer=None); load it with optimizer=None"
+        )
+    with comm.agreement(
+        f"load_checkpoint: could not load {path} into the model or optimizer",
+        error_type=DataParallelRemoteError,
+    ):
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+    return dict(state["extra"])
+
+
+def _read_synchronized(path: str | os.PathLike[str], root: int, comm: Communicator) -> Any:
+    """Root's checkpoint file, verified, as the same dict on every rank. Collective."""
     state: Any = None
     with comm.agreement(
         f"load_checkpoint: could not load {path}", error_type=DataParallelRemoteError
@@ -179,17 +197,4 @@ def load_checkpoint(
                 raise DataParallelValueError(
                     "not a checkpoint written by mpx.dataparallel.save_checkpoint"
                 )
-            if optimizer is not None and state["optimizer"] is None:
-                raise DataParallelValueError(
-                    "it holds no optimizer state (saved with optimizer=None); "
-                    "load it with optimizer=None"
-                )
-    state = synchronize(state, root, comm=comm)
-    with comm.agreement(
-        f"load_checkpoint: could not load {path} into the model or optimizer",
-        error_type=DataParallelRemoteError,
-    ):
-        model.load_state_dict(state["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
-    return dict(state["extra"])
+    return synchronize(state, root, comm=comm)

@@ -119,6 +119,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             would only take turns with backward (measured in BENCHMARKS.md).
         comm: the ranks taking part (world by default).
 
+    Attributes:
+        compression_state: with ``compression``, this optimizer's
+            ``mpx.quantize.QuantizeState`` (stochastic-rounding generator,
+            residuals), its own so that :func:`~mpx.dataparallel.save_resumable`
+            can save it and a resumed run rounds as the uninterrupted one; None
+            without compression.
+
     Example::
 
         opt = DistributedOptimizer(torch.optim.Adam(model.parameters()), model)
@@ -173,6 +180,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm = default_comm(comm)
         self.op = "avg" if average else "sum"
         self.compression = compression
+        self.compression_state: Any | None = None
+        if compression is not None:
+            self.compression_state = quantized_allreduce("QuantizeState")(compression, self.comm)
         if overlap not in (True, False, "auto"):
             raise DataParallelValueError(
                 f"DistributedOptimizer: overlap must be True, False or 'auto', got {overlap!r}"
@@ -506,7 +516,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self.compression is not None
             else []
         )
-        bucket.handle = reduce_bucket(flat, self.comm, self.compression, self.op, layout)
+        bucket.handle = reduce_bucket(
+            flat, self.comm, self.compression, self.op, layout, self.compression_state
+        )
 
     def _finish(self) -> None:
         """Starts what backward did not, waits for all, writes the gradients back."""

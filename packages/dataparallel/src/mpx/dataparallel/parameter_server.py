@@ -48,6 +48,7 @@ from mpx.dataparallel.runtime import default_comm
 __all__ = ["RULES", "PSHandle", "ParameterServer"]
 
 RULES = ("add", "copy", "zero")
+"""The ways a push updates the server's copy (``rule=``): add to it, copy over it, zero it."""
 _PUSH, _PULL, _FENCE = 1, 2, 3
 _TAG_REQUEST, _TAG_PAYLOAD, _TAG_REPLY = 11, 12, 13
 _MIN_SLEEP_S, _MAX_SLEEP_S = 2e-5, 1e-3

@@ -68,6 +68,7 @@ def reduce_bucket(
     compression: Any | None,
     op: str,
     layout: Sequence[tuple[str, torch.Size, int]] = (),
+    state: Any | None = None,
 ) -> Waitable:
     """Starts the reduction of one flat bucket (in place) across ``comm``.
 
@@ -78,14 +79,19 @@ def reduce_bucket(
         layout: the bucket's parameters as (name, shape, offset in ``flat``):
             with compression, each is filtered as its own layer (CGX's
             ``exclude``); without a layout the bucket is one flat tensor.
+        state: with compression, the ``mpx.quantize.QuantizeState`` to round
+            with (None: mpx-quantize's default state of ``comm``).
     """
     if compression is None:
         return allreduce(flat, op, comm=comm, async_op=True)
     if not layout:
-        result = quantized_allreduce("allreduce")(flat, comm=comm, config=compression, op=op)
+        result = quantized_allreduce("allreduce")(
+            flat, comm=comm, config=compression, op=op, state=state
+        )
         if isinstance(result, torch.Tensor) and result is not flat:
             flat.copy_(result)
         return _Completed(flat)
     views = [flat[offset : offset + shape.numel()].view(shape) for _, shape, offset in layout]
-    quantized_allreduce()(views, comm, compression, op, names=[name for name, _, _ in layout])
+    names = [name for name, _, _ in layout]
+    quantized_allreduce()(views, comm, compression, op, names=names, state=state)
     return _Completed(flat)

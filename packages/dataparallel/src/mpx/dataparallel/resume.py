@@ -17,7 +17,15 @@ Files are ``ckpt-e<epoch>-b<batch>.pt`` (zero-padded, so names sort by
 position), each written atomically and checksummed by :func:`save_checkpoint`.
 :func:`latest_checkpoint` skips a newest file that is damaged (a crash of the
 disk, a copy cut short) for the previous complete one; that is why
-``keep`` defaults to 2.
+``keep`` defaults to 2. A save killed mid-write leaves only a temporary file
+(``*.pt.tmp-<pid>``), which no name pattern here matches.
+
+``sharded=True`` is for models whose ranks hold different parts or states
+(pipeline stages, the 2-D mode, layer-parallel networks): every rank's model,
+optimizer and scheduler state is gathered into the one file (so all stages
+always resume from the same step) and each rank gets its own back. A
+``DistributedOptimizer`` with compression also saves every rank's
+``compression_state`` (the stochastic rounding), sharded or not.
 """
 
 from __future__ import annotations
@@ -37,7 +45,11 @@ import torch
 from torch import nn
 
 from mpx.collectives import CommLike
-from mpx.dataparallel.checkpoint import _read_verified, load_checkpoint, save_checkpoint
+from mpx.dataparallel.checkpoint import (
+    _read_synchronized,
+    _read_verified,
+    save_checkpoint,
+)
 from mpx.dataparallel.data import DistributedDataContainer
 from mpx.dataparallel.errors import (
     DataParallelError,
@@ -144,6 +156,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _compression_state(optimizer: torch.optim.Optimizer) -> Any:
+    """A DistributedOptimizer's QuantizeState (its stochastic rounding), else None."""
+    return getattr(optimizer, "compression_state", None)
+
+
 def save_resumable(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -153,15 +170,16 @@ def save_resumable(
     batch: int,
     scheduler: Any = None,
     keep: int = 2,
+    sharded: bool = False,
     root: int = 0,
     comm: CommLike | None = None,
     **extra: Any,
 ) -> Path:
     """Checkpoints the loop after ``batch`` batches of ``epoch``; keeps the newest ``keep``.
 
-    Collective. Creates ``directory`` on root if need be. Saves root's model
-    and optimizer, the scheduler's state, every rank's RNG states and
-    ``extra``. Returns the file written.
+    Collective. Creates ``directory`` on root if need be. Saves root's model,
+    optimizer and scheduler (every rank's with ``sharded=True``), every rank's
+    RNG states and compression state, and ``extra``. Returns the file written.
     """
     comm = default_comm(comm)
     if keep < 1 or epoch < 0 or batch < 0:
@@ -170,7 +188,18 @@ def save_resumable(
             f"epoch={epoch}, batch={batch}"
         )
     directory = Path(directory)
-    rng = comm.allgather_object(_rng_state())
+    compression = _compression_state(optimizer)
+    mine: dict[str, Any] = {
+        "rng": _rng_state(),
+        "compression": compression.state_dict() if compression is not None else None,
+    }
+    if sharded:
+        mine["shard"] = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        }
+    ranks = comm.allgather_object(mine)
     path = directory / _name(epoch, batch)
     with comm.agreement(
         f"save_resumable: could not create {directory}", error_type=DataParallelRemoteError
@@ -179,15 +208,18 @@ def save_resumable(
             directory.mkdir(parents=True, exist_ok=True)
     save_checkpoint(
         path,
-        model,
-        optimizer,
+        # Sharded: the shards hold every model; root's need not be there twice.
+        nn.Module() if sharded else model,
+        None if sharded else optimizer,
         root=root,
         comm=comm,
         resume={
             "epoch": epoch,
             "batch": batch,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": rng,
+            "scheduler": scheduler.state_dict() if scheduler is not None and not sharded else None,
+            "rng": [r["rng"] for r in ranks],
+            "compression": [r["compression"] for r in ranks],
+            "shards": [r["shard"] for r in ranks] if sharded else None,
         },
         **extra,
     )
@@ -213,9 +245,10 @@ def resume(
 ) -> ResumePoint:
     """Restores the newest complete checkpoint of ``directory``; where to continue. Collective.
 
-    Loads model and optimizer (root's, on every rank), the scheduler, this
-    rank's RNG states, and sets ``data`` to the saved epoch. Without a
-    checkpoint nothing changes and the point is epoch 0, batch 0.
+    Loads model, optimizer and scheduler (root's on every rank, or this rank's
+    own from a ``sharded`` checkpoint), this rank's RNG states and compression
+    state, and sets ``data`` to the saved epoch. Without a checkpoint nothing
+    changes and the point is epoch 0, batch 0.
 
     Raises:
         DataParallelValueError: on every rank when the checkpoint was written
@@ -225,17 +258,38 @@ def resume(
     path = latest_checkpoint(directory, root=root, comm=comm)
     if path is None:
         return ResumePoint()
-    extra = load_checkpoint(path, model, optimizer, root=root, comm=comm)
-    state = extra.pop("resume")
-    rng = state["rng"]
-    if len(rng) != comm.size:
+    state = _read_synchronized(path, root, comm)
+    extra = dict(state["extra"])
+    saved = extra.pop("resume")
+    rng = saved["rng"]
+    if len(rng) != comm.size:  # the same on every rank
         raise DataParallelValueError(
             f"resume: {path} was written by {len(rng)} ranks, this job has {comm.size}; "
             "resume with the same number of ranks"
         )
+    shards = saved.get("shards")
+    own = (
+        shards[comm.rank]
+        if shards is not None
+        else {
+            "model": state["model"],
+            "optimizer": state["optimizer"],
+            "scheduler": saved["scheduler"],
+        }
+    )
+    compression = _compression_state(optimizer)
+    with comm.agreement(
+        f"resume: could not load {path} into the model, optimizer or scheduler",
+        error_type=DataParallelRemoteError,
+    ):
+        model.load_state_dict(own["model"])
+        optimizer.load_state_dict(own["optimizer"])
+        if scheduler is not None and own["scheduler"] is not None:
+            scheduler.load_state_dict(own["scheduler"])
+        saved_compression = saved.get("compression")
+        if compression is not None and saved_compression and saved_compression[comm.rank]:
+            compression.load_state_dict(saved_compression[comm.rank])
     _set_rng_state(rng[comm.rank])
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
     if data is not None:
-        data.set_epoch(state["epoch"])
-    return ResumePoint(state["epoch"], state["batch"], path, extra)
+        data.set_epoch(saved["epoch"])
+    return ResumePoint(saved["epoch"], saved["batch"], path, extra)

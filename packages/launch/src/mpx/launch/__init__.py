@@ -7,6 +7,8 @@ Example::
     print(env.rank, env.world_size)
 """
 
+from importlib import metadata as _metadata
+
 from mpx.launch.environment import Environment, environment, free_port, init_torch_env
 from mpx.launch.errors import (
     LaunchEnvironmentError,
@@ -34,4 +36,5 @@ __all__ = [
     "init_torch_env",
 ]
 
-__version__ = "0.1.0"
+# pyproject.toml's version, as installed: the one place it is written.
+__version__ = _metadata.version("mpx-launch")

@@ -296,8 +296,10 @@ class Job:
             it no grace after a failure.
         end_when_ranks_exit: once every rank has reported exit code 0, stop
             the launcher instead of waiting for it (for a lingering launcher;
-            only safe where the ranks' output does not pass through it:
-            gforker without ``-l``).
+            only safe where the ranks' output does not pass through it).
+        own_output: the ranks' output bypasses the launcher (gforker, which
+            cuts it at the first non-ASCII byte): the supervisors get mpxrun's
+            stdout and a pipe to its stderr reader as ``MPX_OUTPUT_FDS``.
     """
 
     command: list[str]
@@ -308,6 +310,7 @@ class Job:
     local: bool = True
     launcher_lingers: bool = False
     end_when_ranks_exit: bool = False
+    own_output: bool = False
     failures: list[RankFailure] = field(default_factory=list)
     exited: dict[int, int] = field(default_factory=dict)
     stacks: dict[int, list[str]] = field(default_factory=dict)
@@ -410,17 +413,36 @@ class Job:
 
     def run(self, timeout: float | None = None) -> int:
         """Runs the job to its end; returns the launcher's exit code."""
-        proc = subprocess.Popen(
-            self.command,
-            env=self.env,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            # If mpxrun itself is SIGKILLed, the launcher still gets a SIGTERM.
-            preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509 (no threads run yet)
-        )
+        env = self.env
+        passed: tuple[int, ...] = ()
+        sources: list[IO[bytes]] = []
+        if self.own_output:
+            # The ranks inherit these through the launcher; it never reads them.
+            read_end, write_end = os.pipe()
+            stdout = os.dup(1)
+            passed = (stdout, write_end)
+            env = dict(env, **{settings.OUTPUT_FDS.name: f"{stdout},{write_end}"})
+            sources.append(os.fdopen(read_end, "rb"))
+        try:
+            proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stderr=subprocess.PIPE,
+                pass_fds=passed,
+                start_new_session=True,
+                # If mpxrun itself is SIGKILLed, the launcher still gets a SIGTERM.
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509 (no threads run yet)
+            )
+        finally:
+            for fd in passed:  # only the ranks hold them now: EOF when the last one ends
+                os.close(fd)
         assert proc.stderr is not None
-        pump = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
-        pump.start()
+        sources.append(proc.stderr)
+        pumps = [
+            threading.Thread(target=self._pump, args=(source,), daemon=True) for source in sources
+        ]
+        for pump in pumps:
+            pump.start()
         start = time.monotonic()
         failed_at: float | None = None
         all_exited_at: float | None = None
@@ -444,7 +466,8 @@ class Job:
                         # SIGKILL: a SIGTERMed gforker reports each rank as "signaled".
                         self._signal_all(proc, signal.SIGKILL)
                         proc.wait()
-                        pump.join(timeout=5.0)
+                        for pump in pumps:
+                            pump.join(timeout=5.0)
                         return 0
                 time.sleep(0.02)
         except KeyboardInterrupt:
@@ -454,7 +477,8 @@ class Job:
         code = proc.wait()
         # Whatever the launcher left in its session (a proxy, a stray rank) goes too.
         self._signal_all(proc, signal.SIGKILL)
-        pump.join(timeout=5.0)
+        for pump in pumps:
+            pump.join(timeout=5.0)
         return code
 
 
@@ -480,6 +504,9 @@ def _job_environment(
         hosts = list(virtual.addresses)
     oversubscribed = (local or virtual is not None) and nprocs > usable_cores()
     env = dict(os.environ)
+    # A rank supervisor's channels (inside another mpxrun job): this job sets its own.
+    for setting in (settings.OUTPUT_FDS, settings.TAG_OUTPUT):
+        env.pop(setting.name, None)
     if launcher.forker:
         # Hydra overwrites these for its ranks; gforker sets only PMI_RANK/SIZE/FD.
         for key in [k for k in env if k.startswith(_ENCLOSING_JOB_VARIABLES)]:
@@ -549,7 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 launcher = launcher.on_this_host()
             env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus, virtual)
             if launcher.forker:
-                env["MPX_BIND"] = args.bind  # gforker cannot bind: the supervisors do
+                # gforker neither binds nor tags output whole: the supervisors do.
+                env[settings.BIND.name] = args.bind
+                env[settings.TAG_OUTPUT.name] = "1" if args.tag_output else "0"
             supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
             prefixes = ("MPX_", "MPIR_", "OMP_", "CUDA_")
             per_attempt = {"MPX_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}
@@ -581,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nprocs=args.nprocs,
                 local=local,
                 launcher_lingers=launcher.forker,
-                end_when_ranks_exit=launcher.forker and not args.tag_output,
+                end_when_ranks_exit=launcher.forker,
+                own_output=launcher.forker,
             )
 
         return _run_job(new_job, args.timeout, args.max_restarts, args.restart_delay)

@@ -9,21 +9,22 @@ environment of whichever launcher is there::
     --hostfile F       -f F               --hostfile F          (the allocation)
     --bind core|numa   -bind-to core|numa --bind-to core|numa   --cpu-bind=cores|ldoms
     --tag-output       -prepend-rank      --tag-output          --label
+    (one rank fails)   (Hydra stops all)  (mpirun stops all)    --kill-on-bad-exit=1
     environment        inherited          -x NAME for each      inherited
 
 Oversubscription (more ranks than cores) makes MPICH busy-poll and Open MPI
 refuse to start; the defaults below make both yield instead. A variable the
 user has already set is never overridden.
 
-A job whose ranks all run on this host has its ranks listen on loopback only:
-their MPI transports are pinned to ``lo`` (MPICH: ``UCX_NET_DEVICES``,
-``FI_TCP_IFACE``; Open MPI: ``btl_tcp_if_include``, ``oob_tcp_if_include``).
-Hydra's own control port still listens on every interface: ``mpiexec.gforker``,
-which forks ranks and speaks PMI over socket pairs, would avoid it but
-truncates output at the first non-ASCII byte (:meth:`Launcher.on_this_host`).
-gforker, when asked for (``Launcher(..., forker=True)``), tags output with
-``-l`` and cannot bind: for ``--bind`` the rank supervisor pins its program
-itself (``MPX_BIND``, :mod:`mpx.launch.binding`).
+A job whose ranks all run on this host listens on loopback only: its MPI
+transports are pinned to ``lo`` (MPICH: ``UCX_NET_DEVICES``, ``FI_TCP_IFACE``;
+Open MPI: ``btl_tcp_if_include``, ``oob_tcp_if_include``), and MPICH's ranks
+are started by ``mpiexec.gforker`` (:meth:`Launcher.on_this_host`), which
+forks them and speaks PMI over socket pairs, where Hydra's ``mpiexec``
+listens for its proxies on a TCP port of every interface. gforker cuts output
+at the first non-ASCII byte and cannot bind: the ranks' output bypasses it
+(``MPX_OUTPUT_FDS``, tags by ``MPX_TAG_OUTPUT``) and for ``--bind`` the rank
+supervisor pins its program itself (``MPX_BIND``, :mod:`mpx.launch.binding`).
 """
 
 from __future__ import annotations
@@ -92,15 +93,20 @@ class Launcher:
     forker: bool = False
 
     def on_this_host(self) -> Launcher:
-        """The launcher for a job whose ranks all run on this host: this one.
+        """The launcher for a job whose ranks all run on this host.
 
-        MPICH's ``mpiexec.gforker`` (beside ``mpiexec`` in the wheel) would
-        open no TCP port where Hydra listens on every interface, but it cuts
-        a rank's output at the first byte that is not ASCII (``print("a – b")``
-        arrives as ``a`` and the rank dies of a broken pipe), so Hydra starts
-        single-host jobs too; their MPI transports still bind loopback only.
-        A :class:`Launcher` made with ``forker=True`` runs gforker on request.
+        For MPICH, the ``mpiexec.gforker`` installed beside ``mpiexec`` if
+        there is one: it forks the ranks and speaks PMI over socket pairs,
+        where Hydra listens for its proxies on a TCP port of every interface.
+        gforker cuts a rank's output at the first byte that is not ASCII
+        (``print("a – b")`` arrives as ``a``), so under it the ranks' output
+        does not pass through it (``Job.own_output``). Otherwise this launcher.
         """
+        if self.kind != "mpich" or self.forker:
+            return self
+        beside = Path(self.path).resolve().parent / _GFORKER
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return Launcher("mpich", str(beside), forker=True)
         return self
 
     def command(
@@ -129,12 +135,11 @@ class Launcher:
         cmd = [self.path, "-n", str(nprocs)]
         if self.forker:
             # Binding is the rank supervisor's job here (MPX_BIND, mpx.launch.binding).
+            # So are tags (MPX_TAG_OUTPUT): the ranks' output bypasses gforker.
             if hostfile:
                 raise UsageError(
                     f"{self.path} starts ranks on this host only: --hostfile needs Hydra's mpiexec"
                 )
-            if tag_output:
-                cmd += ["-l"]
         elif self.kind == "mpich":
             if hostfile:
                 cmd += ["-f", hostfile]
@@ -156,7 +161,10 @@ class Launcher:
                     "--hostfile cannot be used with srun: Slurm places ranks on the "
                     "nodes of the allocation (use salloc/sbatch --nodes instead)"
                 )
-            cmd += [f"--cpu-bind={_SLURM_BIND[bind]}"]
+            # Slurm ends the whole step when a task fails, on every node, even
+            # where mpxrun's signals to srun's session do not reach: with
+            # --max-restarts the next attempt's step then starts on free nodes.
+            cmd += [f"--cpu-bind={_SLURM_BIND[bind]}", "--kill-on-bad-exit=1"]
             if tag_output:
                 cmd += ["--label"]
         return cmd + list(program)

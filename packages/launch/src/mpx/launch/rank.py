@@ -10,11 +10,13 @@ rank; this module starts ``prog`` as its child and watches it::
 
 When ``prog`` exits, the supervisor writes one status line
 (``MPXRUN-RANK-EXITED rank code tail mac``, see :mod:`mpx.launch.status`) to
-stderr. The launcher forwards stderr from every node, so ``mpxrun`` learns
-which rank failed and why even on a cluster, strips the line, stops the job
-and reports it. The line is signed with the job's key (``MPX_STATUS_KEY``),
-which the supervisor keeps from ``prog``: nothing ``prog`` prints can pass
-for a status line.
+stderr. Under MPICH's gforker (single-host jobs), "stdout" and "stderr" are
+two descriptors mpxrun handed down (``MPX_OUTPUT_FDS``), since gforker cuts
+output at the first non-ASCII byte. The launcher forwards stderr from every
+node, so ``mpxrun`` learns which rank failed and why even on a cluster,
+strips the line, stops the job and reports it. The line is signed with the
+job's key (``MPX_STATUS_KEY``), which the supervisor keeps from ``prog``:
+nothing ``prog`` prints can pass for a status line.
 
 On SIGUSR1 (``mpxrun --timeout`` sends it) the supervisor asks ``prog`` for
 its Python stack (:mod:`mpx.launch.stacks`) and sends it to ``mpxrun`` the
@@ -41,6 +43,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import IO
 
@@ -51,8 +54,10 @@ from mpx.launch.settings import (
     GPUS,
     MASTER_ADDR,
     MASTER_PORT,
+    OUTPUT_FDS,
     STACK_FILE,
     STATUS_KEY,
+    TAG_OUTPUT,
     TORCH_ENV,
 )
 from mpx.launch.status import format_status
@@ -102,6 +107,10 @@ def rank_environment(
     out = dict(base)
     # The program must not be able to sign status lines (see mpx.launch.status).
     out.pop(STATUS_KEY.name, None)
+    # The supervisor's channels, not the program's: an mpxrun the program
+    # starts would hand them to its own ranks.
+    out.pop(OUTPUT_FDS.name, None)
+    out.pop(TAG_OUTPUT.name, None)
     if "OMP_NUM_THREADS" not in out:
         cores = usable_cores()
         out["OMP_NUM_THREADS"] = str(max(1, cores // max(env.local_world_size, 1)))
@@ -182,11 +191,57 @@ class _Reporter:
             self.write(("\n" if self._mid_line else "").encode() + line.encode())
 
 
-def _tee(source: IO[bytes], sink: _Reporter, tail: collections.deque[str]) -> None:
+def _tee(
+    source: IO[bytes], sink: _Reporter, tail: collections.deque[str], tag: bytes = b""
+) -> None:
     for line in iter(source.readline, b""):
-        sink.write(line)
+        sink.write(tag + line)
         tail.append(line.decode(errors="replace").rstrip("\n"))
     source.close()
+
+
+def _copy_lines(source: IO[bytes], sink: IO[bytes], tag: bytes) -> None:
+    for line in iter(source.readline, b""):
+        sink.write(tag + line)
+        sink.flush()
+    source.close()
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where this rank's program writes, and the supervisor's status lines go.
+
+    Under Hydra (and mpirun, srun) both are the supervisor's own stdout and
+    stderr, which the launcher forwards. Under MPICH's gforker, which cuts
+    output at the first byte that is not ASCII, mpxrun hands every
+    supervisor two descriptors of its own (``MPX_OUTPUT_FDS``): the program
+    writes to mpxrun's stdout directly, and its stderr and the status lines
+    go to a pipe mpxrun reads. ``tag``: the prefix of each line where the
+    launcher does not tag (``MPX_TAG_OUTPUT``).
+    """
+
+    stdout: int | None
+    stderr: IO[bytes]
+    tag: bytes
+
+    @property
+    def copies_stdout(self) -> bool:
+        """The supervisor passes the program's stdout on line by line.
+
+        Needed to tag lines, and on a descriptor shared by all ranks: their
+        unbuffered writes (``print`` writes text and newline apart) would
+        interleave mid-line, where a launcher forwards each rank's lines whole.
+        """
+        return bool(self.tag) or self.stdout is not None
+
+    @classmethod
+    def for_rank(cls, rank: int) -> _Output:
+        tag = f"[{rank}] ".encode() if TAG_OUTPUT.read() else b""
+        fds = OUTPUT_FDS.read()
+        if not fds:
+            return cls(None, sys.stderr.buffer, tag)
+        out, err = (int(fd) for fd in fds.split(","))
+        return cls(out, os.fdopen(err, "wb"), tag)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     die_with_parent(signal.SIGTERM)
     env = environment()
-    reporter = _Reporter(env.rank, STATUS_KEY.read(), sys.stderr.buffer)
+    output = _Output.for_rank(env.rank)
+    reporter = _Reporter(env.rank, STATUS_KEY.read(), output.stderr)
     child_env = rank_environment(env, os.environ, gpus=GPUS.read())
     # A file in memory, reached by the program through this process's fd
     # table: nothing is left on disk however the job ends.
@@ -207,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         stack_file = f"/proc/{os.getpid()}/fd/{dump_fd}"
         child_env[STACK_FILE.name] = stack_file
-        return _supervise(args, env, child_env, reporter, stack_file)
+        return _supervise(args, env, child_env, reporter, stack_file, output)
     finally:
         os.close(dump_fd)
 
@@ -218,6 +274,7 @@ def _supervise(
     child_env: dict[str, str],
     reporter: _Reporter,
     stack_file: str,
+    output: _Output,
 ) -> int:
     level = BIND.read()
     cpus = binding.cpus_for(level, env.local_rank) if level != "none" else None
@@ -231,13 +288,14 @@ def _supervise(
         child = subprocess.Popen(
             args,
             env=child_env,
+            stdout=subprocess.PIPE if output.copies_stdout else None,
             stderr=subprocess.PIPE,
             pass_fds=_pass_fds(),
             preexec_fn=preexec,  # noqa: PLW1509 (no threads run yet)
         )
     except OSError as exc:
         message = f"rank {env.rank}: cannot start {args[0]!r}: {exc.strerror}"
-        print(message, file=sys.stderr, flush=True)
+        reporter.write(output.tag + message.encode() + b"\n")
         reporter.report("EXITED", 127, [message])
         return 127
 
@@ -271,11 +329,22 @@ def _supervise(
 
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     assert child.stderr is not None
-    reader = threading.Thread(target=_tee, args=(child.stderr, reporter, tail), daemon=True)
-    reader.start()
+    readers = [
+        threading.Thread(target=_tee, args=(child.stderr, reporter, tail, output.tag), daemon=True)
+    ]
+    if child.stdout is not None:  # whole lines, tagged if asked
+        stdout = sys.stdout.buffer if output.stdout is None else os.fdopen(output.stdout, "wb")
+        readers.append(
+            threading.Thread(
+                target=_copy_lines, args=(child.stdout, stdout, output.tag), daemon=True
+            )
+        )
+    for reader in readers:
+        reader.start()
     code = child.wait()
-    # A grandchild may still hold the pipe open; don't wait for it forever.
-    reader.join(timeout=2.0)
+    # A grandchild may still hold a pipe open; don't wait for it forever.
+    for reader in readers:
+        reader.join(timeout=2.0)
     if stopped_by:
         # Stopped from outside (mpxrun, the launcher, Ctrl-C): not this rank's fault.
         return 128 + stopped_by[0]

@@ -390,3 +390,20 @@ RESTART_COUNT = declare(
     package="launch",
     minimum=0,
 )
+OUTPUT_FDS = declare(
+    "MPX_OUTPUT_FDS",
+    "str",
+    "",
+    "set by mpxrun for the rank supervisors of a gforker job: the two inherited descriptors "
+    "(OUT,ERR) they write their rank's output to, past gforker, which cuts output at the "
+    "first non-ASCII byte",
+    package="launch",
+)
+TAG_OUTPUT = declare(
+    "MPX_TAG_OUTPUT",
+    "bool",
+    False,
+    "set by mpxrun --tag-output where the launcher does not tag (gforker): the rank "
+    "supervisor prefixes each line of its rank's output with [rank]",
+    package="launch",
+)

@@ -7,6 +7,8 @@ Example::
     u_final = solver.solve(torch.ones(1, dtype=torch.float64)); print(solver.residuals)
 """
 
+from importlib import metadata as _metadata
+
 from mpx.mgrit.errors import MGRITConfigError, MGRITError, MGRITTypeError
 from mpx.mgrit.gru import ParallelGRU
 from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
@@ -26,4 +28,5 @@ __all__ = [
     "refine",
 ]
 
-__version__ = "0.1.0"
+# pyproject.toml's version, as installed: the one place it is written.
+__version__ = _metadata.version("mpx-mgrit")

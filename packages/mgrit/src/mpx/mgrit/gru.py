@@ -95,9 +95,9 @@ class ParallelGRU(nn.Module):
             that the grid allows: a multiple of the coarsening factors' product).
         comm: the ranks that share the sequence (default: all); an mpx Communicator or an
             mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
-        levels, cfactor, fwd_iters, bwd_iters, tol, relax, nrelax, fwd_levels,
-            bwd_levels, fwd_tol, bwd_tol, fine_relax: MGRIT settings, as for
-            :class:`~mpx.mgrit.LayerParallel`.
+        levels, cfactor, fwd_iters, bwd_iters, tol, relax, nrelax: MGRIT settings,
+            as for :class:`~mpx.mgrit.LayerParallel` (as are fwd_levels, bwd_levels,
+            fwd_tol, bwd_tol and fine_relax).
 
     ``forward(input, hx=None)`` takes the whole sequence on every rank, ``(T, B, in)``
     (``(B, T, in)`` with ``batch_first``, or ``(T, in)`` unbatched) and ``hx`` of shape

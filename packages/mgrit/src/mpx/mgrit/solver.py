@@ -48,6 +48,7 @@ __all__ = ["MGRIT", "Step", "check_tol"]
 #: ``vectorized=True``, ``u`` has a leading batch dimension of k states and
 #: ``t``, ``dt`` are float64 tensors of shape (k,).
 Step = Callable[[torch.Tensor, Any, Any], torch.Tensor]
+"""One time step, ``step(u, t, dt) -> u``, on torch tensors."""
 
 
 def check_tol(tol: float, name: str) -> float:

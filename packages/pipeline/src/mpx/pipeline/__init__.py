@@ -13,6 +13,8 @@ Example::
     loss = pipe.step(x, y, nn.functional.cross_entropy, opt)
 """
 
+from importlib import metadata as _metadata
+
 from mpx.pipeline.errors import (
     PipelineError,
     PipelineRemoteError,
@@ -46,4 +48,5 @@ __all__ = [
     "stash",
 ]
 
-__version__ = "0.1.0"
+# pyproject.toml's version, as installed: the one place it is written.
+__version__ = _metadata.version("mpx-pipeline")

@@ -19,6 +19,8 @@ gradient gets ``λθ·(1/Φ − 1)``, so that the optimizer's own ``+λθ`` make
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mpx.pipeline.errors import PipelineError
@@ -46,6 +48,24 @@ class GapAware:
         self.t = 0
         self.eta_max = 0.0
         self.last_penalty: dict[torch.Tensor, torch.Tensor] = {}
+
+    def state_dict(self, params: list[torch.Tensor]) -> dict[str, Any]:
+        """The running statistics, in the order of ``params`` (tensors are no keys on disk)."""
+        return {
+            "t": self.t,
+            "eta_max": self.eta_max,
+            "mean_sq": [self.mean_sq.get(p) for p in params],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """Restores :meth:`state_dict` onto ``params`` (the same model, the same order)."""
+        self.t, self.eta_max = int(state["t"]), float(state["eta_max"])
+        self.mean_sq = {
+            p: a.to(p.device)
+            for p, a in zip(params, state["mean_sq"], strict=True)
+            if a is not None
+        }
+        self.last_penalty.clear()
 
     def scale(self, p: torch.Tensor) -> torch.Tensor | None:
         """``C`` of ``p``; None before the first step."""

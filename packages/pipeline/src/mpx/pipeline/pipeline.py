@@ -53,6 +53,7 @@ from mpx.pipeline.transport import wait_for
 __all__ = ["Pipeline"]
 
 CHECKPOINTS = ("never", "except_last", "always")
+"""The values of ``Pipeline(checkpoint=...)`` (synchronous schedules)."""
 
 
 class _UndoPoint:
@@ -540,6 +541,45 @@ class Pipeline(nn.Module):
         undo.keep(in_place=False)
         self._last_call_undo = undo
         return loss
+
+    # -- checkpoints: state_dict() carries these beside the stage's weights ------
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The numbering of micro-batches (dropout seeds) and, for ``async``, the
+        stream's counters and gap-aware statistics (:meth:`StaleRunner.state_dict`).
+
+        Raises:
+            PipelineError: ``async`` with micro-batches in flight: their stashed
+                weights, activations and messages live in this process only;
+                call :meth:`flush` first, then save.
+        """
+        state: dict[str, Any] = {
+            "microbatches": self._microbatches,
+            "eval_calls": self._eval_calls,
+            "stream": None,
+        }
+        if self._stale is not None:
+            if self._stale.in_flight() or self._pending_status is not None:
+                raise PipelineError(
+                    f"Pipeline.state_dict: stage {self.stage_id} has "
+                    f"{self._stale.in_flight()} micro-batch(es) of schedule='async' in flight, "
+                    "whose stashed weights and activations cannot be saved; call "
+                    "pipe.flush(optimizer) before saving a checkpoint"
+                )
+            state["stream"] = self._stale.state_dict()
+        return state
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`get_extra_state` (the same model, balance and schedule)."""
+        if (state["stream"] is None) != (self._stale is None):
+            saved = "async" if state["stream"] is not None else "a synchronous schedule"
+            raise PipelineValueError(
+                f"Pipeline.load_state_dict: the state was saved with {saved}, this pipeline "
+                f"runs schedule={self.schedule!r}; load it into the same kind of schedule"
+            )
+        self._microbatches, self._eval_calls = int(state["microbatches"]), int(state["eval_calls"])
+        if self._stale is not None:
+            self._stale.load_state_dict(state["stream"])
 
     def __call__(self, inputs: Any) -> Any:  # typed call
         return super().__call__(inputs)

@@ -62,6 +62,7 @@ Op = tuple[str, int]
 """``("F", j)`` or ``("B", j)``: a forward or backward pass of micro-batch ``j``."""
 
 SCHEDULES = ("sequential", "gpipe", "1f1b", "async")
+"""The values of ``Pipeline(schedule=...)``."""
 
 
 def _check(schedule: str, stage: int, num_stages: int, chunks: int) -> None:

@@ -110,6 +110,8 @@ class StaleRunner:
         ]
         self._ga: GapAware | None = None
         self._ga_optimizer: torch.optim.Optimizer | None = None
+        # Gap-aware statistics loaded from a checkpoint, for the next optimizer seen.
+        self._ga_loaded: dict[str, Any] | None = None
 
     # -- weights ---------------------------------------------------------------
 
@@ -235,7 +237,13 @@ class StaleRunner:
             return None
         if self._ga is None or self._ga_optimizer is not optimizer:
             self._ga, self._ga_optimizer = GapAware(optimizer), optimizer
+            if self._ga_loaded is not None:
+                self._ga.load_state_dict(self._ga_loaded, self._param_list())
+                self._ga_loaded = None
         return self._ga
+
+    def _param_list(self) -> list[torch.Tensor]:
+        return [p for _, _, p in self.params]
 
     # -- calls -----------------------------------------------------------------
 
@@ -273,6 +281,35 @@ class StaleRunner:
         # neighbour, busy computing, polls for them. ``flush`` waits for them.
         self._progress()
         return sum(losses) / len(losses) if losses else 0.0
+
+    def in_flight(self) -> int:
+        """Micro-batches whose backward is still owed (0 after :meth:`flush`)."""
+        return self.done_f - self.done_b
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's counters and gap-aware statistics, at a drained point.
+
+        Drained (after :meth:`flush`) no micro-batch is live, so there are no
+        stashed weights or activations to save; the weight predictor reads
+        only the optimizer's state (saved with it) and the counters.
+        """
+        ga = self._ga.state_dict(self._param_list()) if self._ga is not None else self._ga_loaded
+        return {
+            "done_f": self.done_f,
+            "done_b": self.done_b,
+            "total": self.total,
+            "version": self.version,
+            "staleness": list(self.staleness),
+            "gap_aware": ga,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` into a runner of the same stage."""
+        self.live.clear()
+        self.done_f, self.done_b = int(state["done_f"]), int(state["done_b"])
+        self.total, self.version = int(state["total"]), int(state["version"])
+        self.staleness = [int(s) for s in state["staleness"]]
+        self._ga, self._ga_optimizer, self._ga_loaded = None, None, state["gap_aware"]
 
     def reset(self) -> None:
         """Drops the stream after a failure: the micro-batches in flight are forgotten and

@@ -12,6 +12,8 @@ Example::
     mq.allreduce(flat_grads, bits=4, op="avg")          # compressed, over mpx.collectives
 """
 
+from importlib import metadata as _metadata
+
 from mpx.quantize.allreduce import allreduce, allreduce_tensors
 from mpx.quantize.backends import available_backends, build_info
 from mpx.quantize.config import CompressionConfig, exclude_layer, register_model
@@ -41,4 +43,5 @@ __all__ = [
     "register_model",
 ]
 
-__version__ = "0.1.0"
+# pyproject.toml's version, as installed: the one place it is written.
+__version__ = _metadata.version("mpx-quantize")

@@ -10,7 +10,7 @@ and byte counters.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,6 +79,27 @@ class QuantizeState:
             self._generator = torch.Generator().manual_seed(seed)
         return self._generator
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to quantize as this one would have: this rank's
+        stochastic-rounding generator and its error-feedback residuals.
+
+        Per rank (the generator is seeded by the rank): save every rank's, e.g.
+        with ``mpx.dataparallel.save_resumable``, which does so for a
+        ``DistributedOptimizer``'s. Residual keys must be names (the default
+        key of :func:`allreduce`, a storage address, means nothing in another
+        process): pass ``key=`` or ``names=`` where error feedback is resumed.
+        """
+        return {
+            "generator": self.generator.get_state(),
+            "residuals": [[k, r.cpu()] for k, r in self.residuals.items()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s generator and residuals."""
+        self.generator.set_state(state["generator"])
+        # On the CPU: residual() moves each to its tensor's device at first use.
+        self.residuals = {k: r for k, r in state["residuals"]}
+
     def name_of(self, param: torch.Tensor) -> str | None:
         """The parameter's name, from ``model`` or :func:`register_model`."""
         return self.names.get(id(param)) or registry.name_of(param)
@@ -86,6 +107,8 @@ class QuantizeState:
     def residual(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """The float32 error-feedback residual of ``key`` (zeros at first)."""
         res = self.residuals.get(key)
+        if res is not None and res.numel() == like.numel() and res.device != like.device:
+            res = self.residuals[key] = res.to(like.device)  # loaded by load_state_dict
         if res is None or res.numel() != like.numel() or res.device != like.device:
             res = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
             self.residuals[key] = res
