@@ -151,7 +151,10 @@ class MPXWork(dist.Work):
 
     def ready(self) -> bool:
         """Every handle done, or the group's timeout past (polled under mpx's LOCK)."""
-        if all(handle.done() for handle in self._handles):
+        try:
+            if all(handle.done() for handle in self._handles):
+                return True
+        except BaseException:  # complete() meets it again and hands it to the future
             return True
         return self._deadline is not None and time.monotonic() > self._deadline
 
