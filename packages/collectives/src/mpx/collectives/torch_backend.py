@@ -160,8 +160,12 @@ class MPXWork(dist.Work):
 
     def complete(self) -> None:
         """Finishes the work on the progress thread; an error goes to the future."""
+        try:
+            expired = not all(handle.done() for handle in self._handles)
+        except BaseException:  # _finish meets it again and hands it to the future
+            expired = False
         with contextlib.suppress(BaseException):
-            self._finish(expired=not all(handle.done() for handle in self._handles))
+            self._finish(expired)
 
     # -- torch's Work ---------------------------------------------------------------
 
