@@ -36,6 +36,7 @@ Python).
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -870,6 +871,10 @@ def init_process_group(init_method: str | None = None, timeout: timedelta | None
         # meets the store: a rank that connects while rank 0 still serves the
         # old group's store on the same MASTER_PORT counts itself there, and
         # rank 0's new store then waits for it until its timeout (a CI hang).
+        # The previous group's store and gloo pairs may outlive it in reference
+        # cycles (DDP's reducer, a work's callbacks): collected first, on every
+        # rank, so that nobody finds the old group's keys or sockets.
+        gc.collect()
         ops.barrier(comm=comm, timeout=None if timeout is None else timeout.total_seconds())
         dist.init_process_group(
             BACKEND_NAME, init_method=init_method, rank=comm.rank, world_size=comm.size, **extra
