@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -190,13 +191,16 @@ def test_output_that_is_not_ascii_arrives_whole(nprocs: int) -> None:
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
-def test_tagged_output_and_errors_that_are_not_ascii_arrive_whole(nprocs: int) -> None:
+def test_tagged_output_and_errors_that_are_not_ascii_arrive_whole(
+    nprocs: int, fresh_job_environment: Callable[..., dict[str, str]]
+) -> None:
     program = (
         "import os, sys; r = os.environ['RANK']; print('é', r); print('✓', r, file=sys.stderr)"
     )
     mpxrun = [MPXRUN, "-n", str(nprocs), "--tag-output", "--timeout", "120", "--"]
     done = subprocess.run(
         [*mpxrun, sys.executable, "-c", program],
+        env=fresh_job_environment(),  # RANK left by an earlier test would be kept as the user's
         capture_output=True,
         timeout=150,
         check=False,
