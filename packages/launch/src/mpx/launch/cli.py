@@ -576,8 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 launcher = launcher.on_this_host()
             env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus, virtual)
             if launcher.forker:
-                # gforker neither binds nor tags output whole: the supervisors do.
-                env[settings.BIND.name] = args.bind
+                env[settings.BIND.name] = args.bind  # gforker cannot bind: the supervisors do
+            if launcher.kind == "mpich":
+                # MPICH's launchers do not tag output by whole lines: the supervisors do.
                 env[settings.TAG_OUTPUT.name] = "1" if args.tag_output else "0"
             supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
             prefixes = ("MPX_", "MPIR_", "OMP_", "CUDA_")

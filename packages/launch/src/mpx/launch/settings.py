@@ -403,7 +403,7 @@ TAG_OUTPUT = declare(
     "MPX_TAG_OUTPUT",
     "bool",
     False,
-    "set by mpxrun --tag-output where the launcher does not tag (gforker): the rank "
-    "supervisor prefixes each line of its rank's output with [rank]",
+    "set by mpxrun --tag-output for MPICH (Hydra tags each write, cutting lines; gforker "
+    "does not tag): the rank supervisor prefixes each whole line with [rank]",
     package="launch",
 )
