@@ -1,7 +1,6 @@
 """Sessions for the mpx monorepo.
 
-    nox -s tests       unit tests, the mpi tests under mpxrun -n 1, 2, 3, and a subset
-                       of PyTorch's distributed suite on mpx against gloo (2 ranks)
+    nox -s tests       unit tests, then the mpi tests under mpxrun -n 1, 2, 3
     nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
     nox -s gpu-report  CUDA build ON, then benchmarks/gpu_report.py: GPU tests and every
                        benchmark, tables into $OUT or ./gpu-report (DEVELOPERS.md)
@@ -95,8 +94,8 @@ def _mpi_runs(session: nox.Session, marker: str, **kwargs: object) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit tests of all packages, the mpi tests under 1, 2 and 3 ranks, a conformance smoke."""
-    _install(session, "expecttest")  # torch's distributed test suite imports it
+    """Unit tests of all packages, then the mpi tests under 1, 2 and 3 ranks."""
+    _install(session)
     # pytest exits 5 when it collects nothing: session.run fails on it, as it should.
     _timed(
         session,
@@ -110,18 +109,6 @@ def tests(session: nox.Session) -> None:
         *session.posargs,
     )
     _mpi_runs(session, "mpi and not gpu")
-    # PyTorch's own distributed suite, a cheap subset on 2 ranks: fails when mpx
-    # fails a test that gloo passes (`nox -s torch-conformance` runs all of it).
-    _timed(
-        session,
-        "torch conformance smoke",
-        "python",
-        "tests/conformance/run_conformance.py",
-        "--ranks",
-        "2",
-        "--select",
-        "smoke",
-    )
 
 
 @nox.session(name="tests-gpu", default=HAS_GPU)
