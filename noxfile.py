@@ -535,7 +535,7 @@ def _stage_docs() -> None:
     """
     shutil.rmtree(DOCS_SOURCE, ignore_errors=True)
     DOCS_SOURCE.mkdir(parents=True)
-    for name in ("README.md", "BENCHMARKS.md"):
+    for name in ("README.md", "BENCHMARKS.md", "DEVELOPERS.md"):
         shutil.copy(ROOT / name, DOCS_SOURCE / name)
     shutil.copytree(ROOT / "docs", DOCS_SOURCE / "docs")
     shutil.copytree(ROOT / "examples", DOCS_SOURCE / "examples")
