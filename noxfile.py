@@ -94,7 +94,11 @@ def _mpi_runs(session: nox.Session, marker: str, **kwargs: object) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit tests of all packages, then the mpi tests under 1, 2 and 3 ranks."""
+    """Unit tests of all packages, then the mpi tests under 1, 2 and 3 ranks.
+
+    The ``extended`` cases (more rank counts and modes of the slowest
+    end-to-end jobs) are left to ``nox -s tests-extended``: CI's budget.
+    """
     _install(session)
     # pytest exits 5 when it collects nothing: session.run fails on it, as it should.
     _timed(
@@ -105,10 +109,27 @@ def tests(session: nox.Session) -> None:
         "pytest",
         *TEST_PATHS,
         "-m",
-        "not mpi and not gpu",
+        "not mpi and not gpu and not extended",
         *session.posargs,
     )
-    _mpi_runs(session, "mpi and not gpu")
+    _mpi_runs(session, "mpi and not gpu and not extended")
+
+
+@nox.session(name="tests-extended", default=False)
+def tests_extended(session: nox.Session) -> None:
+    """The ``extended`` cases: further rank counts and modes of the slow end-to-end jobs."""
+    _install(session)
+    _timed(
+        session,
+        "extended tests",
+        "python",
+        "-m",
+        "pytest",
+        *TEST_PATHS,
+        "-m",
+        "extended and not mpi and not gpu",
+        *session.posargs,
+    )
 
 
 @nox.session(name="tests-gpu", default=HAS_GPU)

@@ -105,8 +105,15 @@ def test_gpt_mode_learns(tmp_path: Path, user_environment: dict[str, str]) -> No
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["--mode", "pipeline", "--schedule", "async"], ["--mode", "gpt", "--schedule", "async"]],
-    ids=["dp-4bit", "pipeline-async", "gpt-async"],
+    [
+        pytest.param([], id="dp-4bit"),
+        pytest.param(["--mode", "gpt", "--schedule", "async"], id="gpt-async"),
+        pytest.param(
+            ["--mode", "pipeline", "--schedule", "async"],
+            id="pipeline-async",
+            marks=pytest.mark.extended,
+        ),
+    ],
 )
 def test_a_rank_killed_mid_run_restarts_from_the_checkpoint_to_the_same_result(
     tmp_path: Path, user_environment: dict[str, str], args: list[str]

@@ -212,7 +212,7 @@ def _train(tmp_path: Path, name: str, nprocs: int, kill_at: int) -> torch.Tensor
 
 
 @pytest.mark.timeout(4 * JOB_TIMEOUT_S)
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_result(
     tmp_path: Path, nprocs: int
 ) -> None:
@@ -224,7 +224,14 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_result(
 
 @pytest.mark.timeout(4 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize(
-    ("mode", "nprocs"), [("async", 2), ("async", 3), ("2d", 2), ("2d", 3), ("2d", 4)]
+    ("mode", "nprocs"),
+    [
+        ("async", 2),
+        ("2d", 4),  # 2 stages x 2 replicas
+        pytest.param("async", 3, marks=pytest.mark.extended),
+        pytest.param("2d", 2, marks=pytest.mark.extended),
+        pytest.param("2d", 3, marks=pytest.mark.extended),
+    ],
 )
 def test_a_pipeline_rank_killed_resumes_to_the_uninterrupted_result(
     tmp_path: Path, mode: str, nprocs: int
@@ -245,7 +252,7 @@ def test_a_pipeline_rank_killed_resumes_to_the_uninterrupted_result(
 
 
 @pytest.mark.timeout(4 * JOB_TIMEOUT_S)
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_a_crash_while_writing_a_checkpoint_resumes_from_the_one_before(
     tmp_path: Path, nprocs: int
 ) -> None:

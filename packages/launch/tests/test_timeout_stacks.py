@@ -62,7 +62,7 @@ def test_the_ranks_still_running_are_named_with_their_stacks(tmp_path: Path) -> 
     assert f"ran past --timeout {TIMEOUT_S} s and was stopped" in proc.stderr
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_ranks_blocked_in_mpi_show_their_stacks_too(tmp_path: Path, nprocs: int) -> None:
     proc = _run(tmp_path, nprocs, "mpi")
     assert proc.returncode == 124, proc.stderr
