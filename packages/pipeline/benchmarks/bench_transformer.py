@@ -23,7 +23,7 @@ time; the median over samples), beside the theory (S-1)/(m+S-1), and each
 rank's CPU time over the wall time (a rank that spins while it waits uses
 its core all along; one that blocks, as gloo's does, gives it back).
 ``MPX_BENCH_REPEATS`` (default 4)
-sets the samples per configuration, ``MPX_BENCH_BATCH`` (default 8) the
+sets the samples per configuration, ``MPX_BENCH_BATCH`` (default 16) the
 sequences per step. Progress goes to stderr.
 """
 
@@ -45,9 +45,9 @@ if TYPE_CHECKING:  # annotations only: the functions that run under mpxrun impor
     from torch import nn
 
 VOCAB, WIDTH, HEADS, DEPTH, SEQUENCE = 96, 256, 4, 8, 128
-# 8 sequences per step, m = 8 micro-batches of one: small enough that the 3 runs
-# finish in minutes on a shared 2-core machine (16 took over 20 min a run there).
-BATCH = int(os.environ.get("MPX_BENCH_BATCH", "8"))
+# 16 sequences per step, m = 8 micro-batches of two: about 80 s a run on a quiet
+# 2-core machine (MPX_BENCH_BATCH=8 where the machine is shared: 16 took 20 min there).
+BATCH = int(os.environ.get("MPX_BENCH_BATCH", "16"))
 CHUNKS = 8
 REPEATS = int(os.environ.get("MPX_BENCH_REPEATS", "4"))
 STEPS = 2  # consecutive steps per sample: a barrier between steps would flush async
