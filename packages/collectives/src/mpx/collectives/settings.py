@@ -114,7 +114,8 @@ SHM_SLOT = declare(
     "MPX_SHM_SLOT_MB",
     "size",
     16 << 20,
-    "bytes per shared-memory slot of shm and hier (two per rank)",
+    "bytes per shared-memory slot of shm and hier (two per rank); unset: 2 MiB "
+    "(cache-sized pieces), 16 MiB where ranks outnumber cores",
     package=_PACKAGE,
     unit="MiB",
     minimum=64,
