@@ -16,44 +16,33 @@ MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun
 SCRIPT = ROOT / "examples" / "ddp_torchrun.py"
 
 
-def _run(backend: str, env: dict[str, str]) -> list[str]:
-    done = subprocess.run(
-        [
-            MPXRUN,
-            "-n",
-            "2",
-            "--timeout",
-            "240",
-            "--",
-            sys.executable,
-            str(SCRIPT),
-            *["--backend", backend],
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+RunJob = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def _run(run_job: RunJob, backend: str, env: dict[str, str]) -> list[str]:
+    script = [str(SCRIPT), "--backend", backend]
+    done = run_job(2, script, env, 300, gloo_control=backend == "gloo")
     return [line for line in done.stdout.splitlines() if line.startswith("step ")]
 
 
 @pytest.mark.timeout(600)
 def test_torchrun_script_on_mpx_equals_gloo(
-    fresh_job_environment: Callable[..., dict[str, str]],
+    fresh_job_environment: Callable[..., dict[str, str]], run_job: RunJob
 ) -> None:
-    on_mpx = _run("mpx", fresh_job_environment())
+    on_mpx = _run(run_job, "mpx", fresh_job_environment())
     assert len(on_mpx) == 5
-    assert on_mpx == _run("gloo", fresh_job_environment())
+    assert on_mpx == _run(run_job, "gloo", fresh_job_environment())
 
 
 @pytest.mark.timeout(600)
-def test_torchrun_script_on_cgx(fresh_job_environment: Callable[..., dict[str, str]]) -> None:
+def test_torchrun_script_on_cgx(
+    fresh_job_environment: Callable[..., dict[str, str]], run_job: RunJob
+) -> None:
     """``init_process_group("cgx")``: exact at CGX's 32 bits, quantized at 4."""
-    on_gloo = _run("gloo", fresh_job_environment())
-    assert _run("cgx", fresh_job_environment(CGX_COMPRESSION_QUANTIZATION_BITS="32")) == on_gloo
-    at_4_bits = _run("cgx", fresh_job_environment(CGX_COMPRESSION_QUANTIZATION_BITS="4"))
+    on_gloo = _run(run_job, "gloo", fresh_job_environment())
+    exact = fresh_job_environment(CGX_COMPRESSION_QUANTIZATION_BITS="32")
+    assert _run(run_job, "cgx", exact) == on_gloo
+    at_4_bits = _run(run_job, "cgx", fresh_job_environment(CGX_COMPRESSION_QUANTIZATION_BITS="4"))
     assert len(at_4_bits) == 5
     assert at_4_bits != on_gloo
 
@@ -74,6 +63,10 @@ if attempt == "0" and rank == 0:
     os.kill(os.getpid(), signal.SIGKILL)
 dist.barrier()
 dist.destroy_process_group()
+# Skips the C++ static destructors, where torch 2.13's gloo sometimes aborts a
+# finished process ("terminate called without an active exception", see
+# conftest.GLOO_EXIT_ABORT): that abort would count as a second failure here.
+os._exit(0)
 """
 
 
