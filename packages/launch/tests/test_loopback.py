@@ -108,12 +108,12 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, nprocs: int,
         ranks = {int(p.read_text()) for p in tmp_path.glob("ready.*")}
         assert ranks <= set(pids)  # the scan covers mpxrun, the launcher and every rank
         listening = _listening_sockets()
-        # The ranks' own sockets (their MPI transport). Hydra's control port
-        # (mpiexec, hydra_pmi_proxy) still listens on every interface: gforker,
-        # which opens none, is not the default (see Launcher.on_this_host).
+        # Every process of the job: mpxrun, the launcher (gforker opens no
+        # port, where Hydra's control port listens on every interface), the
+        # rank supervisors and the ranks with their MPI transports.
         exposed = sorted(
             (pid, listening[inode])
-            for pid in ranks
+            for pid in pids
             for inode in _socket_inodes(pid)
             if inode in listening and not ipaddress.ip_address(listening[inode]).is_loopback
         )
@@ -152,11 +152,14 @@ def test_a_multi_node_job_keeps_the_users_interface(
     assert env["FI_TCP_IFACE"] == "lo"
 
 
-def test_gforker_on_request_and_hydra_by_default() -> None:
+def test_gforker_starts_single_host_mpich_jobs() -> None:
     from mpx.launch import find_launcher
 
     launcher = find_launcher("mpich")
-    assert launcher.on_this_host() is launcher  # Hydra (see Launcher.on_this_host)
+    local = launcher.on_this_host()
+    assert local.forker
+    assert Path(local.path).name == "mpiexec.gforker"
+    assert local.on_this_host() is local
     gforker = Launcher("mpich", "mpiexec.gforker", forker=True)
     # gforker neither tags output whole nor binds: the rank supervisors do
     # (MPX_TAG_OUTPUT, MPX_BIND), and the output bypasses gforker.

@@ -16,15 +16,16 @@ Oversubscription (more ranks than cores) makes MPICH busy-poll and Open MPI
 refuse to start; the defaults below make both yield instead. A variable the
 user has already set is never overridden.
 
-A job whose ranks all run on this host has its ranks listen on loopback only:
-their MPI transports are pinned to ``lo`` (MPICH: ``UCX_NET_DEVICES``,
-``FI_TCP_IFACE``; Open MPI: ``btl_tcp_if_include``, ``oob_tcp_if_include``).
-Hydra's own control port still listens on every interface; ``mpiexec.gforker``
-opens none and runs on request (see :meth:`Launcher.on_this_host` for why it is
-not the default). Under it the ranks' output bypasses it (``MPX_OUTPUT_FDS``)
-and for ``--bind`` the rank supervisor pins its program itself (``MPX_BIND``,
-:mod:`mpx.launch.binding`). Under MPICH the supervisors tag output lines
-(``MPX_TAG_OUTPUT``).
+A job whose ranks all run on this host listens on loopback only: its MPI
+transports are pinned to ``lo`` (MPICH: ``UCX_NET_DEVICES``, ``FI_TCP_IFACE``;
+Open MPI: ``btl_tcp_if_include``, ``oob_tcp_if_include``), and MPICH's ranks
+are started by ``mpiexec.gforker`` (:meth:`Launcher.on_this_host`), which
+forks them and speaks PMI over socket pairs, where Hydra's ``mpiexec``
+listens for its proxies on a TCP port of every interface. gforker cuts output
+at the first non-ASCII byte and cannot bind: the ranks' output bypasses it
+(``MPX_OUTPUT_FDS``) and for ``--bind`` the rank supervisor pins its program
+itself (``MPX_BIND``, :mod:`mpx.launch.binding`). Under MPICH the supervisors
+tag output lines (``MPX_TAG_OUTPUT``).
 """
 
 from __future__ import annotations
@@ -93,16 +94,24 @@ class Launcher:
     forker: bool = False
 
     def on_this_host(self) -> Launcher:
-        """The launcher for a job whose ranks all run on this host: this one.
+        """The launcher for a job whose ranks all run on this host.
 
-        MPICH's ``mpiexec.gforker`` (beside ``mpiexec`` in the wheel) opens no
-        TCP port where Hydra listens on every interface, and mpxrun can run it
-        (``Launcher(..., forker=True)``: the ranks' output then bypasses it,
-        since it cuts output at the first non-ASCII byte). It is not the
-        default: gloo jobs under it aborted at exit in about 1 run in 12
-        ("terminate called without an active exception"; 0 in 12 under Hydra),
-        so Hydra starts single-host jobs, their MPI transports on loopback.
+        For MPICH, the ``mpiexec.gforker`` installed beside ``mpiexec`` if
+        there is one: it forks the ranks and speaks PMI over socket pairs,
+        where Hydra listens for its proxies on a TCP port of every interface.
+        gforker cuts a rank's output at the first byte that is not ASCII
+        (``print("a – b")`` arrives as ``a``), so under it the ranks' output
+        does not pass through it (``Job.own_output``). Otherwise this launcher.
+
+        (A gloo job's abort at exit, "terminate called without an active
+        exception", once blamed on gforker, is torch's: 6 of 24 runs of a
+        gloo script under torchrun itself, and under Hydra too.)
         """
+        if self.kind != "mpich" or self.forker:
+            return self
+        beside = Path(self.path).resolve().parent / _GFORKER
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return Launcher("mpich", str(beside), forker=True)
         return self
 
     def command(
