@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from mpx.collectives import impl_shm
@@ -9,7 +11,12 @@ from mpx.launch.settings import reload as reload_settings
 
 
 @pytest.fixture(autouse=True)
-def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("MPX_SHM_SLOT_MB", raising=False)
+    reload_settings()
+    yield
+    # Torn down before monkeypatch restores the environment: drop a test's
+    # value now, so that no later test reads it from the settings cache.
     monkeypatch.delenv("MPX_SHM_SLOT_MB", raising=False)
     reload_settings()
 
@@ -28,8 +35,4 @@ def test_a_chosen_slot_size_is_kept_either_way(
 ) -> None:
     monkeypatch.setenv("MPX_SHM_SLOT_MB", "8")
     reload_settings()
-    try:
-        assert impl_shm.slot_bytes(oversubscribed) == 8 << 20
-    finally:
-        monkeypatch.delenv("MPX_SHM_SLOT_MB")
-        reload_settings()
+    assert impl_shm.slot_bytes(oversubscribed) == 8 << 20
