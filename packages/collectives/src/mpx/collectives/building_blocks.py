@@ -25,6 +25,10 @@ checks_enabled()            whether cross-rank consistency checks run        dat
                             (``MPX_CHECK`` is not ``0``)
 empty_shared(...)           a tensor in node-shared memory: ``shm`` reduces  dataparallel
                             it without staging copies (collective)
+Backoff(spins)              pauses between polls of a wait: free polls,      pipeline
+                            then sched_yield for 0.5 ms, then sleeps
+                            growing from 20 us to 1 ms (oversubscribed
+                            waits, as the collectives' own)
 MPXProcessGroup, MPXWork    the ``mpx`` torch.distributed group and work:    quantize
                             subclass, override an op, register with
                             ``MPXProcessGroup.create`` as the creator
@@ -52,6 +56,7 @@ from __future__ import annotations
 from mpx.collectives import progress
 from mpx.collectives.communicator import usable_cores
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.handle import Backoff
 from mpx.collectives.policy import current as current_policy
 from mpx.collectives.policy import small_bytes
 from mpx.collectives.shared_memory import empty_shared
@@ -61,6 +66,7 @@ from mpx.collectives.torch_backend import MPXProcessGroup, MPXWork
 __all__ = [
     "HEADER_LEN",
     "SUPPORTED_DTYPES",
+    "Backoff",
     "MPXProcessGroup",
     "MPXWork",
     "checks_enabled",

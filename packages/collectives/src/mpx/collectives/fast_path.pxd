@@ -13,6 +13,7 @@ cdef extern from *:
        fast_path.py checks the ABI on mpi4py's handles before loading them. */
     #include <dlfcn.h>
     #include <stddef.h>
+    #include <sched.h>
     #include <time.h>
     typedef int (*mpx_iallreduce_fn)(const void *, void *, int, int, int, int, int *);
     typedef int (*mpx_ibcast_fn)(void *, int, int, int, int, int *);
@@ -50,16 +51,28 @@ cdef extern from *:
         return mpx_wait_ptr(request, (void *)1);
     }
 
-    /* handle.wait_yielding in C: test 50 times, then test and sleep 20 us
-       growing to 1 ms, so that an oversubscribed core goes to a rank that
-       computes instead of to MPI_Wait's spinning. */
+    /* handle.wait_yielding in C: test 50 times, then test and sched_yield
+       for 0.5 ms (the core goes to a runnable peer at once, and a peer that
+       arrives meanwhile is seen at once), then test and sleep 20 us growing
+       to 1 ms, so that an oversubscribed core goes to a rank that computes
+       instead of to MPI_Wait's spinning. */
+    static double mpx_monotonic(void) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+    }
+
     static int mpx_mpi_wait_yielding(int *request) {
         int flag = 0, spins = 0, err;
         long sleep_ns = 20000;
+        double yield_until = 0.0;
         for (;;) {
             err = mpx_test_ptr(request, &flag, (void *)1);
             if (err != 0 || flag) return err;
-            if (++spins > 50) {
+            if (++spins == 51) yield_until = mpx_monotonic() + 500e-6;
+            if (spins > 50 && mpx_monotonic() < yield_until) {
+                sched_yield();
+            } else if (spins > 50) {
                 struct timespec pause = {0, sleep_ns};
                 nanosleep(&pause, NULL);
                 sleep_ns = sleep_ns * 3 / 2 < 1000000 ? sleep_ns * 3 / 2 : 1000000;

@@ -26,7 +26,8 @@ the core of a rank that computes, so blocking waits *yield* instead: they
 poll the step, sleeping between polls (:func:`wait_yielding`)::
 
     MPI's wait (spin)        test test test test ...   ~65 % of a core each
-    wait_yielding            test x50, then test + sleep 20 us .. 1 ms
+    wait_yielding            test x50, then test + sched_yield for 0.5 ms,
+                             then test + sleep 20 us .. 1 ms
 
 Collectives on one communicator are matched by MPI in the order they are
 issued, and the shared-memory slots are reused in call order, so every rank
@@ -49,6 +50,7 @@ at the same time.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -60,6 +62,7 @@ from mpx.collectives.errors import CollectiveTimeout
 
 __all__ = [
     "LOCK",
+    "Backoff",
     "Done",
     "Handle",
     "Pending",
@@ -77,9 +80,15 @@ LOCK = threading.RLock()
 T = TypeVar("T")
 
 # The yielding wait: a short spin keeps the latency of a peer that is nearly
-# there; then sleeps growing to 1 ms hand the core to a rank that computes
-# (a peer arriving during a sleep waits at most that long).
+# there. Then sched_yield for a while: it hands the core to any rank that is
+# runnable on it (the peer we wait for, when ranks outnumber cores) and returns
+# at once otherwise, so a peer that arrives soon is seen within a microsecond.
+# A sleep cannot do that: on some kernels (this project's VMs) the shortest
+# sleep is ~85 us, and a 3-rank allreduce on 2 cores waited through dozens.
+# Past the window, sleeps growing to 1 ms keep a long wait off the core of a
+# rank that computes (a peer arriving during a sleep waits at most that long).
 _SPINS = 50
+_YIELD_WINDOW_S = 500e-6
 _MIN_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3
 
@@ -130,15 +139,40 @@ class Done(Pending):
 Steps = Generator[Pending, None, T]
 
 
+class Backoff:
+    """Pauses between polls of a wait: free polls, then sched_yield, then sleeps.
+
+    ``spins`` polls go by without a pause; then for the yield window each pause
+    is a ``sched_yield``; after it, sleeps growing from 20 us to 1 ms.
+    """
+
+    __slots__ = ("_polls", "_sleep", "_spins", "_yield_until")
+
+    def __init__(self, spins: int = _SPINS) -> None:
+        self._spins = spins
+        self._polls = 0
+        self._sleep = _MIN_SLEEP_S
+        self._yield_until = 0.0
+
+    def pause(self) -> None:
+        self._polls += 1
+        if self._polls <= self._spins:
+            return
+        now = time.monotonic()
+        if self._polls == self._spins + 1:
+            self._yield_until = now + _YIELD_WINDOW_S
+        if now < self._yield_until:
+            os.sched_yield()
+        else:
+            time.sleep(self._sleep)
+            self._sleep = min(_MAX_SLEEP_S, self._sleep * 1.5)
+
+
 def wait_yielding(pending: Pending) -> None:
-    """Waits for ``pending`` by polling it, sleeping between polls (frees the core)."""
-    spins = 0
-    sleep = _MIN_SLEEP_S
+    """Waits for ``pending`` by polling it, yielding the core between polls."""
+    backoff = Backoff()
     while not pending.test():
-        spins += 1
-        if spins > _SPINS:
-            time.sleep(sleep)
-            sleep = min(_MAX_SLEEP_S, sleep * 1.5)
+        backoff.pause()
 
 
 def drive(steps: Steps[T], yielding: bool = False) -> T:
@@ -276,14 +310,12 @@ class Handle(Generic[T]):
             self._wait_unbounded()
             return self._result_or_raise()
         deadline = time.monotonic() + limit
-        spins = 0
+        # Spin briefly for latency, then yield the core to other ranks.
+        backoff = Backoff(spins=200)
         while not self.done():
             if time.monotonic() > deadline:
                 self._expire(limit)
-            # Spin briefly for latency, then yield the core to other ranks.
-            spins += 1
-            if spins > 200:
-                time.sleep(min(1e-3, 1e-5 * (spins - 200)))
+            backoff.pause()
         return self._result_or_raise()
 
     def _wait_unbounded(self) -> None:

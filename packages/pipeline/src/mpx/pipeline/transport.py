@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from mpx.collectives import CollectiveTimeout, Communicator, Handle, recv, send
-from mpx.collectives.building_blocks import decode_header, usable_cores
+from mpx.collectives.building_blocks import Backoff, decode_header, usable_cores
 from mpx.collectives.building_blocks import encode_header as _encode_header
 from mpx.pipeline.border import (
     HEADER_BYTES,
@@ -117,7 +117,9 @@ def wait_for(
     start = time.perf_counter()
     limit = comm.timeout
     deadline = None if limit is None else time.monotonic() + limit
-    sleepy = _oversubscribed(comm)
+    # Oversubscribed, a waiting stage must leave the core to the stage that
+    # computes: the collectives' own backoff (spin, sched_yield, then sleep).
+    backoff = Backoff(spins=_SPINS) if _oversubscribed(comm) else None
     polls = 0
     try:
         while not handle.done():
@@ -127,8 +129,8 @@ def wait_for(
                 assert limit is not None
                 raise CollectiveTimeout(op, "mpi", limit, [peer])
             polls += 1
-            if sleepy and polls > _SPINS:
-                time.sleep(min(1e-3, 1e-5 * (polls - _SPINS)))
+            if backoff is not None:
+                backoff.pause()
     finally:
         WAITED[0] += time.perf_counter() - start
     handle.wait()  # finished: returns at once, or raises the operation's error
