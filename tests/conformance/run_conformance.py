@@ -9,6 +9,11 @@ gloo passes mpx passes too, and lists the rest::
     python tests/conformance/run_conformance.py --ranks 3 --select subgroup
     python tests/conformance/run_conformance.py --ranks 2 -k all_reduce --backends mpx
 
+The exit status is 1 when the tested backend fails a test the control
+passes, other than those ``--expected-differ`` names (torch's gloo-only
+``monitored_barrier``): a regression fails the run (and CI, which runs
+``--select smoke``, a cheap subset).
+
 The tests of one backend run in one job, one after another (a job start costs
 torch's import); a test that hangs or kills a rank ends the job, and the job
 restarts after it with that test counted as failed. Results go to
@@ -31,11 +36,52 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "error_line", "merge_ranks", "select_tests", "suite_tests"]
+__all__ = [
+    "EXPECTED_DIFFER",
+    "SMOKE",
+    "compare",
+    "error_line",
+    "merge_ranks",
+    "regressions",
+    "select_tests",
+    "suite_tests",
+]
 
 HERE = Path(__file__).resolve().parent
 # A test that shows no progress for this long is stuck: its job is stopped.
 STALL_S = 150.0
+# What torch implements for gloo alone: it raises before reaching another backend.
+EXPECTED_DIFFER = r"monitored_barrier"
+# CI's cheap subset (--select smoke): one or two tests of each kind of operation,
+# async work and DDP included, so that a regression in any of them fails CI.
+SMOKE = (
+    "test_all_reduce_sum",
+    "test_all_reduce_sum_async",
+    "test_all_reduce_coalesced_sum",
+    "test_all_reduce_complex_unsupported_ops",
+    "test_broadcast",
+    "test_reduce_sum",
+    "test_all_gather",
+    "test_all_gather_coalesced_simple",
+    "test_gather",
+    "test_scatter",
+    "test_all_to_all_single_equal_split",
+    "test_all_to_all_single_unequal_split",
+    "test_send_recv",
+    "test_send_recv_any_source",
+    "test_isend",
+    "test_irecv",
+    "test_batch_isend_irecv_gloo",
+    "test_barrier",
+    "test_barrier_timeout_global",
+    "test_all_gather_object_default_pg",
+    "test_scatter_object_list",
+    "test_get_future",
+    "test_sparse_all_reduce_sum",
+    "test_destroy_group",
+    "test_grads_same_across_ranks_with_no_sync",
+    "test_static_graph_api_cpu",
+)
 
 
 def suite_tests() -> list[str]:
@@ -53,8 +99,13 @@ def suite_tests() -> list[str]:
 
 
 def select_tests(names: Iterable[str], select: str, pattern: str | None) -> list[str]:
-    """``all``, or ``subgroup``: the tests on groups that need not span every rank."""
+    """``all``; ``subgroup``: the tests on groups that need not span every rank; ``smoke``."""
     chosen = list(names)
+    if select == "smoke":
+        missing = sorted(set(SMOKE) - set(chosen))
+        if missing:  # a torch upgrade renamed them: say so rather than test less
+            raise SystemExit(f"the smoke tests {missing} are not in this torch's suite")
+        chosen = [n for n in chosen if n in SMOKE]
     if select == "subgroup":
         chosen = [n for n in chosen if "group" in n and "full_group" not in n]
     if pattern:
@@ -91,6 +142,11 @@ def compare(
         "passes": len(passed),
         "differ": {t: o for t, o in failed.items() if t not in passed},
     }
+
+
+def regressions(result: dict[str, Any], expected: str) -> list[str]:
+    """The tests the control passes and the tested backend does not, but for ``expected``."""
+    return sorted(t for t in result["differ"] if not re.search(expected, t))
 
 
 def _read_events(out: Path) -> list[dict[str, dict[str, Any]]]:
@@ -186,10 +242,15 @@ def _summary_line(ranks: int, result: dict[str, Any], tested: str, control: str)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--select", choices=["all", "subgroup"], default="all")
+    parser.add_argument("--select", choices=["all", "subgroup", "smoke"], default="all")
     parser.add_argument("-k", dest="pattern", help="only tests whose name matches this regex")
     parser.add_argument("--backends", default="gloo,mpx", help="control first (default gloo,mpx)")
     parser.add_argument("--out", type=Path, default=Path("conformance-results"))
+    parser.add_argument(
+        "--expected-differ",
+        default=EXPECTED_DIFFER,
+        help=f"regex of tests that may differ from the control (default {EXPECTED_DIFFER!r})",
+    )
     args = parser.parse_args(argv)
 
     tests = select_tests(suite_tests(), args.select, args.pattern)
@@ -221,6 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_summary_line(args.ranks, result, tested, control))
     for test, outcome in sorted(result["differ"].items()):
         print(f"  {outcome['event']:5} {test}: {error_line(outcome.get('detail', ''))[:160]}")
+    regressed = regressions(result, args.expected_differ)
+    if regressed:
+        print(f"{tested} fails {len(regressed)} test(s) that {control} passes: {regressed}")
+        return 1
     return 0
 
 

@@ -6,6 +6,8 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 _PATH = Path(__file__).with_name("run_conformance.py")
 
 
@@ -68,3 +70,18 @@ def test_subgroup_selection_leaves_out_full_groups() -> None:
 def test_error_line_is_the_exceptions_line() -> None:
     detail = 'Traceback:\n  File "x.py"\nRuntimeError: No backend type\n\nTo execute this test, run'
     assert harness.error_line(detail) == "RuntimeError: No backend type"
+
+
+def test_regressions_are_the_differences_not_expected() -> None:
+    control = {"test_a": _event("pass"), "test_monitored_barrier_gloo": _event("pass")}
+    tested = {"test_a": _event("fail", "x"), "test_monitored_barrier_gloo": _event("fail")}
+    result = harness.compare(control, tested)
+    assert harness.regressions(result, harness.EXPECTED_DIFFER) == ["test_a"]
+    assert harness.regressions(harness.compare(control, control), harness.EXPECTED_DIFFER) == []
+
+
+def test_smoke_selection_is_named_and_complete() -> None:
+    names = [*harness.SMOKE, "test_other"]
+    assert harness.select_tests(names, "smoke", None) == list(harness.SMOKE)
+    with pytest.raises(SystemExit, match="test_isend"):
+        harness.select_tests([n for n in names if n != "test_isend"], "smoke", None)

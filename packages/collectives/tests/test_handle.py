@@ -99,6 +99,45 @@ def test_progress_thread_finishes_operations_nobody_polls() -> None:
         assert float(t[-1]) == comm.size
 
 
+@pytest.mark.skipif(not enabled(), reason="MPI_THREAD_MULTIPLE not available")
+def test_progress_thread_completes_what_waits_on_operations() -> None:
+    """``when_ready``: ``complete()`` runs on the progress thread, outside LOCK, once ready;
+    one that raises does not stop the thread from completing the next."""
+    import threading
+
+    from mpx.collectives import progress
+    from mpx.collectives.handle import LOCK
+
+    comm = world()
+    seen: list[tuple[str, bool]] = []
+
+    class Waiter:
+        def __init__(self, handle: Handle[torch.Tensor], fail: bool) -> None:
+            self.handle, self.fail = handle, fail
+
+        def ready(self) -> bool:
+            return self.handle.done()
+
+        def complete(self) -> None:
+            # Whether this thread holds LOCK (an RLock: only its private
+            # _is_owned tells; a non-blocking acquire would succeed either way).
+            owned = LOCK._is_owned()  # type: ignore[attr-defined]
+            seen.append((threading.current_thread().name, owned))
+            if self.fail:
+                raise RuntimeError("a completion that fails")
+
+    for fail in (True, False):
+        t = torch.ones(1 << 16)
+        handle = allreduce(t, impl="mpi", async_op=True)
+        assert isinstance(handle, Handle)
+        assert progress.when_ready(Waiter(handle, fail))
+    deadline = time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # nobody waits: only the progress thread completes them
+    assert seen == [("mpx-progress", False), ("mpx-progress", False)]
+    assert float(t[-1]) == comm.size
+
+
 @pytest.mark.parametrize("background", [True, False])
 def test_background_progress_switch(background: bool) -> None:
     """``background_progress = False``: nothing moves until the caller polls."""

@@ -11,6 +11,7 @@ same model and per-rank batch run with:
     mpx, 4-bit compression          mpx.quantize.allreduce (row left empty without it)
     torch DDP, gloo                 the peer
     torch DDP, mpx backend          DDP on mpx.collectives' torch.distributed backend
+    ..., MPX_PROGRESS_THREAD=0      the same with futures completed synchronously (no overlap)
     local step, no communication    each rank alone (the compute the others hide comm behind)
     communication alone             every gradient bucket allreduced, no compute
 
@@ -182,6 +183,22 @@ def measure() -> None:
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
         fns[name] = _step_fn(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
 
+    model, _ = fresh()
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=mpx_group)
+    synchronous = _step_fn(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+
+    def ddp_without_progress_thread() -> None:
+        """DDP on mpx as before asynchronous work: get_future() waits for the allreduce."""
+        os.environ["MPX_PROGRESS_THREAD"] = "0"
+        reload_settings()
+        try:
+            synchronous()
+        finally:
+            del os.environ["MPX_PROGRESS_THREAD"]
+            reload_settings()
+
+    fns["torch DDP, mpx backend, MPX_PROGRESS_THREAD=0"] = ddp_without_progress_thread
+
     best = _time_all(fns, raw.Barrier)
     results: dict[str, float | None] = {
         name: float(raw.allreduce(seconds, op=MPI.MAX)) for name, seconds in best.items()
@@ -249,6 +266,7 @@ def report(nprocs: int, single: float) -> None:
         "mpx DistributedOptimizer 4-bit",
         "torch DDP, gloo",
         "torch DDP, mpx backend",
+        "torch DDP, mpx backend, MPX_PROGRESS_THREAD=0",
         "local step, no communication",
         "communication alone",
         "single process (1 thread, no communication)",

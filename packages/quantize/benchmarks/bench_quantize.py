@@ -14,11 +14,17 @@ writes it into BENCHMARKS.md):
    rank's median, wire bytes are what one rank sends. Once on shared memory,
    once over a 1 Gbit/s link (see ``shaped_link``: a private network namespace,
    no root needed, nothing outside it is touched).
+3. DDP over that 1 Gbit/s link: step time of torch's DistributedDataParallel on
+   the ``"cgx"`` backend at 4 bits (``CGX_COMPRESSION_QUANTIZATION_BITS=4``)
+   against the ``"mpx"`` backend (fp32), the data-parallel benchmark's 9.5 M
+   parameter MLP, 2 ranks, one job (``ddp_job``); ``--ddp-runs N`` repeats the
+   job and reports the range.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import shutil
@@ -231,6 +237,109 @@ def _job(sizes: list[int], repeats: int) -> list[str]:
     ]
 
 
+# DDP over the link: the data-parallel benchmark's model (1024-2048-2048-1024-1024-10).
+DDP_WIDTHS = [1024, 2048, 2048, 1024, 1024, 10]
+DDP_BATCH = 32  # per rank
+DDP_STEPS = 3
+DDP_ROUNDS = 3
+
+
+def ddp_job() -> None:
+    """Inside the shaped job: DDP step time on "mpx" (fp32) and on "cgx" (the CGX_* bits)."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch import nn
+
+    from mpx.collectives import init_process_group, world
+    from mpx.launch import init_torch_env
+
+    init_torch_env()
+    init_process_group("env://")  # the default group: "mpx"
+    cgx = dist.new_group(backend="cgx")
+    raw = MPI.COMM_WORLD
+    g = torch.Generator().manual_seed(world().rank)
+    x = torch.randn(DDP_BATCH, DDP_WIDTHS[0], generator=g)
+    y = torch.randint(0, DDP_WIDTHS[-1], (DDP_BATCH,), generator=g)
+    steps = {}
+    for name, group in (("mpx", None), ("cgx", cgx)):
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(itertools.pairwise(DDP_WIDTHS)):
+            layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(DDP_WIDTHS) - 2 else [])
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        steps[name] = step
+    best = dict.fromkeys(steps, float("inf"))
+    for fn in steps.values():
+        fn()  # warm-up
+    for _ in range(DDP_ROUNDS):
+        for name, fn in steps.items():
+            raw.Barrier()
+            start = time.perf_counter()
+            for _ in range(DDP_STEPS):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / DDP_STEPS)
+    slowest = {name: float(raw.allreduce(t, op=MPI.MAX)) for name, t in best.items()}
+    if raw.Get_rank() == 0:
+        print(f"DDP {slowest['mpx']} {slowest['cgx']}", flush=True)
+    raw.Barrier()
+    sys.stdout.flush()
+    os._exit(0)  # as allreduce_job: MPI_Finalize fails on the namespaced loopback
+
+
+def shaped_ddp(runs: int) -> None:
+    import shlex
+
+    print(
+        f"\nDDP over the same 1 Gbit/s link: torch DistributedDataParallel, MLP "
+        f"{'-'.join(map(str, DDP_WIDTHS))} (9.5 M float32 parameters), batch {DDP_BATCH} per "
+        f"rank, SGD with momentum, 2 ranks; step time = the slowest rank's best mean over "
+        f"{DDP_ROUNDS} rounds of {DDP_STEPS} steps, the backends taking turns in one job; "
+        f'range over {runs} job(s). `cgx` = `init_process_group("cgx")` with '
+        "`CGX_COMPRESSION_QUANTIZATION_BITS=4` (bucket 512).\n"
+    )
+    if not (shutil.which("unshare") and shutil.which("tc") and shutil.which("ip")):
+        print("(skipped: needs unshare, ip and tc)")
+        return
+    env = " ".join(f"{k}={v}" for k, v in SHAPED_ENV.items())
+    mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
+    job = [mpxrun, "-n", "2", "--timeout", "600", "--", sys.executable]
+    job += [os.path.abspath(__file__), "--inside-ddp"]
+    inner = (
+        f"{SHAPED_SETUP} && exec env {env} CGX_COMPRESSION_QUANTIZATION_BITS=4 {shlex.join(job)}"
+    )
+    times: dict[str, list[float]] = {"mpx": [], "cgx": []}
+    for _ in range(runs):
+        done = subprocess.run(
+            ["unshare", "-rn", "bash", "-c", inner], capture_output=True, text=True, check=False
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("DDP ")]
+        if done.returncode or not lines:
+            print(f"(the shaped DDP run failed with exit code {done.returncode})")
+            sys.stderr.write(done.stdout + done.stderr)
+            return
+        mpx_s, cgx_s = (float(v) for v in lines[-1].split()[1:])
+        times["mpx"].append(mpx_s)
+        times["cgx"].append(cgx_s)
+
+    def span(values: list[float], scale: float = 1e3, fmt: str = ".0f") -> str:
+        low, high = min(values) * scale, max(values) * scale
+        return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}–{high:{fmt}}"
+
+    ratios = [c / m for c, m in zip(times["cgx"], times["mpx"], strict=True)]
+    print("| backend | DDP step time (ms) | ÷ mpx fp32 |")
+    print("|---|---|---|")
+    print(f"| mpx (fp32) | {span(times['mpx'])} | 1.00 |")
+    print(f"| cgx, 4 bits | {span(times['cgx'])} | {span(ratios, 1.0, '.2f')} |")
+
+
 def shaped_link() -> None:
     print(
         "\nThe same over a 1 Gbit/s link: both ranks in a private network namespace "
@@ -268,9 +377,18 @@ def main() -> None:
         default="",
         help="values per kernel row, comma-separated (default: 1M to 64M)",
     )
+    parser.add_argument("--inside-ddp", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-runs", type=int, default=3, help="jobs of the DDP-over-link run")
+    parser.add_argument("--only-ddp", action="store_true", help="only the DDP-over-link run")
     args = parser.parse_args()
     if args.inside:
         allreduce_job([int(b) for b in args.sizes.split(",")], args.repeats)
+        return
+    if args.inside_ddp:
+        ddp_job()
+        return
+    if args.only_ddp:
+        shaped_ddp(args.ddp_runs)
         return
     import torch
 
@@ -302,6 +420,7 @@ def main() -> None:
     subprocess.run(_job(ALLREDUCE_BYTES, 0), check=True)
     if not args.skip_shaped:
         shaped_link()
+        shaped_ddp(args.ddp_runs)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ flight::
     backward continues (C++, no GIL)    poll queues under LOCK, sleep 20 us..1 ms
     optimizer: handle.wait()            ... until nothing is in flight, then sleeps
 
+It also completes what waits on those operations: a :class:`Completion`
+(the torch backend's ``Work``, whose future DDP chains its bucket hooks on)
+is polled with them, and its ``complete()`` runs on this thread, outside the
+lock, once it is ready -- so a future completes without anyone waiting on it,
+as gloo's worker threads complete theirs.
+
 It starts on the first asynchronous operation, when MPI gives
 ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default) and
 ``MPX_PROGRESS_THREAD`` is not ``0``. Polling and the caller's ``wait()``
@@ -22,16 +28,18 @@ resumed by two threads at once.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from mpi4py import MPI
 
 from mpx.collectives import settings
 from mpx.collectives.handle import LOCK, Handle, Queue
 
-__all__ = ["ProgressThread", "enabled", "watch"]
+__all__ = ["Completion", "ProgressThread", "enabled", "watch", "when_ready"]
 
 _MIN_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3
@@ -42,6 +50,18 @@ def enabled() -> bool:
     if not settings.PROGRESS_THREAD.get():
         return False
     return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+class Completion(Protocol):
+    """Work to finish once the operations it waits on are done."""
+
+    def ready(self) -> bool:
+        """Polls (under LOCK, may make progress); True when ``complete()`` may run."""
+        ...
+
+    def complete(self) -> None:
+        """Finishes the work (outside LOCK); reports its own errors, never raises."""
+        ...
 
 
 class ProgressThread:
@@ -56,7 +76,9 @@ class ProgressThread:
 
     def __init__(self) -> None:
         self._items: list[Queue | Handle[Any]] = []
+        self._completions: list[Completion] = []
         self._wake = threading.Event()
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="mpx-progress", daemon=True)
         self._thread.start()
 
@@ -66,8 +88,25 @@ class ProgressThread:
                 self._items.append(item)
         self._wake.set()
 
+    def when_ready(self, completion: Completion) -> None:
+        with LOCK:
+            self._completions.append(completion)
+        self._wake.set()
+
     def _busy(self) -> bool:
-        """Polls everything once (under LOCK); True while something is in flight."""
+        """Polls everything once; True while something is in flight."""
+        due = self._poll()
+        # Outside LOCK: completing runs the caller's code (torch future
+        # callbacks), which may itself start or wait for operations.
+        for completion in due:
+            # It reports its own errors; this thread must live on whatever happens.
+            with contextlib.suppress(Exception):
+                completion.complete()
+        with LOCK:
+            return bool(self._items) or bool(self._completions) or bool(due)
+
+    def _poll(self) -> list[Completion]:
+        """Advances every operation in flight (under LOCK); returns the completions now ready."""
         with LOCK:
             still: list[Queue | Handle[Any]] = []
             for item in self._items:
@@ -78,11 +117,20 @@ class ProgressThread:
                 elif not item.done():
                     still.append(item)
             self._items = still
-            return bool(still)
+            due = [c for c in self._completions if c.ready()]
+            if due:
+                self._completions = [c for c in self._completions if not any(c is d for d in due)]
+            return due
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ends the loop at its next turn and waits up to ``timeout`` s for it."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
 
     def _loop(self) -> None:
         sleep = _MIN_SLEEP_S
-        while True:
+        while not self._stopping:
             if not self._busy():
                 self._wake.wait()
                 self._wake.clear()
@@ -96,6 +144,18 @@ _engine: list[ProgressThread] = []  # at most one, started on first use
 _engine_lock = threading.Lock()
 
 
+@atexit.register
+def _stop_at_exit() -> None:
+    # A daemon thread still inside a torch future's callbacks when Python
+    # finalizes is ended by pthread_exit, and that unwind through torch's C++
+    # aborts the process ('terminate called without an active exception')
+    # after the program has finished. atexit runs before that: stop it here.
+    with _engine_lock:
+        engines = list(_engine)
+    for engine in engines:
+        engine.stop()
+
+
 def watch(item: Queue | Handle[Any]) -> bool:
     """Hands ``item`` to the progress thread (started on first use); False if disabled."""
     if not enabled():
@@ -104,4 +164,15 @@ def watch(item: Queue | Handle[Any]) -> bool:
         if not _engine:
             _engine.append(ProgressThread())
     _engine[0].watch(item)
+    return True
+
+
+def when_ready(completion: Completion) -> bool:
+    """Has the progress thread run ``completion.complete()`` once it is ready; False if disabled."""
+    if not enabled():
+        return False
+    with _engine_lock:
+        if not _engine:
+            _engine.append(ProgressThread())
+    _engine[0].when_ready(completion)
     return True

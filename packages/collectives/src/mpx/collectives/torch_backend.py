@@ -6,7 +6,12 @@ mpx's (so ``impl="auto"`` chooses shm/ring/mpi for them) and wraps each
 
     DistributedDataParallel ── dist.all_reduce(bucket) ── MPXProcessGroup.allreduce
                                                               └─ mpx allreduce(async_op=True)
-                                                                   └─ MPXWork(handle).wait()
+                                                                   └─ MPXWork(handle).get_future()
+                                                                        completed by mpx's
+                                                                        progress thread
+
+The work is asynchronous as gloo's: the progress thread advances the handle
+and completes the work's future, so DDP's bucket allreduces overlap backward.
 
 Every c10d operation is here: the reductions (all_reduce, reduce,
 reduce_scatter and their tensor/coalesced forms), the data movers (broadcast,
@@ -30,6 +35,11 @@ Python).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import secrets
+import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -38,10 +48,10 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from mpx.collectives import ops
+from mpx.collectives import ops, progress
 from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.errors import CollectiveTimeout, MPXTypeError, MPXValueError
-from mpx.collectives.handle import Handle
+from mpx.collectives.handle import LOCK, Handle
 from mpx.collectives.torch_forms import (
     BITWISE,
     ReduceForm,
@@ -62,7 +72,26 @@ BACKEND_NAME = "mpx"
 
 
 class MPXWork(dist.Work):
-    """A ``dist.Work`` over mpx handles; ``then`` runs when they complete."""
+    """A ``dist.Work`` over mpx handles; ``then`` runs when they complete.
+
+    Asynchronous as gloo's: the handles advance on mpx's progress thread,
+    which also finishes the work (``then``, then the future) once they are
+    done, so a future from :meth:`get_future` completes while the caller
+    computes -- DDP chains its bucket hooks on it and overlaps the buckets'
+    allreduce with the rest of the backward pass::
+
+        backward: bucket 1 ready -> allreduce(async) -> future 1   (returns at once)
+        backward continues            progress thread: ... bucket 1 done,
+        backward: bucket 2 ready ...      write back, future 1 completed, hooks run
+        finalize: future 1, 2 ... wait    (mostly done already)
+
+    ``wait()``, ``is_completed()`` and ``result()`` finish it too (whichever
+    comes first; a lock makes it happen once). An operation still unfinished
+    at the group's timeout fails the work: ``wait()`` and the future raise
+    :class:`CollectiveTimeout`. Without a progress thread
+    (``MPX_PROGRESS_THREAD=0``, or MPI without ``MPI_THREAD_MULTIPLE``)
+    :meth:`get_future` finishes the work before it returns.
+    """
 
     def __init__(
         self,
@@ -70,38 +99,91 @@ class MPXWork(dist.Work):
         result: list[torch.Tensor],
         then: Callable[[], None] | None = None,
         source: Callable[[], int] | None = None,
+        timeout: float | None = None,
     ) -> None:
         super().__init__()
         self._handles = list(handles)
         self._result = result
         self._then = then
         self._source = source
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._lock = threading.RLock()  # the caller and the progress thread may both finish
         self._finished = False
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
 
-    def _finish(self) -> None:
-        if not self._finished:
-            for handle in self._handles:
+    def _finish(self, expired: bool = False) -> None:
+        """Waits for the handles, runs ``then``, completes the future; raises the work's error."""
+        with self._lock:
+            if not self._finished:
                 try:
-                    handle.wait()
-                except CollectiveTimeout as late:
-                    raise CollectiveTimeout(
-                        late.op,
-                        late.impl,
-                        late.seconds,
-                        late.peers,
-                        "the process group's timeout (init_process_group/new_group "
-                        "timeout=) expired; every later operation of this group raises",
-                    ) from late
-            if self._then is not None:
-                self._then()
-            self._finished = True
+                    for handle in self._handles:
+                        self._wait_for(handle, expired)
+                    if self._then is not None:
+                        self._then()
+                except BaseException as error:
+                    self._error = error
+                self._finished = True
+                if self._future is not None:
+                    self._settle(self._future)
+            if self._error is not None:
+                raise self._error
+
+    def _wait_for(self, handle: Handle[Any], expired: bool) -> None:
+        try:
+            handle.wait(0.0 if expired else None)
+        except CollectiveTimeout as late:
+            raise CollectiveTimeout(
+                late.op,
+                late.impl,
+                self._timeout if self._timeout is not None else late.seconds,
+                late.peers,
+                "the process group's timeout (init_process_group/new_group "
+                "timeout=) expired; every later operation of this group raises",
+            ) from late
+
+    def _settle(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)  # type: ignore[arg-type]  # (stub: the value type)
+        else:
+            future.set_result(self._result)
+
+    # -- the progress thread's side (mpx.collectives.progress.Completion) ---------
+
+    def ready(self) -> bool:
+        """Every handle done, or the group's timeout past (polled under mpx's LOCK)."""
+        try:
+            if all(handle.done() for handle in self._handles):
+                return True
+        except BaseException:  # complete() meets it again and hands it to the future
+            return True
+        return self._deadline is not None and time.monotonic() > self._deadline
+
+    def complete(self) -> None:
+        """Finishes the work on the progress thread; an error goes to the future."""
+        try:
+            expired = not all(handle.done() for handle in self._handles)
+        except BaseException:  # _finish meets it again and hands it to the future
+            expired = False
+        with contextlib.suppress(BaseException):
+            self._finish(expired)
+
+    # -- torch's Work ---------------------------------------------------------------
 
     def is_completed(self) -> bool:
-        return self._finished or all(handle.done() for handle in self._handles)
+        """Non-blocking; True once the operation is done and its outputs written."""
+        if not self._finished and all(handle.done() for handle in self._handles):
+            with contextlib.suppress(BaseException):  # wait() and the future raise it
+                self._finish()
+        return self._finished
 
     def is_success(self) -> bool:
-        self._finish()
+        self.wait()
         return True
+
+    def exception(self) -> BaseException | None:
+        return self._error
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         self._finish()
@@ -120,12 +202,17 @@ class MPXWork(dist.Work):
         return self._source()
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        # No progress thread yet: the future is completed here, so work
-        # chained on it (DDP's bucket hooks) sees the reduced tensors.
-        self._finish()
-        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        future.set_result(self._result)
-        return future
+        """A future completed (with the outputs, or the work's error) when the work finishes."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._finished:
+                    self._settle(self._future)
+                elif not progress.when_ready(self):
+                    # No progress thread: nobody would complete it later.
+                    with contextlib.suppress(BaseException):  # the future carries it
+                        self._finish()
+            return self._future
 
 
 class _MPIRequest:
@@ -136,18 +223,28 @@ class _MPIRequest:
     same communicator, ``comm.mpi``, with the caller's tag).
     """
 
-    def __init__(self, request: MPI.Request) -> None:
+    def __init__(self, request: MPI.Request, timeout: float | None) -> None:
         self._request = request
+        self._timeout = timeout
         self._status = MPI.Status()
         self._done = False
 
     def wait(self, timeout: float | None = None) -> None:
-        if not self._done:
-            self._request.Wait(self._status)
-            self._done = True
+        limit = self._timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        # Polled, not MPI_Wait: the progress thread may test the same request,
+        # and MPI forbids completing one request from two threads at once.
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                assert limit is not None
+                raise CollectiveTimeout("recv", "mpi", limit, [])
+            time.sleep(1e-4)
 
     def done(self) -> bool:
-        return self._done or bool(self._request.Test(self._status))
+        if not self._done:
+            with LOCK:
+                self._done = self._done or bool(self._request.Test(self._status))
+        return self._done
 
     def source(self) -> int:
         self.wait()
@@ -212,6 +309,21 @@ class MPXProcessGroup(dist.ProcessGroup):
 
     # -- helpers ------------------------------------------------------------------
 
+    def _work(
+        self,
+        handles: Sequence[Handle[Any]],
+        result: list[torch.Tensor],
+        then: Callable[[], None] | None = None,
+        source: Callable[[], int] | None = None,
+    ) -> MPXWork:
+        """A work of this group: it fails at the group's timeout."""
+        return MPXWork(handles, result, then, source, timeout=self.timeout_s)
+
+    def _joined(self, works: Sequence[MPXWork], result: list[torch.Tensor]) -> MPXWork:
+        """One work over several (the coalesced forms): done when all of them are."""
+        handles = [handle for work in works for handle in work._handles]
+        return self._work(handles, result, _in_turn([work.wait for work in works]))
+
     def _allreduce_form(self, form: ReduceForm) -> Handle[torch.Tensor]:
         """An in-place allreduce of ``form.tensor``; BAND/BOR/BXOR by gather and fold."""
         if form.op not in BITWISE:
@@ -262,7 +374,7 @@ class MPXProcessGroup(dist.ProcessGroup):
                     form.tensor.copy_(combined.tensor)
                 form.write_back()
 
-        return MPXWork([handle], tensors, write_back)
+        return self._work([handle], tensors, write_back)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:
         op = self.reduce_op_name(opts, "allreduce_coalesced")
@@ -273,7 +385,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             for form in forms:
                 form.write_back()
 
-        return MPXWork(handles, tensors, write_back)
+        return self._work(handles, tensors, write_back)
 
     def reduce(self, tensors: Any, opts: Any = None) -> MPXWork:  # type: ignore[override]
         tensors = _all_of(tensors)
@@ -292,7 +404,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             if self.comm.rank == root:
                 form.write_back()
 
-        return MPXWork([handle], tensors, write_back)
+        return self._work([handle], tensors, write_back)
 
     def _reduce_scatter_rows(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str, where: str
@@ -341,7 +453,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             self._reduce_scatter_rows([out], list(inputs), op, "reduce_scatter")
             for out, inputs in zip(outputs, input_lists, strict=True)
         ]
-        return MPXWork([h for h, _ in steps], outputs, _in_turn([then for _, then in steps]))
+        return self._work([h for h, _ in steps], outputs, _in_turn([then for _, then in steps]))
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -354,7 +466,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             )
         blocks = list(_rows(input.contiguous(), self.comm.size))
         handle, then = self._reduce_scatter_rows([output], blocks, op, "reduce_scatter_tensor")
-        return MPXWork([handle], [output], then)
+        return self._work([handle], [output], then)
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -362,7 +474,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         works = [
             self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
         ]
-        return MPXWork([], outputs, _in_turn([w.wait for w in works]))
+        return self._joined(works, outputs)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str) -> MPXWork:
         """Sums sparse COO tensors as gloo does: every rank's entries, coalesced."""
@@ -393,7 +505,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             check_invariants=False,  # built from valid tensors: skip the check and its warning
         ).coalesce()
         t.copy_(summed)
-        return MPXWork([], [t])
+        return self._work([], [t])
 
     # -- data movement ---------------------------------------------------------------
 
@@ -418,7 +530,7 @@ class MPXProcessGroup(dist.ProcessGroup):
                 if i != index:
                     t.copy_(tensors[index])
 
-        return MPXWork([handle], tensors, then)
+        return self._work([handle], tensors, then)
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> MPXWork:
         inputs = _all_of(inputs)
@@ -436,7 +548,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             for handle, outputs in zip(handles, output_lists, strict=True):
                 _copy_rows(handle.wait(), outputs, "all_gather")
 
-        return MPXWork(handles, [t for outs in output_lists for t in outs], scatter_rows)
+        return self._work(handles, [t for outs in output_lists for t in outs], scatter_rows)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -450,7 +562,7 @@ class MPXProcessGroup(dist.ProcessGroup):
                     handle.wait(), [outs[i] for outs in output_lists], "all_gather_coalesced"
                 )
 
-        return MPXWork(handles, [t for outs in output_lists for t in outs], scatter_rows)
+        return self._work(handles, [t for outs in output_lists for t in outs], scatter_rows)
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -467,13 +579,13 @@ class MPXProcessGroup(dist.ProcessGroup):
             target.copy_(handle.wait().reshape(-1))
             write_back()
 
-        return MPXWork([handle], [output], then)
+        return self._work([handle], [output], then)
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> MPXWork:
         works = [self._allgather_base(o, i) for o, i in zip(outputs, inputs, strict=True)]
-        return MPXWork([], outputs, _in_turn([w.wait for w in works]))
+        return self._joined(works, outputs)
 
     def gather(  # type: ignore[override]
         self, output_lists: Any, inputs: Any, opts: Any = None
@@ -489,7 +601,7 @@ class MPXProcessGroup(dist.ProcessGroup):
                 _copy_rows(handle.wait(), output_lists[0], "gather")
 
         outputs = list(output_lists[0]) if output_lists else []
-        return MPXWork([handle], outputs, then)
+        return self._work([handle], outputs, then)
 
     def scatter(  # type: ignore[override]
         self, outputs: Any, input_lists: Any, opts: Any = None
@@ -511,7 +623,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             target.copy_(whole[self.comm.rank])
             write_back()
 
-        return MPXWork([handle], outputs, then)
+        return self._work([handle], outputs, then)
 
     def alltoall_base(
         self,
@@ -538,7 +650,7 @@ class MPXProcessGroup(dist.ProcessGroup):
                 target.copy_(handle.wait().reshape(-1))
                 write_back()
 
-            return MPXWork([handle], [output], even)
+            return self._work([handle], [output], even)
         rows_in = input_split_sizes or [input.shape[0] // size] * size
         rows_out = output_split_sizes or [output.shape[0] // size] * size
         send = list(torch.split(input, rows_in)) if input.dim() else [input]
@@ -574,29 +686,31 @@ class MPXProcessGroup(dist.ProcessGroup):
                 target.copy_(row[: target.numel()])
                 write_back()
 
-        return MPXWork([handle], outputs, unpad)
+        return self._work([handle], outputs, unpad)
 
     # -- point to point ------------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> MPXWork:
         data, _ = bytes_of(tensors[0])
         handle = ops.send(data, dstRank, tag, comm=self.comm, async_op=True, timeout=self.timeout_s)
-        return MPXWork([handle], tensors)
+        return self._work([handle], tensors)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> MPXWork:
         target, write_back = bytes_of(tensors[0])
         handle = ops.recv(
             target, srcRank, tag, comm=self.comm, async_op=True, timeout=self.timeout_s
         )
-        return MPXWork([handle], tensors, write_back, source=lambda: srcRank)
+        return self._work([handle], tensors, write_back, source=lambda: srcRank)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> MPXWork:
         target, write_back = bytes_of(tensors[0])
-        request = _MPIRequest(self.comm.mpi.Irecv(target.numpy(), source=MPI.ANY_SOURCE, tag=tag))
-        return MPXWork([request], tensors, write_back, source=request.source)  # type: ignore[list-item]
+        request = _MPIRequest(
+            self.comm.mpi.Irecv(target.numpy(), source=MPI.ANY_SOURCE, tag=tag), self.timeout_s
+        )
+        return self._work([request], tensors, write_back, source=request.source)  # type: ignore[list-item]
 
     def barrier(self, opts: Any = None) -> MPXWork:
-        return MPXWork([ops.barrier(comm=self.comm, async_op=True, timeout=self.timeout_s)], [])
+        return self._work([ops.barrier(comm=self.comm, async_op=True, timeout=self.timeout_s)], [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         raise MPXTypeError(
@@ -650,6 +764,7 @@ class _Deferred:
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._value is None:
+            self._inner.wait(timeout)
             self._value = self._compute()
         return self._value
 
@@ -757,7 +872,25 @@ def init_process_group(init_method: str | None = None, timeout: timedelta | None
         # meets the store: a rank that connects while rank 0 still serves the
         # old group's store on the same MASTER_PORT counts itself there, and
         # rank 0's new store then waits for it until its timeout (a CI hang).
+        # The previous group's store and gloo pairs may outlive it in reference
+        # cycles (DDP's reducer, a work's callbacks): collected first, on every
+        # rank, so that nobody finds the old group's keys or sockets.
+        gc.collect()
         ops.barrier(comm=comm, timeout=None if timeout is None else timeout.total_seconds())
+        # Some old groups cannot be collected (cycles through torch's C++, such
+        # as a future's callbacks), and torch hands a new env:// store the old
+        # TCPStore server of the same port while one is alive, keys included:
+        # a new gloo group named like an old one ("1" again after destroy)
+        # then read rank 0's old address and connected to its old listener (a
+        # CI hang). Each world gets its own key space, named by rank 0.
+        token = comm.allgather_object(secrets.token_hex(8) if comm.rank == 0 else None)[0]
+        store, _, _ = next(
+            dist.rendezvous(init_method, rank=comm.rank, world_size=comm.size, **extra)
+        )
         dist.init_process_group(
-            BACKEND_NAME, init_method=init_method, rank=comm.rank, world_size=comm.size, **extra
+            BACKEND_NAME,
+            store=dist.PrefixStore(f"mpx-world-{token}", store),  # type: ignore[attr-defined]
+            rank=comm.rank,
+            world_size=comm.size,
+            **extra,
         )
