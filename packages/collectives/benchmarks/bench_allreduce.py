@@ -4,7 +4,8 @@
 and prints one markdown section (``nox -s bench`` writes it into
 BENCHMARKS.md). For each rank count it first tunes the policy for this
 machine (``mpxrun --tune`` into a temporary file), then, for every size, runs
-the peers in the same job one after another: mpi4py's ``Allreduce`` in place
+the peers in the same job, taking turns over 5 interleaved rounds (so that a
+burst of load elsewhere hits every row alike): mpi4py's ``Allreduce`` in place
 and out of place (MPI's own), torch ``gloo``, and mpx's ``mpi``, ``ring``,
 ``shm``, ``auto`` with the built-in policy and ``auto`` with the tuned one,
 and ``shm`` on a tensor from ``empty_shared`` (zero copy). A second table
@@ -36,6 +37,7 @@ MAX_BYTES = os.environ.get("MPX_BENCH_MAX_BYTES", "256M")
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 IMPLS = ["mpi", "ring", "shm"]
 AUTOS = {"auto (built-in)": "none", "auto (tuned)": "tuned"}
+ROUNDS = 5  # interleaved rounds over the contenders of one size
 
 
 def _label(nbytes: int) -> str:
@@ -74,22 +76,41 @@ def measure(tuned: str) -> None:
 
     # Callable[..., object]: the lambdas bind loop variables as defaults (x=x),
     # which mypy cannot fit to a Callable[[], object].
-    def timed(fn: Callable[..., object], repeats: int) -> float:
-        # A sample is a burst of calls after a barrier: one 4 KiB call is
-        # shorter than the ranks' skew leaving the barrier, which would
-        # otherwise be most of what is measured.
+    Contenders = dict[str, tuple[Callable[..., object], str]]
+
+    def timed(contenders: Contenders, nbytes: int, repeats: int) -> dict[str, float]:
+        """Each contender's time per call, the contenders interleaved over rounds.
+
+        A sample is a burst of calls after a barrier: one 4 KiB call is shorter
+        than the ranks' skew leaving the barrier, which would otherwise be most
+        of what is measured. The rounds take turns over the contenders, so a
+        burst of load from elsewhere on the machine hits them all alike
+        instead of one row (which made 'auto' look slower than the very
+        implementation it runs). Each contender's policy ("none" or "tuned")
+        is set on every rank before its turn.
+        """
         burst = _burst(nbytes)
-        for _ in range(max(3, burst)):
-            fn()  # warm-up: workspaces, page faults, connections
-        samples = []
-        for _ in range(max(5, repeats // burst)):
-            raw.Barrier()
-            start = time.perf_counter()
-            for _ in range(burst):
-                fn()
-            samples.append((time.perf_counter() - start) / burst)
+        per_round = max(1, max(5, repeats // burst) // ROUNDS)
+        samples: dict[str, list[float]] = {name: [] for name in contenders}
+        for round_ in range(ROUNDS):
+            for name, (fn, policy) in contenders.items():
+                use_policy(policy)
+                # warm-up: workspaces, page faults, connections; then a call or
+                # two to find the caches of this contender again
+                for _ in range(max(3, burst) if round_ == 0 else 2):
+                    fn()
+                for _ in range(per_round):
+                    raw.Barrier()
+                    start = time.perf_counter()
+                    for _ in range(burst):
+                        fn()
+                    samples[name].append((time.perf_counter() - start) / burst)
+        use_policy("none")
         # Every rank must agree on the figure: take the slowest rank's median.
-        return float(raw.allreduce(statistics.median(samples), op=MPI.MAX))
+        return {
+            name: float(raw.allreduce(statistics.median(mine), op=MPI.MAX))
+            for name, mine in samples.items()
+        }
 
     summary = []
     from mpx.launch.settings import parse_size
@@ -98,21 +119,27 @@ def measure(tuned: str) -> None:
         x = torch.ones(nbytes // 4)
         out = torch.empty_like(x)
         reps = _repeats(nbytes)
-        times = {
-            "MPI Allreduce": timed(lambda x=x: raw.Allreduce(MPI.IN_PLACE, x.numpy()), reps),
-            "MPI Allreduce, out of place": timed(
-                lambda x=x, out=out: raw.Allreduce(x.numpy(), out.numpy()), reps
+        shared = empty_shared(nbytes // 4)
+        shared.fill_(1.0)
+        contenders: Contenders = {
+            "MPI Allreduce": (lambda x=x: raw.Allreduce(MPI.IN_PLACE, x.numpy()), "none"),
+            "MPI Allreduce, out of place": (
+                lambda x=x, out=out: raw.Allreduce(x.numpy(), out.numpy()),
+                "none",
             ),
-            "gloo": timed(lambda x=x: dist.all_reduce(x), reps),
+            "gloo": (lambda x=x: dist.all_reduce(x), "none"),
         }
         for impl in IMPLS:
-            times[f"mpx {impl}"] = timed(lambda impl=impl, x=x: allreduce(x, impl=impl), reps)
+            contenders[f"mpx {impl}"] = (lambda impl=impl, x=x: allreduce(x, impl=impl), "none")
         # torch's gloo again, as an mpx implementation (TorchMPI's per-call choice)
-        times["mpx gloo (impl='gloo')"] = timed(lambda x=x: allreduce(x, impl="gloo"), reps)
+        contenders["mpx gloo (impl='gloo')"] = (lambda x=x: allreduce(x, impl="gloo"), "none")
         for label, which in AUTOS.items():
-            use_policy(which)
-            times[f"mpx {label}"] = timed(lambda x=x: allreduce(x), reps)
-        use_policy("none")
+            contenders[f"mpx {label}"] = (lambda x=x: allreduce(x), which)
+        contenders["mpx shm, empty_shared tensor"] = (
+            lambda s=shared: allreduce(s, impl="shm"),
+            "none",
+        )
+        times = timed(contenders, nbytes, reps)
         best_name = min((f"mpx {i}" for i in IMPLS), key=times.__getitem__)
         mpi_best = min(times["MPI Allreduce"], times["MPI Allreduce, out of place"])
         summary.append(
@@ -120,11 +147,6 @@ def measure(tuned: str) -> None:
             f"{times['mpx auto (built-in)'] / times[best_name]:.2f} | "
             f"{times['mpx auto (tuned)'] / times[best_name]:.2f} | "
             f"{mpi_best / times['mpx auto (tuned)']:.2f} |"
-        )
-        shared = empty_shared(nbytes // 4)
-        shared.fill_(1.0)
-        times["mpx shm, empty_shared tensor"] = timed(
-            lambda s=shared: allreduce(s, impl="shm"), reps
         )
         base, gloo = times["MPI Allreduce"], times["gloo"]
         for name, seconds in times.items():
@@ -137,21 +159,22 @@ def measure(tuned: str) -> None:
                     flush=True,
                 )
         if nbytes in (4 << 10, 64 << 20):
-            btimes = {
-                "MPI Bcast": timed(lambda x=x: raw.Bcast(x.numpy(), root=0), reps),
-                "gloo": timed(lambda x=x: dist.broadcast(x, 0), reps),
+            bcontenders: Contenders = {
+                "MPI Bcast": (lambda x=x: raw.Bcast(x.numpy(), root=0), "none"),
+                "gloo": (lambda x=x: dist.broadcast(x, 0), "none"),
             }
             for impl in IMPLS:
-                btimes[f"mpx {impl}"] = timed(
-                    lambda impl=impl, x=x: broadcast(x, 0, impl=impl), reps
+                bcontenders[f"mpx {impl}"] = (
+                    lambda impl=impl, x=x: broadcast(x, 0, impl=impl),
+                    "none",
                 )
             for label, which in AUTOS.items():
-                use_policy(which)
-                btimes[f"mpx {label}"] = timed(lambda x=x: broadcast(x, 0), reps)
-            use_policy("none")
-            btimes["mpx shm, empty_shared tensor"] = timed(
-                lambda s=shared: broadcast(s, 0, impl="shm"), reps
+                bcontenders[f"mpx {label}"] = (lambda x=x: broadcast(x, 0), which)
+            bcontenders["mpx shm, empty_shared tensor"] = (
+                lambda s=shared: broadcast(s, 0, impl="shm"),
+                "none",
             )
+            btimes = timed(bcontenders, nbytes, reps)
             for name, seconds in btimes.items():
                 if comm.rank == 0:
                     print(
@@ -227,7 +250,8 @@ def main() -> None:
         f"{platform.python_version()}, MPICH wheel; one job per rank count, all peers in the "
         "same job (`python packages/collectives/benchmarks/bench_allreduce.py`). "
         "Time is the slowest rank's median over samples, each the mean of a burst of calls "
-        "after a barrier (64 calls at 4 KiB, 4 at 64 KiB, 1 from 256 KiB); "
+        "after a barrier (64 calls at 4 KiB, 4 at 64 KiB, 1 from 256 KiB), the peers "
+        "of one size taking turns over 5 interleaved rounds; "
         "ratio = time ÷ MPI's own (lower is better). "
         "3 ranks on 2 cores are oversubscribed.\n"
     )
