@@ -11,9 +11,10 @@ and out of place (MPI's own), torch ``gloo``, and mpx's ``mpi``, ``ring``,
 and ``shm`` on a tensor from ``empty_shared`` (zero copy). A second table
 puts each ``auto`` beside the fastest of mpx's implementations at that size,
 and a third times single blocking 4 KiB calls against mpi4py's own on a
-prepared buffer. Time is the median over samples, a sample
-being the mean of a burst of calls after a barrier (up to 64 calls for
-small sizes, where one call is shorter than the ranks' skew at the barrier);
+prepared buffer. Time is the best of the samples (each the slowest rank's), a sample
+being the mean of a burst of calls after a barrier that lasts at least 10 ms
+(at most 1024 calls: one small call is shorter than the ranks' skew at the
+barrier);
 algorithm bandwidth = bytes / time, bus bandwidth = algbw * 2(n-1)/n
 (nccl-tests' definition).
 """
@@ -24,7 +25,6 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,17 +44,9 @@ def _label(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def _repeats(nbytes: int) -> int:
-    return max(3, min(200, (64 << 20) // max(nbytes, 1) * 3 // 16))
-
-
-def _burst(nbytes: int) -> int:
-    """Calls per timed sample: enough to make 256 KiB, at most 64."""
-    return max(1, min(64, (256 << 10) // nbytes))
-
-
 def measure(tuned: str) -> None:
     """Runs inside the job: every rank times, rank 0 prints table rows."""
+    import numpy as np
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -78,27 +70,40 @@ def measure(tuned: str) -> None:
     # which mypy cannot fit to a Callable[[], object].
     Contenders = dict[str, tuple[Callable[..., object], str]]
 
-    def timed(contenders: Contenders, nbytes: int, repeats: int) -> dict[str, float]:
+    def timed(contenders: Contenders, nbytes: int) -> dict[str, float]:
         """Each contender's time per call, the contenders interleaved over rounds.
 
-        A sample is a burst of calls after a barrier: one 4 KiB call is shorter
-        than the ranks' skew leaving the barrier, which would otherwise be most
-        of what is measured. The rounds take turns over the contenders, so a
-        burst of load from elsewhere on the machine hits them all alike
-        instead of one row (which made 'auto' look slower than the very
-        implementation it runs). Each contender's policy ("none" or "tuned")
-        is set on every rank before its turn.
+        A sample is a burst of calls after a barrier, long enough (>= 10 ms,
+        at most 1024 calls) that the ranks' skew leaving the barrier is not
+        most of what is measured: where ranks outnumber cores, the last one
+        out may wait a scheduler slice. The rounds take turns over the
+        contenders, each round starting at another one, so a burst of load
+        from elsewhere on the machine hits them all alike instead of one row
+        (which made 'auto' look up to 3.8x slower than the very implementation
+        it runs). Each contender's policy ("none" or "tuned") is set on every
+        rank before its turn.
         """
-        burst = _burst(nbytes)
-        per_round = max(1, max(5, repeats // burst) // ROUNDS)
+        per_round = 4 if nbytes <= 1 << 20 else 1  # small sizes are cheap and noisy
         samples: dict[str, list[float]] = {name: [] for name in contenders}
+        bursts: dict[str, int] = {}
+        names = list(contenders)
         for round_ in range(ROUNDS):
-            for name, (fn, policy) in contenders.items():
+            for name in names[round_:] + names[:round_]:
+                fn, policy = contenders[name]
                 use_policy(policy)
                 # warm-up: workspaces, page faults, connections; then a call or
                 # two to find the caches of this contender again
-                for _ in range(max(3, burst) if round_ == 0 else 2):
+                for _ in range(3 if round_ == 0 else 2):
                     fn()
+                if name not in bursts:
+                    raw.Barrier()
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        fn()
+                    # The same burst on every rank: from the slowest rank's time.
+                    per_call = raw.allreduce((time.perf_counter() - start) / 3, op=MPI.MAX)
+                    bursts[name] = max(1, min(1024, int(10e-3 / max(per_call, 1e-9))))
+                burst = bursts[name]
                 for _ in range(per_round):
                     raw.Barrier()
                     start = time.perf_counter()
@@ -106,11 +111,16 @@ def measure(tuned: str) -> None:
                         fn()
                     samples[name].append((time.perf_counter() - start) / burst)
         use_policy("none")
-        # Every rank must agree on the figure: take the slowest rank's median.
-        return {
-            name: float(raw.allreduce(statistics.median(mine), op=MPI.MAX))
-            for name, mine in samples.items()
-        }
+        # A sample's time is its slowest rank's (the collective ends there);
+        # the figure is the best sample: load from elsewhere, and a rank left
+        # waiting for a core, only ever add time (the median of a 3-rank job
+        # on 2 cores still moved 1.2-1.5x between rows running the same code).
+        figures = {}
+        for name, mine in samples.items():
+            slowest = np.asarray(mine)
+            raw.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+            figures[name] = float(slowest.min())
+        return figures
 
     summary = []
     from mpx.launch.settings import parse_size
@@ -118,7 +128,6 @@ def measure(tuned: str) -> None:
     for nbytes in (s for s in SIZES if s <= parse_size(MAX_BYTES)):
         x = torch.ones(nbytes // 4)
         out = torch.empty_like(x)
-        reps = _repeats(nbytes)
         shared = empty_shared(nbytes // 4)
         shared.fill_(1.0)
         contenders: Contenders = {
@@ -139,7 +148,7 @@ def measure(tuned: str) -> None:
             lambda s=shared: allreduce(s, impl="shm"),
             "none",
         )
-        times = timed(contenders, nbytes, reps)
+        times = timed(contenders, nbytes)
         best_name = min((f"mpx {i}" for i in IMPLS), key=times.__getitem__)
         mpi_best = min(times["MPI Allreduce"], times["MPI Allreduce, out of place"])
         summary.append(
@@ -174,7 +183,7 @@ def measure(tuned: str) -> None:
                 lambda s=shared: broadcast(s, 0, impl="shm"),
                 "none",
             )
-            btimes = timed(bcontenders, nbytes, reps)
+            btimes = timed(bcontenders, nbytes)
             for name, seconds in btimes.items():
                 if comm.rank == 0:
                     print(
@@ -249,9 +258,9 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, MPICH wheel; one job per rank count, all peers in the "
         "same job (`python packages/collectives/benchmarks/bench_allreduce.py`). "
-        "Time is the slowest rank's median over samples, each the mean of a burst of calls "
-        "after a barrier (64 calls at 4 KiB, 4 at 64 KiB, 1 from 256 KiB), the peers "
-        "of one size taking turns over 5 interleaved rounds; "
+        "Time is the best sample (each the slowest rank's), a sample the mean of a burst of calls "
+        "after a barrier, lasting >= 10 ms (at most 1024 calls), the peers of one size "
+        "taking turns over 5 interleaved rounds; "
         "ratio = time ÷ MPI's own (lower is better). "
         "3 ranks on 2 cores are oversubscribed.\n"
     )
