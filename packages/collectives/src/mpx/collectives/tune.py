@@ -7,8 +7,8 @@ Run it under any launcher, with the ranks the jobs will have::
 
 For each op of :data:`mpx.collectives.policy.TUNABLE` and each size from
 4 KiB to ``--max-size`` (x4 steps), it times every CPU implementation that
-can run the op on this layout (the slowest rank's median over bursts of
-calls, as the benchmarks do), prints the table, and writes the winner of
+can run the op on this layout (the best of bursts of calls lasting >= 10 ms,
+each burst the slowest rank's, as the benchmarks do), prints the table, and writes the winner of
 each size band into the policy file: the file ``auto`` reads
 (``MPX_POLICY_FILE``, or ``~/.cache/mpx/policy-<host>.json``; see
 :func:`mpx.collectives.policy.default_policy_file`). Band edges lie halfway
@@ -23,13 +23,13 @@ import json
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -83,9 +83,25 @@ def _runner(op: str, impl: str, nbytes: int, comm: Communicator) -> Callable[[],
     return lambda: reduce_scatter(t, comm=comm, impl=impl)
 
 
-def _samples(fn: Callable[[], object], nbytes: int, comm: Communicator, count: int) -> list[float]:
+# A sample lasts at least this long (at most _MAX_BURST calls), so that the
+# ranks' skew leaving the barrier is not most of what is measured: where
+# ranks outnumber cores, the last one out may wait a scheduler slice.
+_SAMPLE_S = 10e-3
+_MAX_BURST = 1024
+
+
+def _burst(fn: Callable[[], object], comm: Communicator) -> int:
+    """Calls per sample, the same on every rank: from the slowest rank's time of a call."""
+    comm.mpi.Barrier()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    per_call = comm.mpi.allreduce((time.perf_counter() - start) / 3, op=MPI.MAX)
+    return max(1, min(_MAX_BURST, int(_SAMPLE_S / max(per_call, 1e-9))))
+
+
+def _samples(fn: Callable[[], object], burst: int, comm: Communicator, count: int) -> list[float]:
     """``count`` samples of seconds per call, each a burst of calls after a barrier."""
-    burst = max(1, min(64, (256 << 10) // max(nbytes, 1)))
     samples = []
     for _ in range(count):
         comm.mpi.Barrier()
@@ -97,25 +113,33 @@ def _samples(fn: Callable[[], object], nbytes: int, comm: Communicator, count: i
 
 
 def _row(op: str, names: list[str], nbytes: int, comm: Communicator) -> dict[str, float]:
-    """Seconds per call of each implementation: the slowest rank's median.
+    """Seconds per call of each implementation: its best sample, each the slowest rank's.
 
-    The implementations take turns, a few samples each, over several rounds,
-    so that a burst of load on the machine hits them all alike.
+    The implementations take turns, a few samples each, over several rounds
+    (each round starting at another one), so that a burst of load on the
+    machine hits them all alike. Load from elsewhere, and a rank left waiting
+    for a core, only ever add time: the best sample is the implementation's
+    own cost (a median moved 1.2-1.5x between runs of the same code on 3
+    ranks and 2 cores, and the tuned policy followed that noise).
     """
     runners = {impl: _runner(op, impl, nbytes, comm) for impl in names}
     for fn in runners.values():
         for _ in range(2):
             fn()  # warm-up: workspaces, page faults
+    bursts = {impl: _burst(fn, comm) for impl, fn in runners.items()}
     repeats = max(6, min(60, (64 << 20) // max(nbytes, 1) * 3 // 64))
     rounds = 3
     samples: dict[str, list[float]] = {impl: [] for impl in names}
-    for _ in range(rounds):
-        for impl, fn in runners.items():
-            samples[impl] += _samples(fn, nbytes, comm, max(2, repeats // rounds))
-    return {
-        impl: float(comm.mpi.allreduce(statistics.median(s), op=MPI.MAX))
-        for impl, s in samples.items()
-    }
+    for round_ in range(rounds):
+        for impl in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            fn = runners[impl]
+            samples[impl] += _samples(fn, bursts[impl], comm, max(2, repeats // rounds))
+    row = {}
+    for impl, mine in samples.items():
+        slowest = np.asarray(mine)
+        comm.mpi.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+        row[impl] = float(slowest.min())
+    return row
 
 
 def sizes_up_to(max_bytes: int) -> list[int]:
