@@ -10,7 +10,7 @@ flight::
     main thread                         progress thread
     -----------                         ---------------
     backward: hook -> allreduce(async)  wakes up (event set)
-    backward continues (C++, no GIL)    poll queues under LOCK, sleep 20 us..1 ms
+    backward continues (C++, no GIL)    poll under LOCK; yield, sleep 20 us..1 ms
     optimizer: handle.wait()            ... until nothing is in flight, then sleeps
 
 It also completes what waits on those operations: a :class:`Completion`
@@ -31,18 +31,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
-import time
 from typing import Any, Protocol
 
 from mpi4py import MPI
 
 from mpx.collectives import settings
-from mpx.collectives.handle import LOCK, Handle, Queue
+from mpx.collectives.handle import LOCK, STEPS_TAKEN, Backoff, Handle, Queue
 
 __all__ = ["Completion", "ProgressThread", "enabled", "watch", "when_ready"]
-
-_MIN_SLEEP_S = 20e-6
-_MAX_SLEEP_S = 1e-3
 
 
 def enabled() -> bool:
@@ -129,15 +125,19 @@ class ProgressThread:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
-        sleep = _MIN_SLEEP_S
+        backoff = Backoff()
         while not self._stopping:
+            seen = STEPS_TAKEN[0]
             if not self._busy():
                 self._wake.wait()
                 self._wake.clear()
-                sleep = _MIN_SLEEP_S
+                backoff = Backoff()
                 continue
-            time.sleep(sleep)
-            sleep = min(_MAX_SLEEP_S, sleep * 1.5)
+            if STEPS_TAKEN[0] != seen:
+                # An operation moved on: its next step may be ready at once
+                # (shm's pieces); poll eagerly again before sleeping.
+                backoff = Backoff()
+            backoff.pause()
 
 
 _engine: list[ProgressThread] = []  # at most one, started on first use
