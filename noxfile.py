@@ -1,6 +1,7 @@
 """Sessions for the mpx monorepo.
 
-    nox -s tests       unit tests, then the mpi tests under mpxrun -n 1, 2, 3
+    nox -s tests       unit tests, the mpi tests under mpxrun -n 1, 2, 3, then PyTorch's
+                       distributed suite on mpx against gloo (2 ranks)
     nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
     nox -s gpu-report  CUDA build ON, then benchmarks/gpu_report.py: GPU tests and every
                        benchmark, tables into $OUT or ./gpu-report (DEVELOPERS.md)
@@ -96,10 +97,12 @@ def _mpi_runs(session: nox.Session, marker: str, **kwargs: object) -> None:
 def tests(session: nox.Session) -> None:
     """Unit tests of all packages, then the mpi tests under 1, 2 and 3 ranks.
 
-    The ``extended`` cases (more rank counts and modes of the slowest
-    end-to-end jobs) are left to ``nox -s tests-extended``: CI's budget.
+    Then PyTorch's own distributed suite on 2 ranks against ``mpx``, gloo the
+    control (~2 min): it fails when mpx fails a test gloo passes. The
+    ``extended`` cases (more rank counts and modes of the slowest end-to-end
+    jobs) are left to ``nox -s tests-extended``: CI's budget.
     """
-    _install(session)
+    _install(session, "expecttest")  # torch's distributed test suite imports it
     # pytest exits 5 when it collects nothing: session.run fails on it, as it should.
     _timed(
         session,
@@ -113,6 +116,14 @@ def tests(session: nox.Session) -> None:
         *session.posargs,
     )
     _mpi_runs(session, "mpi and not gpu and not extended")
+    _timed(
+        session,
+        "torch conformance, 2 ranks",
+        "python",
+        "tests/conformance/run_conformance.py",
+        "--ranks",
+        "2",
+    )
 
 
 @nox.session(name="tests-extended", default=False)
