@@ -885,7 +885,9 @@ def init_process_group(init_method: str | None = None, timeout: timedelta | None
         # CI hang). Each world gets its own key space, named by rank 0.
         token = comm.allgather_object(secrets.token_hex(8) if comm.rank == 0 else None)[0]
         store, _, _ = next(
-            dist.rendezvous(init_method, rank=comm.rank, world_size=comm.size, **extra)
+            dist.rendezvous(  # type: ignore[attr-defined]
+                init_method, rank=comm.rank, world_size=comm.size, **extra
+            )
         )
         dist.init_process_group(
             BACKEND_NAME,
