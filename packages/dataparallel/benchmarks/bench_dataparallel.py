@@ -149,17 +149,22 @@ def measure() -> None:
     model, inner = fresh()
     unchecked = _step_fn(model, dp.DistributedOptimizer(inner, model))
 
-    def without_check() -> None:
-        """The default step with the cross-rank check (MPX_CHECK=auto) off."""
-        os.environ["MPX_CHECK"] = "0"
-        reload_settings()
-        try:
-            unchecked()
-        finally:
-            del os.environ["MPX_CHECK"]
-            reload_settings()
+    def with_setting(name: str, step: Callable[[], None]) -> Callable[[], None]:
+        """``step`` with the setting ``name`` (an ``MPX_*`` variable) set to 0."""
 
-    fns["mpx DistributedOptimizer fp32, MPX_CHECK=0"] = without_check
+        def run() -> None:
+            os.environ[name] = "0"
+            reload_settings()
+            try:
+                step()
+            finally:
+                del os.environ[name]
+                reload_settings()
+
+        return run
+
+    # The default step with the cross-rank check (MPX_CHECK=auto) off.
+    fns["mpx DistributedOptimizer fp32, MPX_CHECK=0"] = with_setting("MPX_CHECK", unchecked)
     model, inner = fresh()
     opt = dp.DistributedOptimizer(inner, model, overlap=True)
     fns["mpx DistributedOptimizer fp32, overlap=True"] = _step_fn(model, opt)
@@ -187,17 +192,10 @@ def measure() -> None:
     ddp = nn.parallel.DistributedDataParallel(model, process_group=mpx_group)
     synchronous = _step_fn(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
 
-    def ddp_without_progress_thread() -> None:
-        """DDP on mpx as before asynchronous work: get_future() waits for the allreduce."""
-        os.environ["MPX_PROGRESS_THREAD"] = "0"
-        reload_settings()
-        try:
-            synchronous()
-        finally:
-            del os.environ["MPX_PROGRESS_THREAD"]
-            reload_settings()
-
-    fns["torch DDP, mpx backend, MPX_PROGRESS_THREAD=0"] = ddp_without_progress_thread
+    # DDP on mpx as before asynchronous work: get_future() waits for the allreduce.
+    fns["torch DDP, mpx backend, MPX_PROGRESS_THREAD=0"] = with_setting(
+        "MPX_PROGRESS_THREAD", synchronous
+    )
 
     best = _time_all(fns, raw.Barrier)
     results: dict[str, float | None] = {

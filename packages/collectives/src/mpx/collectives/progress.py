@@ -156,23 +156,27 @@ def _stop_at_exit() -> None:
         engine.stop()
 
 
-def watch(item: Queue | Handle[Any]) -> bool:
-    """Hands ``item`` to the progress thread (started on first use); False if disabled."""
+def _thread() -> ProgressThread | None:
+    """The progress thread, started on first use; None if disabled."""
     if not enabled():
-        return False
+        return None
     with _engine_lock:
         if not _engine:
             _engine.append(ProgressThread())
-    _engine[0].watch(item)
-    return True
+    return _engine[0]
+
+
+def watch(item: Queue | Handle[Any]) -> bool:
+    """Hands ``item`` to the progress thread (started on first use); False if disabled."""
+    thread = _thread()
+    if thread is not None:
+        thread.watch(item)
+    return thread is not None
 
 
 def when_ready(completion: Completion) -> bool:
     """Has the progress thread run ``completion.complete()`` once it is ready; False if disabled."""
-    if not enabled():
-        return False
-    with _engine_lock:
-        if not _engine:
-            _engine.append(ProgressThread())
-    _engine[0].when_ready(completion)
-    return True
+    thread = _thread()
+    if thread is not None:
+        thread.when_ready(completion)
+    return thread is not None
