@@ -11,8 +11,8 @@ gloo passes mpx passes too, and lists the rest::
 
 The exit status is 1 when the tested backend fails a test the control
 passes, other than those ``--expected-differ`` names (torch's gloo-only
-``monitored_barrier``): a regression fails the run (and CI, which runs
-``--select smoke``, a cheap subset).
+``monitored_barrier``): a regression fails the run (and CI, whose
+``nox -s tests`` runs the whole 2-rank suite).
 
 The tests of one backend run in one job, one after another (a job start costs
 torch's import); a test that hangs or kills a rank ends the job, and the job
@@ -52,8 +52,8 @@ HERE = Path(__file__).resolve().parent
 STALL_S = 150.0
 # What torch implements for gloo alone: it raises before reaching another backend.
 EXPECTED_DIFFER = r"monitored_barrier"
-# CI's cheap subset (--select smoke): one or two tests of each kind of operation,
-# async work and DDP included, so that a regression in any of them fails CI.
+# A cheap subset (--select smoke, ~20 s): one or two tests of each kind of
+# operation, async work and DDP included, for a quick check while developing.
 SMOKE = (
     "test_all_reduce_sum",
     "test_all_reduce_sum_async",
