@@ -129,6 +129,9 @@ def main() -> int:
         help="run the tests that skip_if_small_worldsize keeps for 8+ ranks (or MPI)",
     )
     args = parser.parse_args()
+    # Absolute: torch's suite makes file:// URLs of it, and a relative path there
+    # reads as a host name (file://conformance-results/...): every rank waits forever.
+    args.out = args.out.resolve()
 
     from mpi4py import MPI
 

@@ -252,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"regex of tests that may differ from the control (default {EXPECTED_DIFFER!r})",
     )
     args = parser.parse_args(argv)
+    # Absolute: torch's suite makes file:// URLs of it, and a relative path there
+    # reads as a host name (file://conformance-results/...): every rank waits forever.
+    args.out = args.out.resolve()
 
     tests = select_tests(suite_tests(), args.select, args.pattern)
     backends = args.backends.split(",")
