@@ -46,12 +46,12 @@ def _label(nbytes: int) -> str:
 
 def measure(tuned: str) -> None:
     """Runs inside the job: every rank times, rank 0 prints table rows."""
-    import numpy as np
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
     from mpx.collectives import allreduce, broadcast, empty_shared, world
+    from mpx.collectives.tune import time_interleaved
     from mpx.launch import init_torch_env
     from mpx.launch.settings import reload
 
@@ -71,55 +71,30 @@ def measure(tuned: str) -> None:
     Contenders = dict[str, tuple[Callable[..., object], str]]
 
     def timed(contenders: Contenders, nbytes: int) -> dict[str, float]:
-        """Each contender's time per call, the contenders interleaved over rounds.
+        """Each contender's time per call: the tuner's estimator (``time_interleaved``).
 
-        A sample is a burst of calls after a barrier, long enough (>= 10 ms,
-        at most 1024 calls) that the ranks' skew leaving the barrier is not
-        most of what is measured: where ranks outnumber cores, the last one
-        out may wait a scheduler slice. The rounds take turns over the
-        contenders, each round starting at another one, so a burst of load
-        from elsewhere on the machine hits them all alike instead of one row
-        (which made 'auto' look up to 3.8x slower than the very implementation
-        it runs). Each contender's policy ("none" or "tuned") is set on every
-        rank before its turn.
+        Interleaved rounds, each starting at another contender, so a burst of
+        load from elsewhere on the machine hits them all alike instead of one
+        row (which made 'auto' look up to 3.8x slower than the very
+        implementation it runs); bursts of >= 10 ms, the best sample of the
+        slowest rank. Each contender's policy ("none" or "tuned") is set on
+        every rank before its turn.
         """
+        warmed: set[str] = set()
+
+        def before_turn(name: str) -> None:
+            fn, policy = contenders[name]
+            use_policy(policy)
+            # warm-up: workspaces, page faults, connections; then a call or
+            # two to find the caches of this contender again
+            for _ in range(2 if name in warmed else 3):
+                fn()
+            warmed.add(name)
+
         per_round = 4 if nbytes <= 1 << 20 else 1  # small sizes are cheap and noisy
-        samples: dict[str, list[float]] = {name: [] for name in contenders}
-        bursts: dict[str, int] = {}
-        names = list(contenders)
-        for round_ in range(ROUNDS):
-            for name in names[round_:] + names[:round_]:
-                fn, policy = contenders[name]
-                use_policy(policy)
-                # warm-up: workspaces, page faults, connections; then a call or
-                # two to find the caches of this contender again
-                for _ in range(3 if round_ == 0 else 2):
-                    fn()
-                if name not in bursts:
-                    raw.Barrier()
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        fn()
-                    # The same burst on every rank: from the slowest rank's time.
-                    per_call = raw.allreduce((time.perf_counter() - start) / 3, op=MPI.MAX)
-                    bursts[name] = max(1, min(1024, int(10e-3 / max(per_call, 1e-9))))
-                burst = bursts[name]
-                for _ in range(per_round):
-                    raw.Barrier()
-                    start = time.perf_counter()
-                    for _ in range(burst):
-                        fn()
-                    samples[name].append((time.perf_counter() - start) / burst)
+        runners = {name: fn for name, (fn, _) in contenders.items()}
+        figures = time_interleaved(runners, raw, ROUNDS, per_round, before_turn)
         use_policy("none")
-        # A sample's time is its slowest rank's (the collective ends there);
-        # the figure is the best sample: load from elsewhere, and a rank left
-        # waiting for a core, only ever add time (the median of a 3-rank job
-        # on 2 cores still moved 1.2-1.5x between rows running the same code).
-        figures = {}
-        for name, mine in samples.items():
-            slowest = np.asarray(mine)
-            raw.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-            figures[name] = float(slowest.min())
         return figures
 
     summary = []

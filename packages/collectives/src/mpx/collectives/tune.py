@@ -46,7 +46,15 @@ from mpx.collectives.policy import (
 )
 from mpx.launch.settings import parse_size
 
-__all__ = ["TIE", "bands_from", "candidates", "main", "measure", "write_policy"]
+__all__ = [
+    "TIE",
+    "bands_from",
+    "candidates",
+    "main",
+    "measure",
+    "time_interleaved",
+    "write_policy",
+]
 
 # Sizes above this many bytes are not timed for the ops whose output is
 # size x input (allgather) or that need size x input of memory per rank.
@@ -90,56 +98,71 @@ _SAMPLE_S = 10e-3
 _MAX_BURST = 1024
 
 
-def _burst(fn: Callable[[], object], comm: Communicator) -> int:
+def _burst(fn: Callable[[], object], mpi: MPI.Comm) -> int:
     """Calls per sample, the same on every rank: from the slowest rank's time of a call."""
-    comm.mpi.Barrier()
+    mpi.Barrier()
     start = time.perf_counter()
     for _ in range(3):
         fn()
-    per_call = comm.mpi.allreduce((time.perf_counter() - start) / 3, op=MPI.MAX)
+    per_call = mpi.allreduce((time.perf_counter() - start) / 3, op=MPI.MAX)
     return max(1, min(_MAX_BURST, int(_SAMPLE_S / max(per_call, 1e-9))))
 
 
-def _samples(fn: Callable[[], object], burst: int, comm: Communicator, count: int) -> list[float]:
-    """``count`` samples of seconds per call, each a burst of calls after a barrier."""
-    samples = []
-    for _ in range(count):
-        comm.mpi.Barrier()
-        start = time.perf_counter()
-        for _ in range(burst):
-            fn()
-        samples.append((time.perf_counter() - start) / burst)
-    return samples
+def time_interleaved(
+    runners: dict[str, Callable[[], object]],
+    mpi: MPI.Comm,
+    rounds: int,
+    per_round: int,
+    before_turn: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+    """Seconds per call of each runner: its best sample, each sample the slowest rank's.
+
+    A sample is a burst of calls after a barrier lasting >= 10 ms (at most
+    1024 calls; the burst is sized on the runner's first turn, the same on
+    every rank). The runners take turns, ``per_round`` samples each, over
+    ``rounds`` rounds, each round starting at another runner, so that a burst
+    of load on the machine hits them all alike and no runner always follows
+    the same neighbour. Load from elsewhere, and a rank left waiting for a
+    core, only ever add time: the best sample is the runner's own cost (a
+    median moved 1.2-1.5x between runs of the same code on 3 ranks and 2
+    cores, and the tuned policy followed that noise). ``before_turn(name)``
+    runs on every rank before each turn (the benchmark sets a policy there).
+    The tuner and ``benchmarks/bench_allreduce.py`` both measure with this.
+    """
+    names = list(runners)
+    bursts: dict[str, int] = {}
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        first = round_ % len(names)
+        for name in names[first:] + names[:first]:
+            fn = runners[name]
+            if before_turn is not None:
+                before_turn(name)
+            if name not in bursts:
+                bursts[name] = _burst(fn, mpi)
+            for _ in range(per_round):
+                mpi.Barrier()
+                start = time.perf_counter()
+                for _ in range(bursts[name]):
+                    fn()
+                samples[name].append((time.perf_counter() - start) / bursts[name])
+    best = {}
+    for name, mine in samples.items():
+        slowest = np.asarray(mine)
+        mpi.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+        best[name] = float(slowest.min())
+    return best
 
 
 def _row(op: str, names: list[str], nbytes: int, comm: Communicator) -> dict[str, float]:
-    """Seconds per call of each implementation: its best sample, each the slowest rank's.
-
-    The implementations take turns, a few samples each, over several rounds
-    (each round starting at another one), so that a burst of load on the
-    machine hits them all alike. Load from elsewhere, and a rank left waiting
-    for a core, only ever add time: the best sample is the implementation's
-    own cost (a median moved 1.2-1.5x between runs of the same code on 3
-    ranks and 2 cores, and the tuned policy followed that noise).
-    """
+    """Seconds per call of each implementation (:func:`time_interleaved`)."""
     runners = {impl: _runner(op, impl, nbytes, comm) for impl in names}
     for fn in runners.values():
         for _ in range(2):
             fn()  # warm-up: workspaces, page faults
-    bursts = {impl: _burst(fn, comm) for impl, fn in runners.items()}
     repeats = max(6, min(60, (64 << 20) // max(nbytes, 1) * 3 // 64))
     rounds = 3
-    samples: dict[str, list[float]] = {impl: [] for impl in names}
-    for round_ in range(rounds):
-        for impl in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            fn = runners[impl]
-            samples[impl] += _samples(fn, bursts[impl], comm, max(2, repeats // rounds))
-    row = {}
-    for impl, mine in samples.items():
-        slowest = np.asarray(mine)
-        comm.mpi.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-        row[impl] = float(slowest.min())
-    return row
+    return time_interleaved(runners, comm.mpi, rounds, max(2, repeats // rounds))
 
 
 def sizes_up_to(max_bytes: int) -> list[int]:
