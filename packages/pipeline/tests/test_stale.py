@@ -294,6 +294,39 @@ def test_async_options_are_checked() -> None:
         Pipeline(model, balance, schedule="async", checkpoint="always")
 
 
+def test_ga_without_stash_under_recompute_is_refused_and_ga_jfl_acts() -> None:
+    """issue 33: θ_used is the backward's weights; recomputed without a stash they are
+    the current ones, so "ga" measured a gap of 0 and did nothing (|ga − none| = 0).
+    It is refused with the fix in the message; "ga_jfl" measures the gap to the
+    forward's weights and does damp the steps."""
+    model, balance = make_model(world().size)
+    with pytest.raises(PipelineError, match="gap_aware='ga_jfl'"):
+        Pipeline(
+            model, balance, schedule="async", gap_aware="ga", weight_stashing=False, recompute=True
+        )
+    finals = {}
+    for gap in (None, "ga_jfl"):
+        model, balance = make_model(world().size)
+        pipe = Pipeline(
+            model,
+            balance,
+            chunks=2,
+            schedule="async",
+            gap_aware=gap,
+            weight_stashing=False,
+            recompute=True,
+        )
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+        for x, y in batches(6, 8):
+            pipe.step(x, y, nn.functional.cross_entropy, opt)
+        pipe.flush(opt)
+        finals[gap] = [p.detach().clone() for p in pipe.parameters()]
+    gaps = max(float((a - b).abs().max()) for a, b in zip(*finals.values(), strict=True))
+    # Only stages with a stale gradient (depth > 0) can differ.
+    if world().rank < world().size - 1:
+        assert gaps > 1e-6
+
+
 def digits_accuracy(schedule: str, **options: Any) -> float:
     """Trains a small MLP on digits with ``schedule``; test accuracy (on every rank)."""
     from sklearn.datasets import load_digits

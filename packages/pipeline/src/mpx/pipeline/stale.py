@@ -87,6 +87,17 @@ class StaleRunner:
             raise PipelineValueError(
                 f"gap_aware={gap_aware!r} is not one of {', '.join(GAP_AWARE)} or None"
             )
+        if gap_aware == "ga" and recompute and not weight_stashing:
+            # The gap is |θ_now − θ_used| with θ_used the weights the backward
+            # computed on (the asynchronous trainer's definition); recomputing
+            # without a stash computes on the current weights, so Φ = 1 always
+            # and "ga" would silently do nothing.
+            raise PipelineValueError(
+                "gap_aware='ga' has no effect with weight_stashing=False, recompute=True: "
+                "the backward recomputes on the current weights, so the gap it measures "
+                "is always 0; use gap_aware='ga_jfl' (the gap to the forward's weights) "
+                "or weight_stashing=True"
+            )
         if not isinstance(step_every, int) or step_every < 1:
             raise PipelineValueError(f"step_every={step_every!r} must be a positive int")
         if checkpoint != "never":
