@@ -11,6 +11,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpx.dataparallel as dp
+from mpx.dataparallel import fluxmpi
 from mpx.dataparallel.errors import DataParallelError
 
 pytestmark = pytest.mark.mpi
@@ -107,6 +108,24 @@ def test_mismatched_module_raises_on_every_rank() -> None:
         pytest.skip("one rank: no rank can hold a module that differs from root's")
     with pytest.raises(DataParallelError, match="differs from root 0"):
         dp.synchronize(net)
+
+
+def test_fluxmpi_root_rank_spelling() -> None:
+    """FluxMPI's ``synchronize!(x; root_rank=r)``, spelled in Python, synchronizes from r."""
+    last = dp.world_size() - 1
+    for sync in (dp.synchronize, fluxmpi.synchronize):
+        t = torch.full((3,), float(dp.rank()))
+        assert sync(t, root_rank=last) is t
+        assert torch.equal(t, torch.full((3,), float(last)))
+        tree = sync({"w": torch.full((2,), float(dp.rank()))}, root=last, root_rank=last)
+        assert torch.equal(tree["w"], torch.full((2,), float(last)))
+
+
+def test_root_and_root_rank_that_differ_raise() -> None:
+    with pytest.raises(DataParallelError, match=r"root=0 and root_rank=1 name different ranks"):
+        dp.synchronize(torch.zeros(1), root=0, root_rank=1)
+    with pytest.raises(ValueError, match="root must be a rank"):
+        dp.synchronize(torch.zeros(1), root_rank=dp.world_size())
 
 
 def test_bad_arguments() -> None:

@@ -19,7 +19,8 @@ FluxMPI.jl                  here
 ``FluxMPI.Init(; gpu_devices)``  :func:`Init` (= ``init(gpu_devices=...)``)
 ``local_rank()``            :func:`local_rank`: the WORLD rank (FluxMPI's)
 ``total_workers()``         :func:`total_workers`
-``synchronize!(x)``         :func:`synchronize` (returns ``x`` synchronized)
+``synchronize!(x; root_rank)``  :func:`synchronize` (``synchronize(x, root_rank=0)``;
+                            returns ``x`` synchronized)
 ``allreduce_gradients(gs)`` :func:`allreduce_gradients`
 ``DistributedOptimiser``    :class:`DistributedOptimiser`
 ``DistributedDataContainer``  :class:`DistributedDataContainer`

@@ -51,10 +51,11 @@ class _Slot:
 
 def synchronize(
     obj: T,
-    root: int = 0,
+    root: int | None = None,
     *,
     comm: CommLike | None = None,
     bucket_mb: float = _DEFAULT_BUCKET_MB,
+    root_rank: int | None = None,
 ) -> T:
     """Makes ``obj`` on every rank equal to ``obj`` on ``root``. Collective.
 
@@ -63,9 +64,13 @@ def synchronize(
             (its state dict, state included, loaded on the other ranks), a
             tensor (in place), or nested lists, tuples and dicts of tensors
             and picklable values (e.g. a state dict).
-        root: the rank whose values everyone gets.
+        root: the rank whose values everyone gets (rank 0 when neither
+            ``root`` nor ``root_rank`` is given).
         comm: the ranks taking part (world by default).
         bucket_mb: size of the flat buffers tensors travel in.
+        root_rank: FluxMPI's name for ``root`` (``synchronize!(x; root_rank=0)``),
+            so that ported code keeps its spelling; giving both is an error
+            unless they name the same rank.
 
     Returns:
         The synchronized object: ``obj`` itself for modules, optimizers,
@@ -80,6 +85,7 @@ def synchronize(
         model = synchronize(model)             # parameters and buffers from rank 0
         optimizer = synchronize(optimizer)     # e.g. Adam's exp_avg and step
     """
+    root = _root_of(root, root_rank)
     comm = default_comm(comm)
     if not isinstance(root, int) or not 0 <= root < comm.size:
         raise DataParallelValueError(
@@ -116,6 +122,21 @@ def synchronize(
             return obj
         return type(obj)(items)
     return _sync_tree(obj, root, comm, bucket_bytes)  # type: ignore[no-any-return]
+
+
+def _root_of(root: int | None, root_rank: int | None) -> int:
+    """The one root of ``root`` and FluxMPI's ``root_rank`` (0 when neither is given).
+
+    Every rank passes the same arguments, so a conflict raises on every rank.
+    """
+    if root is not None and root_rank is not None and root != root_rank:
+        raise DataParallelValueError(
+            f"synchronize: root={root!r} and root_rank={root_rank!r} name different ranks; "
+            "root_rank is FluxMPI's name for root: pass one of them"
+        )
+    if root is not None:
+        return root
+    return 0 if root_rank is None else root_rank
 
 
 # -- tensors in buckets ---------------------------------------------------------
