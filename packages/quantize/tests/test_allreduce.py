@@ -322,3 +322,27 @@ def test_a_state_saved_and_loaded_rounds_the_next_calls_as_the_original(tmp_path
     assert torch.equal(first.buffer, second.buffer)
     assert original.residuals.keys() == loaded.residuals.keys()
     assert all(torch.equal(original.residuals[k], loaded.residuals[k]) for k in original.residuals)
+
+
+def test_a_bucket_size_past_int64_raises_the_same_error_on_every_rank() -> None:
+    """bucket_size=2**63 reached the kernels: a raw pybind11 TypeError (issue 30)."""
+    t = torch.ones(4096)
+    with pytest.raises(mq.QuantizeValueError, match=r"bucket_size=9223372036854775808 .*2\*\*60"):
+        mq.allreduce(t, world(), bits=4, bucket_size=2**63)
+    assert torch.equal(t, torch.ones(4096))  # nothing moved: the next call works
+    mq.allreduce(t, world(), bits=8, bucket_size=2**60, op="avg")
+    torch.testing.assert_close(t, torch.ones(4096), rtol=0.01, atol=0.0)
+
+
+def test_values_near_the_float32_limits_reduce_without_nan() -> None:
+    """-3e38 and 3e38 in a bucket made its 512 values NaN (max - min overflowed, issue 30)."""
+    comm = world()
+    g = torch.Generator().manual_seed(5)
+    big = torch.linspace(-3e38, 3e38, 4096, dtype=torch.float64)[torch.randperm(4096, generator=g)]
+    mine = big.float() if comm.rank == 0 else torch.zeros(4096)  # the sum stays finite
+    t = mine.clone()
+    mq.allreduce(t, comm, config=mq.CompressionConfig(bits=4, stochastic=False))
+    assert not bool(t.isnan().any())
+    # Quantized twice (by rank 0, then by the chunk's owner) to 16 levels of a 6e38
+    # range: off by at most two half units, 6e38 / 15 in all.
+    assert (t.double() - big.float().double()).abs().max().item() <= 6e38 / 15 * 1.001

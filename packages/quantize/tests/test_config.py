@@ -34,6 +34,12 @@ def test_bad_values_name_themselves() -> None:
         CompressionConfig(bits=9)
     with pytest.raises(ValueError, match="bucket_size=0"):
         CompressionConfig(bucket_size=0)
+    with pytest.raises(mq.QuantizeValueError, match=r"bucket_size=9223372036854775808 .*2\*\*60"):
+        CompressionConfig(bucket_size=2**63)
+    with pytest.raises(
+        ValueError, match=r"2\*\*60.*environment: MPX_QUANTIZE_BUCKET_SIZE='9223372036854775808'"
+    ):
+        CompressionConfig.from_env({"MPX_QUANTIZE_BUCKET_SIZE": str(2**63)})
     with pytest.raises(ValueError, match="minimal_size=-1"):
         CompressionConfig(minimal_size=-1)
     with pytest.raises(ValueError, match="fusion_buffer_mb=0"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -137,11 +138,41 @@ def test_non_finite_values_flag_only_their_bucket(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_range_too_wide_for_the_metadata_is_flagged(backend: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_a_range_past_float32_quantizes_within_the_bound(
+    backend: str, dtype: torch.dtype, bits: int
+) -> None:
+    # Issue 30: -3e38 and 3e38 in a bucket made all of it NaN (max - min overflowed).
     dev = _device(backend)
-    # float32: max - min overflows; float16 at 1 bit: the unit (= range) overflows.
+    g = torch.Generator().manual_seed(bits)
+    wide = torch.linspace(-3e38, 3e38, 512, dtype=torch.float64)[torch.randperm(512, generator=g)]
+    normal = torch.randn(512, generator=g, dtype=torch.float64)
+    x = torch.cat([normal, wide]).to(dtype).to(dev)
+    alone = mq.dequantize(mq.quantize(x[:512], bits, 512, False, backend=backend))
+    for stochastic in (False, True):
+        q = mq.quantize(x, bits, 512, stochastic, seed=4, backend=backend)
+        y = mq.dequantize(q, backend=backend)
+        assert not bool(y.isnan().any()), (stochastic, q.units)
+        unit = q.units[1].double().item()
+        assert 0 < unit < math.inf
+        big, got = x[512:].double(), y[512:].double()
+        step = unit if stochastic else unit / 2
+        bound = step * (1 + 2**-20) + (big.abs() + unit) * OUT_EPS[dtype] * 2
+        assert bool(((got - big).abs() <= bound).all()), stochastic
+        acc = torch.zeros_like(x)
+        assert torch.equal(mq.dequantize_add(q, acc, backend=backend), y)
+        if not stochastic:
+            assert torch.equal(y[:512], alone)  # the other bucket is untouched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_unit_past_the_metadata_dtype_is_flagged(backend: str) -> None:
+    dev = _device(backend)
+    # At 1 bit the unit is the whole range: past float32 (here 6e38), or past
+    # float16 for float16 metadata, it cannot be stored: that bucket alone is NaN.
     x32 = torch.tensor([-3e38, 3e38, 1.0, 2.0], device=dev)
-    y32 = mq.dequantize(mq.quantize(x32, 4, 2, stochastic=False, backend=backend))
+    y32 = mq.dequantize(mq.quantize(x32, 1, 2, stochastic=False, backend=backend))
     assert y32[:2].isnan().all()
     assert torch.equal(y32[2:], x32[2:])
     x16 = torch.tensor([-60000.0, 60000.0, 1.0, 2.0], dtype=torch.float16, device=dev)
@@ -216,6 +247,16 @@ def test_stochastic_rounding_is_deterministic_per_seed() -> None:
 CASES = list(itertools.product(DTYPES, range(1, 9), [1, 3, 8, 100, 512], [0, 1, 13, 1000, 4099]))
 
 
+def _add_wide_buckets(x: torch.Tensor) -> None:
+    """Puts in ``x`` (n > 20) a bucket whose range overflows float32 and one whose
+    range is float32's largest value (wide by ``levels * unit`` at 5 and 7 bits)."""
+    if x.dtype == torch.float16:
+        return  # such values are inf in float16
+    n = x.numel()
+    x[n // 4 : n // 4 + 2] = torch.tensor([-3e38, 3e38])
+    x[3 * n // 4 : 3 * n // 4 + 2] = torch.tensor([-1.7014117e38, 1.7014117e38])
+
+
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_cpu_kernel_is_bit_identical_to_the_reference(stochastic: bool) -> None:
     g = torch.Generator().manual_seed(6)
@@ -224,6 +265,7 @@ def test_cpu_kernel_is_bit_identical_to_the_reference(stochastic: bool) -> None:
         if n > 20:
             x[17] = float("nan") if bits % 2 else float("inf")
             x[n // 2 : n // 2 + 9] = 0.5  # a constant run
+            _add_wide_buckets(x)
         a = mq.quantize(x, bits, bucket_size, stochastic, seed=12345, backend="cpu")
         b = R.quantize(x, bits, bucket_size, stochastic, seed=12345)
         case = (dtype, bits, bucket_size, n)
@@ -286,6 +328,26 @@ def test_quantize_out_that_does_not_fit_names_the_difference() -> None:
         mq.quantize(x, 4, 32, out=torch.empty(10))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bucket_size_past_int64_names_the_value_and_the_range(backend: str) -> None:
+    # Issue 30: bucket_size=2**63 reached the extension: a raw pybind11 TypeError.
+    x = torch.randn(100, device=_device(backend))
+    for bad in (2**63, 2**60 + 1, 10**30):
+        with pytest.raises(
+            mq.QuantizeValueError, match=rf"bucket_size={bad} must be .* 1 to 2\*\*60"
+        ):
+            mq.quantize(x, bucket_size=bad, backend=backend)
+        with pytest.raises(ValueError, match=f"bucket_size={bad}"):
+            mq.QuantizedTensor.empty((100,), torch.float32, 4, bad)
+    # The largest accepted size is one bucket for any tensor, as bucket_size=numel.
+    big = mq.quantize(x, 4, 2**60, seed=1, backend=backend)
+    assert torch.equal(big.buffer, mq.quantize(x, 4, 100, seed=1, backend=backend).buffer)
+    assert torch.equal(
+        mq.dequantize(big, backend=backend),
+        mq.dequantize(mq.quantize(x, 4, 100, seed=1, backend=backend), backend=backend),
+    )
+
+
 def test_bad_arguments_name_the_value() -> None:
     x = torch.randn(10)
     for bits in (0, 9, 2.5, True):
@@ -323,6 +385,7 @@ def test_cuda_kernel_is_bit_identical_to_cpu_and_reference(stochastic: bool) -> 
         x = (torch.randn(n, generator=g) * 3).to(dtype)
         if n > 20:
             x[17] = float("nan") if bits % 2 else float("inf")
+            _add_wide_buckets(x)
         a = mq.quantize(x, bits, bucket_size, stochastic, seed=99, backend="cpu")
         c = mq.quantize(x.cuda(), bits, bucket_size, stochastic, seed=99, backend="cuda")
         case = (dtype, bits, bucket_size, n)
@@ -359,6 +422,8 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for bits in (1, 3, 4, 8):
         x = (torch.randn(70_001, generator=g) * 5).to(dtype)
         x[5] = float("nan")
+        if dtype != torch.float16:
+            x[1000], x[1001] = -3e38, 3e38  # a range past float32
         for stochastic in (False, True):
             q = mq.quantize(x, bits, 100, stochastic, seed=42, backend="cpu")
             acc = torch.ones(70_001, dtype=dtype)

@@ -19,6 +19,23 @@ namespace mpxq {
 // Data type codes passed from Python (kernels.py keeps the same table).
 enum Dtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// The largest finite float32.
+constexpr float kMaxFloat = 3.40282347e38f;
+
+// Bucket sizes the kernels accept: 1 .. 2^60, so that a span of 8 buckets
+// (bucket_size * 8) still fits int64 (format.py's MAX_BUCKET_SIZE).
+constexpr int64_t kMaxBucketSize = int64_t{1} << 60;
+
+// A "wide" bucket: its range max - min exceeds float32 (values such as -3e38
+// and 3e38), so x - min and min + code * unit may overflow although every
+// value and the unit are finite. Such a bucket is encoded and decoded at half
+// scale, where nothing overflows (halving is exact for values that large):
+//     encode  q = floor((x * 0.5 - min * 0.5) / (unit * 0.5) + r)
+//     decode  (min * 0.5 + q * (unit * 0.5)) * 2
+// Decided from the stored unit alone, so the encoder, the decoder and every
+// backend agree: levels * unit past float32's largest value.
+MPXQ_HD bool is_wide(float unit, float levels) { return unit * levels > kMaxFloat; }
+
 // Elements per decode/encode chunk: a multiple of 8 (one packing group) and a
 // divisor of 2^32, so that a chunk never straddles a change of index_hi.
 constexpr int64_t kChunk = 1024;

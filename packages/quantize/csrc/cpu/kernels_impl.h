@@ -179,9 +179,10 @@ inline void unpack_groups(const uint8_t* src, int64_t groups, uint8_t* codes) {
 }
 
 struct BucketMeta {
-  float mn;
-  float recip;
+  float mn;     // the bucket's min (halved in a wide bucket, see qmath.h)
+  float recip;  // 1 / unit (1 / (unit / 2) in a wide bucket)
   bool flagged;
+  bool wide;
 };
 
 // min/max/non-finite scan and the stored metadata of one bucket [a, e).
@@ -265,7 +266,9 @@ BucketMeta bucket_meta(const typename T::storage* x, int64_t a, int64_t e, int b
   mn = mn + 0.0f;  // -0 -> +0, as the reference
   const float levels = static_cast<float>((1 << bits) - 1);
   float rng = mx - mn;
-  float unit = rng / levels;
+  // A range past float32 (finite values, e.g. -3e38 and 3e38) is taken at half
+  // scale; the unit itself overflows only at 1 bit (unit = range): flagged.
+  float unit = std::isfinite(rng) ? rng / levels : ((mx * 0.5f - mn * 0.5f) / levels) * 2.0f;
   if (fp16_meta) {
     uint16_t u16 = float_to_half(unit);
     if (half_to_float(u16) < unit) ++u16;  // round the unit up: codes stay within levels
@@ -276,7 +279,7 @@ BucketMeta bucket_meta(const typename T::storage* x, int64_t a, int64_t e, int b
     unit = 0.0f;
     recip = 0.0f;
   }
-  bool flagged = std::isnan(z) || !std::isfinite(rng) || !std::isfinite(unit);
+  bool flagged = std::isnan(z) || !std::isfinite(unit);
   if (fp16_meta) {
     static_cast<uint16_t*>(mins)[bucket] = flagged ? kNanF16 : float_to_half(mn);
     static_cast<uint16_t*>(units)[bucket] = flagged ? kNanF16 : float_to_half(unit);
@@ -284,7 +287,9 @@ BucketMeta bucket_meta(const typename T::storage* x, int64_t a, int64_t e, int b
     static_cast<float*>(mins)[bucket] = flagged ? float_of(kNanF32) : mn;
     static_cast<float*>(units)[bucket] = flagged ? float_of(kNanF32) : unit;
   }
-  return BucketMeta{flagged ? 0.0f : mn, flagged ? 0.0f : recip, flagged};
+  if (flagged) return BucketMeta{0.0f, 0.0f, true, false};
+  if (mpxq::is_wide(unit, levels)) return BucketMeta{mn * 0.5f, 1.0f / (unit * 0.5f), false, true};
+  return BucketMeta{mn, recip, false, false};
 }
 
 template <class T, int B>
@@ -316,6 +321,15 @@ void quantize_impl(const typename T::storage* x, int64_t nq, int64_t bs, bool st
           uint8_t* out = codes + (a - c0);
           if (m.flagged) {
             std::memset(out, 0, static_cast<size_t>(e - a));
+          } else if (m.wide) {  // at half scale (qmath.h): x - min would overflow
+            for (int64_t i = a; i < e; ++i) {
+              const float r =
+                  stochastic ? mpxq::hash_uniform(keys, static_cast<uint32_t>(i)) : 0.5f;
+              float t = (T::load(x[i]) * 0.5f - m.mn) * m.recip + r;
+              t = t < levels ? t : levels;
+              t = t > 0.0f ? t : 0.0f;
+              out[i - a] = static_cast<uint8_t>(static_cast<int32_t>(t));
+            }
           } else if (stochastic) {
             for (int64_t i = a; i < e; ++i) {
               float t = (T::load(x[i]) - m.mn) * m.recip + mpxq::hash_uniform(keys, static_cast<uint32_t>(i));
@@ -349,6 +363,7 @@ void dequantize_impl(const uint8_t* values, const void* mins, const void* units,
                      int64_t nq, int64_t bs, typename O::storage* out, bool accumulate,
                      int threads) {
   const int64_t chunks = (nq + kChunk - 1) / kChunk;
+  const float levels = static_cast<float>((1 << B) - 1);
   parallel_for(chunks, useful_threads(threads, nq), [=](int64_t k_begin, int64_t k_end) {
     uint8_t codes[kChunk];
     for (int64_t k = k_begin; k < k_end; ++k) {
@@ -372,7 +387,14 @@ void dequantize_impl(const uint8_t* values, const void* mins, const void* units,
         // A decoded value may overshoot the bucket's max by the unit's rounding;
         // near the dtype's largest value that would round to inf: clamp it (a
         // comparison, so a flagged bucket's NaN passes through).
-        if (accumulate) {
+        if (mpxq::is_wide(unit, levels)) {
+          // min + code * unit may overflow: at half scale, then doubled (qmath.h).
+          const float mh = mn * 0.5f, uh = unit * 0.5f;
+          for (int64_t i = 0; i < e - a; ++i) {
+            const float y = finite<O>((mh + static_cast<float>(cs[i]) * uh) * 2.0f);
+            o[i] = O::store(accumulate ? O::load(o[i]) + y : y);
+          }
+        } else if (accumulate) {
           for (int64_t i = 0; i < e - a; ++i)
             o[i] = O::store(O::load(o[i]) + finite<O>(mn + static_cast<float>(cs[i]) * unit));
         } else {

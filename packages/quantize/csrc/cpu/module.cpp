@@ -53,7 +53,9 @@ bool use_avx2() {
 void check_common(int bits, int64_t nq, int64_t bs, int dtype, const char* dtype_name) {
   if (bits < 1 || bits > 8)
     throw std::invalid_argument("bits=" + std::to_string(bits) + " must be from 1 to 8");
-  if (bs < 1) throw std::invalid_argument("bucket_size=" + std::to_string(bs) + " must be >= 1");
+  if (bs < 1 || bs > mpxq::kMaxBucketSize)
+    throw std::invalid_argument("bucket_size=" + std::to_string(bs) +
+                                " must be from 1 to 2**60");
   if (nq < 0) throw std::invalid_argument("count=" + std::to_string(nq) + " must be >= 0");
   if (dtype < 0 || dtype > 2)
     throw std::invalid_argument(std::string(dtype_name) + "=" + std::to_string(dtype) +

@@ -89,7 +89,12 @@ __global__ void meta_kernel(const typename T::storage* __restrict__ x, int64_t n
       mn = __fadd_rn(mn, 0.0f);  // -0 -> +0
       const float levels = static_cast<float>((1 << bits) - 1);
       float rng = __fsub_rn(mx, mn);
-      float unit = __fdiv_rn(rng, levels);
+      // A range past float32 (finite values): at half scale (qmath.h's is_wide).
+      float unit = isfinite(rng) ? __fdiv_rn(rng, levels)
+                                 : __fmul_rn(__fdiv_rn(__fsub_rn(__fmul_rn(mx, 0.5f),
+                                                                 __fmul_rn(mn, 0.5f)),
+                                                       levels),
+                                             2.0f);
       if (fp16_meta) {
         unsigned short u16 = __half_as_ushort(__float2half_rn(unit));
         if (__half2float(__ushort_as_half(u16)) < unit) ++u16;  // round the unit up
@@ -97,7 +102,7 @@ __global__ void meta_kernel(const typename T::storage* __restrict__ x, int64_t n
       }
       float recip = __fdiv_rn(1.0f, unit);
       if (!isfinite(recip)) unit = 0.0f;
-      bool flagged = isnan(z) || !isfinite(rng) || !isfinite(unit);
+      bool flagged = isnan(z) || !isfinite(unit);
       if (fp16_meta) {
         static_cast<__half*>(mins)[b] =
             flagged ? __ushort_as_half(kNanF16) : __float2half_rn(mn);
@@ -124,7 +129,7 @@ __global__ void encode_kernel(const typename T::storage* __restrict__ x, int64_t
     const int64_t e0 = g * 8;
     const mpxq::HashKeys keys = mpxq::hash_keys(seed, static_cast<uint32_t>(e0 >> 32));
     int64_t b = -1, next = e0;  // current bucket and where the next one starts
-    float mn = 0.0f, recip = 0.0f;
+    float mn = 0.0f, recip = 0.0f, scale = 1.0f;
     bool flagged = false;
     uint64_t acc = 0;
     for (int j = 0; j < 8; ++j) {
@@ -136,13 +141,16 @@ __global__ void encode_kernel(const typename T::storage* __restrict__ x, int64_t
         mn = load_meta(mins, b, fp16_meta);
         float unit = load_meta(units, b, fp16_meta);
         flagged = isnan(unit);
-        recip = __fdiv_rn(1.0f, unit);
+        // A wide bucket is encoded at half scale (qmath.h); x * 1 is x exactly.
+        scale = !flagged && mpxq::is_wide(unit, levels) ? 0.5f : 1.0f;
+        mn = __fmul_rn(mn, scale);
+        recip = __fdiv_rn(1.0f, __fmul_rn(unit, scale));
         if (flagged || !isfinite(recip)) recip = 0.0f;
       }
       unsigned code = 0;
       if (!flagged) {
         float r = stochastic ? mpxq::hash_uniform(keys, static_cast<uint32_t>(e)) : 0.5f;
-        float t = __fadd_rn(__fmul_rn(__fsub_rn(T::load(x[e]), mn), recip), r);
+        float t = __fadd_rn(__fmul_rn(__fsub_rn(__fmul_rn(T::load(x[e]), scale), mn), recip), r);
         t = t < levels ? t : levels;
         t = t > 0.0f ? t : 0.0f;
         code = static_cast<unsigned>(__float2int_rz(t));
@@ -161,6 +169,7 @@ __global__ void decode_kernel(const uint8_t* __restrict__ values, const void* __
                               int64_t bs, typename O::storage* __restrict__ out,
                               bool accumulate) {
   const int64_t groups = (nq + 7) / 8;
+  const float levels = static_cast<float>((1 << B) - 1);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += stride) {
@@ -170,7 +179,7 @@ __global__ void decode_kernel(const uint8_t* __restrict__ values, const void* __
     for (int k = 0; k < B; ++k) acc |= static_cast<uint64_t>(in[k]) << (8 * k);
     const int64_t e0 = g * 8;
     int64_t next = e0;
-    float mn = 0.0f, unit = 0.0f;
+    float mn = 0.0f, unit = 0.0f, post = 1.0f;
     for (int j = 0; j < 8; ++j) {
       const int64_t e = e0 + j;
       if (e >= nq) break;
@@ -179,9 +188,16 @@ __global__ void decode_kernel(const uint8_t* __restrict__ values, const void* __
         next = (b + 1) * bs;
         mn = load_meta(mins, b, fp16_meta);
         unit = load_meta(units, b, fp16_meta);
+        // A wide bucket decodes at half scale, then doubles (qmath.h); NaN is never wide.
+        const bool wide = mpxq::is_wide(unit, levels);
+        post = wide ? 2.0f : 1.0f;
+        if (wide) {
+          mn = __fmul_rn(mn, 0.5f);
+          unit = __fmul_rn(unit, 0.5f);
+        }
       }
       const float code = static_cast<float>((acc >> (j * B)) & ((1u << B) - 1u));
-      float y = __fadd_rn(mn, __fmul_rn(code, unit));
+      float y = __fmul_rn(__fadd_rn(mn, __fmul_rn(code, unit)), post);
       // As the CPU kernel: an overshoot past O's largest finite value is
       // clamped (a comparison, not fminf, so that NaN passes through).
       y = y > O::kMax ? O::kMax : y;

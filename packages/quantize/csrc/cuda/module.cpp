@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../common/qmath.h"
 #include "device.h"
 
 namespace py = pybind11;
@@ -29,7 +30,9 @@ int device_count() {
 void check(int bits, int64_t count, int64_t bs, int dtype, const char* dtype_name) {
   if (bits < 1 || bits > 8)
     throw std::invalid_argument("bits=" + std::to_string(bits) + " must be from 1 to 8");
-  if (bs < 1) throw std::invalid_argument("bucket_size=" + std::to_string(bs) + " must be >= 1");
+  if (bs < 1 || bs > mpxq::kMaxBucketSize)
+    throw std::invalid_argument("bucket_size=" + std::to_string(bs) +
+                                " must be from 1 to 2**60");
   if (count < 0) throw std::invalid_argument("count=" + std::to_string(count) + " must be >= 0");
   if (dtype < 0 || dtype > 2)
     throw std::invalid_argument(std::string(dtype_name) + "=" + std::to_string(dtype) +

@@ -165,11 +165,13 @@ class CompressionConfig:
             QuantizeValueError: a variable does not parse; the message names it.
         """
         values: dict[str, object] = {}
+        read: list[str] = []  # "NAME=raw" of each variable read, for the error message
         cgx = False
         for key, setting in CONFIG.items():
             found = setting.raw(environ)
             if found is None:
                 continue  # unset: the dataclass's default
+            read.append(f"{found[0]}={found[1]!r}")
             cgx = cgx or not found[0].startswith("MPX_")
             try:
                 value = setting.parse(found[1], found[0])
@@ -185,7 +187,8 @@ class CompressionConfig:
         try:
             return cls(**values)  # type: ignore[arg-type]
         except QuantizeValueError as error:
-            raise QuantizeValueError(f"{error} (from the environment: {values})") from None
+            origin = ", ".join(read) if read else "no variable set"
+            raise QuantizeValueError(f"{error} (from the environment: {origin})") from None
 
 
 class LayerRegistry:

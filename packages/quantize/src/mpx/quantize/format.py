@@ -44,6 +44,7 @@ from mpx.quantize.errors import QuantizeTypeError, QuantizeValueError
 
 __all__ = [
     "FLOAT_DTYPES",
+    "MAX_BUCKET_SIZE",
     "Layout",
     "QuantizedTensor",
     "check_bits",
@@ -63,10 +64,23 @@ def check_bits(bits: object) -> int:
     return bits
 
 
+# The kernels take the bucket size as an int64 and compute spans of up to 8
+# buckets (bucket_size * 8) in int64: 2**60 is the largest they accept. A bucket
+# larger than the tensor is the whole tensor, so nothing is lost.
+MAX_BUCKET_SIZE = 2**60
+
+
 def check_bucket_size(bucket_size: object) -> int:
-    """``bucket_size`` as an int >= 1, or a QuantizeValueError naming it."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise QuantizeValueError(f"bucket_size={bucket_size!r} must be an integer >= 1")
+    """``bucket_size`` as an int in 1..2**60, or a QuantizeValueError naming it."""
+    if (
+        isinstance(bucket_size, bool)
+        or not isinstance(bucket_size, int)
+        or not 1 <= bucket_size <= MAX_BUCKET_SIZE
+    ):
+        raise QuantizeValueError(
+            f"bucket_size={bucket_size!r} must be an integer from 1 to 2**60 "
+            f"({MAX_BUCKET_SIZE}); a bucket_size >= the tensor's size makes it one bucket"
+        )
     return bucket_size
 
 

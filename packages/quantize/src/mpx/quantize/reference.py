@@ -16,6 +16,18 @@ its noise from the same counter hash) is bit-identical across backends:
 Rounding the float16 unit *up* keeps every value within the 2^b levels and a
 tiny positive range from underflowing to a zero unit.
 
+A *wide* bucket, whose finite values span more than float32's range (-3e38 and
+3e38: ``max - mn`` overflows), works at half scale, where nothing overflows
+(halving values that large is exact)::
+
+    unit (rng overflows)   ((max * 0.5 - mn * 0.5) / (2^b - 1)) * 2    (inf at 1 bit: flagged)
+    wide                   unit * (2^b - 1) > float32's largest value  (from the stored unit)
+    encode (wide)          q = min(floor((x * 0.5 - mn * 0.5) * (1 / (unit * 0.5)) + r), 2^b - 1)
+    decode (wide)          (mn * 0.5 + q * (unit * 0.5)) * 2
+
+"Wide" is decided from the stored unit alone, so encoders and decoders of every
+backend agree on it; other buckets keep the plain formulas, bit for bit.
+
 The stochastic noise is a counter-based hash of (seed, element index), so it
 does not depend on threads, tiles or the device::
 
@@ -116,17 +128,29 @@ def unpack_codes(values: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return codes.reshape(-1)[:count]
 
 
+_MAX_F32 = torch.finfo(torch.float32).max
+
+
+def _is_wide(unit: torch.Tensor, levels: int) -> torch.Tensor:
+    """Whether buckets of (float32) ``unit`` are wide: ``levels * unit`` past float32."""
+    return unit * torch.full_like(unit, float(levels)) > _MAX_F32
+
+
 def _meta(
     x: torch.Tensor, bits: int, fp16_meta: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row metadata of ``x`` [buckets, size] (float32).
 
-    Returns (min to store, unit to store, min as float32, 1/unit, flagged).
+    Returns (min to store, unit to store, min as float32, 1/unit, flagged, wide);
+    in a wide row the min and 1/unit are those of the half scale.
     """
     levels = (1 << bits) - 1
     mn = x.amin(1) + 0.0
-    rng = x.amax(1) - mn
-    unit = rng / torch.full_like(rng, float(levels))
+    mx = x.amax(1)
+    rng = mx - mn
+    lv = torch.full_like(rng, float(levels))
+    half = ((mx * 0.5 - mn * 0.5) / lv) * 2.0  # a range past float32, at half scale
+    unit = torch.where(torch.isfinite(rng), rng / lv, half)
     if fp16_meta:
         u16 = unit.to(torch.float16)
         low = u16.to(torch.float32) < unit
@@ -137,14 +161,17 @@ def _meta(
     zero = torch.zeros_like(unit)
     unit = torch.where(tiny, zero, unit)
     recip = torch.where(tiny, zero, recip)
-    flagged = ~torch.isfinite(x).all(1) | ~torch.isfinite(rng) | ~torch.isfinite(unit)
+    flagged = ~torch.isfinite(x).all(1) | ~torch.isfinite(unit)
     nan = torch.full_like(unit, float("nan"))
     mdt = torch.float16 if fp16_meta else torch.float32
     stored_min = torch.where(flagged, nan, mn).to(mdt)
     stored_unit = torch.where(flagged, nan, unit).to(mdt)
+    wide = ~flagged & _is_wide(unit, levels)
+    recip = torch.where(wide, torch.reciprocal(unit * 0.5), recip)
+    mn = torch.where(wide, mn * 0.5, mn)
     recip = torch.where(flagged, zero, recip)
     mn = torch.where(flagged, zero, mn)
-    return stored_min, stored_unit, mn, recip, flagged
+    return stored_min, stored_unit, mn, recip, flagged, wide
 
 
 def _encode_rows(
@@ -156,7 +183,9 @@ def _encode_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes (int64, flat), stored min and unit of rows ``x`` [buckets, size] from ``start``."""
     levels = (1 << bits) - 1
-    stored_min, stored_unit, mn, recip, flagged = _meta(x, bits, fp16_meta)
+    stored_min, stored_unit, mn, recip, flagged, wide = _meta(x, bits, fp16_meta)
+    # a wide row's values at half scale (mn and recip already are)
+    x = torch.where(wide[:, None], x * 0.5, x)
     v = (x - mn[:, None]) * recip[:, None]
     if seed is None:
         r = torch.full_like(v, 0.5)
@@ -236,7 +265,10 @@ def decode_codes(q: QuantizedTensor) -> torch.Tensor:
     owner = torch.arange(lay.quantized, device=q.device) // q.bucket_size
     mn = q.mins.to(torch.float32)[owner]
     unit = q.units.to(torch.float32)[owner]
-    return codes * unit + mn
+    wide = _is_wide(unit, (1 << q.bits) - 1)
+    plain = codes * unit + mn
+    scaled = (codes * (unit * 0.5) + mn * 0.5) * 2.0  # min + code * unit would overflow
+    return torch.where(wide, scaled, plain)
 
 
 def check_output(q: QuantizedTensor, out: torch.Tensor, name: str) -> torch.Tensor:
