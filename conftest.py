@@ -62,8 +62,24 @@ def _world() -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     comm = _world()
     if comm is not None and comm.rank != 0:
-        # The other ranks report failures and their summary line only.
+        # The other ranks report failures only. The warnings summary is rank
+        # 0's: the ranks run the same tests and warn alike, and N copies of one
+        # summary buried the results; pytest_terminal_summary counts theirs.
         config.option.verbose = -2
+        config.option.disable_warnings = True
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:  # made before this hook ran: it read the options already
+            reporter.reportchars = reporter.reportchars.replace("w", "")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """On ranks other than 0: how many warnings the summary of rank 0 does not list."""
+    comm = _world()
+    count = len(terminalreporter.stats.get("warnings", []))
+    if comm is not None and comm.rank != 0 and count:
+        terminalreporter.write_line(
+            f"rank {comm.rank}: {count} warning(s), not listed: the warnings summary is rank 0's"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
