@@ -109,7 +109,9 @@ def test_a_raising_rank_stops_the_job_and_is_named(tmp_path: Path, nprocs: int) 
     assert took < 10
     assert proc.returncode == 1
     assert "mpxrun: rank 1 exited with code 1; all ranks were stopped." in proc.stderr
-    assert "    ValueError: deliberate failure on rank 1" in proc.stderr
+    # Printed with the rank, as torch does, and repeated in the summary.
+    assert "\n[rank1]: ValueError: deliberate failure on rank 1\n" in proc.stderr
+    assert "    [rank1]: ValueError: deliberate failure on rank 1" in proc.stderr
     assert "MPXRUN-RANK-FAILED" not in proc.stderr + proc.stdout
     _assert_no_survivors(tmp_path)
 

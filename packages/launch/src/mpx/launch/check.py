@@ -3,19 +3,25 @@
 Like ``horovodrun --check-build``: it reports, without needing a job::
 
     launcher        kind and path of mpiexec/mpirun/srun
-    MPI library     version line, thread level, CUDA-aware or not
-    mpx packages    which are installed, with versions
-    quantize        which kernels were built (cpu, cuda)
-    GPUs            what torch sees
-    smoke test      mpxrun -n 2 python -m mpx.collectives.selftest
+    MPI library     version line, thread level, CUDA-aware or not (mpi4py)
+    mpx packages    which are installed, with versions; for the others, what
+                    installing them would add
+    torch, GPUs     what torch sees, if torch is installed
+    quantize        which kernels were built, if mpx-quantize is installed
+    smoke test      mpxrun -n 2 python -m mpx.launch.selftest (no torch), and
+                    python -m mpx.collectives.selftest if mpx-collectives is installed
 
-mpx-launch needs neither torch nor mpi4py, so every probe runs in a
-subprocess and a missing piece is reported, not raised.
+mpx-launch needs neither torch nor mpi4py: the check asks only of the install
+what its packages promise. A launch-only install passes with a launcher (and
+mpi4py, if installed, working); a missing optional package is reported with
+what it would add, never as a failure. Every probe runs in a subprocess and a
+missing piece is reported, not raised.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,7 +29,7 @@ from collections.abc import Callable
 from mpx.launch.errors import LaunchError
 from mpx.launch.launchers import find_launcher
 
-__all__ = ["run_check"]
+__all__ = ["ADDS", "PACKAGES", "run_check"]
 
 PACKAGES = (
     "mpx-launch",
@@ -33,6 +39,18 @@ PACKAGES = (
     "mpx-pipeline",
     "mpx-mgrit",
 )
+
+# What each package would add to an install that lacks it.
+ADDS = {
+    "mpx-collectives": "collectives on torch tensors and the 'mpx' torch.distributed backend "
+    "(needs torch, mpi4py)",
+    "mpx-quantize": "quantized (1-8 bit) compressed allreduce kernels",
+    "mpx-dataparallel": "data-parallel training: overlapped gradient allreduce, parameter server",
+    "mpx-pipeline": "pipeline-parallel training: GPipe, 1F1B, asynchronous pipelines",
+    "mpx-mgrit": "MGRIT parallel-in-time solver and layer-parallel training",
+    "mpi4py": "MPI from Python (mpx-collectives needs it)",
+    "torch": "tensors (every mpx package but mpx-launch needs it)",
+}
 
 _MPI_PROBE = """
 from mpi4py import MPI
@@ -67,14 +85,33 @@ def _probe(code: str, timeout: float = 120) -> tuple[bool, list[str]]:
     return True, result.stdout.strip().splitlines()
 
 
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing or broken
+        return False
+
+
+def _missing(name: str, label: str = "") -> str:
+    label = label or name
+    return f"  {label:<16} not installed: pip install {name} adds {ADDS[name]}"
+
+
 def run_check(
     smoke: Callable[[list[str]], int] | None = None, out: Callable[[str], None] = print
 ) -> int:
-    """Prints the report; returns 0 if MPI works and the smoke test passed.
+    """Prints the report; returns 0 if what is installed works and the smoke tests passed.
 
     Args:
         smoke: runs ``mpxrun`` with the given arguments and returns its exit
-            code (the CLI passes itself); None skips the smoke test.
+            code (the CLI passes itself); None skips the smoke tests.
         out: where lines go.
     """
     failed = False
@@ -85,38 +122,47 @@ def run_check(
     except LaunchError as exc:
         out(f"  launcher       MISSING: {exc}")
         failed = True
-    ok, lines = _probe(_MPI_PROBE)
-    if ok:
-        out(f"  MPI library    {lines[0]}")
-        out(f"  thread level   {lines[1]}")
-        out(
-            f"  CUDA-aware     {lines[2]} (mpx passes device buffers to MPI only with "
-            "MPX_CUDA_AWARE=1; otherwise CUDA tensors go through 'staged')"
-        )
+    if _importable("mpi4py"):
+        ok, lines = _probe(_MPI_PROBE)
+        if ok:
+            out(f"  MPI library    {lines[0]}")
+            out(f"  thread level   {lines[1]}")
+            out(
+                f"  CUDA-aware     {lines[2]} (mpx passes device buffers to MPI only with "
+                "MPX_CUDA_AWARE=1; otherwise CUDA tensors go through 'staged')"
+            )
+        else:
+            out(f"  MPI library    NOT USABLE from Python: {lines[0]} (pip install mpi4py mpich)")
+            failed = True
     else:
-        out(f"  MPI library    NOT USABLE from Python: {lines[0]} (pip install mpi4py mpich)")
-        failed = True
-    for name in PACKAGES:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            version = "not installed"
-        out(f"  {name:<16} {version}")
-    ok, lines = _probe(_TORCH_PROBE)
-    if ok:
-        count, *names = lines[1].split()
-        out(f"  torch          {lines[0]}")
-        out(f"  GPUs           {count}" + (f" ({', '.join(names)})" if names else ""))
+        out(_missing("mpi4py", "MPI library"))
+    versions = {name: _installed(name) for name in PACKAGES}
+    for name, version in versions.items():
+        out(f"  {name:<16} {version}" if version else _missing(name))
+    if _importable("torch"):
+        ok, lines = _probe(_TORCH_PROBE)
+        if ok:
+            count, *names = lines[1].split()
+            out(f"  torch          {lines[0]}")
+            out(f"  GPUs           {count}" + (f" ({', '.join(names)})" if names else ""))
+        else:
+            out(f"  torch          not importable: {lines[0]}")
+            # The packages installed on top of it cannot work.
+            failed = failed or any(versions[name] for name in PACKAGES[1:])
     else:
-        out(f"  torch          not importable: {lines[0]}")
-    ok, lines = _probe(_QUANTIZE_PROBE)
-    out(f"  quantize       {'kernels: ' + lines[0] if ok else 'not available: ' + lines[0]}")
+        out(_missing("torch"))
+        out("  GPUs           not probed (no torch)")
+    if versions["mpx-quantize"]:
+        ok, lines = _probe(_QUANTIZE_PROBE)
+        out(f"  quantize       {'kernels: ' + lines[0] if ok else 'not available: ' + lines[0]}")
     if smoke is not None and not failed:
-        out("  smoke test     mpxrun -n 2 python -m mpx.collectives.selftest")
-        code = smoke(
-            ["-n", "2", "--timeout", "300", "--", sys.executable, "-m", "mpx.collectives.selftest"]
-        )
-        out(f"  smoke test     {'passed' if code == 0 else f'FAILED (exit {code})'}")
-        failed = failed or code != 0
+        tests = [("mpx.launch.selftest", "launcher and MPI, without torch")]
+        if versions["mpx-collectives"]:
+            tests.append(("mpx.collectives.selftest", "every collective implementation"))
+        for module, what in tests:
+            out(f"  smoke test     mpxrun -n 2 python -m {module} ({what})")
+            code = smoke(["-n", "2", "--timeout", "300", "--", sys.executable, "-m", module])
+            out(f"  smoke test     {'passed' if code == 0 else f'FAILED (exit {code})'}")
+            failed = failed or code != 0
     out("result: " + ("problems found (see above)" if failed else "ok"))
     return 1 if failed else 0

@@ -23,6 +23,24 @@ At ``--timeout`` ``mpxrun`` first asks every rank still running for its
 Python stack (SIGUSR1 to their supervisors, see :mod:`mpx.launch.stacks`) and
 prints them, then stops the job.
 
+A job succeeds only if every rank exits 0 after the job's end. A Python rank
+tells its supervisor when its program reaches its end (``ENDED``, see
+:mod:`mpx.launch.excepthook`); then:
+
+- a rank that exits 0 without reaching its end (``os._exit(0)`` mid-run,
+  ``LEFT``) while another rank has not ended within ``LEFT_WINDOW_S`` fails
+  the job, named as the cause (MPI launchers kill the others of such a job);
+- a rank with no exit status at all (killed by the launcher) fails it, unless
+  its program had already ended (killed while finalizing MPI);
+- once a rank has ended (returned, ``sys.exit(0)``, ``os._exit(0)``), the
+  ranks still running are watched: their Python stacks are sampled, and when
+  every one of them has sat in the same communication call (a frame of
+  torch.distributed, mpi4py or mpx, or a line such as ``comm.Barrier()``) for
+  ``MPX_END_GRACE`` seconds, the job is stopped, naming the ranks that ended
+  early (uneven step counts) and the stacks of those waiting for them. A rank
+  whose program moves on, or that waits outside communication (``sleep``, a
+  subprocess), is doing work of its own and is left alone.
+
 With ``--max-restarts N`` a failed attempt (a rank's exit code or signal, or
 ``--timeout``, which then bounds each attempt) is torn down as above and the
 job is started again, up to N times, after ``--restart-delay`` seconds. Each
@@ -69,6 +87,12 @@ TERM_GRACE_S = 2.0
 LINGER_S = 0.05
 # At --timeout, how long the ranks get to send their stacks.
 STACKS_WAIT_S = stacks.DUMP_WAIT_S + 1.0
+# After a rank left mid-program with exit code 0 (os._exit(0)), how long the
+# others have to end too before the job counts as failed: ranks that all
+# leave this way at the very end finish a moment apart.
+LEFT_WINDOW_S = 2.0
+# Exit code of a job that failed although every rank it heard from exited 0.
+EXIT_ENDED_EARLY = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124
 
@@ -247,13 +271,27 @@ def _hosts_in(hostfile: str) -> list[str]:
 
 @dataclass
 class RankFailure:
-    """A rank that exited non-zero or was killed."""
+    """A rank that exited non-zero or was killed, or that ended the job early.
+
+    Attributes:
+        rank: the rank.
+        code: its exit code (negative: the signal that killed it).
+        tail: the last lines of its stderr.
+        reason: set when the exit code alone is not the failure: what the
+            rank did wrong (it then fails the job with code 1).
+        details: more lines for the report (the stacks of the ranks waiting).
+    """
 
     rank: int
     code: int
     tail: list[str]
+    reason: str = ""
+    details: list[str] = field(default_factory=list)
+    ended_before: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
+        if self.reason:
+            return self.reason
         if self.code < 0:
             try:
                 how = f"was killed by {signal.Signals(-self.code).name}"
@@ -265,7 +303,22 @@ class RankFailure:
 
     @property
     def exit_code(self) -> int:
+        if self.reason:
+            return EXIT_ENDED_EARLY
         return self.code if self.code > 0 else 128 - self.code
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
+
+
+@dataclass
+class _Progress:
+    """What the watch of the ranks still running saw of one of them."""
+
+    point: stacks.WaitPoint | None
+    since: float
+    stack: list[str]
 
 
 @dataclass
@@ -311,11 +364,18 @@ class Job:
     launcher_lingers: bool = False
     end_when_ranks_exit: bool = False
     own_output: bool = False
+    end_grace: float = 30.0
     failures: list[RankFailure] = field(default_factory=list)
     exited: dict[int, int] = field(default_factory=dict)
+    ended: dict[int, int] = field(default_factory=dict)
     stacks: dict[int, list[str]] = field(default_factory=dict)
     timed_out: bool = False
     _failed: threading.Event = field(default_factory=threading.Event)
+    _left: dict[int, tuple[float, list[str]]] = field(default_factory=dict)
+    _first_end: float | None = None
+    _progress: dict[int, _Progress] = field(default_factory=dict)
+    _sampled_at: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _pump(self, source: IO[bytes]) -> None:
         for raw in iter(source.readline, b""):
@@ -323,14 +383,122 @@ class Job:
             if status is None:
                 self.stderr.write(raw)
                 self.stderr.flush()
-            elif status.kind == "STACK":
-                self.stacks[status.rank] = status.lines
-            else:
-                self.exited[status.rank] = status.value
-                if status.value != 0:
-                    self.failures.append(RankFailure(status.rank, status.value, status.lines))
-                    self._failed.set()
+                continue
+            with self._lock:
+                self._record(status.kind, status.rank, status.value, status.lines)
         source.close()
+
+    def _record(self, kind: str, rank: int, value: int, lines: list[str]) -> None:
+        now = time.monotonic()
+        if kind == "STACK":
+            self.stacks[rank] = lines
+            self._note_progress(rank, lines, now)
+            return
+        if kind == "ENDED":
+            self.ended[rank] = value
+        elif kind == "LEFT":
+            self.exited[rank] = 0
+            self._left[rank] = (now, lines)
+        else:
+            self.exited[rank] = value
+            if value != 0:
+                # Those that ended first may be why it failed (a peer gone from a collective).
+                done = [r for r in range(self.nprocs) if r != rank and self._ended_ok(r)]
+                self.failures.append(RankFailure(rank, value, lines, ended_before=done))
+                self._failed.set()
+        if self._first_end is None and value == 0:
+            self._first_end = now
+
+    def _ended_ok(self, rank: int) -> bool:
+        return self.ended.get(rank, self.exited.get(rank)) == 0
+
+    def _finished(self, rank: int) -> bool:
+        return rank in self.exited or rank in self.ended
+
+    def _unfinished(self, but: int = -1) -> list[int]:
+        return [r for r in range(self.nprocs) if r != but and not self._finished(r)]
+
+    def _note_progress(self, rank: int, lines: list[str], now: float) -> None:
+        point = stacks.wait_point(lines)
+        seen = self._progress.get(rank)
+        if seen is None or point is None or seen.point is None or seen.point.where != point.where:
+            self._progress[rank] = _Progress(point, now, lines)
+        else:
+            seen.point, seen.stack = point, lines
+
+    def _judge_left(self, now: float, launcher_done: bool) -> None:
+        """A rank that left mid-program: fine if the others end with it, else the cause."""
+        for rank, (at, tail) in list(self._left.items()):
+            waiting = self._unfinished(but=rank)
+            if not waiting:
+                del self._left[rank]
+            elif launcher_done or self._failed.is_set() or now - at > LEFT_WINDOW_S:
+                del self._left[rank]
+                reason = (
+                    f"rank {rank} exited with code 0 in the middle of its program "
+                    "(os._exit(0) or an exit from C: Python never reached the program's end) "
+                    f"while {_ranks(waiting)} had not ended"
+                )
+                # The cause goes first: the others fail because of it.
+                self.failures.insert(0, RankFailure(rank, 0, tail, reason))
+                self._failed.set()
+
+    def _watch_the_rest(self, proc: subprocess.Popen[bytes], now: float) -> None:
+        """After a rank has ended: are the ranks still running stuck waiting for it?"""
+        if self._first_end is None or not self.nprocs or self._failed.is_set():
+            return
+        running = self._unfinished()
+        if not running:
+            return
+        interval = max(0.5, min(5.0, self.end_grace / 4))
+        # The first look a moment after the end: ranks finishing together need
+        # none. Across nodes the signal reaches every supervisor through the
+        # launcher, which cannot skip one still starting (the signal would
+        # kill it): there the first look waits a whole grace.
+        first = self._first_end + (interval if self.local else self.end_grace)
+        if now >= first and now - self._sampled_at >= interval:
+            self._sampled_at = now
+            self._request_stacks(proc)
+        if now - self._first_end < self.end_grace:
+            return
+        for rank in running:
+            seen = self._progress.get(rank)
+            if (
+                seen is None
+                or seen.point is None
+                or not seen.point.communicating
+                or now - seen.since < self.end_grace
+            ):
+                return  # working, or not known to wait for a peer
+        gone = [r for r in range(self.nprocs) if self._finished(r)]
+        codes = {self.ended.get(r, self.exited.get(r, 0)) for r in gone}
+        how = "ended its program" if len(gone) == 1 else "ended their programs"
+        reason = (
+            f"{_ranks(gone)} {how} (exit code {', '.join(map(str, sorted(codes)))}) while "
+            f"{_ranks(running)} still waited in a collective, with no progress for "
+            f"{self.end_grace:g} s (MPX_END_GRACE): uneven step counts? Every rank must make "
+            "the same collective calls (e.g. the same number of steps)"
+        )
+        details: list[str] = []
+        for rank in running:
+            details.append(f"mpxrun: rank {rank}'s Python stack:")
+            details.extend(f"    {line}" for line in self._progress[rank].stack)
+        self.failures.insert(0, RankFailure(gone[0], 0, [], reason, details))
+        self._failed.set()
+
+    def _judge_missing(self) -> None:
+        """After the launcher: a rank that never reported an exit did not finish."""
+        if not self.nprocs or self.failures or self.timed_out:
+            return
+        missing = [
+            r for r in range(self.nprocs) if r not in self.exited and self.ended.get(r, 1) != 0
+        ]
+        if missing:
+            reason = (
+                f"{_ranks(missing)} ended without an exit status before the program's end "
+                "(killed by the launcher or a signal)"
+            )
+            self.failures.append(RankFailure(missing[0], 0, [], reason))
 
     def _supervisors(self, proc: subprocess.Popen[bytes]) -> list[int]:
         """The pids of the rank supervisors the launcher started on this host.
@@ -360,35 +528,48 @@ class Job:
                 todo.extend(children.get(pid, []))
         return found
 
-    def _collect_stacks(self, proc: subprocess.Popen[bytes]) -> None:
-        """Asks the ranks still running for their Python stacks and prints them."""
+    def _request_stacks(self, proc: subprocess.Popen[bytes]) -> None:
         if self.local:
             for pid in self._supervisors(proc):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, stacks.DUMP_SIGNAL)
+                # One starting up, or exiting, would die of the signal's default action.
+                if stacks.handles_dump_signal(pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, stacks.DUMP_SIGNAL)
         else:
             # Hydra, mpirun and srun pass SIGUSR1 on to the processes they started.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(proc.pid, stacks.DUMP_SIGNAL)
+
+    def _collect_stacks(self, proc: subprocess.Popen[bytes]) -> None:
+        """Asks the ranks still running for their Python stacks and prints them."""
+        with self._lock:
+            self.stacks.clear()  # only answers to this request count
+        self._request_stacks(proc)
         deadline = time.monotonic() + STACKS_WAIT_S
         while time.monotonic() < deadline and proc.poll() is None:
-            if self.nprocs and set(range(self.nprocs)) - set(self.exited) <= set(self.stacks):
+            if self.nprocs and set(self._unfinished()) <= set(self.stacks):
                 break
             time.sleep(0.02)
         # Without a rank count, the ranks that answered are the ones running.
-        running = sorted(set(range(self.nprocs)) - set(self.exited)) or sorted(self.stacks)
-        if not running:
-            return
-        ranks = ("ranks " if len(running) > 1 else "rank ") + ", ".join(map(str, running))
-        lines = [f"mpxrun: --timeout reached; still running: {ranks}"]
+        running = self._unfinished() if self.nprocs else sorted(self.stacks)
+        done = sorted(r for r in self.ended if r not in self.exited)
+        lines = []
+        if running:
+            lines.append(f"mpxrun: --timeout reached; still running: {_ranks(running)}")
+        for rank in done:
+            lines.append(
+                f"mpxrun: rank {rank} had already finished its program (exit code "
+                f"{self.ended[rank]}) and was waiting to exit (in MPI_Finalize, for the others)"
+            )
         for rank in running:
             if rank in self.stacks:
                 lines.append(f"mpxrun: rank {rank}'s Python stack:")
                 lines.extend(f"    {line}" for line in self.stacks[rank])
             else:
                 lines.append(f"mpxrun: rank {rank} sent no stack within {STACKS_WAIT_S:g} s")
-        self.stderr.write(("\n".join(lines) + "\n").encode())
-        self.stderr.flush()
+        if lines:
+            self.stderr.write(("\n".join(lines) + "\n").encode())
+            self.stderr.flush()
 
     def _all_ranks_done(self) -> bool:
         return (
@@ -449,6 +630,9 @@ class Job:
         try:
             while proc.poll() is None:
                 now = time.monotonic()
+                with self._lock:
+                    self._judge_left(now, launcher_done=False)
+                    self._watch_the_rest(proc, now)
                 if timeout is not None and now - start > timeout:
                     self.timed_out = True
                     self._collect_stacks(proc)
@@ -479,6 +663,9 @@ class Job:
         self._signal_all(proc, signal.SIGKILL)
         for pump in pumps:
             pump.join(timeout=5.0)
+        with self._lock:
+            self._judge_left(time.monotonic(), launcher_done=True)
+            self._judge_missing()
         return code
 
 
@@ -541,9 +728,15 @@ def _report(job: Job, code: int, timeout: float | None) -> int:
         lines = [f"mpxrun: {first.describe()}; all ranks were stopped."]
         if others:
             lines.append(f"mpxrun: also failed: rank(s) {', '.join(map(str, others))}")
+        if first.ended_before:
+            lines.append(
+                f"mpxrun: {_ranks(first.ended_before)} had already ended with exit code 0 "
+                f"before rank {first.rank} failed (if it waited for them: uneven step counts?)"
+            )
         if first.tail:
             lines.append(f"mpxrun: last lines of rank {first.rank}'s stderr:")
             lines.extend(f"    {line}" for line in first.tail)
+        lines.extend(first.details)
         print("\n".join(lines), file=sys.stderr)
         return first.exit_code
     if code != 0:
@@ -613,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 launcher_lingers=launcher.forker,
                 end_when_ranks_exit=launcher.forker,
                 own_output=launcher.forker,
+                end_grace=settings.END_GRACE.get(),
             )
 
         return _run_job(new_job, args.timeout, args.max_restarts, args.restart_delay)

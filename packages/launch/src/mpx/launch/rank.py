@@ -22,6 +22,13 @@ On SIGUSR1 (``mpxrun --timeout`` sends it) the supervisor asks ``prog`` for
 its Python stack (:mod:`mpx.launch.stacks`) and sends it to ``mpxrun`` the
 same way (``MPXRUN-RANK-STACK``).
 
+A Python ``prog`` says on a pipe of the supervisor (``MPX_END_FILE``, see
+:mod:`mpx.launch.excepthook`) that it started and, later, that it reached its
+end. The supervisor passes the end on at once (``MPXRUN-RANK-ENDED``: the rank
+may still sit in ``MPI_Finalize``, waiting for the others), and reports an
+exit code 0 without that end as ``MPXRUN-RANK-LEFT``: the program left in the
+middle (``os._exit(0)``), which ``mpxrun`` judges against the other ranks.
+
 Nothing is left behind: the child dies with its supervisor (``PR_SET_PDEATHSIG``)
 and a supervisor that is told to stop (SIGTERM/SIGINT/SIGHUP) passes the
 signal on and kills the child after a grace period.
@@ -42,7 +49,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import IO
@@ -51,6 +58,7 @@ from mpx.launch import binding, stacks
 from mpx.launch.environment import Environment, environment
 from mpx.launch.settings import (
     BIND,
+    END_FILE,
     GPUS,
     MASTER_ADDR,
     MASTER_PORT,
@@ -244,6 +252,47 @@ class _Output:
         return cls(out, os.fdopen(err, "wb"), tag)
 
 
+class _EndWatch:
+    """Reads what the program says on the end channel: that it started, that it ended.
+
+    Lines are ``A <pid>`` (a Python program with mpx's hook started) and
+    ``E <pid> <code>`` (it reached its end, exiting with ``code``); only those
+    of the supervisor's own child count (programs it starts open the channel
+    too, through the inherited variable).
+    """
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self.read_fd, self.write_fd = read_fd, write_fd
+        self.pid = 0
+        self.armed = False
+        self.ended: int | None = None
+        self.on_end: list[Callable[[int], None]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def start(self, pid: int) -> None:
+        self.pid = pid
+        self._thread.start()
+
+    def _read(self) -> None:
+        with os.fdopen(self.read_fd, "rb") as source:
+            for raw in iter(source.readline, b""):
+                words = raw.split()
+                if len(words) < 2 or words[1] != str(self.pid).encode():
+                    continue
+                if words[0] == b"A":
+                    self.armed = True
+                elif words[0] == b"E" and len(words) == 3 and self.ended is None:
+                    self.ended = int(words[2]) if words[2].lstrip(b"-").isdigit() else 1
+                    for callback in self.on_end:
+                        callback(self.ended)
+
+    def finish(self) -> None:
+        """After the program exited: reads what is left of the channel."""
+        os.close(self.write_fd)
+        # A program the rank started may still hold the channel open.
+        self._thread.join(timeout=2.0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one rank's program under supervision; returns its exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -260,10 +309,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A file in memory, reached by the program through this process's fd
     # table: nothing is left on disk however the job ends.
     dump_fd = os.memfd_create("mpxrun-stack")
+    # The program opens the pipe's write end by this path; the supervisor
+    # keeps it open until the program has exited, so the path stays valid.
+    end_read, end_write = os.pipe()
     try:
         stack_file = f"/proc/{os.getpid()}/fd/{dump_fd}"
         child_env[STACK_FILE.name] = stack_file
-        return _supervise(args, env, child_env, reporter, stack_file, output)
+        child_env[END_FILE.name] = f"/proc/{os.getpid()}/fd/{end_write}"
+        end = _EndWatch(end_read, end_write)
+        return _supervise(args, env, child_env, reporter, stack_file, output, end)
     finally:
         os.close(dump_fd)
 
@@ -275,6 +329,7 @@ def _supervise(
     reporter: _Reporter,
     stack_file: str,
     output: _Output,
+    end: _EndWatch,
 ) -> int:
     level = BIND.read()
     cpus = binding.cpus_for(level, env.local_rank) if level != "none" else None
@@ -298,6 +353,8 @@ def _supervise(
         reporter.write(output.tag + message.encode() + b"\n")
         reporter.report("EXITED", 127, [message])
         return 127
+    end.on_end.append(lambda code: reporter.report("ENDED", code, []))
+    end.start(child.pid)
 
     stopped_by: list[int] = []
 
@@ -317,7 +374,17 @@ def _supervise(
             os.kill(child.pid, signum)
 
     def send_stack() -> None:
-        reporter.report("STACK", child.pid, stacks.dump(child.pid, stack_file))
+        if end.ended is not None and not stacks.handles_dump_signal(child.pid):
+            # Python has shut down its signal handlers: the program is over,
+            # the process not yet (MPI_Finalize waits for every rank).
+            lines = [
+                f"(no Python stack: rank {env.rank} had already finished its program, "
+                f"exit code {end.ended}; it is waiting to exit, e.g. in MPI_Finalize for "
+                "the other ranks)"
+            ]
+        else:
+            lines = stacks.dump(child.pid, stack_file)
+        reporter.report("STACK", child.pid, lines)
 
     def stack_requested(_signum: int, _frame: FrameType | None) -> None:
         # Waiting for the dump would block the handler: a thread does it.
@@ -342,12 +409,20 @@ def _supervise(
     for reader in readers:
         reader.start()
     code = child.wait()
+    # No stack to give any more; and SIGUSR1's default action would kill this
+    # supervisor once Python restores it at exit, which launchers report.
+    signal.signal(stacks.DUMP_SIGNAL, signal.SIG_IGN)
+    end.finish()
     # A grandchild may still hold a pipe open; don't wait for it forever.
     for reader in readers:
         reader.join(timeout=2.0)
     if stopped_by:
         # Stopped from outside (mpxrun, the launcher, Ctrl-C): not this rank's fault.
         return 128 + stopped_by[0]
+    if code == 0 and end.armed and end.ended is None:
+        # Exit code 0, but Python never shut down: os._exit(0) or an exit from C.
+        reporter.report("LEFT", 0, list(tail))
+        return 0
     if code < 0:
         try:
             name = signal.Signals(-code).name

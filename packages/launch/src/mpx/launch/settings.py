@@ -364,6 +364,26 @@ STACK_FILE = declare(
     "(mpxrun --timeout asks for it before stopping the job)",
     package="launch",
 )
+END_FILE = declare(
+    "MPX_END_FILE",
+    "str",
+    "",
+    "set by the rank supervisor: where the rank's Python program says it started and that it "
+    "reached its end (mpxrun tells a rank that returned from its program from one that left "
+    "mid-run with os._exit(0), and names a rank that ended while its peers wait for it)",
+    package="launch",
+)
+END_GRACE = declare(
+    "MPX_END_GRACE",
+    "float",
+    30.0,
+    "once a rank has ended, how long the ranks still running may wait in a collective without "
+    "progress before mpxrun stops the job and names the rank that ended early (uneven step "
+    "counts); ranks still working are never stopped",
+    package="launch",
+    unit="s",
+    minimum=0.1,
+)
 BIND = declare(
     "MPX_BIND",
     "choice",

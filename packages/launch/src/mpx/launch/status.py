@@ -5,6 +5,11 @@ forwards from every node::
 
     MPXRUN-RANK-EXITED <rank> <code> <base64 of the last stderr lines> <mac>
     MPXRUN-RANK-STACK  <rank> <pid>  <base64 of the stack dump lines>  <mac>
+    MPXRUN-RANK-ENDED  <rank> <code> <base64 of nothing> <mac>
+    MPXRUN-RANK-LEFT   <rank> 0      <base64 of the last stderr lines> <mac>
+
+``ENDED``: the rank's Python program reached its end (it may still be in
+``MPI_Finalize``); ``LEFT``: it exited 0 without reaching it (``os._exit(0)``).
 
 ``mac`` is an HMAC-SHA256 (first 128 bits) of the rest under a key ``mpxrun``
 draws for each job (``MPX_STATUS_KEY``). The supervisor removes the key from
@@ -34,8 +39,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["KINDS", "RankStatus", "format_status", "new_key", "parse_status"]
 
-KINDS = ("EXITED", "STACK")
-_LINE = re.compile(r"MPXRUN-RANK-(EXITED|STACK) (\d+) (-?\d+) ([A-Za-z0-9+/=]*) ([0-9a-f]{32})")
+KINDS = ("EXITED", "STACK", "ENDED", "LEFT")
+_LINE = re.compile(
+    r"MPXRUN-RANK-(EXITED|STACK|ENDED|LEFT) (\d+) (-?\d+) ([A-Za-z0-9+/=]*) ([0-9a-f]{32})"
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,11 @@ class RankStatus:
 
     Attributes:
         kind: ``"EXITED"`` (the program ended; ``value`` is its exit code,
-            negative for a signal) or ``"STACK"`` (the program's Python stack,
-            asked for by ``mpxrun``; ``value`` is its pid).
+            negative for a signal), ``"STACK"`` (the program's Python stack,
+            asked for by ``mpxrun``; ``value`` is its pid), ``"ENDED"`` (the
+            Python program reached its end, exiting with ``value``; the
+            process may still be finalizing MPI) or ``"LEFT"`` (it exited 0
+            without reaching its end).
         rank: the rank.
         value: the exit code or the pid.
         lines: the last lines of stderr, or the stack dump.
