@@ -89,8 +89,9 @@ LINGER_S = 0.05
 STACKS_WAIT_S = stacks.DUMP_WAIT_S + 1.0
 # After a rank left mid-program with exit code 0 (os._exit(0)), how long the
 # others have to end too before the job counts as failed: ranks that all
-# leave this way at the very end finish a moment apart.
-LEFT_WINDOW_S = 2.0
+# leave this way at the very end (a common way round exit-time aborts in
+# torch) finish a moment apart, seconds on a loaded machine.
+LEFT_WINDOW_S = 10.0
 # Exit code of a job that failed although every rank it heard from exited 0.
 EXIT_ENDED_EARLY = 1
 EXIT_USAGE = 2
