@@ -141,6 +141,35 @@ def test_uneven_finishing_that_is_work_still_succeeds(
     assert finished == [f"rank {r} finished" for r in range(nprocs)]
 
 
+# No MPI: nothing kills the others when one leaves without MPI_Finalize.
+LEAVE_AT_THE_END = textwrap.dedent(
+    """
+    import os, time
+    from mpx.launch import environment
+
+    env = environment()
+    time.sleep(env.rank)  # they leave 1 s apart
+    os.write(1, f"rank {env.rank} finished\\n".encode())
+    os._exit(0)  # as torch scripts do to skip exit-time aborts
+    """
+)
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_ranks_that_all_leave_with_os_exit_at_the_end_succeed(tmp_path: Path, nprocs: int) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text(LEAVE_AT_THE_END)
+    proc = subprocess.run(
+        [MPXRUN, "-n", str(nprocs), "--timeout", str(JOB_TIMEOUT_S), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S + 60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("finished") == nprocs
+
+
 TORCH_PROGRAM = textwrap.dedent(
     """
     import sys
