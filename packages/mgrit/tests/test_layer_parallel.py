@@ -92,6 +92,20 @@ def test_inexact_solves_improve_with_iterations() -> None:
     assert errs[0] > 1e-6  # the inexact solve is really inexact
 
 
+def test_f_cycles_solve_forward_and_adjoint_closer_than_v_cycles() -> None:
+    # Four levels: an F-cycle does more coarse work per iteration than a V-cycle, so the
+    # same iterations end closer to the serial network, forward and backward.
+    errs = {}
+    for cycle_type in ("V", "F"):
+        net = build(32, levels=4, cfactor=2, fwd_iters=2, bwd_iters=2, tol=0.0,
+                    cycle_type=cycle_type)  # fmt: skip
+        errs[cycle_type] = compare(net)
+    for key in ("output", "input_grad", "param_grads"):
+        assert errs["F"][key] < errs["V"][key], errs
+    net = build(32, levels=4, cfactor=2, fwd_iters=12, bwd_iters=12, tol=0.0, cycle_type="F")
+    assert max(compare(net).values()) <= 1e-12
+
+
 def test_replicated_layers_get_the_same_gradients_and_output_on_every_rank() -> None:
     net = build(12, levels=2, fwd_iters=2, bwd_iters=1)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

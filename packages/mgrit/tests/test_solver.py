@@ -37,7 +37,9 @@ def dahlquist(u: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
     return u_next
 
 
-def pymgrit_dahlquist(nt: int, levels: int, cfactor: int, nested: bool) -> np.ndarray:
+def pymgrit_dahlquist(
+    nt: int, levels: int, cfactor: int, nested: bool, cycle_type: str = "V"
+) -> np.ndarray:
     from pymgrit.core.mgrit import Mgrit
     from pymgrit.core.simple_setup_problem import simple_setup_problem
     from pymgrit.dahlquist.dahlquist import Dahlquist
@@ -50,6 +52,7 @@ def pymgrit_dahlquist(nt: int, levels: int, cfactor: int, nested: bool) -> np.nd
         tol=1e-10,
         max_iter=20,
         nested_iteration=nested,
+        cycle_type=cycle_type,
         comm_time=MPI.COMM_SELF,
         logging_lvl=30,
     )
@@ -136,6 +139,7 @@ def test_a_comm_of_another_kind_is_a_type_error() -> None:
         ({"nt": 64, "relax": "FC"}, ["relax", "'FC'"]),
         ({"nt": 64, "max_iters": 0}, ["max_iters", "0"]),
         ({"nt": 64, "fine_relax": "CF"}, ["fine_relax", "'CF'", '"FCF"']),
+        ({"nt": 64, "cycle_type": "W"}, ["cycle_type", "'W'", '"F"']),
         ({"nt": 64, "tol": -1.0}, ["tol=-1.0", ">= 0"]),
         ({"nt": 64, "tol": "1e-9"}, ["tol='1e-9'", "number"]),
     ],
@@ -294,6 +298,49 @@ def test_dahlquist_history_equals_pymgrit(
         assert f"{ref[-1]:.2e}" == "3.98e-12"
 
 
+# F-cycles differ from V-cycles from 3 levels on (with 2 the coarse level is the coarsest).
+F_CYCLE_CASES = [
+    (100, 3, 2, True),
+    (128, 4, 2, True),
+    (128, 4, 2, False),
+    (144, 3, 3, True),
+    (256, 5, 2, False),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("nt", "levels", "cfactor", "nested"), F_CYCLE_CASES)
+def test_dahlquist_f_cycle_history_equals_pymgrit(
+    nt: int, levels: int, cfactor: int, nested: bool
+) -> None:
+    ref_f = on_rank0(pymgrit_dahlquist, nt, levels, cfactor, nested, "F")
+    ref_v = on_rank0(pymgrit_dahlquist, nt, levels, cfactor, nested, "V")
+    histories = {}
+    for cycle_type in ("V", "F"):
+        for comm in (world(), self_comm()):
+            s = MGRIT(dahlquist, 0, 5, nt, comm=comm, levels=levels, cfactor=cfactor, tol=1e-10,
+                      max_iters=20, skip_downcycle=nested, cycle_type=cycle_type)  # fmt: skip
+            final = s.solve(torch.ones((), dtype=torch.float64))
+            torch.testing.assert_close(final, serial_dahlquist(nt)[-1], rtol=0, atol=1e-9)
+            histories[cycle_type, comm.size] = s.residuals
+        # Identical for any number of ranks.
+        assert histories[cycle_type, world().size] == histories[cycle_type, 1]
+    np.testing.assert_allclose(histories["F", 1], ref_f, rtol=1e-4)
+    np.testing.assert_allclose(histories["V", 1], ref_v, rtol=1e-4)
+    # A real F-cycle: its own history, and fewer iterations than the V-cycle.
+    assert len(ref_f) < len(ref_v)
+    assert len(histories["F", 1]) < len(histories["V", 1])
+
+
+def test_f_cycle_on_two_levels_is_the_v_cycle() -> None:
+    runs = []
+    for cycle_type in ("V", "F"):
+        s = MGRIT(dahlquist, 0, 5, 64, levels=2, cycle_type=cycle_type, comm=self_comm())
+        runs.append((s.solve(torch.ones((), dtype=torch.float64)), s.residuals))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+
+
 @pytest.mark.mpi
 def test_distributed_solution_equals_single_rank() -> None:
     comm = world()
@@ -319,7 +366,7 @@ def heat_rhs(x: np.ndarray, t: float) -> np.ndarray:
     return rhs
 
 
-def pymgrit_heat(levels: int) -> np.ndarray:
+def pymgrit_heat(levels: int, cycle_type: str = "V") -> np.ndarray:
     from pymgrit.core.mgrit import Mgrit
     from pymgrit.heat.heat_1d import Heat1D
 
@@ -328,7 +375,7 @@ def pymgrit_heat(levels: int) -> np.ndarray:
                rhs=heat_rhs, t_start=0, t_stop=HEAT_T, nt=HEAT_NT // 2**lvl + 1)
         for lvl in range(levels)
     ]  # fmt: skip
-    solver = Mgrit(problem=problem, cf_iter=1, cycle_type="V", nested_iteration=False,
+    solver = Mgrit(problem=problem, cf_iter=1, cycle_type=cycle_type, nested_iteration=False,
                    max_iter=10, comm_time=MPI.COMM_SELF, logging_lvl=30)  # fmt: skip
     return np.asarray(solver.solve()["conv"])
 
@@ -358,15 +405,21 @@ class HeatStep:
 
 
 @pytest.mark.mpi
-def test_heat_history_equals_pymgrit() -> None:
+@pytest.mark.parametrize("cycle_type", ["V", "F"])
+def test_heat_history_equals_pymgrit(cycle_type: str) -> None:
     levels = 5  # PyMGRIT's example hierarchy: 65, 33, 17, 9, 5 points
-    ref = on_rank0(pymgrit_heat, levels)
+    ref = on_rank0(pymgrit_heat, levels, cycle_type)
+    if cycle_type == "F":
+        # The F-cycle's history is its own (not the V-cycle's under another name).
+        other = on_rank0(pymgrit_heat, levels, "V")
+        assert len(ref) != len(other) or not np.allclose(ref, other, rtol=1e-2)
     step = HeatStep()
     u0 = torch.sin(np.pi * step.x)
     histories = []
     for comm in {world(), self_comm()}:
         s = MGRIT(step, 0, HEAT_T, HEAT_NT, comm=comm, levels=levels, cfactor=2, max_iters=10,
-                  tol=1e-7, skip_downcycle=False, vectorized=True)  # fmt: skip
+                  tol=1e-7, skip_downcycle=False, vectorized=True,
+                  cycle_type=cycle_type)  # fmt: skip
         final = s.solve(u0)
         histories.append(s.residuals)
     # Exact solution sin(pi x) cos(t), up to the discretisation error.

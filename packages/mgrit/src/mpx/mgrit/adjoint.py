@@ -84,6 +84,10 @@ class TimeStepper:
             different grids and stop at different residuals (torchbraid's
             ``max_fwd_levels``/``max_bwd_levels``, ``setFwdAbsTol``/``setBwdAbsTol``).
         fine_relax: relaxation of the fine level of both solves (default: ``relax``).
+        cycle_type: ``"V"`` or ``"F"`` cycles, both solves.
+        blocks: coarsest intervals per rank of the forward and of the adjoint grid, in
+            this communicator's rank order (default: :func:`shared_blocks`); a reversed
+            copy of another stepper's blocks puts its steps on the mirrored ranks.
 
     Example::
 
@@ -112,6 +116,8 @@ class TimeStepper:
         fwd_tol: float | None = None,
         bwd_tol: float | None = None,
         fine_relax: str | None = None,
+        cycle_type: str = "V",
+        blocks: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> None:
         self.phi, self.uses = phi, uses
         self.comm = as_communicator(comm)
@@ -121,14 +127,17 @@ class TimeStepper:
         tol = check_tol(tol, "tol")
         fwd_tol = check_tol(tol if fwd_tol is None else fwd_tol, "fwd_tol")
         bwd_tol = check_tol(tol if bwd_tol is None else bwd_tol, "bwd_tol")
-        blocks = shared_blocks(num_steps, cfactor, fwd_levels, bwd_levels, self.comm.size)
-        fwd_blocks, bwd_blocks = (None, None) if blocks is None else blocks
+        shared = shared_blocks(num_steps, cfactor, fwd_levels, bwd_levels, self.comm.size)
+        if blocks is not None:
+            shared = (list(blocks[0]), list(blocks[1]))
+        fwd_blocks, bwd_blocks = (None, None) if shared is None else shared
         opts: dict[str, Any] = {
             "cfactor": cfactor,
             "relax": relax,
             "nrelax": nrelax,
             "skip_downcycle": skip_downcycle,
             "fine_relax": fine_relax,
+            "cycle_type": cycle_type,
         }
         self.fwd = MGRIT(
             self._step, 0.0, Tf, num_steps, self.comm, levels=fwd_levels, max_iters=fwd_iters,

@@ -107,13 +107,13 @@ class LayerParallel(nn.Module):
         comm: the ranks that share the layers (default: all); an mpx Communicator or an
             mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels, cfactor: MGRIT grid levels and coarsening.
-        fwd_iters, bwd_iters: MGRIT V-cycles of the forward and adjoint solves.
+        fwd_iters, bwd_iters: MGRIT iterations (cycles) of the forward and adjoint solves.
         tol: stop either solve early below this residual.
         fwd_levels, bwd_levels: levels of the forward and of the adjoint solve
             (default: ``levels``; torchbraid's ``max_fwd_levels``/``max_bwd_levels``).
         fwd_tol, bwd_tol: the residual each solve stops at (default: ``tol``;
             torchbraid's ``setFwdAbsTol``/``setBwdAbsTol``).
-        relax, nrelax, skip_downcycle: as for :class:`~mpx.mgrit.MGRIT`.
+        relax, nrelax, skip_downcycle, cycle_type: as for :class:`~mpx.mgrit.MGRIT`.
         fine_relax: relaxation of the fine level only (default: ``relax``):
             torchbraid's ``fine_fcf=True`` is ``fine_relax="FCF"``.
 
@@ -145,6 +145,7 @@ class LayerParallel(nn.Module):
         fwd_tol: float | None = None,
         bwd_tol: float | None = None,
         fine_relax: str | None = None,
+        cycle_type: str = "V",
     ) -> None:
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
@@ -155,7 +156,7 @@ class LayerParallel(nn.Module):
             "levels": levels, "cfactor": cfactor, "fwd_iters": fwd_iters, "bwd_iters": bwd_iters,
             "tol": tol, "relax": relax, "nrelax": nrelax, "skip_downcycle": skip_downcycle,
             "fwd_levels": fwd_levels, "bwd_levels": bwd_levels, "fwd_tol": fwd_tol,
-            "bwd_tol": bwd_tol, "fine_relax": fine_relax,
+            "bwd_tol": bwd_tol, "fine_relax": fine_relax, "cycle_type": cycle_type,
         }  # fmt: skip
         self.stepper = TimeStepper(
             self._phi, self._uses, num_steps, Tf, comm=self.comm, **self.config

@@ -1,4 +1,4 @@
-"""MGRIT: multigrid reduction in time, FAS V-cycles, time points split across ranks.
+"""MGRIT: multigrid reduction in time, FAS V- and F-cycles, time points split across ranks.
 
 The problem is ``u_{i+1} = step(u_i, t_i, dt_i)`` for ``i = 0..nt-1`` with
 ``u_0`` given. MGRIT solves all time points at once: relaxation works on many
@@ -13,6 +13,12 @@ scheme, FAS). One V-cycle on level l (l = L-1 is the coarsest)::
     cycle(l+1)         (coarsest: sequential solve u_i = g_i + Phi(u_{i-1}))
     correct            u(C) += u_{l+1} - v
     F-relax            (overlapping the exchange, as above)
+
+An F-cycle (``cycle_type="F"``, PyMGRIT's) recurses with F-cycles and, on every
+level but the fine one, follows its final F-relaxation with a V-cycle on that
+level that skips the first F-relaxation; with 2 levels it is the V-cycle. It
+does more coarse work per iteration and converges in fewer iterations where the
+coarse levels are far from the coarsest.
 
 The residual is ``r_i = step(u_{i-1}) - u_i`` at fine C-points; its 2-norm over
 all C-points (each point's 2-norm, then the 2-norm of those) is what PyMGRIT
@@ -71,10 +77,11 @@ class MGRIT:
             mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels: grid levels (1 = a sequential solve).
         cfactor: coarsening factor, one int or one per coarsening.
-        max_iters: most V-cycles.
+        max_iters: most cycles (iterations).
         tol: stop when the C-point residual norm is below this.
         relax: ``"FCF"`` (F, then ``nrelax`` times C and F) or ``"F"``.
         nrelax: CF sweeps after the first F sweep (FCF only).
+        cycle_type: ``"V"`` or ``"F"`` (PyMGRIT's ``cycle_type``; see the module doc).
         fine_relax: the relaxation of the fine level only (``"F"`` or ``"FCF"``;
             default: ``relax``). torchbraid relaxes coarse levels with FCF and the
             fine level with F unless ``fine_fcf``: ``relax="FCF", fine_relax="F"``.
@@ -112,7 +119,12 @@ class MGRIT:
         blocks: Sequence[int] | None = None,
         float_times: bool = False,
         fine_relax: str | None = None,
+        cycle_type: str = "V",
     ) -> None:
+        if cycle_type not in ("V", "F"):
+            raise MGRITConfigError(
+                f'cycle_type must be "V" or "F" (as PyMGRIT names them), got {cycle_type!r}'
+            )
         if relax not in ("F", "FCF"):
             raise MGRITConfigError(f'relax must be "F" or "FCF", got {relax!r}')
         if fine_relax not in (None, "F", "FCF"):
@@ -137,6 +149,7 @@ class MGRIT:
         fine_ncf = self.ncf if fine_relax is None else (nrelax if fine_relax == "FCF" else 0)
         self.ncf_per_level = [fine_ncf] + [self.ncf] * (levels - 1)
         self.skip_downcycle = skip_downcycle
+        self.cycle_type = cycle_type
         self.vectorized = vectorized
         self.float_times = float_times
         self.neighbours = Neighbours(self.comm, self.layout.left, self.layout.right)
@@ -184,7 +197,7 @@ class MGRIT:
             self.timings["init"] = time.perf_counter() - start
             start = time.perf_counter()
             for it in range(self.max_iters):
-                self._cycle(0, first=it == 0)
+                self._cycle(0, first=it == 0, kind=self.cycle_type)
                 self.iterations = it + 1
                 self.residuals.append(self._residual())
                 if self.residuals[-1] < self.tol:
@@ -379,19 +392,24 @@ class MGRIT:
             out.append(x)
         return torch.stack(out) if out else x.new_zeros((0, *x.shape))
 
-    def _cycle(self, lvl: int, first: bool) -> None:
+    def _cycle(self, lvl: int, first: bool, kind: str = "V") -> None:
+        """One cycle on level ``lvl``; ``first``: begin with an F-relaxation (PyMGRIT's first_f)."""
         if lvl == self.num_levels - 1:
             self._coarsest(lvl)
             return
-        if lvl > 0 or first:
+        if first:
             self._f_relax(lvl)
         for _ in range(self.ncf_per_level[lvl]):
             self._c_relax(lvl)
             self._exchange_f_relax(lvl)
         self._restrict(lvl)
-        self._cycle(lvl + 1, first=True)
+        self._cycle(lvl + 1, first=True, kind=kind)
         self._correct(lvl)
         self._exchange_f_relax(lvl)
+        if kind == "F" and lvl > 0:
+            # The F-cycle's second visit: a V-cycle from the relaxed state (the exchange
+            # above already refreshed the ghost row, so no F-relaxation first).
+            self._cycle(lvl, first=False, kind="V")
 
     def _residual(self) -> float:
         """2-norm over fine C-points of ``step(u_{c-1}) - u_c``, the same on every rank."""
