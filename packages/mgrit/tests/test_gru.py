@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ def compare(gru: ParallelGRU, x: torch.Tensor, hx: torch.Tensor | None) -> dict[
     every step and at the end of every layer.
     """
     ref = nn.GRU(gru.input_size, gru.hidden_size, gru.num_layers, bias=gru.bias,
-                 batch_first=gru.batch_first).double()  # fmt: skip
+                 batch_first=gru.batch_first, bidirectional=gru.bidirectional).double()  # fmt: skip
     ref.load_state_dict(gru.state_dict())
     gru.zero_grad()
     xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -161,15 +162,15 @@ def test_coarse_step_is_stable_and_fine_step_is_the_cell() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"dropout": 0.5}, ["dropout=0.5", "nn.Dropout"]),
-        ({"bidirectional": True}, ["bidirectional=True", "flip"]),
+        ({"dropout": 1.5}, ["dropout=1.5", "[0, 1]"]),
+        ({"dropout": -0.1}, ["dropout=-0.1", "[0, 1]"]),
+        ({"dropout": "0.5"}, ["dropout='0.5'", "[0, 1]"]),
         ({"num_layers": 0}, ["num_layers=0"]),
         ({"fwd_levels": 0}, ["fwd_levels=0"]),
+        ({"cycle_type": "W"}, ["cycle_type", "'W'"]),
     ],
 )
-def test_unsupported_settings_name_the_value_and_the_fix(
-    kwargs: dict[str, Any], words: list[str]
-) -> None:
+def test_bad_settings_name_the_value_and_the_fix(kwargs: dict[str, Any], words: list[str]) -> None:
     with pytest.raises(MGRITConfigError) as info:
         ParallelGRU(3, 5, seq_len=T, **kwargs)
     for word in words:
@@ -184,9 +185,128 @@ def test_wrong_inputs_are_refused() -> None:
         gru(torch.zeros(2, T, 3), torch.zeros(1, 2, 5))
     with pytest.raises(MGRITConfigError, match="input_size=3"):
         gru(torch.zeros(2, T, 4))
-    free = ParallelGRU(3, 5, levels=3, cfactor=2)
-    with pytest.raises(MGRITConfigError, match="sequence length 10: nt=10"):
-        free(torch.zeros(10, 1, 3))
+    both = ParallelGRU(3, 5, 2, bidirectional=True, levels=1)
+    with pytest.raises(MGRITConfigError, match=r"\(2 \* num_layers, batch, hidden_size\) = \(4,"):
+        both(torch.zeros(T, 2, 3), torch.zeros(2, 2, 5))
+    with pytest.raises(MGRITConfigError, match="0 steps"):
+        both(torch.zeros(0, 2, 3))
+
+
+# -- bidirectional, any length, dropout: nn.GRU's arguments ------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "batch_first", "bidirectional", "levels", "cfactor", "seq_len"),
+    [
+        (1, False, True, 1, 2, 7),
+        (2, True, True, 2, 2, 23),  # 23 = 2 * 11 + 1: one identity step of padding
+        (3, False, True, 3, 2, 14),  # nt=14 was refused: not divisible by 2 * 2
+        (2, True, False, 3, 2, 30),  # the issue's nt=30
+        (1, False, False, 2, 4, 5),  # padded to 8: a coarse step half in the padding
+        (2, False, True, 2, [3], 3),  # one coarsest interval: other ranks hold nothing
+        (2, True, True, 2, 2, 1),
+    ],
+)
+def test_bidirectional_and_any_length_equal_torch_gru(
+    num_layers: int,
+    batch_first: bool,
+    bidirectional: bool,
+    levels: int,
+    cfactor: int | list[int],
+    seq_len: int,
+) -> None:
+    torch.manual_seed(0)
+    iters = (seq_len + 1) // 2 + 1  # enough for an exact solve: one per fine C-interval
+    gru = ParallelGRU(3, 5, num_layers, batch_first=batch_first, bidirectional=bidirectional,
+                      levels=levels, cfactor=cfactor, fwd_iters=iters, bwd_iters=iters,
+                      tol=0.0).double()  # fmt: skip
+    x = tensor(4, seq_len, 3, seed=1) if batch_first else tensor(seq_len, 4, 3, seed=1)
+    hx = tensor(num_layers * (2 if bidirectional else 1), 4, 5, seed=2)
+    errs = compare(gru, x, hx)
+    assert max(errs.values()) <= 1e-12, errs
+    if bidirectional:
+        assert any(name.endswith("_reverse") for name in errs)
+
+
+def test_padding_is_the_next_multiple_of_the_coarsest_interval() -> None:
+    gru = ParallelGRU(3, 5, levels=3, cfactor=2)
+    assert [gru.padded_length(n) for n in (1, 4, 29, 30, 32)] == [4, 4, 32, 32, 32]
+    both = ParallelGRU(3, 5, cfactor=[2, 3], fwd_levels=2, bwd_levels=3)
+    assert both.padded_length(7) == 12  # whole coarsest intervals of both grids: lcm(2, 6)
+
+
+def test_bidirectional_ragged_error_falls_as_iterations_grow() -> None:
+    # 18 steps padded to 20, 3 levels: every added iteration brings output, h_n and every
+    # gradient closer to nn.GRU, down to rounding.
+    worst, output = [], []
+    for iters in (1, 2, 3, 4, 10):
+        torch.manual_seed(0)
+        gru = ParallelGRU(3, 5, 2, bidirectional=True, levels=3, fwd_iters=iters,
+                          bwd_iters=iters, tol=0.0).double()  # fmt: skip
+        errs = compare(gru, tensor(18, 4, 3, seed=1), None)
+        worst.append(max(errs.values()))
+        output.append(errs["output"])
+    assert all(b < a for a, b in itertools.pairwise(worst)), worst
+    assert all(b < a for a, b in itertools.pairwise(output)), output
+    assert worst[3] > 1e-6  # four iterations: really inexact
+    assert worst[-1] <= 1e-12
+    grads = [p.grad for p in gru.parameters()]
+    for other in world().mpi.allgather(grads):
+        for a, b in zip(grads, other, strict=True):
+            assert a is not None
+            assert b is not None
+            assert torch.equal(a, b)
+
+
+def test_tolerance_stops_the_solves_close_to_torch_gru() -> None:
+    torch.manual_seed(0)
+    gru = ParallelGRU(3, 5, 2, bidirectional=True, batch_first=True, levels=3, fwd_iters=40,
+                      bwd_iters=40, tol=1e-10).double()  # fmt: skip
+    errs = compare(gru, tensor(4, 21, 3, seed=1), tensor(4, 4, 5, seed=2))
+    fwd, bwd = gru.fwd_stats(), gru.bwd_stats()
+    assert isinstance(fwd["iterations"], int)
+    assert isinstance(bwd["iterations"], int)
+    assert fwd["iterations"] < 40  # stopped by the tolerance, not by the iterations
+    assert bwd["iterations"] < 40
+    assert max(errs.values()) <= 1e-8, errs
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("p", [0.3, 1.0])
+def test_dropout_between_layers_is_torch_grus_under_the_same_seed(
+    bidirectional: bool, p: float
+) -> None:
+    torch.manual_seed(0)
+    gru = ParallelGRU(3, 5, 3, dropout=p, bidirectional=bidirectional, levels=2, fwd_iters=8,
+                      bwd_iters=8, tol=0.0).double()  # fmt: skip
+    ref = nn.GRU(3, 5, 3, dropout=p, bidirectional=bidirectional).double()
+    ref.load_state_dict(gru.state_dict())
+    x = tensor(13, 4, 3, seed=1)
+    runs = []
+    for module in (gru, ref):
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(7)  # the same masks on every rank and for both modules
+        out, h_n = module(xi)
+        (out.square().sum() + h_n.sum()).backward()
+        assert xi.grad is not None
+        runs.append([out, h_n, xi.grad, *(q.grad for q in module.parameters())])
+    for a, b in zip(*runs, strict=True):
+        assert a is not None
+        assert b is not None
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # The masks did act (this is not the dropout-free network) ...
+    torch.manual_seed(7)
+    plain = nn.GRU(3, 5, 3, bidirectional=bidirectional).double()
+    plain.load_state_dict(gru.state_dict())
+    assert (plain(x)[0] - runs[0][0]).abs().max() > 1e-3
+    # ... and only in training mode.
+    gru.eval()
+    torch.testing.assert_close(gru(x)[0], plain(x)[0], rtol=0, atol=1e-12)
+
+
+def test_dropout_with_one_layer_warns_as_torch_gru_does() -> None:
+    with pytest.warns(UserWarning, match="num_layers=1"):
+        ParallelGRU(3, 5, 1, dropout=0.2)
 
 
 def test_two_sequences_before_one_backward() -> None:

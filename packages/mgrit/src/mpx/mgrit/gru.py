@@ -21,6 +21,27 @@ the same block, so only the last layer's states are gathered (the output)::
     layer 0:   rank 0         rank 1        rank 2       -> states stay on their rank
     layer 1:   rank 0         rank 1        rank 2       -> output gathered, h_n broadcast
 
+**Any length.** The grid needs whole coarsest intervals (every coarse point is a
+fine point), so a sequence of T steps is padded to P, the next multiple of the
+coarsest interval, with *identity* steps at positions T..P-1. An identity step is
+exact on every level (a coarse step over padding only is the identity too, and
+one that reaches into the padding steps only over its real part), so the
+converged solve is still the serial loop and the padding costs P - T cheap steps
+instead of a ragged last window, which would need a non-uniform coarse grid and
+a second kind of coarse step.
+
+**Bidirectional.** The reverse direction reads position ``P - 1 - j`` at its step
+``j``, on a solver whose ranks run in reverse order (the adjoint's
+communicator): its block of positions on each rank is the forward direction's,
+so the next layer's input (both directions concatenated) never crosses ranks.
+Its padding comes first in its own time, so its final state is ``h`` after x_0.
+
+**Dropout** between layers (training only) multiplies each layer's output but
+the last by a mask drawn for the whole ``(T, batch, features)`` output on every
+rank from torch's default generator, as ``torch.nn.GRU`` draws it: under the
+same seed on every rank the masks are nn.GRU's, and each rank applies its block's
+rows.
+
 The weights are replicated (broadcast from rank 0 at construction); their
 gradients, and the input's, are summed over ranks, so every rank ends with the
 same gradients. The adjoint of a loss of every output step is an MGRIT solve
@@ -29,6 +50,8 @@ with a source term (:meth:`mpx.mgrit.adjoint.TimeStepper.adjoint`).
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,8 +60,9 @@ from torch import nn
 
 from mpx.collectives import Communicator, allgather, allreduce, broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
-from mpx.mgrit.adjoint import TimeStepper
+from mpx.mgrit.adjoint import TimeStepper, _levels_arg
 from mpx.mgrit.errors import MGRITConfigError
+from mpx.mgrit.grid import Layout, coarsening_factors
 
 __all__ = ["ParallelGRU", "gru_step"]
 
@@ -82,35 +106,105 @@ def _int_arg(value: int, name: str) -> int:
     return value
 
 
+def _owner(layout: Layout, step: int) -> int:
+    """The rank (of the layout's communicator) whose block holds fine step ``step``."""
+    span = layout.nt // sum(layout.blocks)
+    start = 0
+    for rank, blocks in enumerate(layout.blocks):
+        if start <= step < start + blocks * span:
+            return rank
+        start += blocks * span
+    raise AssertionError(f"step {step} is outside the grid of {layout.nt} steps")
+
+
+class _Direction:
+    """One direction of a sequence length's grid: its solver and the position each step reads.
+
+    Step ``k`` of the forward direction reads position ``k``; step ``j`` of the
+    reverse one reads position ``P - 1 - j``. Steps that read no position (the
+    padding: steps outside ``[lo, hi)``) are the identity.
+    """
+
+    def __init__(
+        self,
+        reverse: bool,
+        length: int,
+        padded: int,
+        comm: Communicator,
+        blocks: tuple[Sequence[int], Sequence[int]] | None,
+        config: dict[str, Any],
+    ) -> None:
+        self.reverse, self.length, self.padded = reverse, length, padded
+        self.lo, self.hi = (padded - length, padded) if reverse else (0, length)
+        # What the steps read while a solve runs: the layer's weights, its inputs and
+        # the position of the inputs' first row; set around every solve.
+        self.current: tuple[Weights, torch.Tensor, int] | None = None
+        self.stepper = TimeStepper(
+            self.phi, lambda k: [], padded, float(padded), comm=comm, skip_downcycle=True,
+            blocks=blocks, **config,
+        )  # fmt: skip
+
+    def position(self, step: int) -> int:
+        return self.padded - 1 - step if self.reverse else step
+
+    def phi(self, k: int, h: torch.Tensor, dt: float) -> torch.Tensor:
+        # A coarse step over [k, k + dt) steps only over its real part, with the gates
+        # of its first real position (the padding adds nothing).
+        a, b = max(k, self.lo), min(k + round(dt), self.hi)
+        if b <= a:
+            return h.clone()
+        assert self.current is not None
+        weights, inputs, offset = self.current
+        return gru_step(weights, inputs[self.position(a) - offset], h, float(b - a))
+
+    def real_steps(self) -> range:
+        """This rank's steps that read a position, in step order."""
+        own = self.stepper.owned_steps()
+        start = max(own.start, self.lo)
+        return range(start, max(start, min(own.stop, self.hi)))
+
+    def rows(self, steps: range, offset: int) -> tuple[int, int]:
+        """The rows ``[a, b)`` of inputs (first row at position ``offset``) that ``steps`` read.
+
+        Forward in step order; reverse in reversed step order (flip them).
+        """
+        if self.reverse:
+            return self.padded - steps.stop - offset, self.padded - steps.start - offset
+        return steps.start - offset, steps.stop - offset
+
+
 class ParallelGRU(nn.Module):
     """:class:`torch.nn.GRU` with the time steps of the sequence split over ranks.
 
     Args:
-        input_size, hidden_size, num_layers, bias, batch_first: as for
-            :class:`torch.nn.GRU`; the parameters have its names (``weight_ih_l0``...),
-            so state dicts load both ways, and under the same seed the weights are
-            the ones ``torch.nn.GRU`` draws.
-        dropout, bidirectional: only 0.0 and False (an error says what to do instead).
-        seq_len: if given, every input must have this length (else any length
-            that the grid allows: a multiple of the coarsening factors' product).
+        input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional:
+            as for :class:`torch.nn.GRU`; the parameters have its names
+            (``weight_ih_l0``, ``..._reverse``), so state dicts load both ways, and
+            under the same seed the weights are the ones ``torch.nn.GRU`` draws.
+            ``dropout`` acts on the outputs of every layer but the last, in training
+            mode only; under the same seed on every rank its masks are nn.GRU's.
+        seq_len: if given, every input must have this length (else any length;
+            lengths that are no multiple of the coarsest interval are padded with
+            identity steps, see the module doc).
         comm: the ranks that share the sequence (default: all); an mpx Communicator or an
             mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
         levels, cfactor, fwd_iters, bwd_iters, tol, relax, nrelax: MGRIT settings,
             as for :class:`~mpx.mgrit.LayerParallel` (as are fwd_levels, bwd_levels,
-            fwd_tol, bwd_tol and fine_relax).
+            fwd_tol, bwd_tol, fine_relax and cycle_type).
 
     ``forward(input, hx=None)`` takes the whole sequence on every rank, ``(T, B, in)``
     (``(B, T, in)`` with ``batch_first``, or ``(T, in)`` unbatched) and ``hx`` of shape
-    ``(num_layers, B, hidden)``, and returns ``(output, h_n)`` on every rank: the
-    last layer's state at every step and every layer's final state, as
-    ``torch.nn.GRU`` does. Converged (``levels=1``, or enough iterations) it is
-    ``torch.nn.GRU`` to rounding.
+    ``(D * num_layers, B, hidden)`` (D = 2 if bidirectional else 1), and returns
+    ``(output, h_n)`` on every rank: the last layer's state at every step
+    (``D * hidden`` features, the reverse direction's second) and every layer's and
+    direction's final state, as ``torch.nn.GRU`` does. Converged (``levels=1``, or
+    enough iterations) it is ``torch.nn.GRU`` to rounding.
 
     Example::
 
-        gru = ParallelGRU(3, 8, num_layers=2, batch_first=True, levels=2, cfactor=4,
-                          fwd_iters=3, bwd_iters=3)
-        output, h_n = gru(torch.randn(5, 64, 3))      # (5, 64, 8), (2, 5, 8)
+        gru = ParallelGRU(3, 8, num_layers=2, batch_first=True, bidirectional=True,
+                          levels=2, cfactor=4, fwd_iters=3, bwd_iters=3)
+        output, h_n = gru(torch.randn(5, 63, 3))      # (5, 63, 16), (4, 5, 8)
         output.sum().backward()
     """
 
@@ -138,29 +232,34 @@ class ParallelGRU(nn.Module):
         fwd_tol: float | None = None,
         bwd_tol: float | None = None,
         fine_relax: str | None = None,
+        cycle_type: str = "V",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if dropout != 0.0:
+        drop: object = dropout  # checked as any value, as nn.GRU does
+        if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop <= 1:
             raise MGRITConfigError(
-                f"ParallelGRU has no dropout between layers, got dropout={dropout!r}; use "
-                "dropout=0.0 and stack single-layer ParallelGRUs with nn.Dropout between them"
-            )
-        if bidirectional:
-            raise MGRITConfigError(
-                "ParallelGRU is not bidirectional, got bidirectional=True; run a second "
-                "ParallelGRU on input.flip(time dim) and concatenate the outputs"
+                f"dropout must be a number in [0, 1] (the probability of zeroing an element "
+                f"of a layer's output), got dropout={dropout!r}"
             )
         self.input_size = _int_arg(input_size, "input_size")
         self.hidden_size = _int_arg(hidden_size, "hidden_size")
         self.num_layers = _int_arg(num_layers, "num_layers")
+        if dropout > 0 and self.num_layers == 1:
+            warnings.warn(
+                f"ParallelGRU: dropout={dropout} acts between layers only (as torch.nn.GRU's), "
+                "so with num_layers=1 it does nothing; use num_layers > 1 or dropout=0",
+                UserWarning,
+                stacklevel=2,
+            )
         self.seq_len = None if seq_len is None else _int_arg(seq_len, "seq_len")
         self.bias, self.batch_first = bool(bias), bool(batch_first)
-        self.dropout, self.bidirectional = 0.0, False
+        self.dropout, self.bidirectional = float(dropout), bool(bidirectional)
         self.comm = as_communicator(comm)
         # torch.nn.GRU's own parameters and initialisation, under its names.
-        template = nn.GRU(input_size, hidden_size, num_layers, bias=bias, device=device,
+        template = nn.GRU(input_size, hidden_size, num_layers, bias=bias,
+                          bidirectional=self.bidirectional, device=device,
                           dtype=dtype)  # fmt: skip
         self._names = [name for name, _ in template.named_parameters()]
         for name, p in template.named_parameters():
@@ -174,43 +273,55 @@ class ParallelGRU(nn.Module):
             "levels": levels, "cfactor": cfactor, "fwd_iters": fwd_iters, "bwd_iters": bwd_iters,
             "tol": tol, "relax": relax, "nrelax": nrelax, "fwd_levels": fwd_levels,
             "bwd_levels": bwd_levels, "fwd_tol": fwd_tol, "bwd_tol": bwd_tol,
-            "fine_relax": fine_relax,
+            "fine_relax": fine_relax, "cycle_type": cycle_type,
         }  # fmt: skip
-        self._steppers: dict[int, TimeStepper] = {}
-        # What the step of the layer being solved reads: its weights and its inputs
-        # (x_k is inputs[k - offset]); set before every solve, forward and adjoint.
-        self._layer: tuple[Weights, torch.Tensor, int] | None = None
+        self._unit = self._coarsest_interval()
+        self._grids: dict[int, list[_Direction]] = {}
+        self._last: list[_Direction] | None = None
         if self.seq_len is not None:
-            self._stepper(self.seq_len)
+            self._grid(self.seq_len)
 
     def flatten_parameters(self) -> None:
         """Nothing to do (torch.nn.GRU's cuDNN layout hook, kept for drop-in use)."""
 
-    def layer_weights(self, layer: int) -> Weights:
+    def layer_weights(self, layer: int, reverse: bool = False) -> Weights:
         """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of ``layer`` (biases None without bias)."""
-        get = self._parameters.get
-        w_ih, w_hh = get(f"weight_ih_l{layer}"), get(f"weight_hh_l{layer}")
+        get, tail = self._parameters.get, "_reverse" if reverse else ""
+        w_ih, w_hh = get(f"weight_ih_l{layer}{tail}"), get(f"weight_hh_l{layer}{tail}")
         assert w_ih is not None
         assert w_hh is not None
-        return w_ih, w_hh, get(f"bias_ih_l{layer}"), get(f"bias_hh_l{layer}")
+        return w_ih, w_hh, get(f"bias_ih_l{layer}{tail}"), get(f"bias_hh_l{layer}{tail}")
 
-    def _stepper(self, seq_len: int) -> TimeStepper:
-        stepper = self._steppers.get(seq_len)
-        if stepper is None:
+    def padded_length(self, seq_len: int) -> int:
+        """The grid's length for a sequence of ``seq_len`` steps (padded with identity steps)."""
+        return -(-seq_len // self._unit) * self._unit
+
+    def _coarsest_interval(self) -> int:
+        """Fine steps per coarsest interval of both grids (their least common multiple)."""
+        spans = []
+        for key in ("fwd_levels", "bwd_levels"):
+            name = key if self.config[key] is not None else "levels"
+            levels = _levels_arg(self.config[name], name)
+            spans.append(math.prod(coarsening_factors(self.config["cfactor"], levels)))
+        return math.lcm(*spans)
+
+    def _grid(self, seq_len: int) -> list[_Direction]:
+        grid = self._grids.get(seq_len)
+        if grid is None:
+            padded = self.padded_length(seq_len)
             try:
-                stepper = TimeStepper(
-                    self._phi, lambda k: [], seq_len, float(seq_len), comm=self.comm,
-                    skip_downcycle=True, **self.config,
-                )  # fmt: skip
+                forward = _Direction(False, seq_len, padded, self.comm, None, self.config)
+                grid = [forward]
+                if self.bidirectional:
+                    # The reverse direction on the adjoint's reversed ranks, blocks mirrored:
+                    # each rank holds the same positions in both directions.
+                    fs = forward.stepper
+                    blocks = (fs.fwd.layout.blocks[::-1], fs.bwd.layout.blocks)
+                    grid.append(_Direction(True, seq_len, padded, fs.rcomm, blocks, self.config))
             except MGRITConfigError as err:
                 raise MGRITConfigError(f"sequence length {seq_len}: {err}") from err
-            self._steppers[seq_len] = stepper
-        return stepper
-
-    def _phi(self, k: int, h: torch.Tensor, dt: float) -> torch.Tensor:
-        assert self._layer is not None
-        weights, inputs, offset = self._layer
-        return gru_step(weights, inputs[k - offset], h, dt)
+            self._grids[seq_len] = grid
+        return grid
 
     def forward(
         self, input: torch.Tensor, hx: torch.Tensor | None = None
@@ -227,39 +338,65 @@ class ParallelGRU(nn.Module):
         if batched and self.batch_first:
             x = x.transpose(0, 1)  # time-major inside: (T, B, in)
         seq_len, batch = x.shape[0], x.shape[1]
-        if self.seq_len is not None and seq_len != self.seq_len:
+        if seq_len == 0 or (self.seq_len is not None and seq_len != self.seq_len):
+            want = "at least 1" if self.seq_len is None else str(self.seq_len)
             raise MGRITConfigError(
                 f"ParallelGRU was built for seq_len={self.seq_len}, got a sequence of "
-                f"{seq_len} steps; pass sequences of {self.seq_len} steps or build it "
-                "without seq_len"
+                f"{seq_len} steps; pass sequences of {want} steps"
+                + ("" if self.seq_len is None else " or build it without seq_len")
             )
-        shape = (self.num_layers, batch, self.hidden_size)
+        dirs = 2 if self.bidirectional else 1
+        shape = (self.num_layers * dirs, batch, self.hidden_size)
         if hx is None:
             hx = x.new_zeros(shape)
         elif not batched:
             hx = hx.unsqueeze(1)
         if tuple(hx.shape) != shape:
+            what = "2 * num_layers" if self.bidirectional else "num_layers"
             raise MGRITConfigError(
-                f"hx must have shape (num_layers, batch, hidden_size) = {shape}, "
-                f"got {tuple(hx.shape)}"
+                f"hx must have shape ({what}, batch, hidden_size) = {shape}, got {tuple(hx.shape)}"
             )
-        stepper = self._stepper(seq_len)
+        grid = self._grid(seq_len)
+        self._last = grid
         inputs: torch.Tensor = x
         offset: int | None = None
         finals = []
         for layer in range(self.num_layers):
-            weights = self.layer_weights(layer)
-            params = [w for w in weights if w is not None]
-            block, h_last = _Layer.apply(  # type: ignore[no-untyped-call]
-                self, stepper, weights, inputs, offset, hx[layer], *params
-            )
-            inputs, offset = block, stepper.first
-            finals.append(h_last)
-        output: torch.Tensor = _Gather.apply(stepper, inputs)  # type: ignore[no-untyped-call]
+            outs = []
+            for d, direction in enumerate(grid):
+                weights = self.layer_weights(layer, direction.reverse)
+                params = [w for w in weights if w is not None]
+                block, h_last = _Layer.apply(  # type: ignore[no-untyped-call]
+                    direction, weights, inputs, offset, hx[layer * dirs + d], *params
+                )
+                # The reverse direction's rows run backwards in position.
+                outs.append(block.flip(0) if direction.reverse else block)
+                finals.append(h_last)
+            inputs = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
+            if self.training and self.dropout > 0 and layer < self.num_layers - 1:
+                inputs = self._drop(inputs, grid[0].stepper.first, seq_len)
+            offset = grid[0].stepper.first
+        stepper = grid[0].stepper
+        gathered: torch.Tensor = _Gather.apply(stepper, inputs)  # type: ignore[no-untyped-call]
+        output = gathered[:seq_len]
         h_n = torch.stack(finals)
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
         return (output.transpose(0, 1) if self.batch_first else output), h_n
+
+    def _drop(self, block: torch.Tensor, first: int, seq_len: int) -> torch.Tensor:
+        """Dropout on this rank's rows (positions ``first...``) of a layer's output.
+
+        The mask is drawn for the whole output, as torch.nn.GRU draws it (the same
+        calls on the default generator), and every rank draws it, so the generator
+        stays in step across ranks and layers.
+        """
+        p = self.dropout
+        if p == 1:
+            return block * block.new_zeros(())
+        noise = block.new_empty((seq_len, *block.shape[1:])).bernoulli_(1 - p).div_(1 - p)
+        real = max(0, min(block.shape[0], seq_len - first))  # rows past T are padding
+        return torch.cat([block[:real] * noise[first : first + real], block[real:]])
 
     def fwd_stats(self) -> dict[str, object]:
         """Iterations and residual history of the last forward solve (the last layer's)."""
@@ -272,9 +409,10 @@ class ParallelGRU(nn.Module):
         return {"iterations": bwd.iterations, "residuals": bwd.residuals}
 
     def _last_stepper(self) -> TimeStepper:
-        if not self._steppers:
+        """The forward direction's solver of the last sequence length run."""
+        if self._last is None:
             raise MGRITConfigError("no sequence was solved yet; call the module first")
-        return next(reversed(self._steppers.values()))
+        return self._last[0].stepper
 
 
 def _sum_over_ranks(tensors: list[torch.Tensor], comm: Communicator) -> list[torch.Tensor]:
@@ -287,20 +425,30 @@ def _sum_over_ranks(tensors: list[torch.Tensor], comm: Communicator) -> list[tor
     return [part.view_as(t) for part, t in zip(parts, tensors, strict=True)]
 
 
+def _from_owner(row: torch.Tensor | None, like: torch.Tensor, root: int, comm: Communicator) -> Any:
+    """``row`` of rank ``root`` on every rank (``like`` gives the shape elsewhere)."""
+    if comm.size == 1:
+        assert row is not None
+        return row.clone()
+    src = row if comm.rank == root and row is not None else torch.zeros_like(like)
+    buf = src.detach().to("cpu", copy=True).contiguous()
+    broadcast(buf, root, comm=comm)
+    return buf.to(like.device)
+
+
 class _Layer(torch.autograd.Function):
-    """One GRU layer over the sequence: this rank's states and the final state, with the adjoint.
+    """One direction of one GRU layer: this rank's states and the final state, with the adjoint.
 
     ``inputs`` is the whole sequence (layer 0, replicated on every rank: ``offset``
-    None) or this rank's block of the previous layer's states (``offset`` = the
-    block's first step). Which one is said, not guessed from shapes: a rank whose
-    block is the whole sequence must still sum the input gradient with the others.
+    None) or this rank's block of the previous layer's output (``offset`` = the
+    position of its first row). Which one is said, not guessed from shapes: a rank
+    whose block is the whole sequence must still sum the input gradient with the others.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
-        gru: ParallelGRU,
-        stepper: TimeStepper,
+        direction: _Direction,
         weights: Weights,
         inputs: torch.Tensor,
         offset: int | None,
@@ -309,34 +457,49 @@ class _Layer(torch.autograd.Function):
     ) -> Any:
         ctx.replicated = offset is None
         offset = 0 if offset is None else offset
-        gru._layer = (weights, inputs.detach(), offset)
+        stepper = direction.stepper
+        direction.current = (weights, inputs.detach(), offset)
         try:
-            h_last, states = stepper.forward(h0)
+            x_end, states = stepper.forward(h0)
         finally:
-            gru._layer = None
-        ctx.gru, ctx.stepper, ctx.weights, ctx.offset = gru, stepper, weights, offset
+            direction.current = None
+        # The final state is after the last real step: the end of the grid, or (forward
+        # direction, padded) point T, broadcast by the rank that holds it.
+        final = direction.hi
+        if final == stepper.N:
+            h_last = x_end
+        else:
+            root = _owner(stepper.fwd.layout, final - 1)
+            mine = states[final - stepper.first] if stepper.comm.rank == root else None
+            h_last = _from_owner(mine, h0, root, stepper.comm)
+        ctx.direction, ctx.weights, ctx.offset = direction, weights, offset
         ctx.save_for_backward(inputs.detach(), states)
         return states[1:].clone(), h_last
 
     @staticmethod
     def backward(ctx: Any, g_block: torch.Tensor | None, g_last: torch.Tensor | None) -> Any:
-        gru: ParallelGRU = ctx.gru
-        stepper: TimeStepper = ctx.stepper
+        direction: _Direction = ctx.direction
+        stepper = direction.stepper
+        comm = stepper.comm
         inputs, states = ctx.saved_tensors
         forcing = torch.zeros_like(states[1:]) if g_block is None else g_block.clone()
-        if g_last is not None and stepper.comm.rank == stepper.fwd.layout.last_rank:
-            forcing[-1] += g_last  # h_T is this rank's last point
-        gru._layer = (ctx.weights, inputs, ctx.offset)
+        final = direction.hi
+        if g_last is not None and comm.rank == _owner(stepper.fwd.layout, final - 1):
+            forcing[final - 1 - stepper.first] += g_last  # this rank holds the final state
+        direction.current = (ctx.weights, inputs, ctx.offset)
         try:
             lam_next = stepper.adjoint(states, forcing)
         finally:
-            gru._layer = None
-        # The final fine sweep, all of this rank's steps in one batched cell call.
-        steps = stepper.owned_steps()
+            direction.current = None
+        # The final fine sweep over this rank's real steps, in one batched cell call;
+        # padding steps are the identity and touch no weight.
+        steps = direction.real_steps()
+        rows = slice(steps.start - stepper.first, steps.stop - stepper.first)
+        a, b = direction.rows(steps, ctx.offset)
         params = [w for w in ctx.weights if w is not None]
         with torch.enable_grad():
-            h = states[:-1].detach().requires_grad_(True)
-            x = inputs[steps.start - ctx.offset : steps.stop - ctx.offset]
+            h = states[rows].detach().requires_grad_(True)
+            x = inputs[a:b].flip(0) if direction.reverse else inputs[a:b]
             x = x.detach().requires_grad_(True)
             n, batch = h.shape[0], h.shape[1:-1].numel()
             weights = tuple(w.detach().requires_grad_(True) if w is not None else None
@@ -344,30 +507,27 @@ class _Layer(torch.autograd.Function):
             flat_x, flat_h = x.reshape(n * batch, x.shape[-1]), h.reshape(n * batch, h.shape[-1])
             out = gru_step(weights, flat_x, flat_h, 1.0)  # type: ignore[arg-type]
             leaves = [h, x, *(w for w in weights if w is not None)]
-            got = torch.autograd.grad(out, leaves, lam_next.reshape_as(out), allow_unused=True)
-        g_h = got[0]
+            got = torch.autograd.grad(
+                out, leaves, lam_next[rows].reshape_as(out), allow_unused=True
+            )
         g_params = [
             torch.zeros_like(p) if g is None else g for g, p in zip(got[2:], params, strict=True)
         ]
-        comm = stepper.comm
-        g_h0 = g_h[0] if steps.start == 0 and n > 0 else torch.zeros_like(states[0])
-        if comm.size > 1:
-            buf = g_h0.detach().to("cpu", copy=True).contiguous()
-            broadcast(buf, stepper.fwd.layout.first_rank, comm=comm)
-            g_h0 = buf.to(states.device)
+        # dL/dh0 is the gradient at the first real step's state (padding before it in the
+        # reverse direction is the identity), held by that step's rank.
+        root = _owner(stepper.fwd.layout, direction.lo)
+        mine = got[0][0] if steps.start == direction.lo and n > 0 and got[0] is not None else None
+        g_h0 = _from_owner(mine, states[0], root, comm)
         g_inputs = None
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[2]:
             part = torch.zeros_like(x) if got[1] is None else got[1].view_as(x)
-            g_inputs = part if not ctx.replicated else _scatter_sum(part, inputs, steps, comm)
+            g_inputs = torch.zeros_like(inputs)
+            g_inputs[a:b] = part.flip(0) if direction.reverse else part
+            if ctx.replicated:
+                # The whole sequence on every rank: each rank's rows, summed over ranks.
+                g_inputs = _sum_over_ranks([g_inputs], comm)[0]
         g_params = _sum_over_ranks(g_params, comm)
-        return (None, None, None, g_inputs, None, g_h0, *g_params)
-
-
-def _scatter_sum(part: torch.Tensor, like: torch.Tensor, steps: range, comm: Communicator) -> Any:
-    """The gradient of the whole (replicated) sequence: each rank's steps, summed over ranks."""
-    full = torch.zeros_like(like)
-    full[steps.start : steps.stop] = part
-    return _sum_over_ranks([full], comm)[0]
+        return (None, None, g_inputs, None, g_h0, *g_params)
 
 
 class _Gather(torch.autograd.Function):
