@@ -460,12 +460,30 @@ def plot(history: History, path: str, title: str) -> None:
     axes[1].plot(epochs, [100 * a for a in history.accuracy], marker="o", color="tab:green")
     axes[1].set(xlabel="epoch", ylabel="test accuracy (%)")
     if panels == 3:
+        # One curve per epoch (the last batch's forward solve): a family, so coloured by
+        # epoch with a colour bar instead of ~20 legend entries; iterations are integers.
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+        from matplotlib.ticker import MaxNLocator
+
+        cmap = plt.get_cmap("viridis")
+        norm = Normalize(vmin=1, vmax=max(2, len(history.residuals)))
         for i, res in enumerate(history.residuals):
             if res:
                 axes[2].semilogy(
-                    range(1, len(res) + 1), res, alpha=0.3 + 0.7 * i / len(history.residuals)
+                    range(1, len(res) + 1), res, marker="o", color=cmap(norm(i + 1)), alpha=0.8
                 )
-        axes[2].set(xlabel="MGRIT iteration", ylabel="forward residual (per epoch)")
+        axes[2].set_xlim(0.5, max(len(res) for res in history.residuals) + 0.5)
+        axes[2].xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        axes[2].set(
+            xlabel="MGRIT iteration",
+            ylabel="forward C-point residual",
+            title="last batch of each epoch",
+        )
+        bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes[2], pad=0.02)
+        bar.set_label("epoch")
+        bar.locator = MaxNLocator(integer=True)
+        bar.update_ticks()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -21,7 +21,6 @@ import argparse
 import time
 
 import matplotlib
-import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -121,18 +120,30 @@ def main() -> None:
 
 
 def plot(history: list[tuple[list[float], list[float]]], path: str) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
-    colours = plt.get_cmap("viridis")(np.linspace(0, 1, len(history)))
-    for epoch, ((fwd, bwd), colour) in enumerate(zip(history, colours, strict=True)):
-        label = f"epoch {epoch + 1}" if epoch in (0, len(history) - 1) else None
-        axes[0].semilogy(range(1, len(fwd) + 1), fwd, "o-", color=colour, label=label)
-        axes[1].semilogy(range(1, len(bwd) + 1), bwd, "o-", color=colour, label=label)
-    for ax, title in zip(axes, ("forward MGRIT", "adjoint MGRIT"), strict=True):
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.5), sharey=True)
+    # One curve per epoch: a family, coloured by epoch and named by the colour bar.
+    cmap = plt.get_cmap("viridis")
+    norm = Normalize(vmin=1, vmax=max(2, len(history)))
+    for epoch, (fwd, bwd) in enumerate(history):
+        colour = cmap(norm(epoch + 1))
+        axes[0].semilogy(range(1, len(fwd) + 1), fwd, "o-", color=colour)
+        axes[1].semilogy(range(1, len(bwd) + 1), bwd, "o-", color=colour)
+    for ax, title, which in zip(axes, ("forward MGRIT", "adjoint MGRIT"), (0, 1), strict=True):
         ax.set_title(f"{title}, last batch of each epoch")
         ax.set_xlabel("iteration")
-        ax.legend()
+        # Iterations are integers: integer ticks, one at least (bwd_iters=1 gives one point).
+        ax.set_xlim(0.5, max((len(run[which]) for run in history), default=1) + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     axes[0].set_ylabel("C-point residual norm")
     fig.tight_layout()
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), pad=0.02)
+    bar.set_label("epoch")
+    bar.locator = MaxNLocator(integer=True)
+    bar.update_ticks()
     fig.savefig(path, dpi=100)
 
 
