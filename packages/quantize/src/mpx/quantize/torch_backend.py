@@ -1,13 +1,23 @@
 """The ``"cgx"`` torch.distributed backend: mpx's, with CGX's quantized allreduce.
 
-CGX users write ``dist.init_process_group("cgx")`` and configure compression
-with the ``CGX_*`` variables (or ``MPX_QUANTIZE_*``: :class:`CompressionConfig`).
-The group is the ``mpx`` group of mpx-collectives, except that an
-``all_reduce`` (SUM or AVG) of one floating tensor goes through
-:func:`mpx.quantize.allreduce` — so DDP's gradient buckets travel at
-``bits`` per value — while every other operation, dtype and op is exact::
+CGX users write ``import torch_cgx`` (a module mpx-quantize installs) and
+``dist.init_process_group("cgx")``, and configure compression with the
+``CGX_*`` variables (or ``MPX_QUANTIZE_*``: :class:`CompressionConfig`). The
+group is the ``mpx`` group of mpx-collectives, except that an ``all_reduce``
+(SUM or AVG) of one float32, float16 or bfloat16 tensor goes through
+:func:`mpx.quantize.allreduce` -- so DDP's gradient buckets travel at ``bits``
+per value -- while every other operation, dtype and op is exact::
 
     CGX_COMPRESSION_QUANTIZATION_BITS=4 mpxrun -n 2 -- python train.py   # train.py: "cgx"
+
+As in CGX:
+
+- with no bits variable set the bits are 32: nothing is quantized (the group
+  is then exactly ``mpx``);
+- after ``register_model(layers)`` each bucket is split back into its layers
+  (:class:`mpx.quantize.buckets.BucketMatcher`, from the layers' sizes and
+  DDP's bucket order), and the layers ``exclude_layer`` names, or smaller than
+  the minimal size, are reduced exact while the others are quantized.
 
 ``import torch`` registers ``"cgx"`` (entry point ``torch.backends``,
 ``mpx._quantize_autoload``); :func:`register_torch_backend` does it by hand.
@@ -24,7 +34,10 @@ import torch.distributed as dist
 from mpx.collectives import Communicator
 from mpx.collectives.building_blocks import MPXProcessGroup, MPXWork
 from mpx.quantize.allreduce import allreduce
+from mpx.quantize.buckets import BucketMatcher, Segments
 from mpx.quantize.config import CompressionConfig
+from mpx.quantize.format import FLOAT_DTYPES
+from mpx.quantize.settings import CONFIG
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_torch_backend"]
 
@@ -36,12 +49,19 @@ class CGXProcessGroup(MPXProcessGroup):
 
     Attributes:
         config: the compression settings, read from the environment when the
-            group is made (``CompressionConfig.from_env()``).
+            group is made (``CompressionConfig.from_env()``; 32 bits, i.e. no
+            quantization, when no bits variable is set, as CGX).
+        layers: maps buckets to the layers of ``register_model`` (layer filtering).
     """
 
     def __init__(self, comm: Communicator, timeout: timedelta | None = None) -> None:
         super().__init__(comm, timeout)
-        self.config = CompressionConfig.from_env()
+        config = CompressionConfig.from_env()
+        if not CONFIG["bits"].is_set():
+            # CGX's default: CGX_COMPRESSION_QUANTIZATION_BITS=32, no quantization.
+            config = config.with_(bits=32)
+        self.config = config
+        self.layers = BucketMatcher()
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -54,16 +74,45 @@ class CGXProcessGroup(MPXProcessGroup):
         listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         name = self.reduce_op_name(opts, "allreduce")
         t = listed[0]
-        if (
-            len(listed) == 1
+        if not (
+            self.config.enabled
+            and len(listed) == 1
             and name in ("sum", "avg")
-            and t.dtype.is_floating_point
+            and t.dtype in FLOAT_DTYPES
             and not t.is_sparse
+            and t.is_contiguous()
+            and t.numel() >= self.config.min_compressed
         ):
-            # Quantized when config.compresses(t.numel()); exact below that or at 32 bits.
-            allreduce(t, self.comm, op=name, config=self.config)
-            return MPXWork([], listed)
-        return super().allreduce(listed, opts)
+            return super().allreduce(listed, opts)  # exact: mpx's own
+        if self.layers.active():
+            segments = self.layers.segments(t.numel(), self.config)
+        else:
+            segments = ((t.numel(), True),)  # no layers registered: the tensor as a whole
+        if not any(quantized for _, quantized in segments):
+            return super().allreduce(listed, opts)
+        self._reduce_segments(t.view(-1), segments, name)
+        return MPXWork([], listed)
+
+    def _reduce_segments(self, flat: torch.Tensor, segments: Segments, op: str) -> None:
+        """Reduces the quantized runs of ``flat`` together, then the exact ones, in place."""
+        runs: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        offset = 0
+        for length, quantized in segments:
+            runs[quantized].append(flat[offset : offset + length])
+            offset += length
+        # The same two calls in the same order on every rank (same segments).
+        for quantized in (True, False):
+            views = runs[quantized]
+            if not views:
+                continue
+            buffer = views[0] if len(views) == 1 else torch.cat(views)
+            config = self.config if quantized else self.config.with_(bits=32)
+            allreduce(buffer, self.comm, op=op, config=config)
+            if len(views) > 1:
+                start = 0
+                for view in views:
+                    view.copy_(buffer[start : start + view.numel()])
+                    start += view.numel()
 
 
 def register_torch_backend() -> None:
