@@ -8,6 +8,8 @@ writes it into BENCHMARKS.md).
    to a C-point residual below 1e-9 by PyMGRIT 1.0.6 and by mpx's ``MGRIT`` with
    the same settings (V-cycles, FCF, nested start): the iteration counts must be
    equal; time per V-cycle = time of the cycles (with the residual) / iterations.
+   ``--cycles V,F`` (the default) adds F-cycle rows (``cycle_type="F"`` in both)
+   for the grids where an F-cycle differs from a V-cycle (3 levels or more).
    mpx runs its scalar step (one call per point, like PyMGRIT) and its vectorized
    step (one call per relaxation sweep over all C-intervals), the latter also with
    ``float_times`` (Python floats for t, dt in the coarsest level's sequential solve).
@@ -44,8 +46,8 @@ def dahlquist(u: Any, t: Any, dt: Any) -> Any:
     return 1 / (1 - z) * u
 
 
-def solvers() -> None:
-    """Inside ``mpxrun -n 1``: one row per configuration and solver."""
+def solvers(cycles: list[str]) -> None:
+    """Inside ``mpxrun -n 1``: one row per configuration, cycle type and solver."""
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -58,17 +60,19 @@ def solvers() -> None:
 
     from mpx.mgrit import MGRIT
 
-    for levels, cfactor in CONFIGS:
+    runs = [(lv, cf, cyc) for cyc in cycles for lv, cf in CONFIGS if cyc == "V" or lv >= 3]
+    for levels, cfactor, cycle_type in runs:
         problem = simple_setup_problem(
             problem=Dahlquist(t_start=0, t_stop=5, nt=NT + 1), level=levels, coarsening=cfactor
         )
         start = time.perf_counter()
-        ref = Mgrit(problem=problem, tol=TOL, max_iter=50, comm_time=MPI.COMM_SELF, logging_lvl=30)
+        ref = Mgrit(problem=problem, tol=TOL, max_iter=50, cycle_type=cycle_type,
+                    comm_time=MPI.COMM_SELF, logging_lvl=30)  # fmt: skip
         info = ref.solve()
         total_ref = time.perf_counter() - start
         iters_ref = len(info["conv"])
         cycle_ref = info["time_solve"] / iters_ref
-        name = f"{levels} levels, cfactor {cfactor}"
+        name = f"{levels} levels, cfactor {cfactor}" + (", F-cycles" if cycle_type == "F" else "")
         print(f"| {name} | PyMGRIT | {iters_ref} | {cycle_ref * 1e3:.1f} | {total_ref:.2f} | 1 |")
         for kind, vectorized, floats in MPX_VARIANTS:
             best: tuple[float, float, int] | None = None
@@ -76,6 +80,7 @@ def solvers() -> None:
                 solver = MGRIT(
                     dahlquist, 0.0, 5.0, NT, levels=levels, cfactor=cfactor, tol=TOL,
                     max_iters=50, vectorized=vectorized, float_times=floats,
+                    cycle_type=cycle_type,
                 )  # fmt: skip
                 start = time.perf_counter()
                 solver.solve(torch.ones((), dtype=torch.float64))
@@ -269,9 +274,15 @@ def main() -> None:
         help="rank counts of the layer-parallel rows, comma-separated (default 1,2,3)",
     )
     parser.add_argument("--skip-solvers", action="store_true", help="no MGRIT vs PyMGRIT table")
+    parser.add_argument(
+        "--cycles", default="V,F", help="cycle types of the solver rows: V, F or V,F (default)"
+    )
     args = parser.parse_args()
+    cycles = [c.strip() for c in args.cycles.split(",") if c.strip()]
+    if not cycles or any(c not in ("V", "F") for c in cycles):
+        parser.error(f"--cycles must list V and/or F, got {args.cycles!r}")
     if args.inside == "solvers":
-        solvers()
+        solvers(cycles)
         return
     if args.inside == "lp":
         layer_parallel()
@@ -280,7 +291,8 @@ def main() -> None:
 
     def job(nprocs: int, what: str) -> None:
         cmd = [mpxrun, "-n", str(nprocs), "--timeout", "600", "--", sys.executable]
-        subprocess.run([*cmd, os.path.abspath(__file__), "--inside", what], check=True)
+        inner = [os.path.abspath(__file__), "--inside", what, "--cycles", ",".join(cycles)]
+        subprocess.run([*cmd, *inner], check=True)
 
     print("## mpx-mgrit: MGRIT solver vs PyMGRIT, layer-parallel vs serial\n")
     print(
@@ -291,11 +303,11 @@ def main() -> None:
     if not args.skip_solvers:
         print(
             f"Dahlquist u' = -u on [0, 5], backward Euler, {NT} steps, one rank, tol {TOL:g}, "
-            "V-cycles with FCF relaxation and nested start in both. A V-cycle's time includes "
-            "its residual; total = set-up + initial guess + cycles. Ratio = mpx ÷ PyMGRIT time "
-            "per V-cycle (lower is better).\n"
+            "V-cycles (and F-cycles where marked) with FCF relaxation and nested start in both. "
+            "A cycle's time includes its residual; total = set-up + initial guess + cycles. "
+            "Ratio = mpx ÷ PyMGRIT time per cycle (lower is better).\n"
         )
-        print("| grid | solver | iterations | ms per V-cycle | total (s) | ÷ PyMGRIT |")
+        print("| grid | solver | iterations | ms per cycle | total (s) | ÷ PyMGRIT |")
         print("|---|---|---|---|---|---|")
         sys.stdout.flush()
         job(1, "solvers")
