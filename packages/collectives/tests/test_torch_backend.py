@@ -572,3 +572,43 @@ def test_ddp_comm_hook_chained_on_the_future_equals_gloo(
     on_gloo = train(groups["gloo"])
     for a, b in zip(on_mpx, on_gloo, strict=True):  # 3 ranks sum in another order than gloo
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# -- c10d's corners (issue 31) --------------------------------------------------------
+
+
+def test_allreduce_coalesced_reduces_a_repeated_tensor_once_as_gloo(
+    groups: dict[str, dist.ProcessGroup],
+) -> None:
+    """One tensor twice in the list, and overlapping views: each reduced from its value before."""
+    rank = dist.get_rank()
+
+    def run(group: dist.ProcessGroup) -> object:
+        t = torch.full((3,), 1.0 + rank)
+        group.allreduce_coalesced([t, t]).wait()
+        base = torch.arange(6.0) + rank
+        group.allreduce_coalesced([base[:4], base[2:]]).wait()
+        apart = [torch.full((2,), 1.0 + rank), torch.full((3,), 2.0 * rank)]
+        group.allreduce_coalesced(apart).wait()
+        return [t, base, apart]
+
+    _on_both(groups, run)
+
+
+def test_allgather_of_several_inputs_per_rank_matches_gloo(
+    groups: dict[str, dist.ProcessGroup],
+) -> None:
+    """c10d's form: k inputs, k output lists of size * k tensors, [r * k + j] = rank r's input j."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def run(group: dist.ProcessGroup) -> object:
+        inputs = [torch.full((2,), 10.0 * rank + j) for j in range(3)]
+        outputs = [[torch.zeros(2) for _ in range(size * 3)] for _ in range(3)]
+        group.allgather(outputs, inputs).wait()
+        return outputs
+
+    _on_both(groups, run)
+    with pytest.raises(MPXError, match=r"world size x inputs = \d+ x 2"):
+        groups["mpx"].allgather([[torch.zeros(1)] * size] * 2, [torch.zeros(1)] * 2)
+    with pytest.raises(MPXError, match=r"one output list per input tensor \(2\), got 1"):
+        groups["mpx"].allgather([[torch.zeros(1)] * (2 * size)], [torch.zeros(1)] * 2)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,7 @@ from mpx.collectives.torch_forms import (
     reduce_form,
     reduce_op,
 )
+from mpx.collectives.torch_futures import MPXFuture, tensor_list_future
 
 __all__ = [
     "BACKEND_NAME",
@@ -86,7 +88,11 @@ class MPXWork(dist.Work):
         finalize: future 1, 2 ... wait    (mostly done already)
 
     ``wait()``, ``is_completed()`` and ``result()`` finish it too (whichever
-    comes first; a lock makes it happen once). An operation still unfinished
+    comes first; a lock makes it happen once), and so does a wait on its
+    future from any thread (:class:`~mpx.collectives.torch_futures.MPXFuture`):
+    a callback that starts a collective and waits for it -- torch's PowerSGD
+    hook -- drives it itself instead of waiting for the progress thread that
+    may be running that very callback. An operation still unfinished
     at the group's timeout fails the work: ``wait()`` and the future raise
     :class:`CollectiveTimeout`. Without a progress thread
     (``MPX_PROGRESS_THREAD=0``, or MPI without ``MPI_THREAD_MULTIPLE``)
@@ -111,10 +117,21 @@ class MPXWork(dist.Work):
         self._lock = threading.RLock()  # the caller and the progress thread may both finish
         self._finished = False
         self._error: BaseException | None = None
-        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
+        self._future: MPXFuture[list[torch.Tensor]] | None = None  # for Python callers
+        self._c10_future: torch.futures.Future[list[torch.Tensor]] | None = None  # for torch's C++
+        self._watched = False  # handed to the progress thread
+        # What completes the futures handed out and not yet completed; run by the
+        # thread that finishes the work, outside the lock.
+        self._unsettled: list[Callable[[], None]] = []
 
     def _finish(self, expired: bool = False) -> None:
-        """Waits for the handles, runs ``then``, completes the future; raises the work's error."""
+        """Waits for the handles, runs ``then``, completes the futures; raises the work's error.
+
+        Any thread may call it: the caller's ``wait()``, the progress thread,
+        a wait on the work's future (:class:`MPXFuture`). The futures are
+        completed outside the lock: their callbacks may wait on other works,
+        and a thread waiting on this one must not hold them up meanwhile.
+        """
         with self._lock:
             if not self._finished:
                 try:
@@ -125,10 +142,11 @@ class MPXWork(dist.Work):
                 except BaseException as error:
                     self._error = error
                 self._finished = True
-                if self._future is not None:
-                    self._settle(self._future)
-            if self._error is not None:
-                raise self._error
+            settle, self._unsettled = self._unsettled, []
+        for complete in settle:
+            complete()
+        if self._error is not None:
+            raise self._error
 
     def _wait_for(self, handle: Handle[Any], expired: bool) -> None:
         try:
@@ -143,11 +161,12 @@ class MPXWork(dist.Work):
                 "timeout=) expired; every later operation of this group raises",
             ) from late
 
-    def _settle(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
-        if self._error is not None:
-            future.set_exception(self._error)  # type: ignore[arg-type]  # (stub: the value type)
+    def _complete_future(self) -> None:
+        assert self._future is not None
+        if self._error is None:
+            self._future.set_result(self._result)
         else:
-            future.set_result(self._result)
+            self._future.set_exception(_as_exception(self._error))  # type: ignore[arg-type]  # (stub: the value type)
 
     # -- the progress thread's side (mpx.collectives.progress.Completion) ---------
 
@@ -202,17 +221,62 @@ class MPXWork(dist.Work):
         return self._source()
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """A future completed (with the outputs, or the work's error) when the work finishes."""
+        """A future completed (with the outputs, or the work's error) when the work finishes.
+
+        To Python, an :class:`MPXFuture`: its ``wait()`` (and that of the
+        futures chained on it) finishes the work in the waiting thread, so a
+        callback may wait on another work at any depth. To torch's C++ (DDP's
+        built-in hooks), a future whose value is a c10 tensor list
+        (:func:`tensor_list_future`), which C++ reads as it reads gloo's.
+        """
+        if _called_from_cpp():
+            return self._tensor_list_future()
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
-                if self._finished:
-                    self._settle(self._future)
-                elif not progress.when_ready(self):
-                    # No progress thread: nobody would complete it later.
-                    with contextlib.suppress(BaseException):  # the future carries it
-                        self._finish()
-            return self._future
+                self._future = MPXFuture(self._finish)
+                self._unsettled.append(self._complete_future)
+            future = self._future
+        self._complete_when_done()
+        return future
+
+    def _tensor_list_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        with self._lock:
+            if self._c10_future is None:
+                self._c10_future, complete = tensor_list_future(self._result)
+                self._unsettled.append(lambda: complete(self._error))
+            future = self._c10_future
+        self._complete_when_done()
+        return future
+
+    def _complete_when_done(self) -> None:
+        """Completes the futures when the work finishes: now, on the progress thread, or soon."""
+        with self._lock:
+            finished, watched, self._watched = self._finished, self._watched, True
+        # A finished work completes them now; an unfinished one, on the progress
+        # thread or when waited for; without a progress thread, nobody would
+        # later: finish it now.
+        if finished or (not watched and not progress.when_ready(self)):
+            with contextlib.suppress(BaseException):  # the futures carry it
+                self._finish()
+
+
+def _called_from_cpp() -> bool:
+    """True when the caller of ``get_future`` is torch's C++ (a Work's ``getFuture()``).
+
+    C++ calls the Python override from no Python frame that names it: the
+    innermost Python frame is whatever called into C++ (``backward()``), or
+    none at all. Python code that calls ``work.get_future()`` names it.
+    """
+    try:
+        caller = sys._getframe(2)  # 0: this function, 1: get_future, 2: its caller
+    except ValueError:  # no Python frame: a C++ thread
+        return True
+    return "get_future" not in caller.f_code.co_names
+
+
+def _as_exception(error: BaseException) -> Exception:
+    """torch's futures carry an Exception; a BaseException (KeyboardInterrupt) travels wrapped."""
+    return error if isinstance(error, Exception) else RuntimeError(repr(error))
 
 
 class _MPIRequest:
@@ -377,8 +441,14 @@ class MPXProcessGroup(dist.ProcessGroup):
         return self._work([handle], tensors, write_back)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:
+        """Each tensor reduced once, from its value before the call (as gloo's flat buffer)."""
         op = self.reduce_op_name(opts, "allreduce_coalesced")
         forms = [reduce_form(t, op, "allreduce_coalesced") for t in tensors]
+        if _share_memory([form.tensor for form in forms]):
+            # One tensor twice in the list, or overlapping views: reduced in place,
+            # the shared elements would be reduced twice. Reduce copies instead and
+            # write them back in order, as gloo does through its flat buffer.
+            forms = [ReduceForm(form.original, form.tensor.clone(), form.op) for form in forms]
         handles = [self._allreduce_form(form) for form in forms]
 
         def write_back() -> None:
@@ -533,20 +603,38 @@ class MPXProcessGroup(dist.ProcessGroup):
         return self._work([handle], tensors, then)
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> MPXWork:
+        """c10d's form: ``k`` inputs per rank, ``k`` output lists of ``size * k`` tensors.
+
+        As gloo: every output list receives every rank's every input,
+        ``output_lists[i][r * k + j]`` = rank r's ``inputs[j]``.
+        """
         inputs = _all_of(inputs)
         if output_lists and isinstance(output_lists[0], torch.Tensor):
             output_lists = [output_lists]
+        k, size = len(inputs), self.comm.size
+        if len(output_lists) != k:
+            raise MPXValueError(
+                f"all_gather: needs one output list per input tensor ({k}), got "
+                f"{len(output_lists)} (c10d's form: allgather(output_lists, inputs))"
+            )
         for outputs in output_lists:
-            if len(outputs) != self.comm.size:
+            if len(outputs) != size * k and k == 1:
                 raise MPXValueError(
-                    f"all_gather: needs one output tensor per rank ({self.comm.size}), "
+                    f"all_gather: needs one output tensor per rank ({size}), got {len(outputs)}"
+                )
+            if len(outputs) != size * k:
+                raise MPXValueError(
+                    f"all_gather: each output list needs world size x inputs = {size} x {k} = "
+                    f"{size * k} tensors (output[r * {k} + j] receives rank r's input j), "
                     f"got {len(outputs)}"
                 )
         handles = [self._allgather_bytes(t) for t in inputs]
 
         def scatter_rows() -> None:
-            for handle, outputs in zip(handles, output_lists, strict=True):
-                _copy_rows(handle.wait(), outputs, "all_gather")
+            for j, handle in enumerate(handles):
+                gathered = handle.wait()
+                for outputs in output_lists:
+                    _copy_rows(gathered, outputs[j::k], "all_gather")
 
         return self._work(handles, [t for outs in output_lists for t in outs], scatter_rows)
 
@@ -780,6 +868,18 @@ def _in_turn(calls: Sequence[Callable[[], object]]) -> Callable[[], None]:
             call()
 
     return run
+
+
+def _share_memory(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if two of ``tensors`` use the same storage (the same tensor, or views of one)."""
+    seen: set[int] = set()
+    for t in tensors:
+        storage = t.untyped_storage().data_ptr()
+        if storage in seen and t.numel():
+            return True
+        if t.numel():
+            seen.add(storage)
+    return False
 
 
 def _fold_local(forms: list[ReduceForm]) -> torch.Tensor:
