@@ -67,27 +67,27 @@ def test_broadcast_is_taken_from_every_root(dtype: torch.dtype) -> None:
     for root in range(comm.size):
         inputs = _inputs(comm.size, torch.int64, salt=root)
         t = inputs[comm.rank].abs().to(dtype)
-        broadcast(t.clone(), root)  # MPX_CHECK=auto compares a new signature once, first
         assert fast_path.broadcast(t, root, None, None)
         assert torch.equal(t, inputs[root].abs().to(dtype))
 
 
 @pytest.mark.parametrize("check", ["auto", "0"])
-def test_a_new_signature_is_compared_first(check: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MPX_CHECK=auto: the first call of a signature goes the general path, which compares."""
+def test_every_call_is_compared_on_the_call_board(
+    check: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MPX_CHECK=auto: the fast path posts every call on the board (no first-call detour)."""
     monkeypatch.setenv("MPX_CHECK", check)
     reload_settings()
-    comm = Communicator.from_mpi(world().mpi)  # a fresh ledger: nothing compared yet
+    comm = Communicator.from_mpi(world().mpi)  # a fresh board: no call posted yet
+    assert comm.call_board is not None  # one node: these tests run on one host
     t = torch.arange(43, dtype=torch.float64)
-    taken = fast_path.allreduce(t, "max", comm, None)
-    assert taken == (check == "0")
-    calls = comm.ledger.calls
-    allreduce(t, "max", comm=comm)
-    assert comm.ledger.calls == calls + (check == "auto")
-    assert fast_path.allreduce(t, "max", comm, None)  # compared: now taken
-    assert comm.ledger.calls == calls + 2 * (check == "auto")  # and counted
+    for done in range(1, 4):
+        assert fast_path.allreduce(t, "max", comm, None)  # taken from the first call
+        assert int(comm.call_board.counter[0]) == (done if check == "auto" else 0)
     assert torch.equal(t, torch.arange(43, dtype=torch.float64))
     comm.free()
+    monkeypatch.delenv("MPX_CHECK")
+    reload_settings()
 
 
 def test_public_operations_count_their_payload() -> None:
@@ -199,19 +199,19 @@ def test_the_python_form_runs_without_cython(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(vars(ops), "fast_path", python_form)
     comm.choices.fast.clear()
     try:
-        # MPX_CHECK=0: the default check sends a signature's first call, and
-        # every MPX_CHECK_INTERVAL-th call, the general path (it compares them).
-        monkeypatch.setenv("MPX_CHECK", "0")
-        reload_settings()
-        before = python_form.payload()
-        for dtype in (torch.float32, torch.int64):
-            t = torch.full((9,), comm.rank + 1, dtype=dtype)
-            allreduce(t)
-            assert t.tolist() == [sum(range(1, comm.size + 1))] * 9
-            b = torch.full((5,), comm.rank, dtype=dtype)
-            broadcast(b, comm.size - 1)
-            assert b.tolist() == [comm.size - 1] * 5
-        assert python_form.payload() - before == (9 + 5) * 4 + (9 + 5) * 8  # float32, int64
+        # Both checks: MPX_CHECK=auto runs the call board's protocol in Python here.
+        for check in ("auto", "0"):
+            monkeypatch.setenv("MPX_CHECK", check)
+            reload_settings()
+            before = python_form.payload()
+            for dtype in (torch.float32, torch.int64):
+                t = torch.full((9,), comm.rank + 1, dtype=dtype)
+                allreduce(t)
+                assert t.tolist() == [sum(range(1, comm.size + 1))] * 9
+                b = torch.full((5,), comm.rank, dtype=dtype)
+                broadcast(b, comm.size - 1)
+                assert b.tolist() == [comm.size - 1] * 5
+            assert python_form.payload() - before == (9 + 5) * 4 + (9 + 5) * 8  # f32, i64
     finally:
         comm.choices.fast.clear()
         monkeypatch.delenv("MPX_CHECK", raising=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, MismatchError, allreduce, policy, world
-from mpx.collectives.policy import ORDER, PROVIDES, PolicyError, choose, layout_key, small_bytes
+from mpx.collectives.policy import ORDER, PolicyError, choose, layout_key, small_bytes
 from mpx.collectives.tune import TIE, bands_from
 from mpx.collectives.tune import main as tune_main
 from mpx.launch import settings
@@ -183,10 +184,19 @@ def test_tune_writes_the_policy_auto_reads(
     assert float(t[0]) == comm.size
 
 
-def test_the_provides_table_matches_the_modules() -> None:
-    from mpx.collectives.implementations import MODULES
+def test_each_implementation_declares_what_its_module_runs() -> None:
+    """The registry's declarations against the modules: every op declared exists, no other."""
+    from mpx.collectives.registry import BUILT_IN, all_implementations, get
 
-    assert set(MODULES) == set(PROVIDES) == set(policy.IMPLEMENTATIONS)
-    for name, module in MODULES.items():
-        has = {op for op in policy.OPS if hasattr(module, op)}
-        assert has == PROVIDES[name], name
+    assert [i.name for i in BUILT_IN] == list(policy.IMPLEMENTATIONS)
+    assert set(policy.IMPLEMENTATIONS) <= set(all_implementations())
+    for impl in BUILT_IN:
+        owner = importlib.import_module(impl.module)
+        if impl.attribute:
+            owner = getattr(owner, impl.attribute)
+        has = {op for op in policy.OPS if callable(getattr(owner, op, None))}
+        assert has == impl.provides, impl.name
+        assert all(impl.function(op) == getattr(owner, op) for op in impl.provides)
+    with pytest.raises(PolicyError, match=r"impl must be 'auto' or one of mpi, ring, .*'bogus'"):
+        choose("allreduce", False, 8, world(), "bogus")
+    assert get("shm").refusal("allreduce", True, world(), False) is not None  # CPU only

@@ -36,6 +36,7 @@ from mpx.collectives.ops import (
     send,
 )
 from mpx.collectives.policy import IMPLEMENTATIONS
+from mpx.collectives.registry import Implementation, all_implementations
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.torch_backend import init_process_group, register_torch_backend
 
@@ -46,12 +47,14 @@ __all__ = [
     "Communicator",
     "CommunicatorBroken",
     "Handle",
+    "Implementation",
     "MPXError",
     "MPXTypeError",
     "MPXValueError",
     "MismatchError",
     "RemoteError",
     "__version__",
+    "all_implementations",
     "allgather",
     "allreduce",
     "alltoall",

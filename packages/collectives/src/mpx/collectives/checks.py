@@ -37,6 +37,13 @@ def check_tensor(t: object, op: str, name: str = "tensor") -> torch.Tensor:
 
 
 def check_rank(value: int, size: int, what: str, op: str) -> int:
+    if isinstance(value, bool):
+        # True is an int to Python (rank 1), but a root of True is a mix-up
+        # (a flag passed where the rank goes), not a choice of rank 1.
+        raise MPXTypeError(
+            f"{op}: {what} must be a rank (an int in [0, {size})), got the bool {value!r}; "
+            f"pass the rank itself, e.g. {what}=0"
+        )
     if not isinstance(value, int) or not 0 <= value < size:
         raise MPXValueError(f"{op}: {what} must be a rank in [0, {size}), got {value!r}")
     return value

@@ -25,7 +25,7 @@ import contextlib
 import functools
 import os
 import pickle
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -33,12 +33,15 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import progress, settings
+from mpx.collectives.call_board import Arrival, CallBoard
 from mpx.collectives.consistency import (
     CHECKED_OPS,
+    CONFIGURATION,
     ROW,
-    CallLedger,
-    Signature,
-    decode,
+    Call,
+    call_of,
+    calls_differ,
+    config_hash,
     encode,
     fields_differ,
     first_difference,
@@ -147,8 +150,7 @@ class Communicator:
         if differ:
             raise MismatchError(
                 f"ranks {differ} run a different collectives policy from rank 0 (settings "
-                "MPX_AUTO_SMALL_BYTES, MPX_CUDA_AWARE, MPX_COLLECTIVES_IMPL, MPX_CHECK, "
-                "MPX_CHECK_INTERVAL or the "
+                "MPX_AUTO_SMALL_BYTES, MPX_CUDA_AWARE, MPX_COLLECTIVES_IMPL, MPX_CHECK or the "
                 "tuned policy file differ); give every rank the same environment and file"
             )
         # Decisions of the policy for this communicator (mpx.collectives.policy.choose).
@@ -160,12 +162,14 @@ class Communicator:
         self.collective_mpi = MPI.Intracomm(mpi_comm.Dup())
         self.collective_count = 0
         self._broken: str | None = None
+        self._freed = False
         self.background_progress = True
         self._cache: dict[str, Any] = {}
-        # MPX_CHECK's record of this communicator's calls, and the
-        # configurations already compared (check_steps, check_same).
-        self.ledger = CallLedger(current_policy().check_interval)
-        self._same: set[tuple[str, tuple[tuple[str, Hashable], ...]]] = set()
+        # MPX_CHECK: where the ranks compare each call (consistency, call_board):
+        # the node's shared memory when the group is one node, else MPI.
+        self.call_board: CallBoard | None = (
+            CallBoard(self._node_comm, list(self._node_members)) if self.single_node else None
+        )
         self.hierarchy: Hierarchy | None = Hierarchy.build(self) if self.num_nodes > 1 else None
         self._node_comm.Barrier()
 
@@ -187,8 +191,18 @@ class Communicator:
             color: group label; None leaves this rank out (it gets None back).
             key: order within the new group; this rank's rank by default.
         """
+        self._check_usable("split")
+        for name, value in (("color", color), ("key", key)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise MPXTypeError(
+                    f"split: {name} must be an int (or None), got {value!r} of type "
+                    f"{type(value).__name__}; ranks with equal colors form one group, e.g. "
+                    "comm.split(color=comm.rank % 2)"
+                )
         if color is not None and color < 0:
-            raise MPXValueError(f"color must be >= 0 or None, got {color}")
+            raise MPXValueError(
+                f"split: color must be >= 0 or None (None leaves this rank out), got {color}"
+            )
         new = self.mpi.Split(
             MPI.UNDEFINED if color is None else color, self.rank if key is None else key
         )
@@ -196,6 +210,7 @@ class Communicator:
 
     def node(self) -> Communicator:
         """The ranks of this group that share this node's memory. Collective."""
+        self._check_usable("node")
         if self.hierarchy is not None:
             return self.hierarchy.node
         if "node" not in self._cache:
@@ -224,7 +239,14 @@ class Communicator:
         return value
 
     def free(self) -> None:
-        """Releases the MPI resources. Collective."""
+        """Releases the MPI resources. Collective.
+
+        Any later use raises :class:`MPXValueError` (the shared memory behind
+        the boards is gone: before, a call after ``free`` crashed the process).
+        """
+        if self._freed:
+            return
+        self._freed = True
         # The fast path's cached calls name the MPI communicator by its handle,
         # which MPI may give to a new communicator once this one is freed.
         self.choices.reset(current_policy())
@@ -236,6 +258,8 @@ class Communicator:
             self.hierarchy.free()
             self.hierarchy = None
         self._board_win.Free()
+        if self.call_board is not None:
+            self.call_board.free()
         self.collective_mpi.Free()
         self._node_comm.Free()
         self.mpi.Free()
@@ -261,6 +285,9 @@ class Communicator:
         self, op: str, impl: str, steps: Steps[T], async_op: bool, timeout: float | None
     ) -> T | Handle[T]:
         """Runs an implementation's steps: returns a Handle, or waits for the result."""
+        if self._freed:
+            steps.close()
+            self._check_usable(op)
         if self._broken is not None:
             steps.close()
             raise CommunicatorBroken(
@@ -295,6 +322,13 @@ class Communicator:
             progress.watch(self._queue if op not in _UNORDERED else handle)
         return handle
 
+    def _check_usable(self, op: str) -> None:
+        if self._freed:
+            raise MPXValueError(
+                f"{op}: this communicator was freed (Communicator.free()); use another one, "
+                "e.g. mpx.collectives.world() or a new comm.split(...) made before the free"
+            )
+
     def _announce(self) -> None:
         """Counts one more operation, on the node's board (timeouts name who is behind).
 
@@ -313,13 +347,18 @@ class Communicator:
     ) -> None:
         """Compares this call's op, dtype, element count, reduce op and root across ranks.
 
-        What ``MPX_CHECK=1`` does before every collective. Collective.
+        What every collective does first (unless ``MPX_CHECK=0``), as a call of
+        its own. Collective.
 
         Raises:
             MismatchError: on every rank, naming the field that differs and
-                the calls of rank 0 and of a rank that differs from it.
+                every rank's call.
         """
-        steps = self._compare_steps(op, signature_of(op, tensor, reduce_op, root), False)
+        steps = self._compare(
+            op,
+            encode(signature_of(op, tensor, reduce_op, root)),
+            lambda: call_of(op, tensor, reduce_op, root),
+        )
         self.run(op + " (MPX_CHECK)", "check", steps, False, timeout)
 
     def check_steps(
@@ -327,57 +366,68 @@ class Communicator:
     ) -> Steps[None] | None:
         """The consistency check of one collective call, as ``MPX_CHECK`` says: steps, or None.
 
-        ``auto`` (the default) counts the call in the communicator's ledger and
-        compares across ranks only when its signature is new here or the
-        periodic comparison of digests is due (see :mod:`mpx.collectives.consistency`);
-        ``1`` compares every call; ``0`` nothing. The comparison runs as the
-        first steps of the call itself (the operations chain it before their
-        own): it is ordered with the call, and an ``async_op=True`` call does
-        not block in it. Every rank decides alike when to compare.
+        ``auto`` (the default) and ``1`` compare every call (see
+        :mod:`mpx.collectives.consistency`); ``0`` nothing. The comparison runs
+        as the first steps of the call itself (the operations chain it before
+        their own): it is ordered with the call, and an ``async_op=True`` call
+        does not block in it. Every rank takes part in it whatever it called
+        before.
 
         The steps raise :class:`MismatchError` on every rank, naming the op,
-        the field that differs and both values.
+        the field that differs and every rank's call.
         """
-        mode = current_policy().check
-        if mode == "0" or op not in CHECKED_OPS:
+        if current_policy().check == "0" or op not in CHECKED_OPS:
             return None
-        signature = signature_of(op, tensor, reduce_op, root)
-        if mode == "1":
-            return self._compare_steps(op, signature, False)
-        new, due = self.ledger.count(signature)
-        if new or due:
-            return self._compare_steps(op, signature, due)
-        return None
-
-    def _compare_steps(self, op: str, signature: Signature, digests: bool) -> Steps[None]:
-        # The ledger's position is taken now, when the call is issued: the
-        # steps may run later, after this rank has issued (and counted) more.
-        ledger = self.ledger
-        mine = encode(signature, ledger.calls, int(ledger.state[1]))
-        # A copy of the array (a memcpy): the list of recent calls is built
-        # from it only if the digests differ.
-        position = ledger.state.copy() if digests else None
-        return self._compare(op, signature, mine, position)
+        return self._compare(
+            op,
+            encode(signature_of(op, tensor, reduce_op, root)),
+            lambda: call_of(op, tensor, reduce_op, root),
+        )
 
     def _compare(
-        self,
-        op: str,
-        signature: Signature,
-        mine: np.ndarray,
-        position: np.ndarray | None,
+        self, op: str, row: np.ndarray, call: Callable[[], Call | Mapping[str, Hashable]]
     ) -> Steps[None]:
-        every = np.empty((self.size, ROW), dtype=np.int64)
-        yield Requests([self.mpi.Iallgather(mine, every)])
-        rows = [decode(row) for row in every]
-        error = first_difference(op, [sig for sig, _, _ in rows], " (MPX_CHECK)")
-        if error is not None:
-            raise error
-        self.ledger.verified.add(signature)
-        if position is not None and any(row[1:] != rows[0][1:] for row in rows):
-            recent = self.ledger.recent(position)
-            data = pickle.dumps(recent, protocol=pickle.HIGHEST_PROTOCOL)
-            parts = yield from gather_bytes(self.mpi, data)
-            raise self.ledger.first_divergence(op, [pickle.loads(part) for part in parts])
+        """Steps: every rank's row of this call, compared; a mismatch raises on every rank.
+
+        ``call`` describes this rank's call for the error (a :data:`Call`, or
+        a configuration's fields); it is exchanged only after a mismatch,
+        which every rank has seen in the same rows.
+        """
+        board = self.call_board
+        if board is not None and current_policy().check == "auto":
+            number = board.post(row)  # now: when the call's turn has come, in order
+            if not board.arrived(number):
+                yield Arrival(board, number)
+            if not calls_differ(board.rows(number)):
+                return
+        else:
+            every = np.empty((self.size, ROW), dtype=np.int64)
+            yield Requests([self.mpi.Iallgather(row, every)])
+            if not calls_differ(every):
+                return
+        yield from self.mismatch_steps(op, call())
+
+    def mismatch_steps(self, op: str, call: Call | Mapping[str, Hashable]) -> Steps[None]:
+        """Steps after a mismatch that every rank has seen: exchange the calls, raise.
+
+        One more small exchange, which every rank makes because every rank saw
+        the same rows; then each raises the same :class:`MismatchError`.
+        """
+        data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+        every = [pickle.loads(part) for part in (yield from gather_bytes(self.mpi, data))]
+        if isinstance(call, Mapping):
+            error = fields_differ(op, every) if all(isinstance(c, Mapping) for c in every) else None
+        else:
+            error = (
+                first_difference(op, every, " (MPX_CHECK)")
+                if all(isinstance(c, tuple) for c in every)
+                else None
+            )
+        raise error or MismatchError(
+            f"{op}: ranks made different calls (MPX_CHECK): "
+            + "; ".join(f"rank {r}: {c!r}" for r, c in enumerate(every[:8]))
+            + "; every rank must make the same collective calls in the same order"
+        )
 
     def check_same(
         self, what: str, fields: Mapping[str, Hashable], timeout: float | None = None
@@ -385,9 +435,10 @@ class Communicator:
         """Raises on every rank if the ranks passed different ``fields``. Collective.
 
         For a configuration that must agree across ranks (a quantized
-        allreduce's bits and bucket size, a model's parameter layout): with
-        ``MPX_CHECK=auto`` each distinct configuration is compared once per
-        communicator, with ``1`` at every call, with ``0`` never.
+        allreduce's bits and bucket size, a model's parameter layout). A hash of
+        the fields is compared like a collective call (on the call board, or
+        one small allgather), at every call; the fields themselves travel only
+        after a mismatch. Does nothing under ``MPX_CHECK=0``.
 
         Raises:
             MismatchError: ``"<what>: ranks disagree on bits: rank 0 passed 4, rank 1 8; ..."``.
@@ -396,18 +447,16 @@ class Communicator:
 
             comm.check_same("quantized allreduce", {"bits": 4, "bucket_size": 512})
         """
-        mode = current_policy().check
-        if mode == "0":
+        if current_policy().check == "0":
             return
-        key = (what, tuple(sorted(fields.items())))
-        if mode == "auto" and key in self._same:
-            return
-        error = fields_differ(what, self.allgather_object(dict(fields), timeout))
-        if error is not None:
-            raise error
-        if len(self._same) >= 4096:
-            self._same.clear()  # bounded; every rank clears at the same call
-        self._same.add(key)
+        row = encode((CONFIGURATION, "", 0, "", -1), config_hash(what, fields))
+        self.run(
+            what + " (MPX_CHECK)",
+            "check",
+            self._compare(what, row, lambda: dict(fields)),
+            False,
+            timeout,
+        )
 
     def check_sequence(
         self, what: str, noun: str, items: Sequence[str], timeout: float | None = None
@@ -645,7 +694,7 @@ def as_communicator(comm: CommLike | None) -> Communicator:
             original, wrapper = found
             if original != MPI.COMM_NULL and MPI.Comm.Compare(original, comm) == MPI.IDENT:
                 return wrapper
-        # COMM_WORLD's group is the world's: share its state (and its check ledger).
+        # COMM_WORLD's group is the world's: share its state (and its call board).
         wrapper = world() if comm == MPI.COMM_WORLD else Communicator.from_mpi(comm)
         _wrapped[key] = (comm, wrapper)
         return wrapper

@@ -79,20 +79,68 @@ cdef extern from *:
             }
         }
     }
+
+    /* The call board's protocol (mpx.collectives.call_board) in C, on the same
+       shared memory: slots of 8 int64 per rank and half, [0] the call's number
+       (stored last, with release order), [1..6] its row. */
+    static void mpx_board_post(long long *slots, int me, long long number, long long op,
+                               long long dtype, long long count, long long reduce,
+                               long long root) {
+        long long *slot = slots + ((long long)me * 2 + (number & 1)) * 8;
+        slot[1] = op; slot[2] = dtype; slot[3] = count; slot[4] = reduce; slot[5] = root;
+        slot[6] = 0;
+        __atomic_store_n(&slot[0], number, __ATOMIC_RELEASE);
+    }
+
+    /* Waits until every rank has posted call `number`, then compares their rows
+       with this rank's: 1 when all agree, 0 when any differs. The wait spins,
+       then sched_yields; a yielding communicator's (an oversubscribed host)
+       sleeps after 0.5 ms, 20 us growing to 1 ms, like mpx_mpi_wait_yielding. */
+    static int mpx_board_meet(long long *slots, int size, int me, long long number,
+                              int yielding) {
+        const long long half = number & 1;
+        const long long *mine = slots + ((long long)me * 2 + half) * 8;
+        int p, i;
+        for (p = 0; p < size; p++) {
+            long long *slot = slots + ((long long)p * 2 + half) * 8;
+            int spins = 0;
+            long sleep_ns = 20000;
+            double yield_until = 0.0;
+            while (__atomic_load_n(&slot[0], __ATOMIC_ACQUIRE) < number) {
+                if (++spins == 51) yield_until = mpx_monotonic() + 500e-6;
+                if (spins <= 50) continue;
+                if (!yielding || mpx_monotonic() < yield_until) {
+                    sched_yield();
+                } else {
+                    struct timespec pause = {0, sleep_ns};
+                    nanosleep(&pause, NULL);
+                    sleep_ns = sleep_ns * 3 / 2 < 1000000 ? sleep_ns * 3 / 2 : 1000000;
+                }
+            }
+        }
+        for (p = 0; p < size; p++) {
+            const long long *slot = slots + ((long long)p * 2 + half) * 8;
+            for (i = 1; i < 7; i++)
+                if (slot[i] != mine[i]) return 0;
+        }
+        return 1;
+    }
     """
     int mpx_mpi_load(const char *library)
     int mpx_mpi_start(bint bcast, size_t address, int count, unsigned int datatype,
                       unsigned int target, unsigned int comm, int *request) nogil
     int mpx_mpi_wait(int *request) nogil
     int mpx_mpi_wait_yielding(int *request) nogil
+    void mpx_board_post(long long *slots, int me, long long number, long long op,
+                        long long dtype, long long count, long long reduce, long long root)
+    int mpx_board_meet(long long *slots, int size, int me, long long number,
+                       int yielding) nogil
 
 cdef object _TENSOR
 cdef object _IN_PLACE
 cdef object _acquire
 cdef object _release
-cdef unsigned long long _PRIME
-cdef unsigned long long _MASK
-cdef long long _FIELDS
+cdef long long _SLOT
 cdef long long _payload
 
 cdef class _Call:
@@ -113,16 +161,24 @@ cdef class _Call:
     cdef unsigned int datatype
     cdef unsigned int target
     cdef unsigned int comm
-    cdef bint counted
-    cdef long long sig_hash
-    cdef object ledger_obj
-    cdef long long *ledger
+    cdef bint checked
+    cdef object board_obj
+    cdef object row_obj
+    cdef long long r_op
+    cdef long long r_dtype
+    cdef long long r_count
+    cdef long long r_reduce
+    cdef long long r_root
+    cdef int node_rank
+    cdef int node_size
+    cdef long long *slots
+    cdef long long *counter
 
 @cython.locals(call=_Call)
 cdef _Call _lookup(object comm, object t, bint bcast, object op, object impl, Py_ssize_t root)
 
-@cython.locals(err=cython.int, request=cython.int, n=cython.longlong)
-cdef bint _run_now(object comm, _Call call) except -1
+@cython.locals(err=cython.int, request=cython.int, n=cython.longlong, same=cython.int)
+cdef bint _run_now(object comm, _Call call, object t) except -1
 
 @cython.locals(call=_Call)
 cpdef bint allreduce(object t, object op, object comm, object impl) except -1

@@ -11,9 +11,11 @@ anyway takes this path instead::
         not requiring grad, not empty
       the policy chooses "mpi" for it              no --> general path
         (policy.choose: the same decision, cached)
-      MPX_CHECK=auto: signature compared already,  no --> general path
-        no comparison of digests due               (it compares)
+      MPX_CHECK=auto: the communicator is one      no --> general path
+        node (it has a call board)
       communicator: no deadline, nothing queued    no --> general path
+      --> MPX_CHECK=auto: the call's row on the call board, wait for the
+          peers' rows, compare (in C: mpx.collectives.call_board's protocol)
       --> MPI_Iallreduce / MPI_Ibcast on the tensor's memory, wait
 
 It makes the same non-blocking MPI call as ``impl="mpi"`` (MPI never matches a
@@ -47,10 +49,11 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from mpx.collectives.call_board import SLOT, Arrival
 from mpx.collectives.communicator import Communicator, as_communicator, world
-from mpx.collectives.consistency import LEDGER_FIELDS, MASK, PRIME, signature_hash
+from mpx.collectives.consistency import call_of, calls_differ, encode
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.collectives.handle import LOCK, Requests, wait_yielding
+from mpx.collectives.handle import LOCK, Requests, drive, wait_yielding
 from mpx.collectives.impl_mpi import MPI_OPS
 from mpx.collectives.policy import choose, current
 
@@ -81,9 +84,7 @@ _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
 }
 
 # Looked up once (compiled, these are C variables: see fast_path.pxd).
-_PRIME = PRIME
-_MASK = MASK
-_FIELDS = LEDGER_FIELDS
+_SLOT = SLOT
 _TENSOR = torch.Tensor
 _IN_PLACE = MPI.IN_PLACE
 _acquire = LOCK.acquire
@@ -172,9 +173,10 @@ class _Call:
         self.datatype = _handle(message[1]) if DIRECT else 0
         self.target = self.root if bcast else (_handle(mpi_op) if DIRECT else 0)
         self.comm = _handle(comm.mpi) if DIRECT else 0
-        # MPX_CHECK=auto: the call is counted in the communicator's ledger
-        # (consistency.CallLedger) -- here, by a few C operations on its array.
-        self.counted = current().check == "auto"
+        # MPX_CHECK=auto: the call is compared on the communicator's call board
+        # (mpx.collectives.call_board) -- compiled, by C on its memory.
+        self.checked = current().check == "auto"
+        self.board_obj = comm.call_board
         signature = (
             "broadcast" if bcast else "allreduce",
             str(self.dtype).replace("torch.", ""),
@@ -182,14 +184,23 @@ class _Call:
             self.op,
             self.root,
         )
-        self.sig_hash = signature_hash(signature)
-        self.ledger_obj = comm.ledger
-        comm.ledger.signatures[self.sig_hash] = signature
+        self.row_obj = encode(signature)
+        self.r_op, self.r_dtype, self.r_count, self.r_reduce, self.r_root = (
+            int(x) for x in self.row_obj[:5]
+        )
+        self.node_rank = comm.node_rank
+        self.node_size = comm.node_size
         if cython.compiled:
             slot = comm._board.ctypes.data + comm._board.itemsize * comm.node_rank
             self.board = cython.cast(cython.p_longlong, cython.cast(cython.size_t, slot))
-            state = comm.ledger.state.ctypes.data
-            self.ledger = cython.cast(cython.p_longlong, cython.cast(cython.size_t, state))
+            if self.checked:
+                board = comm.call_board
+                assert board is not None  # _takes: checked calls need one
+                self.slots = cython.cast(
+                    cython.p_longlong, cython.cast(cython.size_t, board.address)
+                )
+                counter = board.counter.ctypes.data
+                self.counter = cython.cast(cython.p_longlong, cython.cast(cython.size_t, counter))
 
 
 def payload() -> int:
@@ -206,6 +217,7 @@ def _takes(op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: s
         and (op != "allreduce" or reduce_op in MPI_OPS)
         and not (reduce_op == "avg" and not t.is_floating_point())
         and current().check != "1"
+        and (current().check == "0" or comm.call_board is not None)
         and choose(op, False, t.nbytes, comm, impl) == "mpi"
     )
 
@@ -245,16 +257,6 @@ def _lookup(
             taken = _takes("broadcast" if bcast else "allreduce", op, t, comm, impl)
             cache = comm.choices  # choose() renews it for a new policy
         entry = False
-        if taken and current().check == "auto":
-            signature = (
-                "broadcast" if bcast else "allreduce",
-                str(dtype).replace("torch.", ""),
-                t.numel(),
-                op,
-                root,
-            )
-            if signature not in comm.ledger.verified:
-                return None  # the general path compares it first (and caches nothing here)
         if taken:
             message = [MPI.buffer.fromaddress(address, nbytes), _MPI_TYPES[dtype]]
             entry = _Call(comm, key, bcast, message, t.numel(), None if bcast else MPI_OPS[op])
@@ -268,80 +270,96 @@ def _lookup(
     return entry
 
 
-def _run_now(comm: Communicator, call: _Call) -> bool:
-    """Starts the call's MPI request and waits for it, if nothing is queued.
+def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
+    """Compares the call across ranks, starts its MPI request and waits for it.
 
     Returns False, having done nothing, when the communicator has a deadline
     (``MPX_TIMEOUT``), is broken, or has collectives queued: the caller then
     takes the general path, which orders, times out and reports. Otherwise
-    this is ``Communicator.run`` for one request: the operation is counted on
-    the node's board, started under the lock (the progress thread's turn
-    comes before or after it) and waited for outside it (see ``run``).
+    this is ``Communicator.run`` for the check's steps and one request: the
+    call is posted on the call board and counted on the node's board under
+    the lock (the progress thread's turn comes before or after it); the wait
+    for the peers' rows, and for the request, happen outside it (see ``run``).
+
+    Raises:
+        MismatchError: on every rank, when the ranks' calls differ (nothing
+            of the data has moved).
     """
-    if comm.timeout is not None or comm._broken is not None:
+    if comm.timeout is not None or comm._broken is not None or comm._freed:
         return False
     err = 0
     request = 0
     n = 0
-    if call.counted:
-        # The call that compares digests goes the general path (it counts it).
-        if cython.compiled:
-            n = call.ledger[0] + 1
-            if n >= call.ledger[2]:
-                return False
-        elif call.ledger_obj.calls + 1 >= call.ledger_obj.state[2]:
-            return False
+    same = 1
     _acquire()
     try:
         if call.queue:
             return False
-        if call.counted:
+        if call.checked:
             if cython.compiled:
-                # CallLedger.count, in C: calls, digest, the ring of hashes.
-                call.ledger[0] = n
-                call.ledger[1] = cython.cast(
-                    cython.longlong,
-                    ((cython.cast(cython.ulonglong, call.ledger[1]) * _PRIME) ^ call.sig_hash)
-                    & _MASK,
+                n = call.counter[0] + 1
+                call.counter[0] = n
+                mpx_board_post(
+                    call.slots,
+                    call.node_rank,
+                    n,
+                    call.r_op,
+                    call.r_dtype,
+                    call.r_count,
+                    call.r_reduce,
+                    call.r_root,
                 )
-                call.ledger[_FIELDS + n % call.ledger[3]] = call.sig_hash
             else:
-                call.ledger_obj.count_hash(call.sig_hash)
+                assert call.board_obj is not None  # _takes: checked calls need one
+                n = call.board_obj.post(call.row_obj)
         if cython.compiled:
             call.board[0] += 1  # Communicator._announce
-            if call.direct:
-                with cython.nogil:
-                    err = mpx_mpi_start(
-                        call.bcast,
-                        call.address,
-                        call.count,
-                        call.datatype,
-                        call.target,
-                        call.comm,
-                        cython.address(request),
-                    )
-            else:
-                mpi_request = call.start(*call.args)
         else:
             comm._announce()
+    finally:
+        _release()
+    if call.checked:
+        if cython.compiled:
+            with cython.nogil:
+                same = mpx_board_meet(call.slots, call.node_size, call.node_rank, n, call.yielding)
+        else:
+            assert call.board_obj is not None
+            arrival = Arrival(call.board_obj, n)
+            if call.yielding:
+                wait_yielding(arrival)
+            else:
+                arrival.wait()
+            same = not calls_differ(call.board_obj.rows(n))
+        if not same:
+            op = "broadcast" if call.bcast else "allreduce"
+            drive(comm.mismatch_steps(op, call_of(op, t, call.op, call.root)), call.yielding)
+    _acquire()
+    try:
+        if cython.compiled and call.direct:
+            with cython.nogil:
+                err = mpx_mpi_start(
+                    call.bcast,
+                    call.address,
+                    call.count,
+                    call.datatype,
+                    call.target,
+                    call.comm,
+                    cython.address(request),
+                )
+        else:
             mpi_request = call.start(*call.args)
     finally:
         _release()
-    if cython.compiled:
-        if call.direct:
-            if err == 0:
-                if call.yielding:
-                    with cython.nogil:
-                        err = mpx_mpi_wait_yielding(cython.address(request))
-                else:
-                    with cython.nogil:
-                        err = mpx_mpi_wait(cython.address(request))
-            if err != 0:
-                raise MPI.Exception(err)
-        elif call.yielding:
-            wait_yielding(Requests([mpi_request]))
-        else:
-            mpi_request.Wait()
+    if cython.compiled and call.direct:
+        if err == 0:
+            if call.yielding:
+                with cython.nogil:
+                    err = mpx_mpi_wait_yielding(cython.address(request))
+            else:
+                with cython.nogil:
+                    err = mpx_mpi_wait(cython.address(request))
+        if err != 0:
+            raise MPI.Exception(err)
     elif call.yielding:
         wait_yielding(Requests([mpi_request]))
     else:
@@ -359,7 +377,7 @@ def allreduce(t: torch.Tensor, op: str, comm: Any, impl: str | None) -> bool:
     elif type(comm) is not Communicator:
         comm = as_communicator(comm)  # an mpi4py communicator (or the error for anything else)
     call = _lookup(comm, t, False, op, impl, -1)
-    if call is None or not _run_now(comm, call):
+    if call is None or not _run_now(comm, call, t):
         return False
     if op == "avg":
         t.div_(comm.size)
@@ -381,7 +399,7 @@ def broadcast(t: torch.Tensor, root: int, comm: Any, impl: str | None) -> bool:
     if not 0 <= root < comm.size:
         return False
     call = _lookup(comm, t, True, "", impl, root)
-    if call is None or not _run_now(comm, call):
+    if call is None or not _run_now(comm, call, t):
         return False
     _payload += call.nbytes
     return True
@@ -402,4 +420,12 @@ if not cython.compiled:
         raise AssertionError("compiled only")
 
     def mpx_mpi_wait_yielding(request: Any) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_board_post(
+        slots: Any, me: int, number: int, op: int, dtype: int, count: int, reduce: int, root: int
+    ) -> None:
+        raise AssertionError("compiled only")
+
+    def mpx_board_meet(slots: Any, size: int, me: int, number: int, yielding: bool) -> int:
         raise AssertionError("compiled only")

@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.dtypes import mpi_reduces, numpy_view, wire_view
+from mpx.collectives.errors import MPXValueError
 from mpx.collectives.handle import Requests, Steps
 from mpx.collectives.policy import current
 
@@ -115,9 +116,42 @@ def send(comm: Communicator, t: torch.Tensor, dest: int, tag: int) -> Steps[None
     yield Requests([comm.mpi.Isend(buf, dest=dest, tag=tag)], peers=[dest])
 
 
+class _Receive(Requests):
+    """A receive whose message is longer than its buffer raises a clear error, not MPI's."""
+
+    __slots__ = ("tensor", "where")
+
+    def __init__(self, request: MPI.Request, t: torch.Tensor, source: int, tag: int) -> None:
+        super().__init__([request], peers=[source])
+        self.tensor = t
+        self.where = f"rank {source}, tag {tag}"
+
+    def _truncated(self, error: MPI.Exception) -> Exception:
+        if error.Get_error_class() != MPI.ERR_TRUNCATE:
+            return error
+        t = self.tensor
+        return MPXValueError(
+            f"recv: the message from {self.where} is larger than the receive buffer "
+            f"({str(t.dtype).replace('torch.', '')}{list(t.shape)}, {t.numel() * t.element_size()}"
+            " bytes); receive into a tensor of the shape and dtype the sender sent"
+        )
+
+    def test(self) -> bool:
+        try:
+            return super().test()
+        except MPI.Exception as error:
+            raise self._truncated(error) from None
+
+    def wait(self) -> None:
+        try:
+            super().wait()
+        except MPI.Exception as error:
+            raise self._truncated(error) from None
+
+
 def recv(comm: Communicator, t: torch.Tensor, source: int, tag: int) -> Steps[torch.Tensor]:
     buf = _buf(t)
-    yield Requests([comm.mpi.Irecv(buf, source=source, tag=tag)], peers=[source])
+    yield _Receive(comm.mpi.Irecv(buf, source=source, tag=tag), t, source, tag)
     return t
 
 

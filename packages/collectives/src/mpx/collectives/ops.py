@@ -7,15 +7,15 @@ Every operation takes ``comm=`` (default :func:`world`), ``impl=`` (default
 operations return their input tensor.
 
 Ranks that make different calls get :class:`MismatchError` on every rank,
-naming the field that differs and both values: by default each new call
-signature is compared once and a digest of all calls every
-``MPX_CHECK_INTERVAL`` calls; ``MPX_CHECK=1`` compares every call, ``0``
-none (see :mod:`mpx.collectives.consistency`).
+before any data moves, naming the field that differs and every rank's call:
+every collective call is compared across ranks (``MPX_CHECK=auto``, on the
+node's shared-memory call board; ``1`` through MPI; ``0`` none; see
+:mod:`mpx.collectives.consistency`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 
@@ -23,10 +23,10 @@ from mpx.collectives import fast_path
 from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import CommLike, as_communicator
 from mpx.collectives.dtypes import check_op_for_dtype
-from mpx.collectives.errors import MPXValueError
+from mpx.collectives.errors import MPXTypeError, MPXValueError
 from mpx.collectives.handle import Handle, Steps
-from mpx.collectives.implementations import MODULES
 from mpx.collectives.policy import choose
+from mpx.collectives.registry import get as implementation
 
 __all__ = [
     "allgather",
@@ -43,6 +43,28 @@ __all__ = [
 
 
 _payload = [0]  # bytes of tensors handed to operations by this process
+
+Scalar = TypeVar("Scalar", int, float)
+
+
+def _scalar_tensor(value: object, op: str, async_op: bool) -> torch.Tensor | None:
+    """A Python int/float as a one-element tensor (TorchMPI's scalar collectives), else None.
+
+    int travels as int64 and float as float64, so the value comes back
+    exactly as another rank's Python arithmetic would give it.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if async_op:
+        raise MPXTypeError(
+            f"{op}: a Python {type(value).__name__} ({value!r}) is reduced blocking only; "
+            "for async_op=True pass a tensor, e.g. torch.tensor([value])"
+        )
+    return torch.tensor([value], dtype=torch.int64 if isinstance(value, int) else torch.float64)
+
+
+def _scalar_result(tensor: torch.Tensor, value: Scalar) -> Scalar:
+    return type(value)(tensor.item())
 
 
 def bytes_communicated() -> int:
@@ -76,11 +98,26 @@ def _run(
     # The one decision of this call: the policy is consulted here, once.
     name = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
     _payload[0] += nbytes
-    steps = getattr(MODULES[name], op)(comm, *(() if t is None else (t,)), *args)
+    # Autograd as on gloo, whatever the implementation: a collective works on
+    # the tensor's memory and is not recorded by autograd (no grad_fn, the
+    # version counter untouched, outputs that do not require grad). Every
+    # implementation gets that memory as a tensor without autograd (``.data``)
+    # -- before, MPI's path bypassed autograd while shm's out= kernels and a
+    # broadcast into a Parameter raised on one rank and hung the others.
+    work = t.data if t is not None and t.requires_grad else t
+    steps = implementation(name).function(op)(comm, *(() if work is None else (work,)), *args)
+    if work is not None and work is not t:
+        steps = _returning_input(steps, work, t)
     check = comm.check_steps(op, t, reduce_op, root)
     if check is not None:
         steps = _checked(check, steps)
     return comm.run(op, name, steps, async_op, timeout)
+
+
+def _returning_input(steps: Steps[Any], work: torch.Tensor, t: Any) -> Steps[Any]:
+    """The steps, returning the caller's tensor where an in-place op returns its memory."""
+    result = yield from steps
+    return t if result is work else result
 
 
 def _checked(check: Steps[None], steps: Steps[Any]) -> Steps[Any]:
@@ -95,6 +132,18 @@ def _checked(check: Steps[None], steps: Steps[Any]) -> Steps[Any]:
 
 @overload
 def allreduce(
+    t: Scalar,
+    op: str = ...,
+    *,
+    comm: CommLike | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> Scalar: ...
+
+
+@overload
+def allreduce(
     t: torch.Tensor,
     op: str = ...,
     *,
@@ -130,28 +179,36 @@ def allreduce(
 
 
 def allreduce(
-    t: torch.Tensor,
+    t: torch.Tensor | Scalar,
     op: str = "sum",
     *,
     comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> torch.Tensor | Handle[torch.Tensor]:
+) -> torch.Tensor | Handle[torch.Tensor] | Scalar:
     """Reduces ``t`` across ranks, in place: every rank ends with the result.
 
     Args:
-        t: a contiguous CPU tensor (CUDA with a CUDA-aware MPI).
+        t: a contiguous tensor, or a Python int or float (TorchMPI's scalar
+            allreduce: blocking, the result comes back as the same type).
         op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``.
 
     Returns:
-        ``t``, or a :class:`Handle` whose ``wait()`` returns it.
+        ``t``, or a :class:`Handle` whose ``wait()`` returns it; for a
+        Python number, the reduced number.
 
     Example::
 
         grad = allreduce(grad, "avg")
         handle = allreduce(buf, async_op=True); ...; handle.wait(timeout=60)
+        total = allreduce(local_count)   # an int in, the sum over ranks out
     """
+    scalar = _scalar_tensor(t, "allreduce", async_op)
+    if scalar is not None:
+        assert isinstance(t, int | float)
+        return _scalar_result(allreduce(scalar, op, comm=comm, impl=impl, timeout=timeout), t)
+    t = cast(torch.Tensor, t)  # or anything else: check_tensor names it
     if not async_op and timeout is None and fast_path.allreduce(t, op, comm, impl):
         return t
     check_tensor(t, "allreduce")
@@ -164,6 +221,18 @@ def allreduce(
 
 @overload
 def broadcast(
+    t: Scalar,
+    root: int = ...,
+    *,
+    comm: CommLike | None = ...,
+    impl: str | None = ...,
+    async_op: Literal[False] = ...,
+    timeout: float | None = ...,
+) -> Scalar: ...
+
+
+@overload
+def broadcast(
     t: torch.Tensor,
     root: int = ...,
     *,
@@ -199,15 +268,24 @@ def broadcast(
 
 
 def broadcast(
-    t: torch.Tensor,
+    t: torch.Tensor | Scalar,
     root: int = 0,
     *,
     comm: CommLike | None = None,
     impl: str | None = None,
     async_op: bool = False,
     timeout: float | None = None,
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """Copies ``root``'s ``t`` into ``t`` on every rank, in place."""
+) -> torch.Tensor | Handle[torch.Tensor] | Scalar:
+    """Copies ``root``'s ``t`` into ``t`` on every rank, in place.
+
+    A Python int or float (TorchMPI's scalar broadcast) comes back as root's
+    value, of the same type.
+    """
+    scalar = _scalar_tensor(t, "broadcast", async_op)
+    if scalar is not None:
+        assert isinstance(t, int | float)
+        return _scalar_result(broadcast(scalar, root, comm=comm, impl=impl, timeout=timeout), t)
+    t = cast(torch.Tensor, t)  # or anything else: check_tensor names it
     if not async_op and timeout is None and fast_path.broadcast(t, root, comm, impl):
         return t
     check_tensor(t, "broadcast")

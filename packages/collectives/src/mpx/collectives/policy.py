@@ -55,13 +55,15 @@ from typing import Any, Protocol
 
 from mpx.collectives import settings
 from mpx.collectives.errors import MPXError
+from mpx.collectives.registry import BUILT_IN, OPS, RegistryError
+from mpx.collectives.registry import get as implementation
 from mpx.launch.settings import on_reload
 
 __all__ = [
     "COMPARE_ONLY",
     "IMPLEMENTATIONS",
+    "OPS",
     "ORDER",
-    "PROVIDES",
     "Entry",
     "Layout",
     "Policy",
@@ -76,20 +78,11 @@ __all__ = [
 
 LOG = logging.getLogger("mpx.collectives")
 
-OPS = (
-    "allreduce",
-    "broadcast",
-    "reduce",
-    "allgather",
-    "reduce_scatter",
-    "alltoall",
-    "send",
-    "recv",
-    "barrier",
-)
-# The implementations by name: the names MPX_COLLECTIVES_IMPL (and impl=) accept, but "auto".
-IMPLEMENTATIONS = tuple(name for name in settings.IMPL_NAMES if name != "auto")
-"""The implementations that ``impl=`` names (besides ``"auto"``, the policy's choice)."""
+# The implementations by name (mpx.collectives.registry holds each one's
+# declaration: the ops it provides, the devices and layouts it accepts).
+IMPLEMENTATIONS = tuple(impl.name for impl in BUILT_IN)
+"""The built-in implementations that ``impl=`` names (besides ``"auto"``, the policy's
+choice); other packages add theirs through ``mpx.collectives.registry``."""
 # Operations whose CPU algorithms the tuner times and the policy can band.
 TUNABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
@@ -113,21 +106,6 @@ class Layout(Protocol):
     def hierarchy(self) -> object | None: ...
     @property
     def choices(self) -> ChoiceCache: ...
-
-
-# The ops each implementation runs itself (any other op of a call that names it
-# falls back: mpi for CPU tensors, staged for CUDA ones). A test holds this table
-# against the modules (mpx.collectives.implementations).
-PROVIDES: dict[str, frozenset[str]] = {
-    "mpi": frozenset(OPS),
-    "ring": frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter"}),
-    "shm": frozenset({"allreduce", "broadcast", "allgather"}),
-    "hier": frozenset({"allreduce", "broadcast"}),
-    "staged": frozenset(OPS) - {"barrier"},
-    "ipc": frozenset({"allreduce", "broadcast"}),
-    "gloo": frozenset({"allreduce", "broadcast", "reduce", "allgather", "alltoall"}),
-    "nccl": frozenset({"allreduce", "broadcast", "reduce", "allgather", "alltoall"}),
-}
 
 
 class PolicyError(MPXError, ValueError):
@@ -241,7 +219,6 @@ class Policy:
         impl: the implementation every call without ``impl=`` uses
             (``MPX_COLLECTIVES_IMPL``; ``"auto"`` lets the lists decide).
         check: the cross-rank check of calls, ``"auto"``, ``"1"`` or ``"0"`` (``MPX_CHECK``).
-        check_interval: calls between comparisons of digests (``MPX_CHECK_INTERVAL``).
         tuned: layout key -> op -> list of ``[up_to_bytes, impl]`` bands
             (exclusive upper bounds, ascending), from a tuning file.
         source: where the bands came from (a path), or ``"built-in"``.
@@ -259,7 +236,6 @@ class Policy:
     check: str
     tuned: dict[str, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
     source: str = "built-in"
-    check_interval: int = 4096
     _log_seen: set[tuple[str, bool, int]] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -283,7 +259,6 @@ class Policy:
             cuda_aware=settings.CUDA_AWARE.get(),
             impl=settings.IMPL.get(),
             check=settings.CHECK.get(),
-            check_interval=settings.CHECK_INTERVAL.get(),
             tuned=tuned,
             source=source,
         )
@@ -315,7 +290,6 @@ class Policy:
                 self.cuda_aware,
                 self.impl,
                 self.check,
-                self.check_interval,
                 sorted(self.tuned.items()),
             ],
             sort_keys=True,
@@ -378,15 +352,13 @@ def small_bytes() -> int:
 
 # -- choosing -----------------------------------------------------------------
 
-_CUDA_IMPLS = frozenset({"staged", "ipc", "nccl"})
-
-COMPARE_ONLY = frozenset({"gloo", "nccl"})
-"""Implementations ``auto`` never picks (nor tuning): torch's process groups, to compare with."""
+COMPARE_ONLY = frozenset(i.name for i in BUILT_IN if not i.automatic and "cpu" in i.devices)
+"""CPU implementations ``auto`` never picks (nor tuning): torch's groups, to compare with."""
 
 
 def _walk(call: Call, policy: Policy) -> str:
     for entry in ORDER[call.op]:
-        if entry.enabled(call, policy) and call.op in PROVIDES[entry.impl]:
+        if entry.enabled(call, policy) and call.op in implementation(entry.impl).provides:
             return entry.impl
     raise PolicyError(  # unreachable with the lists above: each ends in a fallback
         f"{call.op}: no implementation is enabled for a {'CUDA' if call.cuda else 'CPU'} "
@@ -403,31 +375,14 @@ def builtin_choice(op: str, nbytes: int, comm: Layout) -> str:
 def _named(call: Call, name: str, policy: Policy) -> str:
     """Checks an explicitly named implementation; falls back for ops it does not have."""
     comm, op = call.comm, call.op
-    if name not in settings.IMPL_NAMES:
-        raise PolicyError(
-            f"{op}: impl must be one of {', '.join(settings.IMPL_NAMES)}, got {name!r} "
-            "(from impl= or MPX_COLLECTIVES_IMPL)"
-        )
-    if name in ("shm", "ipc") and not comm.single_node:
-        raise PolicyError(
-            f"{op}: impl={name!r} needs every rank on one node, but this communicator spans "
-            f"{comm.num_nodes} nodes; use impl='hier', 'ring' or 'auto'"
-        )
-    if name == "hier" and comm.hierarchy is None:
-        raise PolicyError(
-            f"{op}: impl='hier' needs ranks on several nodes with more than one rank on some "
-            f"node; this communicator has {comm.num_nodes} node(s) of {comm.node_size} rank(s) "
-            "here; use impl='shm', 'ring' or 'auto'"
-        )
-    if call.cuda and name not in _CUDA_IMPLS and not (name == "mpi" and policy.cuda_aware):
-        raise PolicyError(
-            f"{op}: impl={name!r} takes CPU tensors; for a CUDA tensor use impl='staged' "
-            "(or 'auto'), 'ipc' within a node, 'nccl', or 'mpi' with a CUDA-aware MPI "
-            "(MPX_CUDA_AWARE=1); or move it with t.cpu()"
-        )
-    if not call.cuda and name in _CUDA_IMPLS:
-        raise PolicyError(f"{op}: impl={name!r} takes CUDA tensors, got a CPU one; use impl='auto'")
-    if op not in PROVIDES[name]:
+    try:
+        named = implementation(name)
+    except RegistryError as error:
+        raise PolicyError(f"{op}: {error}") from None
+    refusal = named.refusal(op, call.cuda, comm, policy.cuda_aware)
+    if refusal is not None:
+        raise PolicyError(f"{op}: {refusal}")
+    if op not in named.provides:
         return "staged" if call.cuda and not policy.cuda_aware else "mpi"
     return name
 

@@ -19,7 +19,6 @@ from mpx.launch.settings import Setting, declare
 __all__ = [
     "BUILD_CYTHON",
     "CHECK",
-    "CHECK_INTERVAL",
     "CUDA_AWARE",
     "IMPL",
     "IMPL_NAMES",
@@ -38,35 +37,28 @@ __all__ = [
 
 _PACKAGE = "collectives"
 
-# The implementations a user may name (impl= or MPX_COLLECTIVES_IMPL).
+# The built-in implementations (mpx.collectives.registry declares them; other
+# packages add theirs, so the setting is checked against the registry when used).
 IMPL_NAMES = ("auto", "mpi", "ring", "shm", "hier", "staged", "ipc", "gloo", "nccl")
 
 IMPL = declare(
     "MPX_COLLECTIVES_IMPL",
-    "choice",
+    "str",
     "auto",
-    "implementation of every collective that has no impl= (auto: chosen per call by the policy)",
+    "implementation of every collective that has no impl= (auto: chosen per call by the "
+    "policy): auto, mpi, ring, shm, hier, staged, ipc, gloo, nccl, or one another package "
+    "registers (cgx from mpx-quantize)",
     package=_PACKAGE,
-    choices=IMPL_NAMES,
 )
 CHECK = declare(
     "MPX_CHECK",
     "choice",
     "auto",
-    "cross-rank check of collective calls (op, dtype, element count, reduce op, root): auto "
-    "compares each new signature once and a digest of all calls every MPX_CHECK_INTERVAL "
-    "calls; 1 compares every call; 0 none",
+    "cross-rank check of every collective call (op, dtype, element count, reduce op, root): "
+    "auto compares on the node's shared-memory call board (one MPI allgather across nodes); "
+    "1 compares through MPI always; 0 none",
     package=_PACKAGE,
     choices=("auto", "1", "0"),
-)
-CHECK_INTERVAL = declare(
-    "MPX_CHECK_INTERVAL",
-    "int",
-    4096,
-    "MPX_CHECK=auto: calls between two comparisons of the ranks' call digests (each costs "
-    "a general-path call and a small allgather: 4096 keeps a 4 KiB allreduce within 1 %)",
-    package=_PACKAGE,
-    minimum=1,
 )
 TIMEOUT: Setting[float | None] = declare(
     "MPX_TIMEOUT",

@@ -1,0 +1,125 @@
+"""The call board: where the ranks of one node compare each collective call.
+
+Each communicator whose ranks share one node keeps, in MPI-3 shared memory,
+two slots per rank (the halves of the board). The k-th checked call of the
+communicator goes to half ``k % 2``::
+
+    slot (8 int64)   [0] k, the call's number       written last: a peer that
+                     [1..6] the call's row          reads k there sees the row
+                     (consistency.encode)
+                     [7] unused (a slot is one 64-byte cache line)
+
+    rank r, call k:  write row, then k, into its slot of half k % 2; wait until
+                     every peer's slot of half k % 2 says >= k; compare the rows
+
+A peer cannot overwrite a row another rank has yet to read: to post call k+2
+into the same half it must first pass the wait of call k+1, which needs every
+rank to have posted k+1 -- after reading the rows of k. So two halves suffice,
+whatever the ranks do between calls, and a failed comparison leaves nothing
+behind: every rank has moved on by exactly one call.
+
+The wait is a barrier that carries the call; the collective behind it would
+wait for its peers anyway. The compiled fast path runs the same protocol in C
+on the same memory (:mod:`mpx.collectives.fast_path`), through the board's
+address, slot layout and counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+from mpi4py import MPI
+
+from mpx.collectives.consistency import ROW
+from mpx.collectives.handle import Backoff, Pending
+
+__all__ = ["SLOT", "Arrival", "CallBoard"]
+
+SLOT = 8
+"""int64s per slot: the call's number, its row (``consistency.ROW``), padding."""
+
+
+class CallBoard:
+    """One node's board of a communicator (collective to create: every node rank).
+
+    Attributes:
+        slots: ``(node_size, 2, SLOT)`` int64 view of the shared memory.
+        counter: one int64, this rank's number of checked calls so far (an
+            array, so the compiled fast path counts through its address).
+        members: the communicator rank of each node rank (errors name them).
+    """
+
+    def __init__(self, node_comm: MPI.Intracomm, members: list[int]) -> None:
+        size = node_comm.Get_size()
+        self.node_rank: int = node_comm.Get_rank()
+        self.size = size
+        self.members = members
+        self._win = MPI.Win.Allocate_shared(
+            8 * 2 * SLOT * size if self.node_rank == 0 else 0, 8, comm=node_comm
+        )
+        # A passive epoch for the board's life: MPI_Win_sync (the memory barrier
+        # between a row and its number) is only valid inside one.
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        buffer, _ = self._win.Shared_query(0)
+        self.slots = np.ndarray((size, 2, SLOT), dtype=np.int64, buffer=cast(Any, buffer))
+        self.slots[self.node_rank] = 0
+        self.counter = np.zeros(1, dtype=np.int64)
+        self._numbers = self.slots[:, :, 0]  # (size, 2) view: every rank's call numbers
+        node_comm.Barrier()  # every rank's slots are zero before any call posts
+
+    @property
+    def address(self) -> int:
+        """Where the slots start in this process's memory (for the fast path)."""
+        return int(self.slots.ctypes.data)
+
+    def post(self, row: np.ndarray) -> int:
+        """Writes this rank's row of its next call; returns the call's number."""
+        number = int(self.counter[0]) + 1
+        self.counter[0] = number
+        slot = self.slots[self.node_rank, number & 1]
+        slot[1 : 1 + ROW] = row
+        self._win.Sync()  # the row is visible before the number (a memory barrier)
+        slot[0] = number
+        return number
+
+    def arrived(self, number: int) -> bool:
+        """Whether every rank has posted call ``number``."""
+        return bool((self._numbers[:, number & 1] >= number).all())
+
+    def behind(self, number: int) -> list[int]:
+        """The communicator ranks that have not posted call ``number``."""
+        column = self._numbers[:, number & 1]
+        return [self.members[i] for i in range(self.size) if column[i] < number]
+
+    def rows(self, number: int) -> np.ndarray:
+        """Every rank's row of call ``number`` (all must have posted it)."""
+        self._win.Sync()  # read the rows after the numbers that announced them
+        return self.slots[:, number & 1, 1 : 1 + ROW]
+
+    def free(self) -> None:
+        self._win.Unlock_all()
+        self._win.Free()
+
+
+class Arrival(Pending):
+    """A step that waits for every rank to post a call on the board."""
+
+    __slots__ = ("board", "number")
+
+    def __init__(self, board: CallBoard, number: int) -> None:
+        self.board = board
+        self.number = number
+
+    @property
+    def peers(self) -> Sequence[int]:  # type: ignore[override]  # computed when a timeout asks
+        return self.board.behind(self.number)
+
+    def test(self) -> bool:
+        return self.board.arrived(self.number)
+
+    def wait(self) -> None:
+        backoff = Backoff()
+        while not self.board.arrived(self.number):
+            backoff.pause()

@@ -1,0 +1,287 @@
+"""The registry of implementations: one object per implementation, in one place.
+
+Each implementation is an :class:`Implementation`: its name, the ops it
+provides, the devices and rank layouts it accepts, whether ``auto`` may pick
+it, and the module whose op functions run its calls. The policy
+(:mod:`mpx.collectives.policy`) decides among the implementations that accept
+a call; the operations (:mod:`mpx.collectives.ops`) run the one it chose::
+
+    ops.allreduce(t)                  validation, autograd, the check: once
+      policy.choose(op, cuda, bytes)  the op's ordered list; each entry names an
+        registry.get(name)            implementation: enabled, provides the op,
+          .refusal(...)               accepts the device and layout?
+      registry.get(chosen)
+        .function("allreduce")        the module's op function: a generator of steps
+
+Other packages add implementations through the entry-point group
+``mpx.collectives.implementations`` (the entry point names an
+:class:`Implementation` object), as mpx-quantize adds ``cgx``, its quantized
+allreduce. Those are found on the first lookup of a name that is not built in,
+so importing mpx.collectives imports no other package (they import it).
+
+Every op function takes the communicator, the tensor and the op's own
+arguments -- ``allreduce(comm, t, op)``, ``broadcast(comm, t, root)``,
+``reduce(comm, t, root, op)``, ``allgather(comm, t)``, ``reduce_scatter(comm,
+t, op)``, ``alltoall(comm, t)``, ``send(comm, t, dest, tag)``, ``recv(comm, t,
+source, tag)``, ``barrier(comm)`` -- and returns the steps
+(:class:`mpx.collectives.handle.Steps`) the communicator drives. It gets a
+tensor already validated (dtype, device, contiguity) and without autograd.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mpx.collectives.errors import MPXError
+
+__all__ = [
+    "BUILT_IN",
+    "ENTRY_POINT_GROUP",
+    "OPS",
+    "Implementation",
+    "Placement",
+    "RegistryError",
+    "all_implementations",
+    "get",
+]
+
+ENTRY_POINT_GROUP = "mpx.collectives.implementations"
+
+OPS = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "alltoall",
+    "send",
+    "recv",
+    "barrier",
+)
+"""Every operation, in the order of the functional API."""
+
+
+class RegistryError(MPXError, ValueError):
+    """An implementation's name is unknown, registered twice, or cannot take a call."""
+
+
+class Placement(Protocol):
+    """What an implementation's layout rule needs of a communicator."""
+
+    @property
+    def single_node(self) -> bool: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def node_size(self) -> int: ...
+    @property
+    def hierarchy(self) -> object | None: ...
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of collectives, as the registry knows it.
+
+    Attributes:
+        name: what ``impl=`` and ``MPX_COLLECTIVES_IMPL`` call it.
+        module: the module holding its op functions (imported on first use).
+        provides: the ops it runs itself; a call that names it for another op
+            falls back to ``mpi`` (CPU tensors) or ``staged`` (CUDA ones).
+        devices: ``"cpu"``, ``"cuda"``, and ``"cuda-aware"`` for CUDA tensors
+            only when the MPI is CUDA-aware (``MPX_CUDA_AWARE=1``).
+        layout: ``"any"``, ``"one node"`` (every rank shares memory) or
+            ``"several nodes"`` (more than one rank on some node).
+        automatic: ``auto`` (and the tuner) may pick it; False for the ones to
+            compare with (torch's gloo and nccl) and the lossy ones (cgx).
+        attribute: the object of ``module`` whose methods are the op functions
+            (``""``: the module's own functions).
+        summary: one line for docs and ``--check``.
+    """
+
+    name: str
+    module: str
+    provides: frozenset[str]
+    devices: frozenset[str]
+    layout: str = "any"
+    automatic: bool = True
+    attribute: str = ""
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.provides) - set(OPS)
+        if unknown:
+            raise RegistryError(
+                f"implementation {self.name!r} declares unknown ops {sorted(unknown)}; "
+                f"the ops are {', '.join(OPS)}"
+            )
+        if self.layout not in ("any", "one node", "several nodes"):
+            raise RegistryError(
+                f"implementation {self.name!r}: layout must be 'any', 'one node' or "
+                f"'several nodes', got {self.layout!r}"
+            )
+
+    def takes_cuda(self, cuda_aware: bool) -> bool:
+        return "cuda" in self.devices or ("cuda-aware" in self.devices and cuda_aware)
+
+    def refusal(self, op: str, cuda: bool, comm: Placement, cuda_aware: bool) -> str | None:
+        """Why this implementation cannot take the call, as the end of an error; or None."""
+        if self.layout == "one node" and not comm.single_node:
+            return (
+                f"impl={self.name!r} needs every rank on one node, but this communicator spans "
+                f"{comm.num_nodes} nodes; use impl='hier', 'ring' or 'auto'"
+            )
+        if self.layout == "several nodes" and comm.hierarchy is None:
+            return (
+                f"impl={self.name!r} needs ranks on several nodes with more than one rank on "
+                f"some node; this communicator has {comm.num_nodes} node(s) of "
+                f"{comm.node_size} rank(s) here; use impl='shm', 'ring' or 'auto'"
+            )
+        if cuda and not self.takes_cuda(cuda_aware):
+            return (
+                f"impl={self.name!r} takes CPU tensors; for a CUDA tensor use impl='staged' "
+                "(or 'auto'), 'ipc' within a node, 'nccl', or 'mpi' with a CUDA-aware MPI "
+                "(MPX_CUDA_AWARE=1); or move it with t.cpu()"
+            )
+        if not cuda and "cpu" not in self.devices:
+            return f"impl={self.name!r} takes CUDA tensors, got a CPU one; use impl='auto'"
+        return None
+
+    def function(self, op: str) -> Callable[..., Any]:
+        """The op function that runs ``op`` (the module is imported on first use)."""
+        found = _functions.get((self.name, op))
+        if found is None:
+            owner: Any = importlib.import_module(self.module)
+            if self.attribute:
+                owner = getattr(owner, self.attribute)
+            found = getattr(owner, op, None)
+            if found is None:
+                raise RegistryError(
+                    f"implementation {self.name!r} declares {op} but {self.module}"
+                    f"{'.' + self.attribute if self.attribute else ''} has no {op}()"
+                )
+            _functions[(self.name, op)] = found
+        return found
+
+
+_functions: dict[tuple[str, str], Callable[..., Any]] = {}
+
+_ALL = frozenset(OPS)
+BUILT_IN: tuple[Implementation, ...] = (
+    Implementation(
+        "mpi",
+        "mpx.collectives.impl_mpi",
+        _ALL,
+        frozenset({"cpu", "cuda-aware"}),
+        summary="the MPI library's own collectives (and every op's CPU fallback)",
+    ),
+    Implementation(
+        "ring",
+        "mpx.collectives.impl_ring",
+        frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter"}),
+        frozenset({"cpu"}),
+        summary="chunked ring/tree on MPI point-to-point (TorchMPI's direct)",
+    ),
+    Implementation(
+        "shm",
+        "mpx.collectives.impl_shm",
+        frozenset({"allreduce", "broadcast", "allgather"}),
+        frozenset({"cpu"}),
+        layout="one node",
+        summary="reduce-scatter and allgather straight in the node's shared memory",
+    ),
+    Implementation(
+        "hier",
+        "mpx.collectives.impl_hier",
+        frozenset({"allreduce", "broadcast"}),
+        frozenset({"cpu"}),
+        layout="several nodes",
+        summary="within nodes (shm), across node leaders (ring/mpi), back within nodes",
+    ),
+    Implementation(
+        "staged",
+        "mpx.collectives.impl_staged",
+        _ALL - {"barrier"},
+        frozenset({"cuda"}),
+        summary="CUDA tensors through pinned host buffers, pipelined with the host algorithm",
+    ),
+    Implementation(
+        "ipc",
+        "mpx.collectives.impl_ipc",
+        frozenset({"allreduce", "broadcast"}),
+        frozenset({"cuda"}),
+        layout="one node",
+        automatic=False,  # needs every rank to see its peers' GPUs, which only the user knows
+        summary="CUDA IPC handles within a node, reduced on the GPU",
+    ),
+    Implementation(
+        "gloo",
+        "mpx.collectives.impl_c10d",
+        frozenset({"allreduce", "broadcast", "reduce", "allgather", "alltoall"}),
+        frozenset({"cpu"}),
+        automatic=False,
+        attribute="GLOO",
+        summary="torch's ProcessGroupGloo over the same ranks, to compare with",
+    ),
+    Implementation(
+        "nccl",
+        "mpx.collectives.impl_c10d",
+        frozenset({"allreduce", "broadcast", "reduce", "allgather", "alltoall"}),
+        frozenset({"cuda"}),
+        automatic=False,
+        attribute="NCCL",
+        summary="torch's ProcessGroupNCCL over the same ranks, to compare with",
+    ),
+)
+"""The implementations mpx-collectives brings."""
+
+_registry: dict[str, Implementation] = {impl.name: impl for impl in BUILT_IN}
+_loaded = [False]
+
+
+def _load_entry_points() -> None:
+    """Adds the implementations other packages register (once per process)."""
+    if _loaded[0]:
+        return
+    _loaded[0] = True
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found = entry.load()
+        if not isinstance(found, Implementation):
+            raise RegistryError(
+                f"entry point {entry.name} = {entry.value} ({ENTRY_POINT_GROUP}) is a "
+                f"{type(found).__name__}, not an mpx.collectives.registry.Implementation"
+            )
+        if found.name in _registry and _registry[found.name] is not found:
+            raise RegistryError(
+                f"two implementations are named {found.name!r}: {_registry[found.name].module} "
+                f"and {found.module} (entry point {entry.value}); uninstall one"
+            )
+        _registry[found.name] = found
+
+
+def get(name: str) -> Implementation:
+    """The implementation called ``name``.
+
+    Raises:
+        RegistryError: no implementation has that name (the message lists them).
+    """
+    found = _registry.get(name)
+    if found is None:
+        _load_entry_points()
+        found = _registry.get(name)
+    if found is None:
+        raise RegistryError(
+            f"impl must be 'auto' or one of {', '.join(all_implementations())}, got {name!r} "
+            f"(from impl= or MPX_COLLECTIVES_IMPL; other packages add implementations "
+            f"through the {ENTRY_POINT_GROUP!r} entry points, e.g. 'cgx' from mpx-quantize)"
+        )
+    return found
+
+
+def all_implementations() -> Mapping[str, Implementation]:
+    """Every implementation by name: the built-in ones, then those of other packages."""
+    _load_entry_points()
+    return dict(_registry)
