@@ -66,6 +66,14 @@ def test_cgx_quantizes_floating_all_reduce_and_keeps_the_rest_exact(
         # in [0, 1) (off by < 1/15 each), then the partial sums, in [0, size).
         assert not torch.equal(t, exact)
         assert (t - exact).abs().max().item() <= 2 * size / 15 + 1e-6
+    # a non-contiguous tensor is quantized as well, and written back in place
+    view = torch.rand(64, 64, generator=data).t()
+    exact_view = view.clone()
+    dist.all_reduce(exact_view, group=groups["gloo"])
+    dist.all_reduce(view, group=cgx)
+    assert (view - exact_view).abs().max().item() <= 2 * size / 15 + 1e-6
+    if size > 1:
+        assert not torch.equal(view, exact_view)
     ints = torch.arange(10) * (rank + 1)
     dist.all_reduce(ints, group=cgx)
     assert ints.tolist() == [i * size * (size + 1) // 2 for i in range(10)]

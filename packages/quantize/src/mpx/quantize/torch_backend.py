@@ -80,17 +80,19 @@ class CGXProcessGroup(MPXProcessGroup):
             and name in ("sum", "avg")
             and t.dtype in FLOAT_DTYPES
             and not t.is_sparse
-            and t.is_contiguous()
             and t.numel() >= self.config.min_compressed
         ):
             return super().allreduce(listed, opts)  # exact: mpx's own
-        if self.layers.active():
-            segments = self.layers.segments(t.numel(), self.config)
-        else:
-            segments = ((t.numel(), True),)  # no layers registered: the tensor as a whole
+        if not self.layers.active():  # no layers registered: the tensor as a whole
+            allreduce(t, self.comm, op=name, config=self.config)
+            return MPXWork([], listed)
+        segments = self.layers.segments(t.numel(), self.config)
         if not any(quantized for _, quantized in segments):
             return super().allreduce(listed, opts)
-        self._reduce_segments(t.view(-1), segments, name)
+        flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        self._reduce_segments(flat, segments, name)
+        if not t.is_contiguous():
+            t.copy_(flat.view(t.shape))
         return MPXWork([], listed)
 
     def _reduce_segments(self, flat: torch.Tensor, segments: Segments, op: str) -> None:
