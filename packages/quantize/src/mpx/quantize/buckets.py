@@ -29,9 +29,11 @@ an excluded layer is exact wherever DDP put it::
       [w w w | b b b]  or  [b b b | w w w]   ->   all 60 exact
     run 3.weight 3.bias (1200 + 40): 40 exact at each end, 1160 quantized
 
-Repeated blocks of a network give identical candidates. A size that no run
-of registered layers has (a tensor that is not a gradient bucket, or a model
-whose buckets are not such runs) goes exact as a whole, with a warning once.
+Where several runs have that size (repeated blocks of a network), the union
+is over all of them: the guarantee holds wherever the bucket lies, at the cost
+of a few more exact elements. A size that no run of registered layers has (a
+tensor that is not a gradient bucket, or a model whose buckets are not such
+runs) goes exact as a whole, with a warning once.
 """
 
 from __future__ import annotations
