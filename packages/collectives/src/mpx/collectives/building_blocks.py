@@ -32,6 +32,9 @@ Backoff(spins)              pauses between polls of a wait: free polls,      pip
 MPXProcessGroup, MPXWork    the ``mpx`` torch.distributed group and work:    quantize
                             subclass, override an op, register with
                             ``MPXProcessGroup.create`` as the creator
+Implementation, blocking    an implementation for the registry (entry        quantize
+                            point ``mpx.collectives.implementations``),
+                            and an op function made of a blocking one
 ==========================  ===============================================  =============
 
 Progress control: a communicator hands unfinished asynchronous operations to
@@ -59,6 +62,7 @@ from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.handle import Backoff
 from mpx.collectives.policy import current as current_policy
 from mpx.collectives.policy import small_bytes
+from mpx.collectives.registry import Implementation, blocking
 from mpx.collectives.shared_memory import empty_shared
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
 from mpx.collectives.torch_backend import MPXProcessGroup, MPXWork
@@ -67,8 +71,10 @@ __all__ = [
     "HEADER_LEN",
     "SUPPORTED_DTYPES",
     "Backoff",
+    "Implementation",
     "MPXProcessGroup",
     "MPXWork",
+    "blocking",
     "checks_enabled",
     "decode_header",
     "empty_shared",

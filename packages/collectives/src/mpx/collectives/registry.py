@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from mpx.collectives.errors import MPXError
+from mpx.collectives.handle import Done, Pending
 
 __all__ = [
     "BUILT_IN",
@@ -46,8 +47,12 @@ __all__ = [
     "Placement",
     "RegistryError",
     "all_implementations",
+    "blocking",
     "get",
 ]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "mpx.collectives.implementations"
 
@@ -168,6 +173,34 @@ class Implementation:
 
 
 _functions: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def blocking(function: Callable[P, T]) -> Callable[P, Generator[Pending, None, T]]:
+    """An op function made of a blocking one: it runs whole when its operation's turn comes.
+
+    For implementations built from other collectives (a quantized allreduce
+    is an alltoall and an allgather): the call still takes its turn in the
+    communicator's order, and ``async_op=True`` returns at once, but the
+    work runs in one piece when the handle (or the progress thread) reaches
+    it. Run the inner collectives on a communicator of their own: the outer
+    one is busy with this very operation.
+
+    Example::
+
+        @blocking
+        def allreduce(comm, t, op):
+            my_quantized_allreduce(t, private_communicator(comm), op)
+            return t
+    """
+
+    def steps(*args: P.args, **kwargs: P.kwargs) -> Generator[Pending, None, T]:
+        yield Done()  # the first step only starts the operation: its turn has come
+        return function(*args, **kwargs)
+
+    steps.__name__ = getattr(function, "__name__", "steps")
+    steps.__doc__ = function.__doc__
+    return steps
+
 
 _ALL = frozenset(OPS)
 BUILT_IN: tuple[Implementation, ...] = (
