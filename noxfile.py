@@ -21,6 +21,7 @@ Every session installs from constraints.txt (torch pinned to the CPU build).
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import re
 import shutil
@@ -231,10 +232,72 @@ def bench(session: nox.Session) -> None:
         _update_benchmarks_md(name, output)
 
 
-@nox.session(default=False)
+# What an installed environment was made from: _install_once writes it into the venv.
+INSTALLED_DIGEST = "mpx-installed.sha256"
+
+
+def _installed_from(*extra: str, cuda: str) -> str:
+    """A digest of everything ``_install`` would put into an environment.
+
+    The requirements and constraints, the CUDA switch, and the content of every
+    file the packages are built from (git's view: tracked and untracked files,
+    without the ignored build outputs, tests and benchmarks, which are not
+    installed). Outside a git checkout there is no list of sources to trust, so
+    the digest is unique and the environment is reinstalled every time.
+    """
+    digest = hashlib.sha256()
+    for part in (*TEST_DEPS, *extra, f"MPX_QUANTIZE_CUDA={cuda}"):
+        digest.update(part.encode() + b"\0")
+    digest.update(Path(CONSTRAINTS).read_bytes())
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "packages"],
+        cwd=ROOT,
+        capture_output=True,
+        check=False,
+    )
+    if listed.returncode != 0:
+        return f"not a git checkout: {time.time_ns()}"
+    for name in sorted(set(listed.stdout.decode().split("\0")) - {""}):
+        parts = Path(name).parts  # packages/<name>/<top>/...
+        if len(parts) > 2 and parts[2] in ("tests", "benchmarks"):
+            continue
+        path = ROOT / name
+        digest.update(name.encode() + b"\0")
+        # A tracked file deleted in the work tree counts as a change, like an edit.
+        digest.update(path.read_bytes() if path.is_file() else b"<deleted>")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _install_once(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
+    """``_install``, skipped when the reused environment was made from the same sources.
+
+    For sessions with ``reuse_venv=True``: building the six packages (Cython,
+    C++) takes minutes, the job itself seconds. Any change of the packages'
+    sources, of constraints.txt or of the requirements reinstalls them; so does
+    ``nox -s NAME --no-reuse-existing-virtualenvs`` (a fresh environment has
+    no digest).
+    """
+    wanted = _installed_from(*extra, cuda=cuda)
+    stamp = Path(session.virtualenv.location) / INSTALLED_DIGEST
+    if stamp.is_file() and stamp.read_text() == wanted:
+        session.log(f"packages unchanged since this environment was installed: not reinstalling "
+                    f"({session.virtualenv.location})")  # fmt: skip
+        return
+    stamp.unlink(missing_ok=True)  # an interrupted install must not look complete
+    _install(session, *extra, cuda=cuda)
+    stamp.write_text(wanted)
+
+
+@nox.session(default=False, reuse_venv=True)
 def demo(session: nox.Session) -> None:
-    """The main job: `mpxrun -n 2` data-parallel training on scikit-learn's digits."""
-    _install(session, "matplotlib")
+    """The main job: `mpxrun -n 2` data-parallel training on scikit-learn's digits.
+
+    The environment is kept between runs and the packages are reinstalled only
+    when their sources change (_install_once): a second ``nox -s demo -- --mode X``
+    starts training in seconds.
+    """
+    _install_once(session, "matplotlib")
     args = session.posargs or []
     nprocs = os.environ.get("MPX_DEMO_RANKS", "2")
     session.run(
