@@ -19,10 +19,11 @@ parallel with 4-bit compressed gradients. Flags switch the parallelism::
 
 Rank 0 prints one line per epoch (loss, test accuracy, seconds), then a
 summary (test accuracy, wall time, bytes communicated), saves the curves to
-``--plot`` (default ``digits_<mode>.png``) and the summary as JSON beside it
-(``digits_<mode>.json``). Bytes communicated: the tensors all ranks handed to
-mpx's collectives and point-to-point operations (with compression, the
-quantized buffers).
+``--plot`` (default ``digits_<mode>.png``; ``gpt_stdlib.png`` for ``--mode
+gpt``, which trains on no digits) and the summary as JSON beside it
+(``digits_<mode>.json``, ``gpt_stdlib.json``). Bytes communicated: the tensors
+all ranks handed to mpx's collectives and point-to-point operations (with
+compression, the quantized buffers).
 
 ``--checkpoint-dir DIR`` saves the run every ``--checkpoint-every`` epochs
 (``mpx.dataparallel.save_resumable``) and resumes from DIR's newest
@@ -31,8 +32,13 @@ rank continues where it stopped and ends as an uninterrupted run would.
 ``MPX_DEMO_FAIL_AT=E:R`` makes rank R kill itself (SIGKILL) at the start of
 epoch E of the first attempt, to watch it::
 
-    MPX_DEMO_FAIL_AT=3:1 mpxrun -n 2 --max-restarts 1 -- \
+    rm -rf ckpt && MPX_DEMO_FAIL_AT=3:1 mpxrun -n 2 --max-restarts 1 -- \
         python examples/train_digits.py --checkpoint-dir ckpt
+
+A first attempt that finds checkpoints in DIR (an earlier job's) says so and
+continues that run; when that run had finished (its newest checkpoint is at
+``--epochs``) there is nothing to train: it says how to start afresh and
+leaves the summary and plot of the earlier run as they are.
 """
 
 from __future__ import annotations
@@ -112,7 +118,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=0, help="2d: stages (default: 2 if even)")
     parser.add_argument("--steps", type=int, default=8, help="mgrit: residual layers")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help="PNG file (default digits_<mode>.png)")
+    parser.add_argument(
+        "--plot", default=None, help="PNG file (default digits_<mode>.png, gpt_stdlib.png)"
+    )
     parser.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
     parser.add_argument(
         "--checkpoint-every", type=int, default=1, help="with --checkpoint-dir: epochs per save"
@@ -281,9 +289,25 @@ def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) ->
     return _pipeline_epoch(args, data, pipe, opt, comm, replica, replicas)
 
 
+def _stages(args: argparse.Namespace, comm: Communicator) -> int:
+    """Pipeline stages of the 2-D layouts: --stages, else 2 on an even rank count."""
+    return int(args.stages or (2 if comm.size % 2 == 0 else 1))
+
+
+def _layout_words(stages: int, replicas: int) -> str:
+    """What a stages x replicas layout is, in words: only the parallelisms that run."""
+    if stages > 1 and replicas > 1:
+        return f"pipeline x data parallel, {stages} stages x {replicas} replicas"
+    if stages > 1:
+        return f"pipeline, {stages} stages"
+    if replicas > 1:
+        return f"data parallel, {replicas} replicas"
+    return "1 stage, 1 replica"
+
+
 def _layouts(args: argparse.Namespace, comm: Communicator) -> tuple[int, int, Any, Any]:
     """(stages, replica, stage comm, replica comm) of the 2-D layouts."""
-    stages = args.stages or (2 if comm.size % 2 == 0 else 1)
+    stages = _stages(args, comm)
     if comm.size % stages:
         raise SystemExit(f"--stages {stages} must divide the {comm.size} ranks")
     # rank = replica * stages + stage:   stage comm = same replica, dp comm = same stage
@@ -415,9 +439,48 @@ def resume(args: argparse.Namespace, comm: Communicator, history: History) -> in
     if point.path is not None:
         for name, values in point.extra["history"].items():
             setattr(history, name, values)
-        if comm.rank == 0:
+        # A restart (mpxrun --max-restarts) resumes this job's own checkpoints; the
+        # first attempt finding some resumes an earlier job's: say it, it may be stale.
+        earlier = RESTART_COUNT.get() == 0
+        if comm.rank == 0 and earlier and point.epoch < args.epochs:
+            print(
+                f"mpx demo: {args.checkpoint_dir} holds an earlier run's checkpoints "
+                f"(newest: {point.path}, after epoch {point.epoch}); continuing that run. "
+                f"To start afresh, remove it: rm -r {args.checkpoint_dir}",
+                flush=True,
+            )
+        if comm.rank == 0 and point.epoch < args.epochs:
             print(f"resumed from {point.path} at epoch {point.epoch + 1}", flush=True)
     return point.epoch
+
+
+def nothing_to_train(args: argparse.Namespace, first: int, comm: Communicator) -> bool:
+    """True, having said why, when the checkpoint resumed is at or past --epochs."""
+    if first < args.epochs:
+        return False
+    if comm.rank == 0:
+        print(
+            f"mpx demo: nothing to train: {args.checkpoint_dir} is a finished run "
+            f"({first} of --epochs {args.epochs} done). Remove it (rm -r "
+            f"{args.checkpoint_dir}) to train again, or raise --epochs to continue it; "
+            "the summary and plot of that run are left as they are",
+            flush=True,
+        )
+    return True
+
+
+def failure_skipped(first: int, comm: Communicator) -> None:
+    """Says so when MPX_DEMO_FAIL_AT's epoch lies before the epoch the run resumes at."""
+    wanted = FAIL_AT.get()
+    if not wanted or RESTART_COUNT.get() != 0 or comm.rank != 0:
+        return
+    at_epoch = wanted.split(":")[0]
+    if at_epoch.isdigit() and int(at_epoch) <= first:
+        print(
+            f"mpx demo: MPX_DEMO_FAIL_AT={wanted}: no failure injected: epoch {at_epoch} "
+            f"was done before the checkpoint this run resumes from",
+            flush=True,
+        )
 
 
 def checkpoint(args: argparse.Namespace, comm: Communicator, done: int, history: History) -> None:
@@ -507,16 +570,23 @@ def main() -> None:
         what = f"pipeline, {comm.size} stage(s), {args.schedule}, {args.chunks} micro-batches"
     elif args.mode == "2d":
         epoch = two_dimensional(args, data, comm)
-        what = f"pipeline x data parallel, {args.schedule}"
+        layout = _layout_words(_stages(args, comm), comm.size // _stages(args, comm))
+        what = f"{layout}, {args.schedule}"
     elif args.mode == "gpt":
         epoch = gpt_2d(args, comm)
-        what = f"GPT on the standard library, pipeline x data parallel, {args.schedule}"
+        layout = _layout_words(_stages(args, comm), comm.size // _stages(args, comm))
+        what = f"GPT on the standard library, {layout}, {args.schedule}"
     else:
         epoch = layer_parallel(args, data, comm, history)
         what = f"layer-parallel (MGRIT), {args.steps} residual layers"
     if comm.rank == 0:
         print(f"mpx demo: {what}; {comm.size} rank(s); {args.epochs} epochs", flush=True)
     first = resume(args, comm, history) if args.checkpoint_dir else 0
+    if nothing_to_train(args, first, comm):
+        # No summary: it would overwrite the finished run's with zero time and bytes.
+        broadcast(torch.zeros(1), 0, comm=comm)  # leave together
+        return
+    failure_skipped(first, comm)
     start = time.perf_counter()
     bytes_before = bytes_communicated()
     for index in range(first, args.epochs):
@@ -546,7 +616,7 @@ def main() -> None:
     spread = check.clone()
     allreduce(spread, "max", comm=comm)
     allreduce(check, "min", comm=comm)
-    path = args.plot or f"digits_{args.mode}.png"
+    path = args.plot or ("gpt_stdlib.png" if args.mode == "gpt" else f"digits_{args.mode}.png")
     if comm.rank == 0:
         plot(history, path, f"mpx: {what}, {comm.size} ranks")
         summary = {
@@ -554,6 +624,8 @@ def main() -> None:
             "what": what,
             "ranks": comm.size,
             "epochs": args.epochs,
+            # Wall time and bytes are this attempt's: from this epoch (1-based) on.
+            "first_epoch_run": first + 1,
             "test_accuracy": history.accuracy[-1],
             "wall_time_s": wall,
             "bytes_communicated": int(sent[0]),
