@@ -41,9 +41,10 @@ import secrets
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,48 @@ __all__ = [
 ]
 
 BACKEND_NAME = "mpx"
+_Class = TypeVar("_Class")
 
 
+def _called_from_cpp() -> bool:
+    """True when the caller of ``get_future`` is torch's C++ (a Work's ``getFuture()``).
+
+    C++ calls the Python override from no Python frame that names it: the
+    innermost Python frame is whatever called into C++ (``backward()``), or
+    none at all. Python code that calls ``work.get_future()`` names it.
+    """
+    try:
+        caller: types.FrameType | None = sys._getframe(2)  # 0: this, 1: get_future, 2: caller
+    except ValueError:  # no Python frame: a C++ thread
+        return True
+    while caller is not None and caller.f_code.co_filename == _EAGER_WRAPPER_FILE:
+        caller = caller.f_back  # torch.compiler.disable's wrapper (_run_eagerly)
+    return caller is None or "get_future" not in caller.f_code.co_names
+
+
+def _run_eagerly(cls: type[_Class]) -> type[_Class]:
+    """``cls`` with the methods torch calls wrapped in ``torch.compiler.disable``.
+
+    torch's C++ calls these Python overrides from inside compiled code
+    (``torch.compile(DDP(m))``: the reducer's bucket rebuild broadcasts), and
+    dynamo then tries to compile their frames, with ``self`` as an opaque
+    process group whose Python members it does not know (``Member
+    '_check_root' is not registered``). Run eagerly, as gloo's C++ methods
+    are. Only torch's entry points are wrapped: each wrapper costs ~1.5 us.
+    """
+    base = next(b for b in cls.__mro__[1:] if b.__module__.startswith("torch"))
+    for name, value in list(vars(cls).items()):
+        entry = hasattr(base, name) or name == "getBackendName"
+        if entry and isinstance(value, types.FunctionType) and not name.startswith("__"):
+            setattr(cls, name, _disable(value, reason="mpx runs eagerly"))
+    return cls
+
+
+_disable: Any = torch.compiler.disable  # untyped in torch
+_EAGER_WRAPPER_FILE = _disable(_run_eagerly).__code__.co_filename
+
+
+@_run_eagerly
 class MPXWork(dist.Work):
     """A ``dist.Work`` over mpx handles; ``then`` runs when they complete.
 
@@ -260,20 +301,6 @@ class MPXWork(dist.Work):
                 self._finish()
 
 
-def _called_from_cpp() -> bool:
-    """True when the caller of ``get_future`` is torch's C++ (a Work's ``getFuture()``).
-
-    C++ calls the Python override from no Python frame that names it: the
-    innermost Python frame is whatever called into C++ (``backward()``), or
-    none at all. Python code that calls ``work.get_future()`` names it.
-    """
-    try:
-        caller = sys._getframe(2)  # 0: this function, 1: get_future, 2: its caller
-    except ValueError:  # no Python frame: a C++ thread
-        return True
-    return "get_future" not in caller.f_code.co_names
-
-
 def _as_exception(error: BaseException) -> Exception:
     """torch's futures carry an Exception; a BaseException (KeyboardInterrupt) travels wrapped."""
     return error if isinstance(error, Exception) else RuntimeError(repr(error))
@@ -324,6 +351,7 @@ def _rows(stacked: torch.Tensor, size: int) -> torch.Tensor:
     return stacked.reshape(size, -1)
 
 
+@_run_eagerly
 class MPXProcessGroup(dist.ProcessGroup):
     """The ``"mpx"`` process group: torch collectives on an mpx :class:`Communicator`.
 
