@@ -200,3 +200,36 @@ def test_each_implementation_declares_what_its_module_runs() -> None:
     with pytest.raises(PolicyError, match=r"impl must be 'auto' or one of mpi, ring, .*'bogus'"):
         choose("allreduce", False, 8, world(), "bogus")
     assert get("shm").refusal("allreduce", True, world(), False) is not None  # CPU only
+
+
+def test_the_op_specs_describe_the_functional_api_and_torch() -> None:
+    """registry.OP_SPECS: the one table the check, the queue and the policy read."""
+    import inspect
+
+    import torch.distributed as dist
+
+    import mpx.collectives
+    from mpx.collectives.consistency import CHECKED_OPS
+    from mpx.collectives.registry import OP_SPECS
+
+    assert tuple(OP_SPECS) == policy.OPS
+    assert (
+        {n for n, s in OP_SPECS.items() if s.ordered}
+        == CHECKED_OPS
+        == set(policy.OPS)
+        - {
+            "send",
+            "recv",
+        }
+    )
+    for name, spec in OP_SPECS.items():
+        params = inspect.signature(getattr(mpx.collectives, name)).parameters
+        assert ("op" in params) == spec.reduces, name
+        assert ("root" in params) == spec.rooted, name
+        assert ("t" in params) == spec.tensor, name
+        assert callable(getattr(dist.ProcessGroup, spec.c10d)), name
+    t = torch.ones(4)
+    for name in ("allreduce", "broadcast", "reduce"):
+        assert OP_SPECS[name].in_place
+        assert getattr(mpx.collectives, name)(t) is t
+    assert choose("send", False, 1 << 30, world(), "ring") == "mpi"  # not the policy's

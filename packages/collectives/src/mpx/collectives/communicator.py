@@ -59,6 +59,7 @@ from mpx.collectives.exchange import gather_bytes, summarize
 from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
 from mpx.collectives.policy import ChoiceCache
 from mpx.collectives.policy import current as current_policy
+from mpx.collectives.registry import OP_SPECS
 
 __all__ = [
     "CommLike",
@@ -71,7 +72,8 @@ __all__ = [
 
 T = TypeVar("T")
 
-_UNORDERED = frozenset({"send", "recv"})
+# Point-to-point matches by source and tag, not by order (registry.OP_SPECS).
+_UNORDERED = frozenset(name for name, spec in OP_SPECS.items() if not spec.ordered)
 
 
 def usable_cores() -> int:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from mpx.collectives.errors import MismatchError
-from mpx.collectives.policy import OPS
+from mpx.collectives.registry import OP_SPECS
 
 __all__ = [
     "CHECKED_OPS",
@@ -68,9 +68,9 @@ __all__ = [
 
 MASK = (1 << 63) - 1
 
-# The collectives the check compares. Point-to-point calls (send, recv) differ
-# between peers by design and are matched by tag, not by order.
-CHECKED_OPS = frozenset(OPS) - {"send", "recv"}
+# The collectives the check compares (the ordered ops). Point-to-point calls
+# (send, recv) differ between peers by design and are matched by tag, not by order.
+CHECKED_OPS = frozenset(name for name, spec in OP_SPECS.items() if spec.ordered)
 
 # What Communicator.check_same compares: a configuration, as one row whose op is this.
 CONFIGURATION = "configuration"

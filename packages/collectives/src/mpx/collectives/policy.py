@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 from mpx.collectives import settings
 from mpx.collectives.errors import MPXError
-from mpx.collectives.registry import BUILT_IN, OPS, RegistryError
+from mpx.collectives.registry import BUILT_IN, OP_SPECS, OPS, RegistryError
 from mpx.collectives.registry import get as implementation
 from mpx.launch.settings import on_reload
 
@@ -408,8 +408,8 @@ def choose(op: str, cuda: bool, nbytes: int, comm: Layout, impl: str | None = No
         cache.reset(policy)
     call = Call(op, cuda, nbytes, comm)
     name = impl or policy.impl
-    if op in ("send", "recv", "barrier"):
-        name = "auto"
+    if not OP_SPECS[op].policy:
+        name = "auto"  # point to point and barrier: MPI runs them, whatever impl says
     chosen = _walk(call, policy) if name == "auto" else _named(call, name, policy)
     cache[key] = chosen
     size_class = max(nbytes, 1).bit_length()

@@ -43,7 +43,9 @@ __all__ = [
     "BUILT_IN",
     "ENTRY_POINT_GROUP",
     "OPS",
+    "OP_SPECS",
     "Implementation",
+    "OpSpec",
     "Placement",
     "RegistryError",
     "all_implementations",
@@ -56,18 +58,53 @@ T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "mpx.collectives.implementations"
 
-OPS = (
-    "allreduce",
-    "broadcast",
-    "reduce",
-    "allgather",
-    "reduce_scatter",
-    "alltoall",
-    "send",
-    "recv",
-    "barrier",
-)
-"""Every operation, in the order of the functional API."""
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What one operation is, for everything that must treat the ops alike.
+
+    Attributes:
+        name: the functional API's name (``mpx.collectives.<name>``).
+        c10d: the torch.distributed ``ProcessGroup`` method it backs.
+        ordered: matched across ranks by call order (a collective): it takes
+            its turn in the communicator's queue, and ``MPX_CHECK`` compares
+            it. Point-to-point calls match by source and tag instead.
+        in_place: returns (and writes) its input tensor.
+        reduces: takes a reduce op (compared by the check).
+        rooted: takes a root rank (compared by the check).
+        tensor: takes a tensor (barrier does not).
+        policy: the policy chooses among implementations for it; False: MPI
+            (through pinned memory for CUDA tensors) always runs it.
+    """
+
+    name: str
+    c10d: str
+    ordered: bool = True
+    in_place: bool = False
+    reduces: bool = False
+    rooted: bool = False
+    tensor: bool = True
+    policy: bool = True
+
+
+OP_SPECS: Mapping[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("allreduce", "allreduce", in_place=True, reduces=True),
+        OpSpec("broadcast", "broadcast", in_place=True, rooted=True),
+        OpSpec("reduce", "reduce", in_place=True, reduces=True, rooted=True),
+        OpSpec("allgather", "allgather"),
+        OpSpec("reduce_scatter", "reduce_scatter", reduces=True),
+        OpSpec("alltoall", "alltoall_base"),
+        OpSpec("send", "send", ordered=False, policy=False),
+        OpSpec("recv", "recv", ordered=False, in_place=True, policy=False),
+        OpSpec("barrier", "barrier", tensor=False, policy=False),
+    )
+}
+"""Every operation, in the functional API's order: the one table of op specs."""
+
+OPS = tuple(OP_SPECS)
+"""Every operation's name, in the order of the functional API."""
 
 
 class RegistryError(MPXError, ValueError):
