@@ -411,3 +411,56 @@ def test_an_mpi4py_communicator_is_accepted_as_comm() -> None:
     opt.step()
     _assert_same_everywhere(model)
     dp.synchronize(model, comm=MPI.COMM_WORLD)
+
+
+@pytest.mark.parametrize("impl", ["mpi", "ring", "shm"])
+def test_impl_names_the_implementation_that_reduces_the_buckets(impl: str) -> None:
+    size = dp.world_size()
+    reference, model = _model(), _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=0.001, impl=impl
+    )
+    x, y = _batch(0, size)
+    nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+    opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_impl_cgx_quantizes_whole_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mpx-quantize's registered implementation, selected by name (no compression config)."""
+    pytest.importorskip("mpx.quantize")
+    from mpx.launch.settings import reload as reload_settings
+
+    monkeypatch.setenv("MPX_QUANTIZE_BITS", "4")
+    monkeypatch.setenv("MPX_QUANTIZE_MINIMAL_SIZE", "16")
+    reload_settings()
+    size = dp.world_size()
+    reference, model = _model(torch.float32), _model(torch.float32)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, impl="cgx")
+    x, y = (t.float() for t in _batch(0, size))
+    nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+    opt.step()
+    _assert_same_everywhere(model)
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    want = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02)
+    if size > 1:  # quantized: not the exact step
+        assert not torch.equal(got, want)
+    monkeypatch.delenv("MPX_QUANTIZE_BITS")
+    monkeypatch.delenv("MPX_QUANTIZE_MINIMAL_SIZE")
+    reload_settings()
+
+
+def test_impl_errors_name_the_value() -> None:
+    params = list(_model().parameters())
+    with pytest.raises(ValueError, match=r"impl='bogus' is not an implementation of allreduce"):
+        dp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), impl="bogus")
+    with pytest.raises(ValueError, match="pass compression= or impl=, not both"):
+        dp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=object(), impl="mpi")

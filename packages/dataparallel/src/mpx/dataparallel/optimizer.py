@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import CommLike, Communicator, allreduce
+from mpx.collectives import CommLike, Communicator, all_implementations, allreduce
 from mpx.collectives.building_blocks import (
     checks_enabled,
     empty_shared,
@@ -99,6 +99,28 @@ class _Bucket:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
+def _check_impl(impl: object, compression: object) -> None:
+    """``impl=`` names a registered implementation that runs allreduce (else a clear error)."""
+    if compression is not None:
+        raise DataParallelValueError(
+            f"DistributedOptimizer: pass compression= or impl=, not both (got impl={impl!r} "
+            "and a compression config); impl='cgx' quantizes whole buckets with the "
+            "MPX_QUANTIZE_* settings, compression= filters layer by layer"
+        )
+    if not isinstance(impl, str):
+        raise DataParallelTypeError(
+            f"DistributedOptimizer: impl must be an implementation's name, got {impl!r}"
+        )
+    known = all_implementations()
+    if impl != "auto" and (impl not in known or "allreduce" not in known[impl].provides):
+        runs = [name for name, found in known.items() if "allreduce" in found.provides]
+        hint = " ('cgx' comes with mpx-quantize: pip install 'mpx-dataparallel[quantize]')"
+        raise DataParallelValueError(
+            f"DistributedOptimizer: impl={impl!r} is not an implementation of allreduce; "
+            f"use one of auto, {', '.join(runs)}{hint if impl == 'cgx' else ''}"
+        )
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps any torch optimizer: ``step()`` uses gradients averaged over ranks.
 
@@ -118,6 +140,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >= cores): there the shared-memory reduction is CPU work too and
             would only take turns with backward (measured in BENCHMARKS.md).
         comm: the ranks taking part (world by default).
+        impl: the mpx-collectives implementation that reduces the buckets, by
+            its name in the registry (``"mpi"``, ``"ring"``, ``"shm"``, or one
+            another package registers, such as mpx-quantize's ``"cgx"``: the
+            whole bucket quantized with the ``MPX_QUANTIZE_*``/``CGX_*``
+            settings); None: the policy's choice (``MPX_COLLECTIVES_IMPL``).
+            ``compression=`` instead filters layer by layer.
 
     Attributes:
         compression_state: with ``compression``, this optimizer's
@@ -143,6 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: bool | str = "auto",
         *,
         comm: CommLike | None = None,
+        impl: str | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise DataParallelTypeError(
@@ -165,6 +194,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if compression is not None:
             quantized_allreduce()  # fail now, not in the middle of backward
+        if impl is not None:
+            _check_impl(impl, compression)
+        self.impl = impl
         # torch.optim.Optimizer.__init__ would rebuild the param groups; share them instead.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
@@ -456,6 +488,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and comm.size > 1
             and comm.single_node
             and self.compression is None
+            and self.impl in (None, "auto", "shm")
             and bucket.nbytes >= small_bytes()
         ):
             return empty_shared(bucket.numel, dtype=bucket.dtype, comm=comm).zero_()
@@ -517,7 +550,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else []
         )
         bucket.handle = reduce_bucket(
-            flat, self.comm, self.compression, self.op, layout, self.compression_state
+            flat, self.comm, self.compression, self.op, layout, self.compression_state, self.impl
         )
 
     def _finish(self) -> None:

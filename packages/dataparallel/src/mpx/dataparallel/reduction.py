@@ -69,6 +69,7 @@ def reduce_bucket(
     op: str,
     layout: Sequence[tuple[str, torch.Size, int]] = (),
     state: Any | None = None,
+    impl: str | None = None,
 ) -> Waitable:
     """Starts the reduction of one flat bucket (in place) across ``comm``.
 
@@ -81,9 +82,11 @@ def reduce_bucket(
             ``exclude``); without a layout the bucket is one flat tensor.
         state: with compression, the ``mpx.quantize.QuantizeState`` to round
             with (None: mpx-quantize's default state of ``comm``).
+        impl: without compression, the registered implementation that reduces
+            the bucket (None: the policy's choice).
     """
     if compression is None:
-        return allreduce(flat, op, comm=comm, async_op=True)
+        return allreduce(flat, op, comm=comm, impl=impl, async_op=True)
     if not layout:
         result = quantized_allreduce("allreduce")(
             flat, comm=comm, config=compression, op=op, state=state
