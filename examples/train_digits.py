@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import time
@@ -110,7 +111,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES, default="dp")
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch size (default: the multiple nearest 64 that the layout divides)",
+    )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--bits", type=int, default=4, help="dp: gradient bits (0: fp32)")
     parser.add_argument("--schedule", default="1f1b", help="pipeline/2d: gpipe, 1f1b, async")
@@ -303,6 +309,20 @@ def _layout_words(stages: int, replicas: int) -> str:
     if replicas > 1:
         return f"data parallel, {replicas} replicas"
     return "1 stage, 1 replica"
+
+
+def default_batch_size(args: argparse.Namespace, comm: Communicator) -> int:
+    """The multiple nearest 64 of what every rank's share needs (64 at 2 and 4 ranks).
+
+    Each rank takes an equal share; a pipeline cuts a replica's share into
+    --chunks micro-batches. So with the default, any rank count runs
+    (``MPX_DEMO_RANKS=3``: 60 or 63), where a fixed 64 stopped at 3 ranks.
+    """
+    unit = comm.size
+    if args.mode in ("pipeline", "2d", "gpt"):
+        replicas = 1 if args.mode == "pipeline" else comm.size // _stages(args, comm)
+        unit = math.lcm(comm.size, replicas * args.chunks)
+    return max(unit, round(64 / unit) * unit)
 
 
 def _layouts(args: argparse.Namespace, comm: Communicator) -> tuple[int, int, Any, Any]:
@@ -555,6 +575,8 @@ def plot(history: History, path: str, title: str) -> None:
 def main() -> None:
     args = parse_args()
     comm = world()
+    if args.batch_size is None:
+        args.batch_size = default_batch_size(args, comm)
     if args.batch_size % comm.size:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {comm.size} ranks")
     data = load(args.seed)
@@ -580,7 +602,11 @@ def main() -> None:
         epoch = layer_parallel(args, data, comm, history)
         what = f"layer-parallel (MGRIT), {args.steps} residual layers"
     if comm.rank == 0:
-        print(f"mpx demo: {what}; {comm.size} rank(s); {args.epochs} epochs", flush=True)
+        print(
+            f"mpx demo: {what}; {comm.size} rank(s); {args.epochs} epochs; "
+            f"global batch {args.batch_size}",
+            flush=True,
+        )
     first = resume(args, comm, history) if args.checkpoint_dir else 0
     if nothing_to_train(args, first, comm):
         # No summary: it would overwrite the finished run's with zero time and bytes.

@@ -99,6 +99,21 @@ def test_other_modes_train(
         assert "data parallel" not in out
 
 
+@pytest.mark.parametrize(
+    ("mode", "batch"), [("dp", 63), ("2d", 60)], ids=["dp-3-ranks", "2d-3-ranks"]
+)
+def test_three_ranks_run_with_the_default_batch_size(
+    tmp_path: Path, user_environment: dict[str, str], mode: str, batch: int
+) -> None:
+    """``MPX_DEMO_RANKS=3 nox -s demo``: 64 samples do not split over 3 ranks, the default does.
+
+    2d at 3 ranks is 1 stage x 3 replicas of 4 micro-batches each: a multiple of 12.
+    """
+    _, spread, out = _run(tmp_path, user_environment, "--mode", mode, "--epochs", "1", ranks=3)
+    assert f"3 rank(s); 1 epochs; global batch {batch}" in out
+    assert spread == 0.0
+
+
 def test_gpt_mode_learns(tmp_path: Path, user_environment: dict[str, str]) -> None:
     """``--mode gpt``: the small GPT of examples/train_gpt.py, 2 stages, async.
 
