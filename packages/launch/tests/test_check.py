@@ -150,3 +150,13 @@ def test_the_launch_selftest_runs_without_torch_on_any_rank_count() -> None:
         )
         assert proc.returncode == 0, proc.stderr
         assert f"  launch MPI ok: {nprocs} ranks, allreduce exact" in proc.stdout
+
+
+def test_kernels_line_says_the_cpu_kernels_run_where_cuda_ones_cannot() -> None:
+    """The CUDA wheel on a machine without a GPU or driver: a clear line, not 'cpu,cuda'."""
+    line = check._kernels_line(["cpu", "cuda"], ["cpu"])
+    assert line.startswith("cpu,cuda (")
+    assert "no CUDA GPU or driver here: the CPU kernels run" in line
+    assert check._kernels_line(["cpu", "cuda"], ["cpu", "cuda"]) == "cpu,cuda"
+    assert check._kernels_line(["cpu"], ["cpu"]) == "cpu"
+    assert check._kernels_line([], []) == "none"

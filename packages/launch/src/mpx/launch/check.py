@@ -71,8 +71,19 @@ print(n, *[torch.cuda.get_device_name(i).replace(" ", "_") for i in range(n)])
 
 _QUANTIZE_PROBE = """
 import mpx.quantize
-print(",".join(mpx.quantize.available_backends()) or "none")
+from mpx.launch.check import _kernels_line
+q = mpx.quantize
+print(_kernels_line(q.available_backends(), q.available_backends(usable_only=True)))
 """
+
+
+def _kernels_line(built: list[str], usable: list[str]) -> str:
+    """The quantize line: the kernels built, and which run where a built one cannot."""
+    line = ",".join(built) or "none"
+    if "cuda" in built and "cuda" not in usable:
+        # The released wheel carries the CUDA kernels; without a GPU the CPU ones run.
+        line += " (CUDA kernels built, but no CUDA GPU or driver here: the CPU kernels run)"
+    return line
 
 
 def _probe(code: str, timeout: float = 120) -> tuple[bool, list[str]]:
