@@ -1,32 +1,34 @@
-"""One command on a lent GPU: mpx's CUDA tests and every benchmark, tables into one folder.
+"""mpx's CUDA tests and GPU benchmarks within a 15-minute GPU window, in two device-tool calls.
 
 Usage (DEVELOPERS.md says how to call it on the device tool)::
 
-    python3 benchmarks/gpu_report.py [--group tests|gpu|cpu|all] [--out DIR]
-                                     [--install WHEELS] [--only PART,...]
-    python3 benchmarks/gpu_report.py --cpu-smoke     # the plumbing, on CPU, tiny sizes
-    nox -s gpu-report                                # installs (CUDA ON) first; needs a network
+    python3 benchmarks/gpu_report.py --call 1 --install .whl   # ≤ 7 min: install, GPU
+    python3 benchmarks/gpu_report.py --call 2 --install .whl   # ≤ 3 min: the 16 CPU cores
+    python3 benchmarks/gpu_report.py --plan                    # the parts and budgets
+    python3 benchmarks/gpu_report.py --cpu-smoke               # both calls on CPU, tiny sizes
+    nox -s gpu-report                                          # installs (CUDA ON) first
 
 Kept at the repository's root, beside ``tests/``, because it spans every
-package: it runs their ``gpu``-marked tests and their benchmarks
-(``packages/*/benchmarks``), adding only the two GPU jobs that belong to no
-single package's benchmark (CUDA allreduce through every path, DDP on a
-ResNet).
+package: it runs their ``gpu``-marked tests and the GPU and many-core jobs
+that belong to no single package's benchmark.
 
-Without a CUDA GPU (and without ``--cpu-smoke``) it exits with status 2 and
-says what is missing, having run nothing. Otherwise each part runs as a
-subprocess with its own time budget, so that a hang or a crash costs that part
-only; as each part ends, its tables are appended to ``gpu-report.md`` and its
-whole output to ``gpu-report.log`` in ``$OUT`` (if set, else ``./gpu-report``),
-so a run stopped from outside still leaves what it measured. Exit status: 0 if
-every part passed, 1 if one failed or ran out of time.
+A lent GPU comes as a window of 15 minutes in all (machine start, idle waits
+and the end count; at most 10 minutes a command). Call 1 (``CALLS[1]``: 420 s
+of command time) installs this checkout with the CUDA kernels for the GPU's own
+architecture (``INSTALL_BUDGET_S``), then runs the parts that matter most
+first: the ``gpu`` tests in one process, the same at 2 ranks, the kernels'
+throughput, the CUDA allreduce paths. Call 2 (180 s) measures the 16 CPU
+cores: layer-parallel MGRIT at 1-16 ranks against the serial network, then
+allreduce at 2-16 ranks. Each part has a time budget; a part whose budget
+exceeds what is left of its call is skipped with a line saying so, and a part
+past its budget is ended with everything it started. Each part's tables are
+appended to ``gpu-report.md`` and its output to ``gpu-report.log`` in ``$OUT``
+(else ``./gpu-report``) as soon as it ends, so what a call measured comes back
+even if the device tool stops it.
 
-The device tool allows 10 minutes per command, and the parts' budgets add up
-to 21: ``--follow 560`` starts the report detached (its own session, which
-the tool leaves running while the machine is held) in ``STATE``, follows it for
-560 s from the command's start, copies its files into the output folder and
-exits 3 while it still runs; the same command, called again, follows the same
-run (``--group`` cuts the report into parts by hand instead).
+Without a CUDA GPU (and without ``--cpu-smoke``) it exits 2 and says what is
+missing. Exit 0: every part ran and passed; 1: a part failed, ran out of its
+budget or was skipped for time (the report says which).
 """
 
 from __future__ import annotations
@@ -34,29 +36,52 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
+import importlib.metadata
 import os
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-STATE = "/tmp/mpx-gpu-report"  # the detached run's folder (--follow; --state)
-EXIT_STILL_RUNNING = 3
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["launch", "collectives", "quantize", "mgrit", "pipeline", "dataparallel"]
 TEST_PATHS = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
 EXIT_NO_GPU = 2
-SKIPPED_NO_GPU = "skipped: no GPU (--cpu-smoke)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One device-tool command: its limit of command time and what it is for."""
+
+    number: int
+    limit_s: float
+    what: str
+
+
+# The window: ~2 min machine start + call 1 + call 2 + idle gaps and the end
+# ≤ 15 min; each call leaves a minute's margin under what DEVELOPERS.md gives
+# the device tool as timeout_s (480 s and 240 s).
+CALLS = {
+    1: Call(1, 420, "install (CUDA kernels for this GPU only), GPU tests, kernels, CUDA allreduce"),
+    2: Call(2, 180, "the 16 CPU cores: layer-parallel MGRIT and allreduce at 2-16 ranks"),
+}
+# What install() may take out of call 1. Measured here (2 cores at load ~16,
+# 2026-11-26): the two concurrent builds took 129 s (mpx-quantize, nvcc for
+# sm_90 alone) and 121 s (the other five) of wall time but 27 s of CPU in all;
+# on 16 idle cores that is well under a minute (DEVELOPERS.md).
+INSTALL_BUDGET_S = 90.0
 
 
 def _markdown(output: str) -> str:
-    """The benchmark's own markdown: everything it printed but log noise."""
+    """The job's own markdown: everything it printed but log noise."""
     return "\n".join(
         line for line in output.splitlines() if not line.startswith(("[rank", "Traceback"))
     )
@@ -64,14 +89,13 @@ def _markdown(output: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """One step of the report: a command, its time budget, and what it needs."""
+    """One step of the report: its commands, its time budget, and what it needs."""
 
     name: str
-    group: str  # tests, gpu or cpu: one device-tool call each
+    call: int  # 1 or 2: the device-tool call it belongs to
     title: str
     budget_s: float
     command: Callable[[bool], list[list[str]]]  # smoke -> the commands, run one after another
-    gpu_only: bool = False
     env: Callable[[bool], dict[str, str]] = lambda smoke: {}
     tables: Callable[[str], str] = _markdown
 
@@ -85,6 +109,14 @@ def _bench(package: str, name: str) -> str:
     return str(ROOT / "packages" / package / "benchmarks" / f"{name}.py")
 
 
+def _gpu(smoke: bool) -> str:
+    return "cpu" if smoke else "cuda"
+
+
+def _inner(job: str, smoke: bool, *args: str) -> list[str]:
+    return [os.path.abspath(__file__), "--inner", job, *(["--cpu-smoke"] if smoke else []), *args]
+
+
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b ?(.*)$")
 
 
@@ -95,7 +127,7 @@ def pytest_outcomes(output: str) -> str:
     totals = [
         line
         for line in output.splitlines()
-        if re.match(r"^=+ .*\d+ (passed|failed|skipped|error)", line)
+        if re.match(r"^=+ .*\d+ (passed|failed|skipped|error|deselected)", line)
     ]
     if not rows:
         return "No test outcome was reported (see gpu-report.log)."
@@ -108,32 +140,42 @@ def _pytest(marker: str) -> list[str]:
     return ["-m", "pytest", *TEST_PATHS, "-m", marker, "-rA", "-q", "-p", "no:cacheprovider"]
 
 
+def _gpu_tests_env(smoke: bool) -> dict[str, str]:
+    # On the GPU a skipped gpu test is a failure; on --cpu-smoke the tests are
+    # collected and skip, which times the part's fixed cost (imports, collection).
+    return {} if smoke else {"MPX_REQUIRE_GPU": "1"}
+
+
+CPU_RANKS = (16, 8, 4, 2)  # 16 first: if the budget runs out, fewer ranks are lost
+SMOKE_CPU_RANKS = (2,)
+
+# Budgets: each part's time on --cpu-smoke here (its fixed cost: imports,
+# collection, mpxrun's start) divided by this machine's load factor, plus its
+# work at full size on the GPU machine; DEVELOPERS.md shows the derivation.
 PARTS = [
     Part(
         "gpu-tests",
-        "tests",
+        1,
         "`pytest -m 'gpu and not mpi'` (MPX_REQUIRE_GPU=1)",
-        180,
+        60,
         lambda smoke: [[sys.executable, *_pytest("gpu and not mpi")]],
-        gpu_only=True,
-        env=lambda smoke: {"MPX_REQUIRE_GPU": "1"},
+        env=_gpu_tests_env,
         tables=pytest_outcomes,
     ),
     Part(
         "gpu-mpi-tests",
-        "tests",
+        1,
         "`mpxrun -n 2 pytest -m 'gpu and mpi'` (both ranks on the one GPU)",
-        180,
+        75,
         lambda smoke: [_mpxrun(2, *_pytest("gpu and mpi"))],
-        gpu_only=True,
-        env=lambda smoke: {"MPX_REQUIRE_GPU": "1"},
+        env=_gpu_tests_env,
         tables=pytest_outcomes,
     ),
     Part(
         "quantize-kernels",
-        "gpu",
-        "quantize/dequantize throughput vs device copy and the pure-torch reference",
-        90,
+        1,
+        "quantize/dequantize throughput vs the device-to-device copy and the pure-torch quantizer",
+        60,
         lambda smoke: [
             [
                 sys.executable,
@@ -141,93 +183,56 @@ PARTS = [
                 "--skip-allreduce",
                 "--device",
                 "cpu" if smoke else "cuda",
-                *(["--kernel-sizes", str(1 << 16)] if smoke else []),
+                "--kernel-sizes",
+                str(1 << 16) if smoke else f"{1 << 20},{16 << 20},{64 << 20}",
             ]
         ],
     ),
     Part(
         "allreduce-cuda",
-        "gpu",
-        "CUDA allreduce: staged, ipc, CUDA-aware MPI, NCCL and mpx through torch.distributed",
-        120,
+        1,
+        "CUDA allreduce, 2 ranks on the one GPU: staged, ipc, auto (CUDA-aware MPI if it is) "
+        "vs gloo on CUDA tensors",
+        90,
         lambda smoke: [
-            _mpxrun(
-                2,
-                os.path.abspath(__file__),
-                "--inner",
-                "allreduce",
-                *(["--cpu-smoke"] if smoke else []),
-            )
+            _mpxrun(2, *_inner("allreduce", smoke, "--header", "--device", _gpu(smoke)))
         ],
-    ),
-    Part(
-        "ddp-resnet",
-        "gpu",
-        "DDP on a ResNet, fp32 and 4-bit gradients, mpx vs NCCL",
-        150,
-        lambda smoke: [
-            _mpxrun(
-                2, os.path.abspath(__file__), "--inner", "ddp", *(["--cpu-smoke"] if smoke else [])
-            )
-        ],
-    ),
-    Part(
-        "collectives-cpu",
-        "cpu",
-        "collectives on the CPU cores, 2 to 16 ranks",
-        180,
-        lambda smoke: [
-            [
-                sys.executable,
-                _bench("collectives", "bench_allreduce"),
-                "--ranks",
-                "2" if smoke else "2,4,8,16",
-            ]
-        ],
-        env=lambda smoke: {"MPX_BENCH_MAX_BYTES": "4K" if smoke else "16M"},
-    ),
-    Part(
-        "dataparallel-cpu",
-        "cpu",
-        "data parallel on the CPU cores, 2 to 8 ranks",
-        120,
-        lambda smoke: [
-            [
-                sys.executable,
-                _bench("dataparallel", "bench_dataparallel"),
-                "--ranks",
-                "2" if smoke else "2,4,8",
-            ]
-        ],
-        env=lambda smoke: {"MPX_BENCH_STEPS": "1", "MPX_BENCH_ROUNDS": "1"} if smoke else {},
-    ),
-    Part(
-        "pipeline-cpu",
-        "cpu",
-        "pipeline, 2, 4 and 8 stages",
-        120,
-        lambda smoke: [
-            [sys.executable, _bench("pipeline", "bench_pipeline"), "--stages", str(p)]
-            for p in ((2,) if smoke else (2, 4, 8))
-        ],
-        env=lambda smoke: {"MPX_BENCH_BATCH": "256", "MPX_BENCH_ONLY": "gpipe"} if smoke else {},
     ),
     Part(
         "mgrit-cpu",
-        "cpu",
-        "layer-parallel MGRIT, 1 to 16 ranks, speed-up vs the serial network",
-        120,
+        2,
+        "layer-parallel MGRIT at 1-16 ranks vs the serial network (torchbraid-like: 4 levels, "
+        "cfactor 4)",
+        95,
+        lambda smoke: [_mpxrun(2 if smoke else 16, *_inner("mgrit", smoke))],
+    ),
+    Part(
+        "allreduce-cpu",
+        2,
+        "allreduce on the CPU cores, 2 to 16 ranks: mpx's paths vs gloo",
+        75,
         lambda smoke: [
-            [
-                sys.executable,
-                _bench("mgrit", "bench_mgrit"),
-                "--skip-solvers",
-                "--ranks",
-                "1,2" if smoke else "1,2,4,8,16",
-            ]
+            _mpxrun(n, *_inner("allreduce", smoke, "--device", "cpu", *["--header"][: i == 0]))
+            for i, n in enumerate(SMOKE_CPU_RANKS if smoke else CPU_RANKS)
         ],
     ),
 ]
+
+
+def plan_lines(parts: Sequence[Part] = PARTS, scale: float = 1.0) -> list[str]:
+    """The plan in words: each call's parts, budgets and total against its limit."""
+    lines = []
+    for call in CALLS.values():
+        mine = [p for p in parts if p.call == call.number]
+        install = INSTALL_BUDGET_S if call.number == 1 else 0.0
+        total = (install + sum(p.budget_s for p in mine)) * scale
+        lines.append(
+            f"call {call.number} ({call.what}): {total:.0f} s of {call.limit_s * scale:.0f} s"
+        )
+        if install:
+            lines.append(f"  install          {install * scale:5.0f} s")
+        lines += [f"  {p.name:16} {p.budget_s * scale:5.0f} s  {p.title}" for p in mine]
+    return lines
 
 
 def missing_gpu() -> str | None:
@@ -257,28 +262,103 @@ def missing_gpu() -> str | None:
     return None
 
 
-def install(wheels: str) -> None:
-    """Installs the packages from this checkout, CUDA ON, with no network.
+def _installed() -> bool:
+    """Whether every mpx package is installed (a later call on the same machine)."""
+    try:
+        for name in PACKAGES:
+            importlib.metadata.version(f"mpx-{name}")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
-    ``wheels`` holds what the GPU machine's image lacks (the build backend
-    hatchling and its needs, the MPICH wheel); the rest (torch, numpy, mpi4py,
-    setuptools, Cython, scikit-build-core, pybind11) comes with the image.
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", version.split("+", maxsplit=1)[0])[:4])
+
+
+def carried_to_install(wheels: Sequence[Path]) -> list[Path]:
+    """The carried wheels whose distribution is missing here or older than the wheel's.
+
+    The GPU image has most of what the build needs (torch, numpy, mpi4py,
+    Cython, scikit-build-core, pybind11): its own copies are kept, and only
+    what it lacks (hatchling and its needs, the MPICH wheel) is installed.
     """
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
-    found = sorted(str(p) for p in Path(wheels).glob("*.whl"))
-    if found:
-        subprocess.run([*pip, *found], check=True)
-    env = os.environ | {"MPX_QUANTIZE_CUDA": "ON"}
+    chosen = []
+    for wheel in wheels:
+        name, version = wheel.name.split("-")[:2]
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            chosen.append(wheel)
+            continue
+        if _version_key(have) < _version_key(version):
+            chosen.append(wheel)
+    return chosen
+
+
+def cuda_architecture() -> str | None:
+    """This GPU's architecture as CMake names it (``90`` for an H100), or None without one."""
     import torch
 
-    if torch.cuda.is_available():
-        # This GPU's architecture alone: the default four (sm_80 to sm_100) take
-        # nvcc minutes longer, out of the device time.
-        major, minor = torch.cuda.get_device_capability()
-        env["CMAKE_ARGS"] = f"{env.get('CMAKE_ARGS', '')} -DCMAKE_CUDA_ARCHITECTURES={major}{minor}"
-    paths = [str(ROOT / "packages" / name) for name in PACKAGES]
-    subprocess.run([*pip, "--no-build-isolation", *paths], check=True, env=env)
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}"
+
+
+def install_commands(
+    wheels: Sequence[Path], built: Path, arch: str | None
+) -> tuple[list[list[str]], list[list[str]], list[str], dict[str, str]]:
+    """(carried-wheel installs, concurrent builds, the final install, the builds' environment).
+
+    No build isolation and no index (the image's build tools; no network), no
+    dependencies resolved (the image's torch stays). mpx-quantize (CMake, nvcc)
+    builds beside the other five (hatchling, Cython): the two take about as
+    long, so the install costs the slower of them, not their sum.
+    """
+    pip = [sys.executable, "-m", "pip"]
+    quiet = ["-q", "--no-index", "--no-deps", "--disable-pip-version-check"]
+    carried = [[*pip, "install", *quiet, *map(str, wheels)]] if wheels else []
+    wheel = [*pip, "wheel", *quiet, "--no-build-isolation", "-w", str(built)]
+    others = [str(ROOT / "packages" / n) for n in PACKAGES if n != "quantize"]
+    builds = [[*wheel, str(ROOT / "packages" / "quantize")], [*wheel, *others]]
+    final = [*pip, "install", *quiet, "--force-reinstall"]  # + the wheels built
+    env = dict(os.environ)
+    env["MPX_QUANTIZE_CUDA"] = "ON" if arch else "AUTO"
+    env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(os.cpu_count() or 1)
+    if arch:
+        # This GPU's architecture alone: the release's three (80, 90, 100) and
+        # PTX take nvcc minutes longer, out of the window.
+        env["CMAKE_ARGS"] = f"{env.get('CMAKE_ARGS', '')} -DCMAKE_CUDA_ARCHITECTURES={arch}-real"
+    return carried, builds, final, env
+
+
+def install(wheels_dir: str, log: Callable[[str], None], cuda: bool = True) -> float:
+    """Installs this checkout with no network; returns the seconds it took.
+
+    ``cuda``: the CUDA kernels for this GPU (call 1). Call 2, on a machine
+    that went back in between, needs only the CPU kernels: no nvcc, seconds.
+    """
+    start = time.monotonic()
+    found = sorted(Path(wheels_dir).glob("*.whl"))
+    wanted = carried_to_install(found)
+    kept = sorted(set(found) - set(wanted))
+    if kept:
+        log(f"install: the image has these already: {', '.join(p.name for p in kept)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        arch = cuda_architecture() if cuda else None
+        carried, builds, final, env = install_commands(wanted, Path(tmp), arch)
+        if not cuda:
+            env["MPX_QUANTIZE_CUDA"] = "OFF"
+        for command in carried:
+            subprocess.run(command, check=True)
+        running = [subprocess.Popen(command, env=env) for command in builds]
+        codes = [proc.wait() for proc in running]
+        if any(codes):
+            raise SystemExit(f"gpu_report: install: a build failed (exit {codes}); see above")
+        subprocess.run([*final, *sorted(str(p) for p in Path(tmp).glob("*.whl"))], check=True)
     importlib.invalidate_caches()  # this process looks for mpx again (missing_gpu)
+    return time.monotonic() - start
 
 
 def _device_line(smoke: bool) -> str:
@@ -287,21 +367,31 @@ def _device_line(smoke: bool) -> str:
     import torch
 
     device = "none (--cpu-smoke)" if smoke else torch.cuda.get_device_name()
+    load = os.getloadavg()[0]
     return (
         f"Device: {device}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}); Python {platform.python_version()}."
+        f"{os.cpu_count()} CPU cores ({platform.machine()}, load {load:.1f} at the start); "
+        f"Python {platform.python_version()}."
     )
 
 
-def run_part(part: Part, smoke: bool, md: Path, log: Path, budget_scale: float = 1.0) -> bool:
-    """Runs one part within its budget; appends its tables and output. True if it passed."""
+def run_part(
+    part: Part, smoke: bool, md: Path, log: Path, budget_scale: float = 1.0, left_s: float = 1e9
+) -> str:
+    """Runs one part within its budget; appends its tables and output.
+
+    Returns ``"passed"``, ``"failed"`` (an error or past its budget) or
+    ``"skipped"``: its budget exceeds ``left_s``, the time left of its call.
+    """
     budget = part.budget_s * budget_scale
     with md.open("a") as f:
         f.write(f"\n## {part.name}: {part.title}\n\n")
-    if smoke and part.gpu_only:
-        with md.open("a") as f:
-            f.write(f"{SKIPPED_NO_GPU}\n")
-        return True
+        if budget > left_s:
+            f.write(
+                f"**skipped: its budget of {budget:.0f} s exceeds the {max(left_s, 0):.0f} s "
+                f"left of call {part.call}** (rerun it: `--only {part.name}`)\n"
+            )
+            return "skipped"
     env = os.environ | {"PYTHONUNBUFFERED": "1"} | part.env(smoke)
     deadline = time.monotonic() + budget
     ok = True
@@ -312,9 +402,7 @@ def run_part(part: Part, smoke: bool, md: Path, log: Path, budget_scale: float =
         try:
             out, err, code = _run_within(command, env, max(left, 1.0))
             if code is None:
-                status = (
-                    f"**timed out after its budget of {part.budget_s:g} s** (partial output above)"
-                )
+                status = f"**timed out after its budget of {budget:g} s** (partial output above)"
             elif code != 0:
                 status = f"**failed: exit {code}** (see gpu-report.log)"
         except OSError as exc:  # the command could not start (a missing program)
@@ -326,8 +414,10 @@ def run_part(part: Part, smoke: bool, md: Path, log: Path, budget_scale: float =
             f.write(part.tables(out).strip() + "\n")
             if status:
                 f.write(f"\n{status}\n")
-            f.write(f"\n({time.monotonic() - start:.0f} s: `{_shown(command)}`)\n")
-    return ok
+            f.write(f"\n({time.monotonic() - start:.1f} s: `{_shown(command)}`)\n")
+        if code is None:
+            break  # the budget is spent: the part's further commands would not start
+    return "passed" if ok else "failed"
 
 
 def _run_within(
@@ -369,277 +459,243 @@ def _shown(command: list[str]) -> str:
     )
 
 
-# ---- the GPU jobs of no single package's benchmark, run under mpxrun -n 2 ----
-
-
-def _timed(
-    fn: Callable[..., object], reps: int, barrier: Callable[[], None], sync: Callable[[], None]
-) -> float:
-    """Median seconds of ``fn`` after a barrier, slowest rank's (the caller takes the max)."""
-    fn()
-    sync()
-    samples = []
-    for _ in range(reps):
-        barrier()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+# ---- the jobs of no single package's benchmark, run under mpxrun ----
 
 
 def _say(line: str) -> None:
     os.write(1, (line + "\n").encode())
 
 
-def allreduce_job(smoke: bool) -> None:
-    """float32 allreduce of device tensors through every path; rank 0 prints the table."""
+def _per_call(
+    fn: Callable[[], object],
+    sync: Callable[[], None],
+    barrier: Callable[[], None],
+    agree: Callable[[int], int],
+    bursts: int = 5,
+) -> float:
+    """Median seconds per call of ``fn``: bursts of calls after a barrier, ≥ ~5 ms each.
+
+    A burst rather than one call: a 4 KiB allreduce is shorter than the ranks'
+    skew at a barrier. ``agree`` makes every rank take the same burst length.
+    """
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    once = time.perf_counter() - start
+    calls = agree(max(1, min(1000, int(0.005 / max(once, 1e-7)))))
+    samples = []
+    for _ in range(bursts):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+CUDA_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+CPU_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def allreduce_job(smoke: bool, header: bool, device_kind: str) -> None:
+    """float32 allreduce through mpx's paths and gloo; rank 0 prints rows as they are measured."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from mpx.collectives import allreduce, register_torch_backend, world
+    from mpx.collectives import allreduce, world
     from mpx.launch import init_torch_env
 
     comm = world()
     raw = MPI.COMM_WORLD
-    device = torch.device("cpu") if smoke else torch.device("cuda", 0)
-    if not smoke:
+    cuda = device_kind == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-    sync: Callable[[], None] = (lambda: None) if smoke else torch.cuda.synchronize
+    else:
+        torch.set_num_threads(1)  # one core a rank: 16 ranks on 16 cores
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     aware = "cuda" in MPI.Get_library_version().lower()
-    sizes = [1 << 12] if smoke else [1 << 20, 16 << 20, 64 << 20, 256 << 20]
-    impls = ["mpi", "shm"] if smoke else ["staged", "ipc"] + (["mpi"] if aware else [])
-    if comm.rank == 0:
-        name = "CPU (--cpu-smoke)" if smoke else torch.cuda.get_device_name(device)
+    sizes = [4 << 10] if smoke else CUDA_SIZES if cuda else CPU_SIZES
+    impls = ["staged", "ipc", "auto"] + (["mpi"] if aware else []) if cuda else []
+    impls = impls or ["mpi", "ring", "shm", "auto"]
+    if comm.rank == 0 and header:
+        where = torch.cuda.get_device_name(device) if cuda else "CPU"
         _say(
-            f"Device: {name}; {comm.size} ranks on the one device (they share its memory "
-            "bandwidth and copy engines, and every exchange stays within one GPU: the figures "
-            "are the cost of each path's machinery, not of a link between GPUs). CUDA-aware "
-            f"MPI: {'yes' if aware else 'no, so no `mpi` row'}. Time: median of samples after "
-            "a barrier, slowest rank; busbw = bytes·2(n-1)/n ÷ time.\n"
-        )
-        _say("| size | path | time (ms) | busbw (GB/s) |\n|---|---|---|---|")
-
-    def row(nbytes: int, label: str, seconds: float | None, error: str = "") -> None:
-        # A rank that failed counts as infinitely slow: the row says failed if any did.
-        worst = raw.allreduce(seconds if seconds is not None else float("inf"), op=MPI.MAX)
-        if comm.rank != 0:
-            return
-        if worst == float("inf"):
-            _say(f"| {nbytes >> 10} KiB | {label} | failed: {error[:160]} | |")
-            return
-        bus = nbytes * 2 * (comm.size - 1) / comm.size / worst / 1e9
-        _say(f"| {nbytes >> 10} KiB | {label} | {worst * 1e3:.3f} | {bus:.1f} |")
-
-    for nbytes in sizes:
-        x = torch.ones(nbytes // 4, device=device)
-        reps = 5 if smoke else max(5, min(50, (256 << 20) // nbytes))
-        for impl in impls:
-            try:
-                t = _timed(
-                    lambda impl=impl, x=x: allreduce(x, comm=comm, impl=impl),
-                    reps,
-                    raw.Barrier,
-                    sync,
-                )
-                row(nbytes, f"mpx `{impl}`", t)
-            except Exception as exc:  # a path that cannot run here is a row, not the end
-                row(nbytes, f"mpx `{impl}`", None, f"{type(exc).__name__}: {exc}")
-    init_torch_env()
-    register_torch_backend()
-    backends = [("mpx", "torch.distributed, mpx backend")]
-    backends.append(
-        ("gloo", "torch.distributed, gloo") if smoke else ("nccl", "torch.distributed, NCCL")
-    )
-    for backend, label in backends:
-        try:
-            dist.init_process_group(backend)
-        except Exception as exc:
-            for nbytes in sizes:
-                row(nbytes, label, None, f"{type(exc).__name__}: {exc}")
-            continue
-        for nbytes in sizes:
-            x = torch.ones(nbytes // 4, device=device)
-            reps = 5 if smoke else max(5, min(50, (256 << 20) // nbytes))
-            try:
-                t = _timed(lambda x=x: dist.all_reduce(x), reps, raw.Barrier, sync)
-                row(nbytes, label, t)
-            except Exception as exc:
-                row(nbytes, label, None, f"{type(exc).__name__}: {exc}")
-        dist.destroy_process_group()
-
-
-def small_resnet(num_classes: int = 10) -> Any:
-    """A ResNet of 3 stages of 2 basic blocks, for images where torchvision is missing."""
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, cin: int, cout: int, stride: int) -> None:
-            super().__init__()
-            self.body = nn.Sequential(
-                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-                nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
-            )  # fmt: skip
-            self.skip = (
-                nn.Identity()
-                if stride == 1 and cin == cout
-                else nn.Sequential(
-                    nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-                )
+            f"Device: {where}, {comm.size} ranks"
+            + (
+                " on the one GPU (they share its memory bandwidth and copy engines: the figures "
+                "are the cost of each path's machinery, not of a link between GPUs). CUDA-aware "
+                f"MPI: {'yes' if aware else 'no, so no `mpi` row'}."
+                if cuda
+                else ", one core each (torch.set_num_threads(1))."
             )
-            self.relu = nn.ReLU()
-
-        def forward(self, x: Any) -> Any:
-            return self.relu(self.body(x) + self.skip(x))
-
-    layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()]
-    for cin, cout, stride in ((32, 32, 1), (32, 64, 2), (64, 128, 2)):
-        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes)]
-    return nn.Sequential(*layers)
-
-
-def ddp_job(smoke: bool) -> None:
-    """DDP training steps of a ResNet on each rank's share of the one device."""
-    import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
-    from torch import nn
-
-    import mpx.quantize as mq
-    from mpx.collectives import register_torch_backend, world
-    from mpx.launch import init_torch_env
-
-    comm = world()
-    raw = MPI.COMM_WORLD
-    device = torch.device("cpu") if smoke else torch.device("cuda", 0)
-    sync: Callable[[], None] = (lambda: None) if smoke else torch.cuda.synchronize
-    if not smoke:
-        torch.cuda.set_device(device)
-    make: Callable[[], Any]
-    try:
-        if smoke:
-            raise ImportError("--cpu-smoke: the small ResNet")
-        # By name: the GPU machine's image has torchvision, CI's environment has not.
-        models = importlib.import_module("torchvision.models")
-        model_name = "torchvision ResNet-18 (11.7 M parameters), 224×224 images"
-        make = lambda: models.resnet18(num_classes=1000)  # noqa: E731
-        shape = (32, 3, 224, 224)
-    except ImportError:
-        model_name = "a small ResNet of this script (3 stages of 2 basic blocks), 32×32 images"
-        make = small_resnet
-        shape = (4 if smoke else 64, 3, 32, 32)
-    steps = 1 if smoke else 20
-    init_torch_env()
-    register_torch_backend()
-    if comm.rank == 0:
-        name = "CPU (--cpu-smoke)" if smoke else torch.cuda.get_device_name(device)
-        _say(
-            f"Device: {name}; {comm.size} ranks on the one device. Model: {model_name}, batch "
-            f"{shape[0]} per rank, SGD with momentum; step = forward + backward + optimizer, "
-            f"median of {steps} steps after 3 warm-up steps, slowest rank. 4-bit = "
-            "`mpx.quantize.ddp_comm_hook` (bucket 512, stochastic rounding). NCCL refuses two "
-            "ranks on one GPU, in which case its rows say so.\n"
+            + " Time: median of 5 bursts (≥ 5 ms each) after a barrier, per call; "
+            "busbw = bytes·2(n-1)/n ÷ time; ÷ gloo = gloo's time ÷ this one (above 1: faster).\n"
         )
-        peer_name = "gloo" if smoke else "NCCL"
-        _say(f"| gradients | backend | step (ms) | ÷ {peer_name} fp32 |\n|---|---|---|---|")
-    results: dict[str, float | None] = {}
-    errors: dict[str, str] = {}
-    x = torch.randn(*shape, device=device)
-    y = torch.randint(0, 10, (shape[0],), device=device)
-    variants = [("fp32", "mpx"), ("4-bit", "mpx"), ("fp32", "gloo" if smoke else "nccl")]
-    for grads, backend in variants:
-        key = f"| {grads} | {backend} |"
-        try:
-            dist.init_process_group(backend)
-        except Exception as exc:
-            results[key], errors[key] = None, f"{type(exc).__name__}: {exc}"
-            continue
-        try:
-            torch.manual_seed(0)
-            model = make().to(device)
-            ddp = nn.parallel.DistributedDataParallel(model)
-            if grads == "4-bit":
-                state = mq.QuantizeState(mq.CompressionConfig(bits=4, bucket_size=512), comm, model)
-                ddp.register_comm_hook(state, mq.ddp_comm_hook)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        _say(
+            "| ranks | size | path | time (ms) | busbw (GB/s) | ÷ gloo |\n|---|---|---|---|---|---|"
+        )
+    agree: Callable[[int], int] = lambda n: int(raw.allreduce(n, op=MPI.MAX))  # noqa: E731
+    results: dict[tuple[int, str], float | None] = {}
+    errors: dict[tuple[int, str], str] = {}
 
-            def step(ddp: Any = ddp, opt: Any = opt) -> None:
-                opt.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(ddp(x), y).backward()
-                opt.step()
+    def measure(nbytes: int, label: str, fn: Callable[[], object]) -> None:
+        try:
+            seconds: float | None = _per_call(fn, sync, raw.Barrier, agree)
+        except Exception as exc:  # a path that cannot run here is a row, not the end
+            seconds, errors[nbytes, label] = None, f"{type(exc).__name__}: {exc}"
+        # A rank that failed counts as infinitely slow: the row says failed if any did.
+        worst = raw.allreduce(float("inf") if seconds is None else seconds, op=MPI.MAX)
+        results[nbytes, label] = None if worst == float("inf") else worst
 
-            for _ in range(2):
-                step()
-            results[key] = _timed(step, steps, raw.Barrier, sync)
-        except Exception as exc:
-            results[key], errors[key] = None, f"{type(exc).__name__}: {exc}"
+    # gloo first: every mpx row is compared with it as it is printed.
+    init_torch_env()
+    try:
+        dist.init_process_group("gloo")
+    except Exception as exc:
+        for nbytes in sizes:
+            results[nbytes, "gloo"], errors[nbytes, "gloo"] = None, f"{type(exc).__name__}: {exc}"
+    else:
+        for nbytes in sizes:
+            x = torch.zeros(nbytes // 4, device=device)
+            measure(nbytes, "gloo", functools.partial(dist.all_reduce, x))
         dist.destroy_process_group()
-    inf = float("inf")  # a rank that failed counts as infinitely slow
-    worst = {k: raw.allreduce(inf if v is None else v, op=MPI.MAX) for k, v in results.items()}
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 4, device=device)  # zeros: sums that never overflow
+        _row(comm, nbytes, "torch.distributed gloo", results, errors, "gloo")
+        for impl in impls:
+            measure(nbytes, impl, functools.partial(allreduce, x, comm=comm, impl=impl))
+            _row(comm, nbytes, f"mpx `{impl}`", results, errors, impl)
+
+
+def _row(
+    comm: Any,
+    nbytes: int,
+    label: str,
+    results: dict[tuple[int, str], float | None],
+    errors: dict[tuple[int, str], str],
+    key: str,
+) -> None:
+    size = comm.size
     if comm.rank != 0:
         return
-    peer = worst.get(f"| fp32 | {variants[-1][1]} |", inf)
-    for key, seconds in worst.items():
-        if seconds == inf:
-            _say(f"{key} failed: {errors.get(key, 'on another rank')[:160]} | |")
-            continue
-        ratio = f"{seconds / peer:.2f}" if peer != inf else "—"
-        _say(f"{key} {seconds * 1e3:.1f} | {ratio} |")
+    seconds = results.get((nbytes, key))
+    if seconds is None:
+        why = errors.get((nbytes, key), "on another rank")[:160].replace("|", "/")
+        _say(f"| {size} | {_size(nbytes)} | {label} | failed: {why} | | |")
+        return
+    bus = nbytes * 2 * (size - 1) / size / seconds / 1e9
+    gloo = results.get((nbytes, "gloo"))
+    ratio = f"{gloo / seconds:.2f}" if gloo else "—"
+    _say(f"| {size} | {_size(nbytes)} | {label} | {seconds * 1e3:.3f} | {bus:.2f} | {ratio} |")
+
+
+@dataclasses.dataclass(frozen=True)
+class MGRITConfig:
+    """A layer-parallel network like torchbraid's published ones, sized for the window."""
+
+    steps: int
+    width: int
+    batch: int
+    levels: int
+    cfactor: int
+    rank_counts: tuple[int, ...]
+    repeats: int
+
+
+# 1024 residual steps of a 128-wide Linear + tanh on a batch of 128 (a step of
+# ~0.3 ms on one core, against a 64 KiB message between neighbours of ~20 µs:
+# costly enough to parallelise); 4 levels of cfactor 4 leave 16 coarsest
+# points, one per rank at 16. 16 ranks first: if time runs out, the rows that
+# matter least (fewer ranks) are the ones lost.
+MGRIT_FULL = MGRITConfig(1024, 128, 128, 4, 4, (16, 8, 4, 2, 1), 3)
+MGRIT_SMOKE = MGRITConfig(32, 16, 8, 3, 4, (2, 1), 2)
+
+
+def mgrit_job(smoke: bool) -> None:
+    """LayerParallel forward + backward on P of the job's ranks vs the serial network.
+
+    One job of the largest rank count: the smaller counts run on its first P
+    ranks (a split communicator) while the others wait, which saves a job's
+    start (seconds at 16 ranks) per row.
+    """
+    import torch
+    from torch import nn
+
+    from mpx.collectives import Communicator, world
+    from mpx.mgrit import LayerParallel
+
+    cfg = MGRIT_SMOKE if smoke else MGRIT_FULL
+    torch.set_num_threads(1)  # one core a rank; the serial network gets one core too
+    comm = world()
+    x = torch.randn(cfg.batch, cfg.width, generator=torch.Generator().manual_seed(1))
+
+    def make(sub: Communicator) -> LayerParallel:
+        torch.manual_seed(0)
+        return LayerParallel(
+            nn.Identity(), lambda: nn.Sequential(nn.Linear(cfg.width, cfg.width), nn.Tanh()),
+            nn.Linear(cfg.width, 10), num_steps=cfg.steps, Tf=cfg.steps / 64,
+            comm=sub, levels=cfg.levels, cfactor=cfg.cfactor, fwd_iters=2, bwd_iters=1, tol=0.0,
+        )  # fmt: skip
+
+    def median_time(net: nn.Module, sub: Communicator) -> float:
+        """Median seconds of a training step's forward + backward, slowest rank of ``sub``."""
+
+        def step() -> None:
+            net.zero_grad()
+            torch.autograd.backward(net(x).square().sum())
+
+        step()
+        samples = []
+        for _ in range(cfg.repeats):
+            sub.mpi.Barrier()
+            start = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - start)
+        return float(sub.mpi.allreduce(statistics.median(samples), op=_mpi_max()))
+
+    if comm.rank == 0:
+        _say(
+            f"{cfg.steps} residual steps x + h·tanh(W x + b), width {cfg.width}, batch "
+            f"{cfg.batch}, float32; MGRIT {cfg.levels} levels, cfactor {cfg.cfactor}, 2 forward "
+            "and 1 adjoint V-cycle (torchbraid's published runs: cfactor 4, 3 levels or more); "
+            "one core a rank; time = forward + backward, median of "
+            f"{cfg.repeats} after a warm-up, slowest rank. Serial = the same network with plain "
+            "autograd on one core. torchbraid reports ~10× over serial at its largest rank "
+            "counts.\n"
+        )
+        _say("| ranks | layer-parallel (ms) | serial (ms) | speed-up |\n|---|---|---|---|")
+    solo = comm.split(0 if comm.rank == 0 else None)
+    serial_s = median_time(make(solo).serial(), solo) if solo is not None else 0.0
+    if solo is not None:
+        _say(f"| serial | — | {serial_s * 1e3:.1f} | 1.00 |")
+        solo.free()
+    serial_s = float(comm.mpi.bcast(serial_s, root=0))
+    for p in (p for p in cfg.rank_counts if p <= comm.size):
+        sub = comm.split(0 if comm.rank < p else None)
+        if sub is not None:
+            t = median_time(make(sub), sub)
+            if sub.rank == 0:
+                _say(f"| {p} | {t * 1e3:.1f} | {serial_s * 1e3:.1f} | {serial_s / t:.2f} |")
+            sub.free()
+        comm.mpi.Barrier()
+
+
+def _mpi_max() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 # ---- the command ----
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
-
-
-def follow(argv: list[str], state: Path, out: Path, until: float) -> int:
-    """Starts the report detached in ``state`` (unless it runs or ran there); follows it.
-
-    Copies the run's files into ``out`` when it ends or at ``until`` (a
-    monotonic time), whichever comes first; returns the report's exit status,
-    or EXIT_STILL_RUNNING if it had not finished by then.
-    """
-    pidfile, codefile = state / "pid", state / "exit-code"
-    running = pidfile.exists() and _alive(int(pidfile.read_text()))
-    if not running and not codefile.exists():
-        state.mkdir(parents=True, exist_ok=True)
-        for old in state.iterdir():
-            old.unlink()
-        with (state / "driver.log").open("w") as driver_log:
-            command = [sys.executable, os.path.abspath(__file__), *argv, "--out", str(state)]
-            command += ["--exit-code-file", str(codefile)]
-            child = subprocess.Popen(
-                command,
-                cwd=ROOT, stdout=driver_log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        pidfile.write_text(str(child.pid))
-        sys.stdout.write(f"gpu_report: started detached (pid {child.pid}) in {state}\n")
-    else:
-        sys.stdout.write(f"gpu_report: following the run in {state}\n")
-    sys.stdout.flush()
-    while not codefile.exists() and time.monotonic() < until:
-        time.sleep(2)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("gpu-report.md", "gpu-report.log", "driver.log"):
-        if (state / name).exists():
-            shutil.copyfile(state / name, out / name)
-    if codefile.exists():
-        code = int(codefile.read_text() or "1")
-        sys.stdout.write(f"gpu_report: finished, exit {code}; files in {out}\n")
-        return code
-    sys.stdout.write(
-        f"gpu_report: still running; the files so far are in {out}. Call the same command "
-        "again (at once: the machine goes back when idle) to follow it further\n"
-    )
-    return EXIT_STILL_RUNNING
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -647,88 +703,120 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default="", help="output folder (default: $OUT, else ./gpu-report)"
     )
-    parser.add_argument("--group", choices=["tests", "gpu", "cpu", "all"], default="all")
+    parser.add_argument(
+        "--call", choices=["1", "2", "all"], default="all",
+        help="which device-tool call's parts (1: install + GPU, 2: CPU cores; default both)",
+    )  # fmt: skip
     parser.add_argument("--only", default="", help="parts to run, comma-separated")
     parser.add_argument(
         "--budget-scale", type=float, default=1.0, metavar="X",
-        help="every part's time budget times X (a busy machine: --cpu-smoke --budget-scale 3)",
+        help="every budget and call limit times X (a loaded machine: --cpu-smoke --budget-scale 3)",
     )  # fmt: skip
     parser.add_argument("--cpu-smoke", "--dry-run", action="store_true", dest="smoke")
+    parser.add_argument("--plan", action="store_true", help="print the parts and budgets; run none")
     parser.add_argument(
-        "--install", default="", metavar="WHEELS", help="install mpx first (CUDA ON), offline"
-    )
-    parser.add_argument(
-        "--follow", type=float, default=0, metavar="SECONDS",
-        help="run detached; follow it until SECONDS after this command's start (see above)",
+        "--install", default="", metavar="WHEELS",
+        help="install this checkout first (CUDA kernels for this GPU), offline, with the "
+        "wheels of WHEELS (DEVELOPERS.md); skipped where mpx is installed already",
     )  # fmt: skip
-    parser.add_argument("--state", default=STATE, help="the detached run's folder (--follow)")
-    parser.add_argument("--exit-code-file", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--inner", choices=["allreduce", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--inner", choices=["allreduce", "mgrit"], help=argparse.SUPPRESS)
+    parser.add_argument("--header", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help=argparse.SUPPRESS)
     started = time.monotonic()
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.inner == "allreduce":
-        allreduce_job(args.smoke)
+        allreduce_job(args.smoke, args.header, args.device)
         return 0
-    if args.inner == "ddp":
-        ddp_job(args.smoke)
+    if args.inner == "mgrit":
+        mgrit_job(args.smoke)
+        return 0
+    if args.plan:
+        sys.stdout.write("\n".join(plan_lines(scale=args.budget_scale)) + "\n")
         return 0
     out = Path(args.out or os.environ.get("OUT") or ROOT / "gpu-report")
-    state = Path(args.state)
-    passed_on = _without_values(argv, ("--follow", "--install", "--out", "--state"))
-    if args.follow and (state / "pid").exists():
-        return follow(passed_on, state, out, started + args.follow)  # under way or done
-    if args.install and (args.smoke or missing_gpu() is not None):
-        install(args.install)
-    if not args.smoke:
+    notes: list[str] = []
+    if args.install and not _installed():
+        spent = install(args.install, notes.append, cuda=args.call != "2")
+        notes.append(f"install: {spent:.0f} s (budget {INSTALL_BUDGET_S:.0f} s)")
+    elif args.install:
+        notes.append("install: mpx is installed already (an earlier call): skipped")
+    if not args.smoke and args.call != "2":  # call 2 measures the CPU cores: no GPU needed
         missing = missing_gpu()
         if missing is not None:
             sys.stderr.write(f"gpu_report: cannot run: {missing}\n")
             return EXIT_NO_GPU
-    if args.follow:
-        return follow(passed_on, state, out, started + args.follow)
-    code = report(args, out, parser)
-    if args.exit_code_file:
-        Path(args.exit_code_file).write_text(str(code))
-    return code
+    return report(args, out, parser, started, notes)
 
 
-def _without_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given options and their values (``--opt v`` or ``--opt=v``)."""
-    kept: list[str] = []
-    skip = False
-    for word in argv:
-        if skip:
-            skip = False
-        elif word in options:
-            skip = True
-        elif not word.startswith(tuple(f"{o}=" for o in options)):
-            kept.append(word)
-    return kept
+def choose_parts(call: str, only: str) -> tuple[list[Part], list[str]]:
+    """The parts of ``call`` (1, 2 or all) named in ``only`` (all if empty); unknown names."""
+    names = {name for name in only.split(",") if name}
+    unknown = sorted(names - {p.name for p in PARTS})
+    parts = [p for p in PARTS if (not names or p.name in names) and call in ("all", str(p.call))]
+    return parts, unknown
 
 
-def report(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) -> int:
-    """The report's parts, one after another, into ``out``."""
+def timing_table(
+    parts: Sequence[Part], scale: float, outcome: dict[str, str], took: dict[str, float]
+) -> str:
+    """Each part's budget beside the time it took: the measurements the budgets come from."""
+    rows = [
+        f"| {p.name} | {p.call} | {p.budget_s * scale:.0f} | {took[p.name]:.1f} | "
+        f"{outcome[p.name]} |"
+        for p in parts
+    ]
+    head = (
+        "\n## Timing\n\n| part | call | budget (s) | took (s) | outcome |\n|---|---|---|---|---|\n"
+    )
+    return head + "\n".join(rows) + "\n"
+
+
+def report(
+    args: argparse.Namespace,
+    out: Path,
+    parser: argparse.ArgumentParser,
+    started: float,
+    notes: Sequence[str] = (),
+) -> int:
+    """The parts of the chosen call(s), in order, each within its budget and the call's limit."""
+    parts, unknown = choose_parts(args.call, args.only)
+    if unknown:
+        parser.error(f"--only: no part named {unknown}; parts: {[p.name for p in PARTS]}")
+    if not parts:
+        parser.error(f"--only {args.only}: none of these parts is in call {args.call}")
     out.mkdir(parents=True, exist_ok=True)
     md, log = out / "gpu-report.md", out / "gpu-report.log"
-    only = {name for name in args.only.split(",") if name}
-    unknown = only - {p.name for p in PARTS}
-    if unknown:
-        parser.error(f"--only: no part named {sorted(unknown)}; parts: {[p.name for p in PARTS]}")
-    parts = [p for p in PARTS if (not only or p.name in only) and args.group in ("all", p.group)]
-    md.write_text(f"# mpx GPU report\n\n{_device_line(args.smoke)}\n")
-    log.write_text("")
-    failed = []
-    for part in parts:
-        sys.stdout.write(
-            f"gpu_report: {part.name} (budget {part.budget_s * args.budget_scale:g} s)\n"
-        )
-        sys.stdout.flush()
-        if not run_part(part, args.smoke, md, log, args.budget_scale):
-            failed.append(part.name)
+    title = "all calls" if args.call == "all" else f"call {args.call}"
+    with md.open("a") as f:  # a second call adds to the first's file (the same $OUT or not)
+        f.write(f"\n# mpx GPU report, {title}\n\n{_device_line(args.smoke)}\n")
+        for note in notes:
+            f.write(f"\n{note}\n")
+    scale = args.budget_scale
+    outcome: dict[str, str] = {}
+    took: dict[str, float] = {}
+    for call in CALLS.values():
+        mine = [p for p in parts if p.call == call.number]
+        if not mine:
+            continue
+        # The limit counts from this command's start (call 1's install included);
+        # with --call all, each call's from when its first part starts.
+        begin = started if call.number == min(p.call for p in parts) else time.monotonic()
+        deadline = begin + call.limit_s * scale
+        for part in mine:
+            left = deadline - time.monotonic()
+            sys.stdout.write(f"gpu_report: {part.name} (budget {part.budget_s * scale:g} s, "
+                             f"{left:.0f} s left of call {call.number})\n")  # fmt: skip
+            sys.stdout.flush()
+            part_start = time.monotonic()
+            outcome[part.name] = run_part(part, args.smoke, md, log, scale, left)
+            took[part.name] = time.monotonic() - part_start
+    with md.open("a") as f:
+        f.write(timing_table(parts, scale, outcome, took))
+        f.write(f"\nCommand time: {time.monotonic() - started:.0f} s.\n")
     sys.stdout.write(f"gpu_report: tables in {md}, output in {log}\n")
-    if failed:
-        sys.stdout.write(f"gpu_report: failed or out of time: {', '.join(failed)}\n")
+    bad = [name for name, result in outcome.items() if result != "passed"]
+    if bad:
+        sys.stdout.write(f"gpu_report: failed, out of time or skipped: {', '.join(bad)}\n")
         return 1
     return 0
 
