@@ -115,20 +115,28 @@ def test_malformed_variables_are_named(env: dict[str, str], message: str) -> Non
     assert message in str(info.value)
 
 
-def test_init_torch_env_uses_mpxrun_master(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "GROUP_RANK",
-    ):
+TORCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+
+
+def _forget_torch_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in TORCH_VARIABLES:
         # setenv first: monkeypatch then removes what init_torch_env writes, at teardown
-        # (a plain delenv of an absent name would leave it set for later tests).
+        # (a plain delenv of an absent name would leave it set for later tests: an
+        # mpxrun they start would hand RANK=0 WORLD_SIZE=1 to every rank).
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
+
+
+def test_init_torch_env_uses_mpxrun_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    _forget_torch_variables(monkeypatch)
     monkeypatch.setenv("MPX_MASTER_ADDR", "node17")
     monkeypatch.setenv("MPX_MASTER_PORT", "29511")
     got = init_torch_env(Environment(3, 1, 4, 2, 1, "mpich"))
@@ -154,6 +162,7 @@ def test_init_torch_env_uses_mpxrun_master(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_init_torch_env_keeps_users_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    _forget_torch_variables(monkeypatch)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1234")
     init_torch_env(Environment(0, 0, 1, 1, 0, "single"))
@@ -179,6 +188,7 @@ def test_init_torch_env_lets_gloo_rendezvous(monkeypatch: pytest.MonkeyPatch) ->
 
     for key in ("MASTER_ADDR", "MASTER_PORT", "MPX_MASTER_ADDR", "MPX_MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)  # agree through MPI, as under a bare mpiexec
+    _forget_torch_variables(monkeypatch)
     env = init_torch_env()
     dist.init_process_group("gloo")
     try:
