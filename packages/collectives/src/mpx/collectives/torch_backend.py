@@ -61,7 +61,7 @@ from mpx.collectives.torch_forms import (
     reduce_form,
     reduce_op,
 )
-from mpx.collectives.torch_futures import MPXFuture, tensor_list_future
+from mpx.collectives.torch_futures import MPXFuture, completing, tensor_list_future
 
 __all__ = [
     "BACKEND_NAME",
@@ -184,8 +184,9 @@ class MPXWork(dist.Work):
                     self._error = error
                 self._finished = True
             settle, self._unsettled = self._unsettled, []
-        for complete in settle:
-            complete()
+        with completing():  # a then() in a callback finishes its operation first
+            for complete in settle:
+                complete()
         if self._error is not None:
             raise self._error
 
@@ -664,7 +665,8 @@ class MPXProcessGroup(dist.ProcessGroup):
                 for outputs in output_lists:
                     _copy_rows(gathered, outputs[j::k], "all_gather")
 
-        return self._work(handles, [t for outs in output_lists for t in outs], scatter_rows)
+        flat = [t for outs in output_lists for t in outs]
+        return self._work(handles, flat, scatter_rows)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -678,7 +680,8 @@ class MPXProcessGroup(dist.ProcessGroup):
                     handle.wait(), [outs[i] for outs in output_lists], "all_gather_coalesced"
                 )
 
-        return self._work(handles, [t for outs in output_lists for t in outs], scatter_rows)
+        flat = [t for outs in output_lists for t in outs]
+        return self._work(handles, flat, scatter_rows)
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None

@@ -12,11 +12,13 @@ compressed step)::
                                                                   (nobody left to drive P)
 
 So a wait here drives the operation itself: :class:`MPXFuture` (what
-``MPXWork.get_future()`` returns to Python) and every future chained on it
-with ``then`` finish their work in the waiting thread -- they advance its
-handles, write its outputs back and complete the future, running the
-callbacks inline. The progress thread is then one of several threads that can
-complete an operation, never the only one::
+``MPXWork.get_future()`` returns to Python) finishes its work in the waiting
+thread -- it advances its handles, writes its outputs back and completes the
+future, running the callbacks inline. A future chained on it with ``then`` is
+torch's own (its errors are C++ errors, which DDP reads); chained inside a
+callback, the operation is finished before ``then`` returns, so a wait on the
+chain does not wait for the thread it runs on. The progress thread is then
+one of several threads that can complete an operation, never the only one::
 
     progress thread: bucket done -> callback -> all_reduce(P) -> MPXFuture.wait()
                                                                   drives P itself, runs its
@@ -47,12 +49,12 @@ it completes one inter-op hop (~65 us) after the Python future.
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["MPXFuture", "tensor_list_future"]
+__all__ = ["MPXFuture", "completing", "running_callbacks", "tensor_list_future"]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -85,19 +87,36 @@ class MPXFuture(torch.futures.Future[T]):
         return super().wait()
 
     def then(self, callback: Callable[[torch.futures.Future[T]], S]) -> torch.futures.Future[S]:
-        """As torch's ``then``; the future it returns drives the same operation when waited on."""
-        child: MPXFuture[S] = MPXFuture(self._drive)
+        """torch's ``then``; inside a callback of an mpx future, the operation is finished first.
 
-        def run(parent: torch.futures.Future[T]) -> None:
-            try:
-                value = callback(parent)
-            except Exception as error:
-                child.set_exception(error)  # type: ignore[arg-type]  # (stub: the value type)
-                return
-            child.set_result(value)
+        The future returned is torch's own (a callback's error fails it in C++,
+        as DDP needs). torch waits on it in C++, where no wait can drive, so a
+        chain made inside a callback -- ``f.then(g).wait()`` there would wait
+        on the very thread that must complete ``f`` -- has ``f``'s operation
+        finished by this thread before it is chained on.
+        """
+        if running_callbacks():
+            with contextlib.suppress(BaseException):  # the future carries it
+                self._drive()
+        return super().then(callback)
 
-        self.add_done_callback(run)
-        return child
+
+_callbacks = threading.local()  # .depth: completions of mpx futures this thread is in
+
+
+@contextlib.contextmanager
+def completing() -> Iterator[None]:
+    """Marks the current thread as running an mpx future's callbacks (nestable)."""
+    _callbacks.depth = getattr(_callbacks, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _callbacks.depth -= 1
+
+
+def running_callbacks() -> bool:
+    """True on a thread that is completing an mpx future (so running its callbacks)."""
+    return bool(getattr(_callbacks, "depth", 0))
 
 
 # -- futures whose value is a c10 tensor list, for torch's C++ ---------------------------
