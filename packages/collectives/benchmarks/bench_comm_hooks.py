@@ -12,9 +12,10 @@ and rank 0 prints::
 agree to 1e-5 relative (3 ranks sum in another order than gloo), else
 "DIFFERENT" (2e-3 for the fp16 hooks, whose sums round to ~5e-4). A hook
 torch itself fails on CPU (on gloo too) is listed as such. Figures are the
-best of ``--rounds`` means of ``--steps`` steps after the warm-up (the hooks' own warm-up included: PowerSGD compresses from
-step 2). The table of hooks (:data:`HOOKS`) is also what
-``tests/test_comm_hooks.py`` trains, at 2 and 3 ranks.
+best of ``--rounds`` means of ``--steps`` steps after the warm-up (the
+hooks' own warm-up included: PowerSGD compresses from step 2). The table of
+hooks (:data:`HOOKS`) is also what ``tests/test_comm_hooks.py`` trains, at 1,
+2 and 3 ranks.
 """
 
 from __future__ import annotations
