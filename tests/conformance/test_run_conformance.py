@@ -101,3 +101,18 @@ def test_a_relative_results_folder_runs(tmp_path: Path, monkeypatch: pytest.Monk
     for backend in ("gloo", "mpx"):
         outcomes = json.loads((tmp_path / "results" / f"{backend}-1.json").read_text())
         assert outcomes["test_Backend_enum_class"]["event"] == "pass", (backend, outcomes)
+
+
+def test_known_gloo_only_tests_are_not_reported_as_failures() -> None:
+    """A passing run named test_monitored_barrier_gloo... 'fail' (issue 33 item 4)."""
+    result = harness.compare(
+        {"test_monitored_barrier_gloo": _event("pass"), "test_x": _event("pass")},
+        {
+            "test_monitored_barrier_gloo": _event("fail", "E: MPXTypeError: gloo only"),
+            "test_x": _event("fail", "E: boom"),
+        },
+    )
+    lines = harness.difference_lines(result, harness.EXPECTED_DIFFER, "gloo")
+    assert lines[0].startswith("  gloo-only test_monitored_barrier_gloo")
+    assert "fail" not in lines[0]
+    assert lines[1].startswith("  fail  test_x")
