@@ -303,3 +303,33 @@ def test_an_mpi4py_communicator_is_accepted_as_comm() -> None:
     x, y = data()
     loss = pipe.step(x, y, nn.functional.cross_entropy)
     assert torch.isfinite(torch.tensor(loss))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v"),
+    [("1f1b", None), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2)],
+)
+def test_every_schedule_equals_the_whole_batch_and_reaches_the_input(
+    schedule: str, v: int | None
+) -> None:
+    """Gradients (weights and an input that requires grad) of the unpartitioned model,
+    also with two chunks per rank and the backward split into I and W."""
+    comm = world()
+    stages = comm.size * (v or 1)
+    model, balance = make_model(stages)
+    ref, _ = make_model(stages)
+    x, y = data()
+    chunks = 2 * comm.size if v else 4
+    x = x[: 2 * chunks].clone().requires_grad_()
+    y = y[: 2 * chunks]
+    ref_x = x.detach().clone().requires_grad_()
+    pipe = Pipeline(model, balance, chunks=chunks, schedule=schedule, stages_per_rank=v)
+    loss = pipe.step(x, y, nn.functional.cross_entropy)
+    ref_loss = nn.functional.cross_entropy(ref(ref_x), y)
+    ref_loss.backward()
+    compare(pipe, ref)
+    assert abs(loss - ref_loss.item()) < TOL
+    if pipe.first:
+        assert x.grad is not None
+        assert ref_x.grad is not None
+        torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=TOL)

@@ -10,26 +10,83 @@ import mpx.pipeline.schedule as schedule_module
 from mpx.pipeline import PipelineError
 from mpx.pipeline.schedule import (
     SCHEDULES,
+    SPLIT,
+    Action,
     async_ops,
     bubble_fraction,
+    compute_actions,
     flush_ops,
     grid,
     max_alive,
+    rank_actions,
     simulate,
     stage_ops,
 )
 
+ONE_CHUNK = ("sequential", "gpipe", "1f1b", "async")
+CHUNKED = tuple(s for s in SCHEDULES if s not in ONE_CHUNK)
 
-def docstring_grid(name: str) -> str:
+
+def docstring_grid(name: str, rows: int) -> str:
     doc = schedule_module.__doc__ or ""
-    block = doc.split(f"``{name}``", 1)[1]
-    lines = re.findall(r"^    (stage \d \|.*)$", block, flags=re.M)[:3]
+    block = doc.split(f"\n``{name}`` —", 1)[1]
+    lines = re.findall(r"^    ((?:stage|rank) \d \|.*)$", block, flags=re.M)[:rows]
     return "\n".join(lines)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_docstring_grids_are_the_rules_output(name: str) -> None:
-    assert grid(name, 3, 4) == docstring_grid(name)
+    if name in ONE_CHUNK:
+        assert grid(name, 3, 4) == docstring_grid(name, 3)
+    else:
+        assert grid(name, 2, 4) == docstring_grid(name, 2)
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+@pytest.mark.parametrize(("p", "m", "v"), [(1, 2, 2), (2, 4, 2), (3, 6, 2), (2, 4, 3), (4, 8, 2)])
+def test_chunked_schedules_run_each_pass_once_in_order(name: str, p: int, m: int, v: int) -> None:
+    if name in ("zbv", "dualpipev"):
+        v = 2
+    lists = [compute_actions(name, r, p, m, v) for r in range(p)]
+    simulate(lists)  # no deadlock
+    for s in range(p * v):
+        acts = [a for lst in lists for a in lst if a.stage == s]
+        for j in range(m):
+            kinds = [a.kind for a in acts if a.mb == j]
+            assert kinds in (["F", "B"], ["F", "I", "W"]), (s, j, kinds)
+    # Every send has its receive on the rank of the next (or previous) stage.
+    sends = {
+        (a.kind, a.mb, a.stage) for r in range(p) for a in rank_actions(name, r, p, m, v, lists[r])
+    }
+    for kind, j, s in sends:
+        if kind == "SEND_F":
+            assert ("RECV_F", j, s + 1) in sends
+        if kind == "SEND_B":
+            assert ("RECV_B", j, s - 1) in sends
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (3, 6, 2), (4, 8, 2), (2, 8, 4)])
+def test_interleaved_bubble_is_megatrons(p: int, m: int, v: int) -> None:
+    # (p-1)/(v·m + p-1): the bubble time is 1F1B's divided by v.
+    assert bubble_fraction("interleaved_1f1b", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert bubble_fraction("looped_bfs", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8)])
+def test_zero_bubble_schedules_beat_1f1b(p: int, m: int) -> None:
+    assert bubble_fraction("interleaved_zb", p, m) < bubble_fraction("interleaved_1f1b", p, m)
+    for name in ("zbv", "dualpipev"):
+        assert bubble_fraction(name, p, m) < bubble_fraction("1f1b", p, m) / 2, name
+    assert "interleaved_zb" in SPLIT
+
+
+def test_torch_names_and_bad_sizes() -> None:
+    assert grid("Interleaved1F1B", 2, 4) == grid("interleaved_1f1b", 2, 4)
+    with pytest.raises(PipelineError, match="multiple of the 3 ranks"):
+        compute_actions("interleaved_1f1b", 0, 3, 4, 2)
+    with pytest.raises(PipelineError, match="raise chunks to 6"):
+        compute_actions("dualpipev", 0, 3, 4, 2)
+    assert str(Action("F", 3, 1)) == "1F3"
 
 
 def test_gpipe_grid_by_hand() -> None:
@@ -49,7 +106,7 @@ def test_1f1b_keeps_at_most_p_minus_s_alive(p: int, m: int) -> None:
         assert max_alive(stage_ops("gpipe", s, p, m)) == m
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ONE_CHUNK)
 @pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 5), (4, 4)])
 def test_every_schedule_runs_each_pass_once(name: str, p: int, m: int) -> None:
     """Within the call; ``async`` with its flush, for it owes its last backwards to the next."""

@@ -114,6 +114,7 @@ class FailureAgreement:
         self.failed_in = 0  # the earliest call a stage was in when it settled
         self.statuses: list[Status] = []  # started and not yet read, oldest first
         self.broken: str | None = None  # why the pipeline cannot be used any more
+        self.loss_rank = comm.size - 1  # the rank whose loss a status carries (last stage's)
         self._notices = {r: torch.zeros(3, dtype=torch.int64) for r in self.others}
         self._listening: dict[int, Handle[torch.Tensor]] = {}
         for r in self.others:
@@ -149,7 +150,7 @@ class FailureAgreement:
         assert status.gathered is not None
         if bool((status.gathered[:, 0] != 0).any()):
             raise StageGaveUp("a stage's status says it failed")
-        return float(status.gathered[-1, 1])
+        return float(status.gathered[self.loss_rank, 1])
 
     def _complete(self, status: Status, interrupt: Any) -> None:
         wait_for(status.handle, self.comm, "allgather", self.comm.rank, interrupt)

@@ -45,8 +45,8 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> l
     balance = list(balance)
     if len(balance) != num_stages:
         raise PipelineValueError(
-            f"balance={balance} has {len(balance)} stages but the communicator has "
-            f"{num_stages} ranks; give one entry per rank"
+            f"balance={balance} has {len(balance)} stages but the pipeline has "
+            f"{num_stages} (ranks x stages_per_rank); give one entry per stage"
         )
     if any((not isinstance(b, int)) or b < 1 for b in balance):
         raise PipelineValueError(f"balance={balance}: every stage needs at least one layer")

@@ -36,6 +36,7 @@ from mpx.pipeline.errors import (
     PipelineTypeError,
     PipelineValueError,
 )
+from mpx.pipeline.executor import Executor, Hooks, SyncHooks
 from mpx.pipeline.failure import FailureAgreement, Status
 from mpx.pipeline.partition import (
     check_balance,
@@ -45,9 +46,17 @@ from mpx.pipeline.partition import (
     tied_groups,
 )
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
-from mpx.pipeline.schedule import SCHEDULES, Op, stage_ops
+from mpx.pipeline.schedule import (
+    Action,
+    canonical,
+    local_stages,
+    placement,
+    rank_actions,
+    rank_of,
+)
+from mpx.pipeline.schedule import stages_per_rank as _chunks_per_rank
 from mpx.pipeline.stage import Stage
-from mpx.pipeline.stale import StaleRunner
+from mpx.pipeline.stale import AsyncHooks
 from mpx.pipeline.transport import wait_for
 
 __all__ = ["Pipeline"]
@@ -96,6 +105,19 @@ class _UndoPoint:
         self.pipe._microbatches, self.pipe._eval_calls = self.counters
 
 
+class _EvalHooks(Hooks):
+    """``pipe(x)``: forward only, dropout numbered apart from training (negative numbers)."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+
+    def number(self, j: int) -> int:
+        return self.base - j
+
+    def before_forward(self, action: Action, mb: Micro) -> None:
+        mb.extra["eval"] = True
+
+
 class Pipeline(nn.Module):
     """A sequential model cut into stages, one per rank of ``comm``.
 
@@ -105,7 +127,11 @@ class Pipeline(nn.Module):
             ``sample`` and balances them.
         comm: the pipeline's ranks (stage = rank); the world by default.
         chunks: micro-batches per mini-batch; must divide the batch size.
-        schedule: ``"sequential"``, ``"gpipe"``, ``"1f1b"`` or ``"async"``.
+        schedule: one of :data:`~mpx.pipeline.schedule.SCHEDULES` (or torch's
+            name, e.g. ``"Interleaved1F1B"``).
+        stages_per_rank: chunks (virtual stages) per rank for the interleaved
+            and V-shaped schedules (default 2); ``balance`` then has one entry
+            per virtual stage.
         checkpoint: recompute activations in the backward for
             ``"always"``, all but the last micro-batch (``"except_last"``), or
             ``"never"`` (synchronous schedules).
@@ -140,6 +166,7 @@ class Pipeline(nn.Module):
         gap_aware: str | None = None,
         step_every: int = 1,
         recompute: bool = False,
+        stages_per_rank: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -147,8 +174,8 @@ class Pipeline(nn.Module):
                 f"module must be an nn.Sequential, got {type(module).__name__}; wrap the "
                 "layers in nn.Sequential(...)"
             )
-        if schedule not in SCHEDULES:
-            raise PipelineValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        schedule = canonical(schedule)
+        v = _chunks_per_rank(schedule, stages_per_rank)
         if checkpoint not in CHECKPOINTS:
             raise PipelineValueError(
                 f"checkpoint={checkpoint!r} is not one of {', '.join(CHECKPOINTS)}"
@@ -164,23 +191,32 @@ class Pipeline(nn.Module):
         self.comm.background_progress = False
         self.dp_comm = None if data_parallel_comm is None else as_communicator(data_parallel_comm)
         self.num_stages, self.stage_id = self.comm.size, self.comm.rank
-        self.first, self.last = self.stage_id == 0, self.stage_id == self.num_stages - 1
         self.chunks, self.schedule, self.checkpoint = chunks, schedule, checkpoint
+        self.stages_per_rank, self._style = v, placement(schedule)
+        virtual = self.num_stages * v
         if balance is None:
-            balance = self._profile(module, sample)
-        self.balance = check_balance(balance, len(module), self.num_stages)
-        start, stop = stage_bounds(self.balance, self.stage_id)
-        self.stage = Stage(module, start, stop, seed)
+            balance = self._profile(module, sample, virtual)
+        self.balance = check_balance(balance, len(module), virtual)
+        mine = local_stages(self.stage_id, self.num_stages, v, self._style)
+        parts = [stage_bounds(self.balance, s) for s in mine]
+        self.stage = Stage(module, parts[0][0], parts[0][1], seed, parts=parts)
+        self._passes = StagePasses(self.comm, self.stage, v, self._style)
+        # The ranks that read the inputs and the targets (both rank 0 in a V).
+        self.first, self.last = self._passes.first, self._passes.last
         self._tied = self._tie(module)
-        self._passes = StagePasses(self.comm, self.stage)
+        self._executor = Executor(self._passes)
+        # A schedule that cannot run these sizes says so now, alike on every rank.
+        rank_actions(schedule, self.stage_id, self.num_stages, chunks, v)
         if self._passes.boxes:
             self.stage.progress = self._progress
         self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
+        self._ids: list[int] = []  # the micro-batch ids of the call under way
         self._eval_calls = 0
-        self._stale: StaleRunner | None = None
+        self._stale: AsyncHooks | None = None
         # Every call ends with a status collective; a stage that fails tells
         # the others at once (mpx.pipeline.failure).
         self._agreement = FailureAgreement(self.comm, self._passes)
+        self._agreement.loss_rank = rank_of(virtual - 1, self.num_stages, self._style)
         self._passes.set_interrupt(self._agreement.interrupt)
         self._pending_status: Status | None = None  # async: read by the next call
         self._deferred: PipelineError | None = None  # raised by the next call (failure.py)
@@ -189,12 +225,11 @@ class Pipeline(nn.Module):
         if schedule == "async":
             # The runner gets what it drives explicitly: the stage's passes and
             # two of this pipeline's steps, never the pipeline itself.
-            self._stale = StaleRunner(
+            self._stale = AsyncHooks(
                 self._passes,
                 chunks=chunks,
                 checkpoint=checkpoint,
                 average_grads=self._step_grads,
-                progress=self._progress,
                 weight_prediction=weight_prediction,
                 gap_aware=gap_aware,
                 step_every=step_every,
@@ -218,7 +253,14 @@ class Pipeline(nn.Module):
         """
         tied = []
         layers = self.stage.layer_modules()
-        for owners in tied_groups(module, self.balance):
+        for by_stage in tied_groups(module, self.balance):
+            # Virtual stages to ranks; a weight shared by chunks of one rank is
+            # one parameter there and needs nothing.
+            owners: dict[int, tuple[int, str]] = {}
+            for s, use in sorted(by_stage.items()):
+                owners.setdefault(rank_of(s, self.num_stages, self._style), use)
+            if len(owners) < 2:
+                continue
             # Collective over the pipeline: every stage splits, owners or not.
             group = self.comm.split(0 if self.stage_id in owners else None)
             if group is not None:
@@ -239,7 +281,7 @@ class Pipeline(nn.Module):
             # or the owner it waits for never gets here.
             wait_for(handle, group, "allreduce", other, self._progress)
 
-    def _profile(self, module: nn.Sequential, sample: Any) -> list[int]:
+    def _profile(self, module: nn.Sequential, sample: Any, stages: int) -> list[int]:
         """The first stage times every layer on ``sample``; everyone gets its balance."""
         times = torch.zeros(len(module), dtype=torch.float64)
         # Every rank raises if the first stage cannot measure, instead of one
@@ -247,7 +289,7 @@ class Pipeline(nn.Module):
         with self.comm.agreement(
             "Pipeline(balance=None): could not time the layers", error_type=PipelineRemoteError
         ):
-            if self.first:
+            if self.stage_id == 0:  # virtual stage 0 is rank 0's in every placement
                 if sample is None:
                     raise PipelineValueError(
                         "balance=None measures layer times on a sample input: pass "
@@ -255,7 +297,7 @@ class Pipeline(nn.Module):
                     )
                 times = torch.tensor(layer_times(module, sample), dtype=torch.float64)
         broadcast(times, 0, comm=self.comm)
-        return split_times(times.tolist(), self.num_stages)
+        return split_times(times.tolist(), stages)
 
     @property
     def busy_seconds(self) -> float:
@@ -358,7 +400,14 @@ class Pipeline(nn.Module):
         try:
             xs = self._split(inputs, "inputs", self.first)
             ts = self._split(target, "target", self.last)
-            loss = self._stale.call(xs, ts, loss_fn, optimizer, scheduler)
+            self._ids, actions = self._stale.begin(optimizer, scheduler)
+            self._passes.start_call(self._ids)
+            losses = self._run(actions, self._stale, xs, ts, loss_fn)
+            # The last sends stay in flight into the next call (the Outboxes hold
+            # their tensors): waiting here would stall this stage until its
+            # neighbour, busy computing, polls for them. ``flush`` waits for them.
+            self._progress()
+            loss = sum(losses) / len(losses) if losses else 0.0
             # Reading this call's status at once would make every call wait
             # for the last stage, a flush in all but name: the next call reads it.
             previous, self._pending_status = self._pending_status, None
@@ -404,6 +453,7 @@ class Pipeline(nn.Module):
         undo.undo(optimizer)
         if self._stale is not None:
             self._stale.reset()
+        self._executor.reset()
         if self._agreement.raise_in > self._agreement.calls:
             # Another stage was a call ahead: every stage raises in that call.
             raised.__cause__ = error
@@ -423,30 +473,27 @@ class Pipeline(nn.Module):
             )
         self._passes.doing = doing
 
+    def _run(
+        self, actions: list[Action], hooks: Hooks, xs: list[Any], ts: list[Any], loss_fn: Any
+    ) -> list[float]:
+        """Runs this rank's actions of a call: the one executor, for every schedule."""
+        inputs = {j: x for j, x in zip(self._ids, xs, strict=False)}
+        targets = {j: t for j, t in zip(self._ids, ts, strict=False)}
+        with self._passes.timed():
+            return self._executor.run(actions, hooks, inputs, targets, loss_fn)
+
     def _sync_call(self, xs: list[Any], ts: list[Any], loss_fn: LossFn) -> float:
         m, base = self.chunks, self._microbatches
         self._microbatches += m
-        passes = self._passes
-        passes.start_call(list(range(m)))
-        live: dict[int, Micro] = {}
-        total = 0.0
-        ops: list[Op] = stage_ops(self.schedule, self.stage_id, self.num_stages, m)
-        with passes.timed():
-            for kind, j in ops:
-                if kind == "F":
-                    mb = passes.input(j, xs[j] if self.first else None)
-                    mb.target = ts[j] if self.last else None
-                    mb.recompute = self.checkpoint == "always" or (
-                        self.checkpoint == "except_last" and j < m - 1
-                    )
-                    passes.forward(j, mb, base + j, loss_fn)
-                    if mb.loss is not None:
-                        total += float(mb.loss.detach())
-                    live[j] = mb
-                else:
-                    passes.backward(j, live.pop(j), base + j, loss_fn, 1.0 / m)
-        passes.finish_sends()
-        return total / m
+        self._ids = list(range(m))
+        self._passes.start_call(self._ids)
+        actions = rank_actions(
+            self.schedule, self.stage_id, self.num_stages, m, self.stages_per_rank
+        )
+        hooks = SyncHooks(self._passes, base, m, self.checkpoint)
+        losses = self._run(actions, hooks, xs, ts, loss_fn)
+        self._passes.finish_sends()
+        return sum(losses) / m
 
     def _step_grads(self) -> None:
         """async, before each optimizer step: tied copies summed, replicas averaged."""
@@ -495,24 +542,34 @@ class Pipeline(nn.Module):
         passes = self._passes
         # ``async`` leaves its last sends in flight; their slots are reused here.
         passes.finish_sends()
-        passes.start_call(list(range(m)))
+        self._ids = list(range(m))
+        passes.start_call(self._ids)
         self._eval_calls += 1
-        outs = []
-        with torch.no_grad():
-            for j in range(m):
-                mb = passes.input(j, xs[j] if self.first else None)
-                passes.doing = f"forward of micro-batch {j}"
-                y = self.stage.run(mb.feed, -self._eval_calls * m - j)
-                if self.last:
-                    outs.append(y)
-                else:
-                    assert passes.act_out is not None
-                    passes.act_out.send(j, y)
-                    passes.act_out.wait(j)
-                if mb.bufs:
-                    assert passes.act_in is not None
-                    passes.act_in.release(mb.bufs)
-        passes.finish_sends()
+        compute = [Action("F", j, s) for j in range(m) for s in passes.stages]
+        actions = rank_actions(
+            self.schedule,
+            self.stage_id,
+            self.num_stages,
+            m,
+            self.stages_per_rank,
+            actions=compute,
+        )
+        # ``async`` keeps its stream's micro-batches live between calls: this
+        # call's own go elsewhere.
+        ex = self._executor
+        kept, ex.live = ex.live, {}
+        try:
+            with torch.no_grad():
+                self._run(actions, _EvalHooks(-self._eval_calls * m), xs, [], None)
+            passes.finish_sends()
+            outs = []
+            last = passes.virtual - 1
+            for (s, _), mb in sorted(ex.live.items(), key=lambda kv: kv[0][1]):
+                if s == last:
+                    outs.append(mb.out)
+                passes.release_input(mb)
+        finally:
+            ex.live = kept
         return border.concat(outs) if self.last else None
 
     def flush(
@@ -533,7 +590,10 @@ class Pipeline(nn.Module):
         self._begin_call("flushing")
         undo = _UndoPoint(self, set_aside_grads=optimizer is None)
         try:
-            self._stale.flush(optimizer, scheduler)
+            actions = self._stale.flush_actions(optimizer, scheduler)
+            self._ids = []
+            self._run(actions, self._stale, [], [], None)
+            self._passes.finish_sends()
             previous, self._pending_status = self._pending_status, None
             loss = self._read_status(previous)
         except Exception as error:
@@ -544,9 +604,15 @@ class Pipeline(nn.Module):
 
     # -- checkpoints: state_dict() carries these beside the stage's weights ------
 
+    @property
+    def trace(self) -> list[tuple[Action, float, float]]:
+        """``(action, start, end)`` of every action of the last call on this rank
+        (``time.perf_counter`` seconds; see :func:`mpx.pipeline.executor.measured_bubble`)."""
+        return self._executor.trace
+
     def get_extra_state(self) -> dict[str, Any]:
         """The numbering of micro-batches (dropout seeds) and, for ``async``, the
-        stream's counters and gap-aware statistics (:meth:`StaleRunner.state_dict`).
+        stream's counters and gap-aware statistics (:meth:`AsyncHooks.state_dict`).
 
         Raises:
             PipelineError: ``async`` with micro-batches in flight: their stashed

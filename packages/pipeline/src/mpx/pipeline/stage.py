@@ -65,19 +65,36 @@ class Stage(nn.Module):
         stage.layer_modules()  # {2: ..., 3: ..., 4: ...}
     """
 
-    def __init__(self, module: nn.Sequential, start: int, stop: int, seed: int) -> None:
+    def __init__(
+        self,
+        module: nn.Sequential,
+        start: int,
+        stop: int,
+        seed: int,
+        *,
+        parts: list[tuple[int, int]] | None = None,
+    ) -> None:
         super().__init__()
-        self.start, self.stop, self.seed = start, stop, seed
-        self.layers = nn.ModuleList(module[i] for i in range(start, stop))
+        # Virtual stages: a rank may hold several ranges of layers (its chunks);
+        # ``run(..., part=k)`` runs the k-th.
+        self.parts = list(parts) if parts is not None else [(start, stop)]
+        self.start, self.stop, self.seed = self.parts[0][0], self.parts[-1][1], seed
+        self._index = [i for a, b in self.parts for i in range(a, b)]
+        self.layers = nn.ModuleList(module[i] for i in self._index)
+        self._offset = [0]
+        for a, b in self.parts:
+            self._offset.append(self._offset[-1] + b - a)
         # With skip connections in the model a border is (output, {skip name:
         # tensor}): the skips stashed before it and popped after (see skip.py).
         self.skips = uses_skips(module)
         if self.skips:
             check_skips(list(module))
-        self.first, self.last = start == 0, stop == len(module)
-        # An in-place first layer would overwrite the received activation (a
-        # leaf we need for the backward), so it gets a copy.
-        self.copy_input = has_inplace(self.layers[0]) if len(self.layers) else False
+        self.part_first = [a == 0 for a, _ in self.parts]
+        self.part_last = [b == len(module) for _, b in self.parts]
+        self.first, self.last = self.part_first[0], self.part_last[-1]
+        # An in-place first layer of a chunk would overwrite the received
+        # activation (a leaf we need for the backward), so it gets a copy.
+        self.copy_input = [has_inplace(module[a]) if b > a else False for a, b in self.parts]
         self.batchnorms = [m for m in self.layers.modules() if is_batchnorm(m)]
         # Called between layers (forward and backward): MPI moves a large
         # message only while its sender or receiver is inside an MPI call, so
@@ -89,29 +106,31 @@ class Stage(nn.Module):
             self.progress()
 
     def layer_modules(self) -> dict[int, nn.Module]:
-        return {self.start + k: layer for k, layer in enumerate(self.layers)}
+        return dict(zip(self._index, self.layers, strict=True))
 
-    def named_layer_params(self) -> dict[int, dict[str, nn.Parameter]]:
-        return {
-            self.start + k: dict(layer.named_parameters()) for k, layer in enumerate(self.layers)
-        }
+    def named_layer_params(self, part: int | None = None) -> dict[int, dict[str, nn.Parameter]]:
+        """Per global layer index, its parameters (of chunk ``part`` only, if given)."""
+        lo, hi = (0, len(self.layers)) if part is None else self._offset[part : part + 2]
+        return {self._index[k]: dict(self.layers[k].named_parameters()) for k in range(lo, hi)}
 
     def run(
         self,
         x: Any,
         microbatch: int,
         weights: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        part: int = 0,
     ) -> Any:
         """Runs ``x`` (a tensor or a border structure) through the layers with the seeds
         of ``microbatch``; each layer gets the previous one's output as its argument.
 
         Args:
             weights: run with these tensors instead of the layers' parameters.
+            part: which of the rank's chunks (virtual stages) runs.
         """
-        if self.copy_input:
+        if self.copy_input[part]:
             x = map_tensors(torch.clone, x)
         skips: dict[str, torch.Tensor] = {}
-        if self.skips and not self.first:
+        if self.skips and not self.part_first[part]:
             # A copy: a recomputation pops from the received skips again.
             x, received = x
             skips = dict(received)
@@ -125,11 +144,11 @@ class Stage(nn.Module):
         saved = [g.get_state() for g in generators]
         try:
             with tracking(skips):
-                x = self._run_layers(x, microbatch, weights, generators)
+                x = self._run_layers(x, microbatch, weights, generators, part)
         finally:
             for g, state in zip(generators, saved, strict=True):
                 g.set_state(state)
-        return (x, skips) if self.skips and not self.last else x
+        return (x, skips) if self.skips and not self.part_last[part] else x
 
     def _run_layers(
         self,
@@ -137,16 +156,18 @@ class Stage(nn.Module):
         microbatch: int,
         weights: Mapping[int, Mapping[str, torch.Tensor]] | None,
         generators: list[torch.Generator],
+        part: int,
     ) -> Any:
-        for k, layer in enumerate(self.layers):
-            index = self.start + k
+        lo, hi = self._offset[part], self._offset[part + 1]
+        for k in range(lo, hi):
+            layer, index = self.layers[k], self._index[k]
             for g in generators:
                 g.manual_seed(layer_seed(self.seed, microbatch, index))
             if weights is None or index not in weights:
                 x = layer(x)
             else:
                 x = functional_call(layer, dict(weights[index]), (x,))
-            if self.progress is not None and k < len(self.layers) - 1:
+            if self.progress is not None and k < hi - 1:
                 self.progress()
                 hooked = first_tensor(x, lambda t: t.requires_grad)
                 if hooked is not None:

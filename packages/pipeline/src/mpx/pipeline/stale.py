@@ -1,5 +1,10 @@
 """``schedule="async"``: 1F1B without a flush, and what makes stale gradients usable.
 
+:class:`AsyncHooks` is what the asynchronous stream adds to the one executor
+(:mod:`mpx.pipeline.executor`): the stream's action lists (with their
+``STEP`` actions), the weights each pass runs on, the gap-aware penalty and
+the optimizer steps. It never runs a pass itself.
+
 The stream of micro-batches never drains: stage ``s`` (``depth = p − 1 − s``
 stages after it) runs a forward iff ``done_fwds − done_bwds <= depth`` and
 steps its optimizer after every ``step_every`` backwards, so the gradient of
@@ -29,30 +34,29 @@ from typing import Any
 
 import torch
 
-from mpx.pipeline.errors import PipelineError, PipelineValueError
+from mpx.pipeline.errors import PipelineValueError
+from mpx.pipeline.executor import Hooks
 from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
-from mpx.pipeline.passes import LossFn, Micro, StagePasses
+from mpx.pipeline.passes import Micro, StagePasses
 from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
-from mpx.pipeline.schedule import async_ops, flush_ops
+from mpx.pipeline.schedule import Action, async_actions, flush_ops, rank_actions
 from mpx.pipeline.stage import Weights
 
-__all__ = ["StaleRunner"]
+__all__ = ["AsyncHooks"]
 
 
-class StaleRunner:
+class AsyncHooks(Hooks):
     """The asynchronous schedule's state on one stage (owned by a Pipeline).
 
-    It runs micro-batches through the stage's :class:`~mpx.pipeline.passes.StagePasses`
-    and gets the two things it needs of its Pipeline as callables: averaging
-    the gradients over data-parallel replicas before a step, and polling
-    everything in flight at the end of a call.
+    It gives the executor the stream's actions and its hooks, and gets the
+    one thing it needs of its Pipeline as a callable: summing tied copies and
+    averaging the gradients over data-parallel replicas before a step.
 
     Args:
         passes: the stage's passes (and neighbour traffic).
         chunks: micro-batches per call.
         checkpoint: the Pipeline's ``checkpoint`` (only ``"never"`` goes with async).
         average_grads: averages ``.grad`` over the replicas of this stage.
-        progress: polls the messages in flight.
         weight_prediction, gap_aware, step_every, recompute, weight_stashing:
             the options of ``schedule="async"`` (see the module's docstring).
 
@@ -71,7 +75,6 @@ class StaleRunner:
         chunks: int,
         checkpoint: str,
         average_grads: Callable[[], None],
-        progress: Callable[[], None],
         weight_prediction: str | None,
         gap_aware: str | None,
         step_every: int,
@@ -106,14 +109,16 @@ class StaleRunner:
                 "schedule='async' takes recompute=True|False"
             )
         self.passes, self.chunks = passes, chunks
-        self._average_grads, self._progress = average_grads, progress
+        self._average_grads = average_grads
+        self.scale = 1.0 / step_every
+        self.optimizer: torch.optim.Optimizer | None = None  # of the call under way
+        self.scheduler: Any = None
         self.prediction, self.gap_aware = weight_prediction, gap_aware
         self.step_every, self.recompute, self.stashing = step_every, recompute, weight_stashing
         self.depth = passes.num_stages - 1 - passes.stage_id
         self.done_f = self.done_b = self.total = 0
         self.version = 0  # optimizer steps taken by this stage
         self.staleness: list[int] = []  # per backward: steps since its forward
-        self.live: dict[int, Micro] = {}
         self.params = [
             (i, name, p)
             for i, d in passes.stage.named_layer_params().items()
@@ -163,21 +168,12 @@ class StaleRunner:
             out.setdefault(i, {})[name] = values[p]
         return out
 
-    # -- passes ----------------------------------------------------------------
+    # -- hooks (see mpx.pipeline.executor.Hooks) --------------------------------
 
-    def _forward(
-        self,
-        j: int,
-        x: Any,
-        target: Any,
-        loss_fn: LossFn,
-        optimizer: torch.optim.Optimizer | None,
-        scheduler: Any,
-    ) -> float | None:
-        mb = self.passes.input(j, x)
-        mb.target = target
+    def before_forward(self, action: Action, mb: Micro) -> None:
+        j = action.mb
         mb.recompute = self.recompute
-        values = self._forward_weights(j, optimizer, scheduler)
+        values = self._forward_weights(j, self.optimizer, self.scheduler)
         mb.extra["values"] = values
         mb.extra["version"] = self.version
         if self.recompute:
@@ -186,12 +182,8 @@ class StaleRunner:
             # Live parameters (nothing steps before the backward) go straight
             # into the graph, and autograd accumulates into ``.grad`` itself.
             mb.extra["weights"] = None if values is None else self._leaves(values)
-        self.passes.forward(j, mb, j, loss_fn)
-        self.live[j] = mb
-        return None if mb.loss is None else float(mb.loss.detach())
 
-    def _backward(self, j: int, loss_fn: LossFn) -> None:
-        mb = self.live.pop(j)
+    def before_backward(self, action: Action, mb: Micro) -> None:
         values = mb.extra["values"]
         if self.recompute:
             used = values if (self.stashing and values is not None) else None
@@ -205,17 +197,32 @@ class StaleRunner:
             mb.extra["backward_weights"] = leaves
         else:
             leaves = mb.extra["weights"]
+        mb.extra["grad_leaves"] = leaves
+        mb.extra["gap_ref"] = gap_ref if separate else None
         self.staleness.append(self.version - mb.extra["version"])
-        self.passes.backward(j, mb, j, loss_fn, 1.0 / self.step_every)
+
+    def weights(self, mb: Micro) -> list[torch.Tensor]:
+        leaves = mb.extra.get("grad_leaves")
+        part = self.passes.part[mb.stage]
+        if leaves is None:
+            return [
+                p for d in self.passes.stage.named_layer_params(part).values() for p in d.values()
+            ]
+        return [
+            leaves[i][n] for i, d in self.passes.stage.named_layer_params(part).items() for n in d
+        ]
+
+    def after_backward(self, action: Action, mb: Micro) -> None:
+        leaves = mb.extra["grad_leaves"]
+        gap_ref = mb.extra["gap_ref"]
         if leaves is not None:
             with torch.no_grad():
                 for i, name, p in self.params:
                     g = leaves[i][name].grad
                     if g is None:
                         continue
-                    if separate:
+                    if gap_ref is not None:
                         assert self._ga is not None
-                        assert gap_ref is not None
                         g = g / self._ga.penalty(p, gap_ref[p])
                     if p.grad is None:
                         p.grad = g  # the leaf's own gradient: nobody else holds it
@@ -223,9 +230,9 @@ class StaleRunner:
                         p.grad.add_(g)
         self.done_b += 1
 
-    def _maybe_step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
-        if optimizer is not None and self.done_b % self.step_every == 0:
-            self._step(optimizer, scheduler)
+    def step(self) -> None:
+        if self.optimizer is not None:
+            self._step(self.optimizer, self.scheduler)
 
     def _step(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         ga = self._gap(optimizer)
@@ -258,40 +265,42 @@ class StaleRunner:
 
     # -- calls -----------------------------------------------------------------
 
-    def call(
-        self,
-        xs: list[Any],
-        ts: list[Any],
-        loss_fn: LossFn,
-        optimizer: torch.optim.Optimizer | None,
-        scheduler: Any,
-    ) -> float:
-        passes = self.passes
+    def begin(
+        self, optimizer: torch.optim.Optimizer | None, scheduler: Any
+    ) -> tuple[list[int], list[Action]]:
+        """A call of ``chunks`` more micro-batches: their ids and this stage's actions."""
+        self.optimizer, self.scheduler = optimizer, scheduler
         first_id = self.total
-        ids = list(range(first_id, first_id + self.chunks))
         self.total += self.chunks
         if optimizer is not None:
             self._gap(optimizer)
-        passes.start_call(ids)
-        losses: list[float] = []
-        with passes.timed():
-            for kind, j in async_ops(self.depth, self.done_f, self.done_b, self.total):
-                if kind == "F":
-                    k = j - first_id
-                    x = xs[k] if passes.first else None
-                    t = ts[k] if passes.last else None
-                    loss = self._forward(j, x, t, loss_fn, optimizer, scheduler)
-                    self.done_f += 1
-                    if loss is not None:
-                        losses.append(loss)
-                else:
-                    self._backward(j, loss_fn)
-                    self._maybe_step(optimizer, scheduler)
-        # The last sends stay in flight into the next call (the Outboxes hold
-        # their tensors): waiting here would stall this stage until its
-        # neighbour, busy computing, polls for them. ``flush`` waits for them.
-        self._progress()
-        return sum(losses) / len(losses) if losses else 0.0
+        passes = self.passes
+        stage = passes.stages[0]
+        every = self.step_every if optimizer is not None else 0
+        compute = async_actions(self.depth, self.done_f, self.done_b, self.total, stage, every)
+        self.done_f += sum(a.kind == "F" for a in compute)
+        actions = rank_actions(
+            "async", passes.stage_id, passes.num_stages, self.chunks, actions=compute
+        )
+        return list(range(first_id, first_id + self.chunks)), actions
+
+    def flush_actions(
+        self, optimizer: torch.optim.Optimizer | None, scheduler: Any
+    ) -> list[Action]:
+        """The backwards still owed (with their steps), and a last partial accumulation's step."""
+        self.optimizer, self.scheduler = optimizer, scheduler
+        stage = self.passes.stages[0]
+        every = self.step_every if optimizer is not None else 0
+        compute = []
+        for _, j in flush_ops(self.done_f, self.done_b):
+            compute.append(Action("B", j, stage))
+            if every and (j + 1) % every == 0:
+                compute.append(Action("STEP", j + 1, -1))
+        if every and self.done_f % every:
+            compute.append(Action("STEP", self.done_f, -1))
+        return rank_actions(
+            "async", self.passes.stage_id, self.passes.num_stages, self.chunks, actions=compute
+        )
 
     def in_flight(self) -> int:
         """Micro-batches whose backward is still owed (0 after :meth:`flush`)."""
@@ -316,7 +325,6 @@ class StaleRunner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` into a runner of the same stage."""
-        self.live.clear()
         self.done_f, self.done_b = int(state["done_f"]), int(state["done_b"])
         self.total, self.version = int(state["total"]), int(state["version"])
         self.staleness = [int(s) for s in state["staleness"]]
@@ -325,18 +333,4 @@ class StaleRunner:
     def reset(self) -> None:
         """Drops the stream after a failure: the micro-batches in flight are forgotten and
         numbering restarts at 0, as in a fresh pipeline (the weights keep their steps)."""
-        self.live.clear()
         self.done_f = self.done_b = self.total = 0
-
-    def flush(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
-        """Runs the backwards still owed; a last partial accumulation steps too."""
-        for _, j in flush_ops(self.done_f, self.done_b):
-            self._backward(j, _no_loss)
-            self._maybe_step(optimizer, scheduler)
-        if optimizer is not None and self.done_b % self.step_every:
-            self._step(optimizer, scheduler)
-        self.passes.finish_sends()
-
-
-def _no_loss(output: Any, target: Any) -> torch.Tensor:
-    raise PipelineError("internal: the last stage never owes a backward")

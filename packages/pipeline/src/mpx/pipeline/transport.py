@@ -240,6 +240,10 @@ class Inbox:
         # Dropped with receives posted: their buffers must outlive them.
         weakref.finalize(self, _adopt_box, self.__dict__)
 
+    def owns(self, tag: int) -> bool:
+        """Whether ``tag`` is this box's (activations and gradients have tag ranges apart)."""
+        return _TAG_BASE[self.kind] <= tag < _TAG_BASE[self.kind] + _WINDOW
+
     def _recv(self, buf: torch.Tensor, tag: int) -> Handle[torch.Tensor]:
         handle = recv(buf, self.peer, tag, comm=self.comm, async_op=True)
         self.posted[tag] += 1
@@ -376,14 +380,21 @@ class Outbox:
         # Dropped with sends in flight: hand them over instead of freeing them.
         weakref.finalize(self, _adopt_box, self.__dict__)
 
+    def owns(self, tag: int) -> bool:
+        """Whether ``tag`` is this box's (activations and gradients have tag ranges apart)."""
+        return _TAG_BASE[self.kind] <= tag < _TAG_BASE[self.kind] + _WINDOW
+
     def _send(self, t: torch.Tensor, tag: int) -> Handle[None]:
         handle = send(t, self.peer, tag, comm=self.comm, async_op=True)
         self.sent[tag] += 1
         self.sizes[tag].append((t.numel(), t.dtype))
         return handle
 
-    def send(self, j: int, obj: Any) -> list[bool]:
+    def send(self, j: int, obj: Any, flags: list[bool] | None = None) -> list[bool]:
         """Activations: sends micro-batch ``j``'s border ``obj`` (header, then tensors).
+
+        ``flags`` (whether each tensor's gradient comes back) default to what
+        :func:`~mpx.pipeline.border.carries_grad` says in the current grad mode.
 
         Returns:
             Per tensor of ``obj`` (in :func:`~mpx.pipeline.border.flatten` order),
@@ -394,7 +405,8 @@ class Outbox:
                 (nothing is sent then).
         """
         tensors, spec = flatten(obj)
-        flags = [carries_grad(t) for t in tensors]
+        if flags is None:
+            flags = [carries_grad(t) for t in tensors]
         header = encode(tensors, spec, flags)
         self.send_tensors(j, [header, *tensors])
         return flags
