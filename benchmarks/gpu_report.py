@@ -280,8 +280,9 @@ def carried_to_install(wheels: Sequence[Path]) -> list[Path]:
     """The carried wheels whose distribution is missing here or older than the wheel's.
 
     The GPU image has most of what the build needs (torch, numpy, mpi4py,
-    Cython, scikit-build-core, pybind11): its own copies are kept, and only
-    what it lacks (hatchling and its needs, the MPICH wheel) is installed.
+    Cython, scikit-build-core, pybind11): its own copies are kept unless
+    older than the carried ones, and what it lacks (hatchling and its needs,
+    the MPICH wheel) is installed.
     """
     chosen = []
     for wheel in wheels:
@@ -510,6 +511,10 @@ def allreduce_job(smoke: bool, header: bool, device_kind: str) -> None:
     import torch.distributed as dist
     from mpi4py import MPI
 
+    aware = "cuda" in MPI.Get_library_version().lower()
+    if aware and device_kind == "cuda":
+        # mpx hands device buffers to MPI only when told the MPI takes them.
+        os.environ["MPX_CUDA_AWARE"] = "1"
     from mpx.collectives import allreduce, world
     from mpx.launch import init_torch_env
 
@@ -522,7 +527,6 @@ def allreduce_job(smoke: bool, header: bool, device_kind: str) -> None:
     else:
         torch.set_num_threads(1)  # one core a rank: 16 ranks on 16 cores
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
-    aware = "cuda" in MPI.Get_library_version().lower()
     sizes = [4 << 10] if smoke else CUDA_SIZES if cuda else CPU_SIZES
     impls = ["staged", "ipc", "auto"] + (["mpi"] if aware else []) if cuda else []
     impls = impls or ["mpi", "ring", "shm", "auto"]
