@@ -375,6 +375,19 @@ class MPXProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
+    def _get_backend(self, device: Any) -> Any:
+        """The backend of ``device``: this group itself, which torch registered none for.
+
+        torch 2.14's ``batch_isend_irecv`` asks every ProcessGroup (2.13: only an
+        exact ProcessGroup) for its backend, to see whether it coalesces; a
+        Python group has none registered and torch raised "No backend type
+        associated with device type cpu". This one does not coalesce.
+        """
+        try:
+            return super()._get_backend(device)
+        except RuntimeError:
+            return self
+
     def _get_backend_name(self) -> str:
         return BACKEND_NAME
 
