@@ -167,7 +167,12 @@ def _progress_mark(out: Path) -> int:
 
 
 def run_backend(
-    backend: str, tests: list[str], ranks: int, out: Path, driver_args: Sequence[str] = ()
+    backend: str,
+    tests: list[str],
+    ranks: int,
+    out: Path,
+    driver_args: Sequence[str] = (),
+    driver: Path = HERE / "driver.py",
 ) -> dict[str, Any]:
     """Runs ``tests`` on ``backend``; restarts the job after a test that ends it."""
     if out.exists():
@@ -180,7 +185,7 @@ def run_backend(
         list_file = out / f"tests-{jobs}.txt"
         list_file.write_text("\n".join(remaining) + "\n")
         log = (out / f"job-{jobs}.log").open("w")
-        command = ["mpxrun", "-n", str(ranks), "--", sys.executable, str(HERE / "driver.py")]
+        command = ["mpxrun", "-n", str(ranks), "--", sys.executable, str(driver)]
         command += ["--backend", backend, "--tests", str(list_file), "--out", str(out)]
         command += driver_args
         job = subprocess.Popen(

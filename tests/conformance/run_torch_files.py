@@ -1,0 +1,168 @@
+"""torch's distributed test files beyond distributed_test.py against ``mpx``, gloo the control.
+
+The files are not in the torch wheel: they are read at run time from a
+checkout of torch's sources (the tag of the installed torch), never copied
+here::
+
+    git clone --depth 1 --branch v2.13.0 https://github.com/pytorch/pytorch /tmp/pytorch
+    python tests/conformance/run_torch_files.py --torch-tests /tmp/pytorch/test --ranks 2
+
+(``MPX_TORCH_TESTS`` may name the folder instead.) Without it the run says
+which files it looked for and where, and exits 0 having run nothing: CI has
+no copy, so these files run in ``nox -s torch-conformance`` where one is.
+
+For each file, every ``MultiProcessTestCase`` test runs on gloo, then on mpx
+(``driver_files.py``: ranks from MPI, the groups the test asks gloo for made
+on mpx), and a line per file counts how many of the tests gloo passes mpx
+passes; tests that build gloo's classes themselves are counted apart (they
+never touch mpx). The exit status is 1 when mpx fails a test gloo passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["FILES", "compare_file", "find_files"]
+
+HERE = Path(__file__).resolve().parent
+# Relative to torch's test/ folder; a folder stands for its test_*.py files.
+FILES = (
+    "distributed/test_c10d_gloo.py",
+    "distributed/test_c10d_common.py",
+    "distributed/algorithms/ddp_comm_hooks/test_ddp_hooks.py",
+    "distributed/test_functional_api.py",
+    "distributed/_composable/fsdp",
+    "distributed/tensor/parallel",
+)
+
+
+def _harness() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_conformance", HERE / "run_conformance.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def find_files(root: Path | None, wanted: Sequence[str] = FILES) -> tuple[list[Path], list[str]]:
+    """The test files under ``root`` (torch's test/ folder), and the entries not found there."""
+    found: list[Path] = []
+    missing: list[str] = []
+    for entry in wanted:
+        path = root / entry if root is not None else Path(entry)
+        if root is not None and path.is_file():
+            found.append(path)
+        elif root is not None and path.is_dir() and sorted(path.glob("test_*.py")):
+            found += sorted(path.glob("test_*.py"))
+        else:
+            missing.append(entry)
+    return found, missing
+
+
+def compare_file(
+    control: dict[str, dict[str, Any]], tested: dict[str, dict[str, Any]], not_tested: str
+) -> dict[str, Any]:
+    """``run_conformance.compare``, less the tests that never ran on the tested backend."""
+    apart = sorted(t for t, o in tested.items() if o.get("detail") == not_tested)
+    harness = _harness()
+    kept = {t: o for t, o in tested.items() if t not in apart}
+    result: dict[str, Any] = harness.compare(
+        {t: o for t, o in control.items() if t not in apart}, kept
+    )
+    result["not_on_tested"] = apart
+    return result
+
+
+def _tests_of(path: Path) -> list[str]:
+    listing = ["--list", "--backend", "gloo", "--tests", os.devnull, "--out", os.devnull]
+    out = subprocess.run(
+        [sys.executable, str(HERE / "driver_files.py"), "--file", str(path), *listing],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{path}: cannot list its tests:\n{out.stderr[-2000:]}")
+    return out.stdout.split()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--torch-tests", type=Path, default=os.environ.get("MPX_TORCH_TESTS"))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("-k", dest="pattern", help="only tests whose name matches this regex")
+    parser.add_argument("--files", nargs="*", default=list(FILES), help="relative to test/")
+    parser.add_argument("--out", type=Path, default=Path("conformance-results/files"))
+    args = parser.parse_args(argv)
+    from mpx.collectives.torch_backend import BACKEND_NAME  # noqa: F401  (mpx installed)
+
+    found, missing = find_files(args.torch_tests, args.files)
+    if missing:
+        where = args.torch_tests or "(no --torch-tests, no MPX_TORCH_TESTS)"
+        print(
+            f"torch's test sources are not here: {', '.join(missing)} not found under {where}. "
+            "They are not in the torch wheel: clone torch at the installed version's tag and "
+            "pass its test/ folder as --torch-tests (or MPX_TORCH_TESTS)."
+        )
+    if not found:
+        print("torch test files: none run")
+        return 0
+    harness = _harness()
+    out = args.out.resolve()
+    regressed: list[str] = []
+    lines = []
+    for path in found:
+        tests = _tests_of(path)
+        if args.pattern:
+            tests = [t for t in tests if re.search(args.pattern, t)]
+        if not tests:
+            continue
+        label = path.name
+        results = {
+            backend: harness.run_backend(
+                backend,
+                tests,
+                args.ranks,
+                out / f"{path.stem}-{backend}-{args.ranks}",
+                ["--file", str(path)],
+                HERE / "driver_files.py",
+            )
+            for backend in ("gloo", "mpx")
+        }
+        from driver_files import NOT_ON_MPX  # type: ignore[import-not-found]
+
+        result = compare_file(results["gloo"], results["mpx"], NOT_ON_MPX)
+        (out / f"summary-{path.stem}-{args.ranks}.json").write_text(
+            json.dumps(result, indent=1, sort_keys=True)
+        )
+        line = (
+            f"{label}, {args.ranks} ranks: mpx passes {result['passes']} of the "
+            f"{result['control_passes']} tests gloo passes"
+            f" ({len(result['not_on_tested'])} build gloo themselves, not run on mpx)"
+        )
+        lines.append(line)
+        print(line)
+        for text in harness.difference_lines(result, harness.EXPECTED_DIFFER, "gloo"):
+            print(text)
+        regressed += [f"{label}::{t}" for t in harness.regressions(result, harness.EXPECTED_DIFFER)]
+    print("\n".join(lines))
+    if regressed:
+        print(f"mpx fails {len(regressed)} test(s) that gloo passes: {regressed}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""run_torch_files: torch's MultiProcessTestCase files under MPI ranks, mpx against gloo."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def _module(name: str) -> ModuleType:
+    sys.path.insert(0, str(HERE))
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+files = _module("run_torch_files")
+
+
+def test_without_torch_sources_it_says_so_and_runs_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert files.main(["--torch-tests", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    assert "torch's test sources are not here" in said
+    assert "distributed/test_c10d_gloo.py" in said
+    assert "none run" in said
+
+
+def test_tests_that_never_touch_mpx_are_counted_apart() -> None:
+    control = {"a": {"event": "pass"}, "b": {"event": "pass"}, "c": {"event": "pass"}}
+    tested = {
+        "a": {"event": "pass"},
+        "b": {"event": "skip", "detail": "apart"},
+        "c": {"event": "fail", "detail": "E: boom"},
+    }
+    result = files.compare_file(control, tested, "apart")
+    assert result["not_on_tested"] == ["b"]
+    assert (result["passes"], result["control_passes"]) == (1, 2)
+    assert list(result["differ"]) == ["c"]
+
+
+@pytest.mark.timeout(600)
+def test_a_sample_file_runs_on_mpx_and_gloo(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Our own MultiProcessTestCase sample: one test on mpx, one on gloo's class, one for 4."""
+    bin_dir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"  # mpxrun beside python
+    argv = ["--torch-tests", str(HERE), "--files", "multiprocess_sample.py", "--out", str(tmp_path)]
+    assert files.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "mpx passes 1 of the 1 tests gloo passes (1 build gloo themselves" in said
