@@ -1,35 +1,49 @@
-"""A transformer on 2 pipeline stages: mpx's schedules beside one process and torch's pipelining.
+"""A transformer on S pipeline stages: every mpx schedule beside torch's schedule of the same name.
 
-``python bench_transformer.py`` starts itself under ``mpxrun -n 2`` and prints
-one markdown section (``nox -s bench -- bench_transformer`` writes it into
+``python bench_transformer.py [--stages S] [--variable]`` starts itself under
+``mpxrun -n S`` (S = 2 by default; 3, 4 where the cores allow) and prints one
+markdown section (``nox -s bench -- bench_transformer`` writes it into
 BENCHMARKS.md). The model is a decoder-only transformer (token + position
 embedding, ``DEPTH`` pre-norm blocks of causal attention and MLP, LayerNorm
 and the vocabulary projection), one tensor between blocks (each block makes
-its causal mask itself), split ``[1 + DEPTH/2, DEPTH/2 + 1]``: embedding and
-half the blocks, the other half and the head. In one job, with one intra-op
-thread per rank, it times a training step (forward, backward, SGD step) of:
-the whole model in one process (rank 0 alone), mpx ``gpipe``,
-``1f1b`` and ``async`` (step_every = 8: one optimizer step per batch, as
-the others) with m = 8, and ``torch.distributed.pipelining`` ScheduleGPipe /
-Schedule1F1B on gloo with the same split and m = 8.
+its causal mask itself), cut into S stages (one per rank) or 2S (two chunks
+per rank) as evenly as the layers allow. In one job, with one intra-op thread
+per rank, it times a training step (forward, backward, SGD step) of: the whole
+model in one process (rank 0 alone); mpx ``gpipe``, ``1f1b``,
+``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``, ``zbv``,
+``dualpipev`` and ``async`` (step_every = m: one optimizer step per batch, as
+the others); and torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble and ScheduleDualPipeV on gloo with the same cut and m.
+
+Per schedule: tokens/s, × the single process, mpx ÷ torch (same schedule),
+the measured bubble (mpx: from the executor's own trace of its actions, the
+median over samples) beside ``bubble_fraction`` (F = I = W = 1, B = 2), the
+compute bound (1 − the theoretical bubble: the most a perfectly balanced
+pipeline of this schedule keeps busy), the peak activation memory (the most
+bytes saved for backward alive at once on any rank, counted by
+``torch.autograd.graph.saved_tensors_hooks``, parameters left out), and each
+rank's CPU time over the wall time.
+
+``--variable``: every step draws its own sequence length (32, 64, 96 or 128
+tokens, the same on every rank). mpx's schedules take each as it comes (a
+border header is renegotiated only when the length changes); torch's stages
+fix their shapes at the first step, so their user must pad every batch to the
+longest length (what these rows do): tokens/s counts the real tokens only.
 
 Time is the fastest of the samples of ``STEPS`` consecutive steps (each
 sample after a barrier and one untimed step that refills the async pipeline;
 each sample's slowest rank), taken round-robin over the configurations so that
 load changes hit all alike. The fastest, not the median: on a shared machine
-other jobs only add time. Measured bubble = 1 - compute time / step time, averaged
-over the stages (mpx only: torch's schedules do not expose their compute
-time; the median over samples), beside the theory (S-1)/(m+S-1), and each
-rank's CPU time over the wall time (a rank that spins while it waits uses
-its core all along; one that blocks, as gloo's does, gives it back).
-``MPX_BENCH_REPEATS`` (default 4)
-sets the samples per configuration, ``MPX_BENCH_BATCH`` (default 16) the
-sequences per step. Progress goes to stderr.
+other jobs only add time. ``MPX_BENCH_REPEATS`` (default 4) sets the samples
+per configuration, ``MPX_BENCH_BATCH`` the sequences per step (default 2m).
+Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shutil
@@ -37,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,14 +59,27 @@ if TYPE_CHECKING:  # annotations only: the functions that run under mpxrun impor
     import torch
     from torch import nn
 
-VOCAB, WIDTH, HEADS, DEPTH, SEQUENCE = 96, 256, 4, 8, 128
-# 16 sequences per step, m = 8 micro-batches of two: about 80 s a run on a quiet
-# 2-core machine (MPX_BENCH_BATCH=8 where the machine is shared: 16 took 20 min there).
-BATCH = int(os.environ.get("MPX_BENCH_BATCH", "16"))
-CHUNKS = 8
+VOCAB, WIDTH, HEADS, SEQUENCE = 96, 256, 4, 128
+DEPTH = int(os.environ.get("MPX_BENCH_DEPTH", "8"))
+LENGTHS = (32, 64, 96, 128)  # --variable: a sequence length drawn per step
 REPEATS = int(os.environ.get("MPX_BENCH_REPEATS", "4"))
 STEPS = 2  # consecutive steps per sample: a barrier between steps would flush async
-STAGES = 2
+STAGES = int(os.environ.get("MPX_BENCH_STAGES", "2"))
+VARIABLE = os.environ.get("MPX_BENCH_VARIABLE", "0") == "1"
+# m: 8 micro-batches, raised to a multiple of the stages (interleaving) and to at
+# least 2 per stage (DualPipeV); two sequences each unless MPX_BENCH_BATCH says.
+CHUNKS = max(2 * STAGES, math.ceil(8 / STAGES) * STAGES)
+BATCH = int(os.environ.get("MPX_BENCH_BATCH", str(2 * CHUNKS)))
+# mpx schedule -> (torch's class name, chunks per rank)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+    "looped_bfs": ("ScheduleLoopedBFS", 2),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipev": ("ScheduleDualPipeV", 2),
+}
 
 
 def build() -> nn.Sequential:
@@ -98,8 +126,62 @@ def build() -> nn.Sequential:
     )
 
 
-def split() -> list[int]:
-    return [1 + DEPTH // 2, DEPTH // 2 + 1]
+def split(stages: int = STAGES) -> list[int]:
+    """Layers per stage, as even as ``DEPTH + 2`` layers allow (the first stages take more)."""
+    layers = DEPTH + 2
+    return [layers // stages + (k < layers % stages) for k in range(stages)]
+
+
+def stage_ranks(stages: int, v: int, v_shaped: bool) -> list[int]:
+    """The rank of each of ``stages`` virtual stages (a loop, or a V for two chunks)."""
+    p = stages // v
+    if v_shaped:
+        return [s if s < p else 2 * p - 1 - s for s in range(stages)]
+    return [s % p for s in range(stages)]
+
+
+class SavedBytes:
+    """Bytes saved for backward alive at once (by storage; parameters left out)."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params = params
+        self.live: dict[int, list[int]] = {}  # storage -> [bytes, saved copies]
+        self.now = self.peak = 0
+
+    def pack(self, t: Any) -> Any:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.params:
+            return t
+        holder = _Holder(t)
+        if key in self.live:
+            self.live[key][1] += 1
+        else:
+            self.live[key] = [storage.nbytes(), 1]
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(holder, self._drop, key)
+        return holder
+
+    def _drop(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[key]
+
+    @staticmethod
+    def unpack(holder: Any) -> Any:
+        return holder.t if isinstance(holder, _Holder) else holder
+
+
+class _Holder:
+    __slots__ = ("__weakref__", "t")
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -109,7 +191,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def measure() -> None:
-    """Runs inside the job on 2 ranks; rank 0 prints the table."""
+    """Runs inside the job on STAGES ranks; rank 0 prints the table."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -118,7 +200,8 @@ def measure() -> None:
 
     from mpx.collectives import world
     from mpx.launch import init_torch_env
-    from mpx.pipeline import Pipeline
+    from mpx.pipeline import Pipeline, bubble_fraction
+    from mpx.pipeline.executor import measured_bubble
 
     torch.set_num_threads(1)
     comm = world()
@@ -127,124 +210,143 @@ def measure() -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
     y = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
-    balance = split()
+    step_lengths = iter(
+        [LENGTHS[int(k)] for k in torch.randint(0, len(LENGTHS), (10**5,), generator=gen)]
+    )
+    current = [SEQUENCE]  # the sequence length of the step under way
+
+    def batch(pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's batch: cut to its length, or (torch, --variable) padded back to SEQUENCE."""
+        n = current[0]
+        if not pad or n == SEQUENCE:
+            return x[:, :n], y[:, :n]
+        xs = torch.zeros_like(x)
+        xs[:, :n] = x[:, :n]
+        ys = torch.full_like(y, -100)  # no loss on padding
+        ys[:, :n] = y[:, :n]
+        return xs, ys
 
     def polite_barrier() -> None:
-        # Sleeps instead of spinning: in the single-process row the idle rank
+        # Sleeps instead of spinning: in the single-process row the idle ranks
         # must not take a core from the computing one.
         request = raw.Ibarrier()
         while not request.Test():
             time.sleep(1e-4)
 
-    # What micro-batching costs the compute alone (rank 0, before any message):
-    # the whole model on the batch, and the last stage on 8 micro-batches.
-    cost: tuple[float, float] | None = None
-    polite_barrier()
-    if rank == 0:
-        whole = build()
-        last = nn.Sequential(*list(build())[balance[0] :])
-        feed = torch.randn(BATCH, SEQUENCE, WIDTH)
-        times = []
-        for model, inputs, chunks in ((whole, x, 1), (last, feed, CHUNKS)):
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            runs = []
-            for repeat in range(REPEATS + 1):
-                start = time.perf_counter()
-                opt.zero_grad()
-                for xs, ys in zip(inputs.chunk(chunks), y.chunk(chunks), strict=True):
-                    # A stage's input needs its gradient (sent back to the stage before).
-                    feed = xs.detach().requires_grad_(True) if xs.is_floating_point() else xs
-                    loss_fn(model(feed), ys).backward()
-                opt.step()
-                if repeat:
-                    runs.append(time.perf_counter() - start)
-            times.append(min(runs))
-        cost = (times[0], times[1])
-    polite_barrier()
-
-    configs: list[tuple[str, int | None, Callable[..., object], Callable[..., float] | None]] = []
+    # name, m, step, busy (mpx), trace rows (mpx), theoretical bubble, saved-bytes counter
+    configs: list[tuple[str, int | None, Callable[..., object], Any, Any, float | None, Any]] = []
     serial = build()
     sopt = torch.optim.SGD(serial.parameters(), lr=1e-3)
 
     def serial_step() -> None:
         if rank == 0:
             sopt.zero_grad()
-            loss_fn(serial(x), y).backward()
+            xs, ys = batch()
+            loss_fn(serial(xs), ys).backward()
             sopt.step()
 
-    configs.append(("single process (whole model)", None, serial_step, None))
+    def counter(params: Any) -> SavedBytes:
+        return SavedBytes({q.untyped_storage().data_ptr() for q in params})
+
+    configs.append(("single process (whole model)", None, serial_step, None, None, None, None))
     pipes = []
-    for schedule, chunks in [("gpipe", CHUNKS), ("1f1b", CHUNKS), ("async", CHUNKS)]:
+    for schedule, (_, v) in [*SCHEDULES.items(), ("async", ("", 1))]:
         opts: dict[str, Any] = {"step_every": CHUNKS} if schedule == "async" else {}
-        pipe = Pipeline(build(), balance, chunks=chunks, schedule=schedule, **opts)
+        if v > 1:
+            opts["stages_per_rank"] = v
+        pipe = Pipeline(build(), split(p * v), chunks=CHUNKS, schedule=schedule, **opts)
         popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         pipes.append((pipe, popt))
         label = f"mpx {schedule}" + (f" step_every={CHUNKS}" if schedule == "async" else "")
+        theory = None if schedule == "async" else bubble_fraction(schedule, p, CHUNKS, v)
+
+        def mpx_step(pipe: Pipeline = pipe, popt: torch.optim.Optimizer = popt) -> None:
+            xs, ys = batch()
+            pipe.step(xs, ys, loss_fn, popt)
+
         configs.append(
             (
                 label,
-                chunks,
-                lambda pipe=pipe, popt=popt: pipe.step(x, y, loss_fn, popt),
+                CHUNKS,
+                mpx_step,
                 lambda pipe=pipe: pipe.busy_seconds,
+                lambda pipe=pipe: [(a.kind, s, e) for a, s, e in pipe.trace],
+                theory,
+                counter(pipe.parameters()),
             )
         )
 
     init_torch_env()
     dist.init_process_group("gloo")
     torch_error = ""
-    try:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torch.distributed import pipelining
 
-        for name, cls in [("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)]:
-            start_layer = sum(balance[:rank])
-            sub = nn.Sequential(*list(build())[start_layer : start_layer + balance[rank]])
-            stage = PipelineStage(sub, rank, p, torch.device("cpu"))
-            sched = cls(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)
-            topt = torch.optim.SGD(sub.parameters(), lr=1e-3)
+    for schedule, (name, v) in SCHEDULES.items():
+        try:
+            n = p * v
+            cut = split(n)
+            owner = stage_ranks(n, v, schedule in ("zbv", "dualpipev"))
+            whole = list(build())
+            stages, params = [], []
+            for s in (s for s in range(n) if owner[s] == rank):
+                lo = sum(cut[:s])
+                sub = nn.Sequential(*whole[lo : lo + cut[s]])
+                params += list(sub.parameters())
+                stages.append(pipelining.PipelineStage(sub, s, n, torch.device("cpu")))
+            cls = getattr(pipelining.schedules, name)
+            sched = cls(stages[0] if v == 1 else stages, n_microbatches=CHUNKS, loss_fn=loss_fn)
+            topt = torch.optim.SGD(params, lr=1e-3)
+            first, last = owner[0] == rank, owner[-1] == rank
 
             def torch_step(
-                sched: PipelineScheduleSingle = sched, topt: torch.optim.Optimizer = topt
+                sched: Any = sched, topt: Any = topt, f: bool = first, la: bool = last
             ) -> None:
+                xs, ys = batch(pad=True)  # torch's stages keep the shapes of their first step
                 topt.zero_grad()
-                if rank == 0:
-                    sched.step(x)
-                else:
-                    sched.step(target=y)
+                sched.step(*([xs] if f else []), **({"target": ys} if la else {}))
                 topt.step()
 
             torch_step()  # a first step: torch's stages exchange shapes here
-            configs.append((f"torch.distributed.pipelining {name}", CHUNKS, torch_step, None))
-    except Exception as error:
-        torch_error = f"{type(error).__name__}: {error}".replace("|", "/")[:200]
+            configs.append((f"torch {name}", CHUNKS, torch_step, None, None, None, counter(params)))
+        except Exception as error:
+            torch_error += f" {name}: {type(error).__name__}: {error}".replace("|", "/")[:200]
 
     samples: list[list[float]] = [[] for _ in configs]
     bubbles: list[list[float]] = [[] for _ in configs]
     cpu_shares: list[list[float]] = [[] for _ in configs]
     for repeat in range(REPEATS + 1):  # the first round warms up
-        for i, (label, _, fn, busy) in enumerate(configs):
+        for i, (label, _, fn, busy, trace, _, saved) in enumerate(configs):
             if rank == 0:
                 print(f"round {repeat}/{REPEATS}: {label}", file=sys.stderr, flush=True)
             polite_barrier()
+            current[0] = next(step_lengths) if VARIABLE else SEQUENCE
             fn()  # untimed: refills the async pipeline that the barrier drained
-            busy_total = 0.0
+            measured = []
             cpu_start, start = time.process_time(), time.perf_counter()
             for _ in range(STEPS):
-                fn()
-                busy_total += busy() if busy is not None else 0.0
+                current[0] = next(step_lengths) if VARIABLE else SEQUENCE
+                if saved is not None:
+                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                        fn()
+                else:
+                    fn()
+                if trace is not None and "async" not in label:
+                    measured.append(trace())
             wall = (time.perf_counter() - start) / STEPS
             cpu = (time.process_time() - cpu_start) / STEPS
             if repeat:
                 samples[i].append(wall)
                 cpu_shares[i].append(cpu / wall)
-                if busy is not None:
-                    bubbles[i].append(1 - busy_total / STEPS / wall)
+                if busy is not None and "async" in label:
+                    bubbles[i].append(1 - busy() / wall)
+                for mine in measured:  # the executor's own trace, every rank's
+                    bubbles[i].append(measured_bubble(raw.allgather(mine)))
     for pipe, popt in pipes:
         pipe.flush(popt)
     dist.destroy_process_group()
 
-    rows: list[tuple[str, int | None, float, float | None, float]] = []
-    for i, (label, m, _, busy) in enumerate(configs):
+    rows: list[tuple[str, int | None, float, float | None, float | None, float, int]] = []
+    for i, (label, m, _, _, _, theory, saved) in enumerate(configs):
         # Each sample's slowest rank, then the fastest sample: on a shared
         # machine the other jobs only ever add time, so the minimum is the
         # estimate they disturb least (the median moved by 1.5x between runs).
@@ -252,93 +354,101 @@ def measure() -> None:
         raw.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
         t = float(slowest.min())
         bubble = None
-        if busy is not None:
-            bubble = float(raw.allreduce(statistics.median(bubbles[i]))) / p
-        # CPU time over wall time, per rank: near 1 on a rank that spins
-        # while it waits, below 1 on one that blocks (single process: rank 1 idles).
+        if bubbles[i]:
+            mine = statistics.median(bubbles[i])
+            bubble = float(raw.allreduce(mine)) / p if "async" in label else mine
         cpu_share = float(raw.allreduce(statistics.median(cpu_shares[i]))) / p
-        rows.append((label, m, t, bubble, cpu_share))
+        peak = int(raw.allreduce(0 if saved is None else saved.peak, op=MPI.MAX))
+        rows.append((label, m, t, bubble, theory, cpu_share, peak))
     if rank == 0:
-        report(rows, cost, torch_error)
+        report(rows, torch_error)
 
 
 def report(
-    rows: list[tuple[str, int | None, float, float | None, float]],
-    cost: tuple[float, float] | None,
+    rows: list[tuple[str, int | None, float, float | None, float | None, float, int]],
     torch_error: str,
 ) -> None:
-    p = STAGES
-    tokens = BATCH * SEQUENCE
+    tokens = BATCH * (statistics.mean(LENGTHS) if VARIABLE else SEQUENCE)
     t_single = rows[0][2]
-    torch_time = {r[0].split()[-1]: r[2] for r in rows if r[0].startswith("torch")}
-    peer_of = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-    for label, m, t, bubble, cpu_share in rows:
-        theory = "-"
-        if m is not None:
-            theory = "0 (steady state)" if "async" in label else f"{(p - 1) / (m + p - 1):.2f}"
+    times = {r[0]: r[2] for r in rows}
+    for label, m, t, bubble, theory, cpu_share, peak in rows:
         kind = label.split()[1] if label.startswith("mpx") else ""
-        peer = peer_of.get(kind) if m == CHUNKS else None
-        vs_torch = f"{torch_time[peer] / t:.2f}" if peer and peer in torch_time else "-"
+        peer = f"torch {SCHEDULES[kind][0]}" if kind in SCHEDULES else None
+        vs_torch = f"{times[peer] / t:.2f}" if peer in times else "-"
+        bound = "-" if theory is None else f"{1 - theory:.2f}"
         print(
             f"| {label} | {m if m is not None else '-'} | {tokens / t:.0f} | "
             f"{t_single / t:.2f} | {vs_torch} | "
-            f"{'-' if bubble is None else f'{bubble:.2f}'} | {theory} | {cpu_share:.2f} |",
+            f"{'-' if bubble is None else f'{bubble:.2f}'} | "
+            f"{'-' if theory is None else f'{theory:.2f}'} | {bound} | "
+            f"{peak / 2**20:.1f} | {cpu_share:.2f} |",
             flush=True,
         )
-    by_label = {r[0]: r[2] for r in rows}
-    gpipe8 = next(r[2] for r in rows if r[0] == "mpx gpipe" and r[1] == CHUNKS)
-    async8 = by_label[f"mpx async step_every={CHUNKS}"]
-    torch_gpipe = torch_time.get("ScheduleGPipe")
-    vs_torch = f"{torch_gpipe / gpipe8:.2f}×" if torch_gpipe else f"- ({torch_error})"
-    print(
-        f"\n| target (2 stages) | measured |\n|---|---|\n"
-        f"| gpipe m=8 ≥ 1.5× the single process | {t_single / gpipe8:.2f}× |\n"
-        f"| gpipe m=8 ≥ 1.2× torch ScheduleGPipe | {vs_torch} |\n"
-        f"| async (m=8, step_every=8) ≥ 1.1× gpipe m=8 | {gpipe8 / async8:.2f}× |"
-    )
-    if cost is not None:
-        whole, stage = cost
-        bound = whole / stage
-        print(
-            f"\nWhat micro-batching costs the compute alone (rank 0, no messages): the whole "
-            f"model's step on {BATCH} sequences takes {whole * 1e3:.0f} ms, the last stage's "
-            f"step on {CHUNKS} micro-batches of {BATCH // CHUNKS} takes {stage * 1e3:.0f} ms: "
-            f"a 2-stage pipeline can run at most {bound:.2f}× one process with no bubble, "
-            f"{bound * CHUNKS / (CHUNKS + p - 1):.2f}× with gpipe's bubble at m={CHUNKS}."
-        )
+    best_sync = min(times[f"mpx {k}"] for k in SCHEDULES if f"mpx {k}" in times)
+    one_f = times.get("mpx 1f1b")
+    zb = times.get("mpx interleaved_zb")
+    asy = times.get(f"mpx async step_every={CHUNKS}")
+    print("\n| target | measured |\n|---|---|")
+    for kind in SCHEDULES:
+        peer = f"torch {SCHEDULES[kind][0]}"
+        if peer in times and f"mpx {kind}" in times:
+            print(f"| mpx {kind} ≥ 1.0× torch's | {times[peer] / times[f'mpx {kind}']:.2f}× |")
+    if one_f and zb:
+        print(f"| interleaved_zb ≥ 1.1× mpx 1f1b (m={CHUNKS}) | {one_f / zb:.2f}× |")
+    if asy:
+        print(f"| async ≥ 1.1× the best synchronous schedule | {best_sync / asy:.2f}× |")
     if torch_error:
-        print(f"\ntorch.distributed.pipelining failed: {torch_error}")
+        print(f"\ntorch.distributed.pipelining failed:{torch_error}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner", action="store_true", help="run inside an mpxrun job")
+    parser.add_argument("--stages", type=int, default=STAGES, help="pipeline ranks (2)")
+    parser.add_argument("--variable", action="store_true", help="a sequence length drawn per step")
     args = parser.parse_args()
     if args.inner:
         measure()
         return
+    os.environ["MPX_BENCH_STAGES"] = str(args.stages)
+    os.environ["MPX_BENCH_VARIABLE"] = "1" if args.variable else "0"
     mpxrun = shutil.which("mpxrun") or os.path.join(os.path.dirname(sys.executable), "mpxrun")
     block = 12 * WIDTH * WIDTH + 13 * WIDTH
     params = (DEPTH * block + (VOCAB + SEQUENCE) * WIDTH + (WIDTH + 1) * VOCAB) / 1e6
-    print("## mpx-pipeline: a transformer on 2 stages, beside torch.distributed.pipelining\n")
+    m = max(2 * args.stages, math.ceil(8 / args.stages) * args.stages)
+    batch = int(os.environ.get("MPX_BENCH_BATCH", str(2 * m)))
+    lengths = f"a length drawn per step from {LENGTHS}" if args.variable else f"{SEQUENCE}"
+    print(
+        f"## mpx-pipeline: a transformer on {args.stages} stages, every schedule beside "
+        f"torch.distributed.pipelining{' (variable sequence lengths)' if args.variable else ''}\n"
+    )
     print(
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
         f"decoder-only transformer, {DEPTH} blocks, width {WIDTH}, {HEADS} heads, sequence "
-        f"{SEQUENCE}, vocabulary {VOCAB} ({params:.1f} M params), batch {BATCH} sequences "
-        f"({BATCH * SEQUENCE} tokens), 1 thread per rank, split {'+'.join(map(str, split()))} "
-        f"layers (embedding + {DEPTH // 2} blocks | {DEPTH // 2} blocks + head); "
-        f"`python {os.path.basename(__file__)}` (`mpxrun -n 2`). Step = forward + backward + "
-        f"SGD step; the fastest of {REPEATS} samples of {STEPS} steps (each sample's slowest "
-        "rank), each sample after a barrier and one untimed step.\n"
+        f"{lengths}, vocabulary {VOCAB} ({params:.1f} M params), batch {batch} sequences, "
+        f"m = {m}, 1 thread per rank, layers per stage {split(args.stages)} (one chunk per "
+        f"rank) or {split(2 * args.stages)} (two); "
+        f"`python {os.path.basename(__file__)} --stages {args.stages}"
+        f"{' --variable' if args.variable else ''}`. Step = forward + backward + SGD step; "
+        f"the fastest of {REPEATS} samples of {STEPS} steps (each sample's slowest rank), "
+        "each after a barrier and one untimed step."
+        + (
+            " torch's rows pad every batch to the longest length (its stages keep the "
+            "shapes of their first step); tokens/s counts real tokens."
+            if args.variable
+            else ""
+        )
+        + "\n"
     )
     print(
-        "| config | micro-batches m | tokens/s | × single process | mpx ÷ torch (same "
-        "schedule, m=8) | measured bubble | theory (S-1)/(m+S-1) | CPU time ÷ wall, per rank |"
+        "| config | m | tokens/s | × single process | mpx ÷ torch (same schedule) | "
+        "measured bubble | theory | compute bound | peak activations (MiB, a rank) | "
+        "CPU time ÷ wall, per rank |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
     subprocess.run(
-        [mpxrun, "-n", str(STAGES), "--timeout", "900", "--", sys.executable,
+        [mpxrun, "-n", str(args.stages), "--timeout", "1800", "--", sys.executable,
          os.path.abspath(__file__), "--inner"],
         check=True,
     )  # fmt: skip

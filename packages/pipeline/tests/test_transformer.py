@@ -552,3 +552,44 @@ def test_chunked_schedules_train_like_the_unpartitioned_model(
         mine = dict(layer.named_parameters())
         for name, prm in ref[index].named_parameters():
             torch.testing.assert_close(mine[name].detach(), prm.detach(), rtol=0, atol=TOL)
+
+
+# -- variable shapes: a new sequence length every step, nothing rebuilt -------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v"), [("1f1b", None), ("gpipe", None), ("interleaved_zb", 2), ("zbv", 2)]
+)
+def test_random_sequence_lengths_train_like_the_serial_model(schedule: str, v: int | None) -> None:
+    """Every step draws its own sequence length (the same on every rank): the pipeline
+    trains on as the serial model does, micro-batch by micro-batch, and sends a full
+    border header only when a shape changed (a repeated length sends markers)."""
+    p = world().size
+    chunks = 2 * p if v else 4
+    balance = {1: [3, 3], 2: [2, 1, 2, 1], 3: [1] * 6}[p] if v else make_model()[1]
+    model, _ = make_model(skip=True, tied=True)
+    ref, _ = make_model(skip=True, tied=True)
+    pipe = Pipeline(model, balance, chunks=chunks, schedule=schedule, stages_per_rank=v)
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    lengths = [int(n) for n in torch.randint(2, T + 1, (5,), generator=g)] + [T, T]
+    boxes = pipe._passes.act_out.values()
+    for call, n in enumerate(lengths):
+        ids = torch.randint(0, V, (2 * chunks, n), generator=g)
+        pad = torch.zeros(2 * chunks, n, dtype=torch.bool)  # Trim keeps every length n
+        x, y = {"ids": ids, "pad": pad}, ids.roll(-1, dims=1)
+        before = sum(box.full_headers for box in boxes)
+        loss = pipe.step(x, y, loss_fn, opt)
+        ref_opt.zero_grad()
+        ref_loss = reference(ref, x, y, chunks=chunks, first_microbatch=chunks * call)
+        ref_opt.step()
+        assert abs(loss - ref_loss) < TOL, (call, n, loss, ref_loss)
+        if call == len(lengths) - 1:  # the same length again: markers only
+            assert sum(box.full_headers for box in boxes) == before
+        elif boxes and lengths[call - 1 : call] != [n]:
+            assert sum(box.full_headers for box in boxes) > before
+    for index, layer in pipe.local_layers().items():
+        mine = dict(layer.named_parameters())
+        for name, prm in ref[index].named_parameters():
+            torch.testing.assert_close(mine[name].detach(), prm.detach(), rtol=0, atol=TOL)

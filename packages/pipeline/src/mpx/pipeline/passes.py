@@ -133,7 +133,7 @@ class StagePasses:
         """Posts the header receives of a call carrying micro-batches ``ids``."""
         for s in self.stages:
             if s > 0 and self.owner[s - 1] != self.stage_id:
-                self.act_in[self.owner[s - 1]].expect([self.key(s, j) for j in ids])
+                self.act_in[self.owner[s - 1]].expect([self.key(s, j) for j in ids], stream=s)
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -271,7 +271,7 @@ class StagePasses:
         s = mb.stage
         y = mb.extra.pop("to_send")
         q = self.owner[s + 1]
-        self.act_out[q].send(self.key(s + 1, j), y, mb.flags)
+        self.act_out[q].send(self.key(s + 1, j), y, mb.flags, stream=s + 1)
         if mb.extra.get("eval"):
             return  # forward only: no gradient comes back
         tensors, _ = flatten(y)

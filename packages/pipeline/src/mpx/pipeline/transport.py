@@ -20,8 +20,9 @@ The receiver posts the header receives of a call's micro-batches at once and
 each micro-batch's tensor receives as soon as its header is in (while polling
 between layers), into buffers drawn from a pool keyed by (shape, dtype) and
 given back after the micro-batch's backward: shapes may change from one
-micro-batch to the next; a repeated one reuses. Gradients need no header: the
-receiver knows the shapes it sent. Every micro-batch has its own tag, so the
+micro-batch to the next; a repeated one reuses. A header that repeats the
+last one sent to the same stage is a one-byte marker (``_SAME``). Gradients
+need no header: the receiver knows the shapes it sent. Every micro-batch has its own tag, so the
 order in which micro-batches complete does not matter. Send handles are
 polled and dropped as they finish and waited for at the end of each call.
 
@@ -79,6 +80,13 @@ _TAG_BASE = {"act": _WINDOW, "grad": 2 * _WINDOW}
 # micro-batch's header and tensors; a tag is reused only _WINDOW micro-batches later).
 _LOGGED_SENDS = MAX_TENSORS + 1
 _SPINS = 200  # polls before a waiting rank starts to sleep (oversubscribed only)
+# A border whose structure, shapes, dtypes and flags are those of the last one
+# sent to the same stage (stream) travels as this one marker byte instead of a
+# pickled header: headers are renegotiated only when a shape changes. A sender
+# sends each stream's micro-batches in order and the receiver decodes each
+# stream's headers in the order it posted them (the same), so a marker always
+# means the last full header decoded on its stream. (A pickle starts with 0x80.)
+_SAME = 0
 _CHECK_EVERY = 64  # polls between two looks at the other stages' failure notices
 
 Interrupt = Callable[[], None]
@@ -237,6 +245,12 @@ class Inbox:
         self._described: dict[int, tuple[Spec, list[bool]]] = {}
         self._dtypes: dict[int, list[torch.dtype]] = {}  # what each buffer holds (bool as uint8)
         self._drains: list[tuple[torch.Tensor, Handle[torch.Tensor]]] = []  # settling only
+        # Per stream: the last full header decoded (what a marker repeats), and
+        # the header receives posted and not yet opened, in posting order.
+        self._known: dict[int, tuple[Spec, list[tuple[torch.Size, torch.dtype]], list[bool]]] = {}
+        self._order: dict[int, deque[int]] = {}
+        self._stream_of: dict[int, int] = {}
+        self.full_headers = 0  # full headers decoded (the rest were markers)
         # Dropped with receives posted: their buffers must outlive them.
         weakref.finalize(self, _adopt_box, self.__dict__)
 
@@ -249,7 +263,7 @@ class Inbox:
         self.posted[tag] += 1
         return handle
 
-    def expect(self, ids: list[int]) -> None:
+    def expect(self, ids: list[int], stream: int = 0) -> None:
         """Activations: posts the header receives of micro-batches ``ids``.
 
         A header shares its micro-batch's tag and is sent first, so it
@@ -261,15 +275,35 @@ class Inbox:
                 raise PipelineError(f"internal: micro-batch {j} already has a receive posted")
             buf = self.pool.take(torch.Size((HEADER_BYTES,)), torch.uint8)
             self._headers[j] = (buf, self._recv(buf, _tag(self.kind, j)))
+            self._order.setdefault(stream, deque()).append(j)
+            self._stream_of[j] = stream
 
     def _open(self, j: int) -> None:
-        """Reads micro-batch ``j``'s header (waiting for it) and posts its tensors' receives."""
+        """Reads micro-batch ``j``'s header (waiting for it) and posts its tensors' receives;
+        the headers posted before it on its stream first (they were sent before it)."""
+        order = self._order[self._stream_of[j]]
+        while order and order[0] != j:
+            self._open_next(order)
+        self._open_next(order)
+
+    def _open_next(self, order: deque[int]) -> None:
+        j = order[0]
         buf, handle = self._headers[j]
         wait_for(handle, self.comm, "recv", self.peer, self.interrupt)
         del self._headers[j]
-        # The message fills only the start of the buffer; unpickling stops at its end.
-        spec, metas, flags = decode(buf)
-        self.pool.give(buf)
+        order.popleft()
+        stream = self._stream_of.pop(j)
+        if int(buf[0]) == _SAME:
+            self.pool.give(buf)
+            if stream not in self._known:
+                raise PipelineError(f"internal: header {j} repeats a header never received")
+            spec, metas, flags = self._known[stream]
+        else:
+            # The message fills only the start of the buffer; unpickling stops at its end.
+            spec, metas, flags = decode(buf)
+            self.pool.give(buf)
+            self._known[stream] = (spec, metas, flags)
+            self.full_headers += 1
         self._described[j] = (spec, flags)
         self.post(j, metas)
 
@@ -311,9 +345,10 @@ class Inbox:
     def progress(self) -> None:
         """Lets MPI move the messages in flight (a test per pending receive); a header
         that has arrived gets its tensors' receives posted at once (before the sender
-        of a large message waits for them)."""
-        for j in [j for j, (_, h) in self._headers.items() if h.done()]:
-            self._open(j)
+        of a large message waits for them), each stream's in posting order."""
+        for order in self._order.values():
+            while order and self._headers[order[0]][1].done():
+                self._open_next(order)
         for entries in self._pending.values():
             for _, handle in entries:
                 handle.done()
@@ -355,6 +390,9 @@ class Inbox:
         self._dtypes.clear()
         self._drains.clear()
         self.posted.clear()
+        self._known.clear()
+        self._order.clear()
+        self._stream_of.clear()
 
 
 class Outbox:
@@ -377,6 +415,9 @@ class Outbox:
         )
         self._inflight: dict[int, list[tuple[torch.Tensor, Handle[None]]]] = {}
         self._answers: list[tuple[torch.Tensor, Handle[None]]] = []  # settling only
+        # Per receiving stream (virtual stage): what the last full header described.
+        self._last: dict[int, Any] = {}
+        self.full_headers = 0  # full headers sent (the rest were markers)
         # Dropped with sends in flight: hand them over instead of freeing them.
         weakref.finalize(self, _adopt_box, self.__dict__)
 
@@ -390,7 +431,9 @@ class Outbox:
         self.sizes[tag].append((t.numel(), t.dtype))
         return handle
 
-    def send(self, j: int, obj: Any, flags: list[bool] | None = None) -> list[bool]:
+    def send(
+        self, j: int, obj: Any, flags: list[bool] | None = None, stream: int = 0
+    ) -> list[bool]:
         """Activations: sends micro-batch ``j``'s border ``obj`` (header, then tensors).
 
         ``flags`` (whether each tensor's gradient comes back) default to what
@@ -407,7 +450,15 @@ class Outbox:
         tensors, spec = flatten(obj)
         if flags is None:
             flags = [carries_grad(t) for t in tensors]
-        header = encode(tensors, spec, flags)
+        described = (spec, [(tuple(t.shape), t.dtype) for t in tensors], flags)
+        if self._last.get(stream) == described:
+            # Same structure, shapes, dtypes and flags as the last full header
+            # to this stream: one marker byte (the receiver kept it decoded).
+            header = torch.tensor([_SAME], dtype=torch.uint8)
+        else:
+            header = encode(tensors, spec, flags)
+            self._last[stream] = described
+            self.full_headers += 1
         self.send_tensors(j, [header, *tensors])
         return flags
 
@@ -463,3 +514,4 @@ class Outbox:
         self._answers.clear()
         self.sent.clear()
         self.sizes.clear()
+        self._last.clear()
