@@ -409,3 +409,41 @@ def test_async_data_parallel_replicas_average_every_step() -> None:
     pipe.flush(opt)
     for a, b in zip(pipe.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("stashing", "recompute"), [(True, False), (True, True), (False, True), (False, False)]
+)
+def test_async_with_split_backward_equals_the_serial_pipedream_reference(
+    stashing: bool, recompute: bool
+) -> None:
+    """split_backward=True: each backward is I (sent upstream at once) then W; the
+    weights every pass uses are unchanged, so the PipeDream reference still holds."""
+    comm = world()
+    model, balance = make_model(comm.size)
+    ref_model, _ = make_model(comm.size)
+    calls, chunks = 4, 3
+    data = batches(calls, 6)
+    pipe = Pipeline(
+        model,
+        balance,
+        chunks=chunks,
+        schedule="async",
+        weight_stashing=stashing,
+        recompute=recompute,
+        split_backward=True,
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    kinds: set[str] = set()
+    for x, y in data:
+        pipe.step(x, y, nn.functional.cross_entropy, opt)
+        kinds |= {a.kind for a, _, _ in pipe.trace}
+    pipe.flush(opt)
+    assert {"I", "W"} <= kinds
+    assert "B" not in kinds
+    expected = serial_reference(ref_model, balance, data, chunks, stashing, recompute)[comm.rank]
+    mine = pipe.stage.layers.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-10)
+    with pytest.raises(PipelineError, match="split_backward"):
+        Pipeline(model, balance, schedule="1f1b", split_backward=True)

@@ -139,8 +139,10 @@ class Pipeline(nn.Module):
         data_parallel_comm: replicas of this stage in other pipelines; gradients
             are averaged over it before each optimizer step.
         sample: a micro-batch sized input for ``balance=None``.
-        weight_stashing, weight_prediction, gap_aware, step_every, recompute:
-            options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`).
+        weight_stashing, weight_prediction, gap_aware, step_every, recompute,
+        split_backward: options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`);
+            ``split_backward`` runs each backward as ``I`` (sent upstream at once),
+            then ``W``.
 
     Example::
 
@@ -167,6 +169,7 @@ class Pipeline(nn.Module):
         step_every: int = 1,
         recompute: bool = False,
         stages_per_rank: int | None = None,
+        split_backward: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -221,7 +224,14 @@ class Pipeline(nn.Module):
         self._pending_status: Status | None = None  # async: read by the next call
         self._deferred: PipelineError | None = None  # raised by the next call (failure.py)
         self._last_call_undo: _UndoPoint | None = None  # async: undoes the last call too
-        async_opts = (weight_prediction, gap_aware, step_every, recompute, weight_stashing)
+        async_opts = (
+            weight_prediction,
+            gap_aware,
+            step_every,
+            recompute,
+            weight_stashing,
+            split_backward,
+        )
         if schedule == "async":
             # The runner gets what it drives explicitly: the stage's passes and
             # two of this pipeline's steps, never the pipeline itself.
@@ -235,11 +245,14 @@ class Pipeline(nn.Module):
                 step_every=step_every,
                 recompute=recompute,
                 weight_stashing=weight_stashing,
+                split_backward=split_backward,
             )
-        elif async_opts != (None, None, 1, False, True):
+        elif async_opts != (None, None, 1, False, True, False):
             raise PipelineValueError(
-                "weight_stashing, weight_prediction, gap_aware, step_every and recompute "
-                f"are options of schedule='async', not of schedule={schedule!r}"
+                "weight_stashing, weight_prediction, gap_aware, step_every, recompute and "
+                f"split_backward are options of schedule='async', not of schedule={schedule!r}"
+                " (the synchronous schedules that split the backward are interleaved_zb, "
+                "zbv and dualpipev)"
             )
 
     # -- construction ---------------------------------------------------------

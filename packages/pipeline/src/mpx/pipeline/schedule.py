@@ -110,6 +110,7 @@ __all__ = [
     "Action",
     "Op",
     "async_actions",
+    "async_flush_actions",
     "async_ops",
     "bubble_fraction",
     "canonical",
@@ -500,15 +501,45 @@ def async_ops(depth: int, done_fwds: int, done_bwds: int, total: int) -> list[Op
 
 
 def async_actions(
-    depth: int, done_fwds: int, done_bwds: int, total: int, stage: int, step_every: int = 0
+    depth: int,
+    done_fwds: int,
+    done_bwds: int,
+    total: int,
+    stage: int,
+    step_every: int = 0,
+    split: bool = False,
 ) -> list[Action]:
     """:func:`async_ops` as actions of ``stage``, with a ``STEP`` after every
-    ``step_every``-th backward (none for ``step_every=0``)."""
+    ``step_every``-th backward (none for ``step_every=0``); with ``split`` each
+    backward is ``I`` (its gradient goes upstream at once) then ``W``."""
+    return _async_backwards(
+        [(k, j) for k, j in async_ops(depth, done_fwds, done_bwds, total)],
+        stage,
+        step_every,
+        split,
+    )
+
+
+def _async_backwards(ops: list[Op], stage: int, step_every: int, split: bool) -> list[Action]:
     out = []
-    for kind, j in async_ops(depth, done_fwds, done_bwds, total):
-        out.append(Action(kind, j, stage))
+    for kind, j in ops:
+        if kind == "B" and split:
+            out += [Action("I", j, stage), Action("W", j, stage)]
+        else:
+            out.append(Action(kind, j, stage))
         if kind == "B" and step_every and (j + 1) % step_every == 0:
             out.append(Action("STEP", j + 1, -1))
+    return out
+
+
+def async_flush_actions(
+    done_fwds: int, done_bwds: int, stage: int, step_every: int = 0, split: bool = False
+) -> list[Action]:
+    """The backwards still owed (:func:`flush_ops`) as actions, with their steps and a
+    last ``STEP`` for a partial accumulation."""
+    out = _async_backwards(flush_ops(done_fwds, done_bwds), stage, step_every, split)
+    if step_every and done_fwds % step_every:
+        out.append(Action("STEP", done_fwds, -1))
     return out
 
 

@@ -39,7 +39,7 @@ from mpx.pipeline.executor import Hooks
 from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
 from mpx.pipeline.passes import Micro, StagePasses
 from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
-from mpx.pipeline.schedule import Action, async_actions, flush_ops, rank_actions
+from mpx.pipeline.schedule import Action, async_actions, async_flush_actions, rank_actions
 from mpx.pipeline.stage import Weights
 
 __all__ = ["AsyncHooks"]
@@ -80,6 +80,7 @@ class AsyncHooks(Hooks):
         step_every: int,
         recompute: bool,
         weight_stashing: bool,
+        split_backward: bool = False,
     ) -> None:
         if weight_prediction is not None and weight_prediction not in PREDICTIONS:
             raise PipelineValueError(
@@ -111,6 +112,9 @@ class AsyncHooks(Hooks):
         self.passes, self.chunks = passes, chunks
         self._average_grads = average_grads
         self.scale = 1.0 / step_every
+        # Each backward as I (its gradient upstream at once) then W: the
+        # weights each pass uses do not change, only when the gradient leaves.
+        self.split = split_backward
         self.optimizer: torch.optim.Optimizer | None = None  # of the call under way
         self.scheduler: Any = None
         self.prediction, self.gap_aware = weight_prediction, gap_aware
@@ -277,7 +281,9 @@ class AsyncHooks(Hooks):
         passes = self.passes
         stage = passes.stages[0]
         every = self.step_every if optimizer is not None else 0
-        compute = async_actions(self.depth, self.done_f, self.done_b, self.total, stage, every)
+        compute = async_actions(
+            self.depth, self.done_f, self.done_b, self.total, stage, every, self.split
+        )
         self.done_f += sum(a.kind == "F" for a in compute)
         actions = rank_actions(
             "async", passes.stage_id, passes.num_stages, self.chunks, actions=compute
@@ -291,13 +297,7 @@ class AsyncHooks(Hooks):
         self.optimizer, self.scheduler = optimizer, scheduler
         stage = self.passes.stages[0]
         every = self.step_every if optimizer is not None else 0
-        compute = []
-        for _, j in flush_ops(self.done_f, self.done_b):
-            compute.append(Action("B", j, stage))
-            if every and (j + 1) % every == 0:
-                compute.append(Action("STEP", j + 1, -1))
-        if every and self.done_f % every:
-            compute.append(Action("STEP", self.done_f, -1))
+        compute = async_flush_actions(self.done_f, self.done_b, stage, every, self.split)
         return rank_actions(
             "async", self.passes.stage_id, self.passes.num_stages, self.chunks, actions=compute
         )
