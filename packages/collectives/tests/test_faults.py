@@ -145,6 +145,29 @@ def test_a_freed_communicator_raises_instead_of_crashing() -> None:
             call()
 
 
+def test_freeing_a_communicator_after_a_timeout_does_not_crash() -> None:
+    """torch's test_barrier_timeout_*: a barrier only rank 0 entered times out, then the
+    group is destroyed -- the progress thread went on polling the freed call board (SIGSEGV)."""
+    import time
+
+    from mpx.collectives import CollectiveTimeout, CommunicatorBroken, barrier
+
+    comm = Communicator.from_mpi(world().mpi)
+    handle = None
+    if comm.rank == 0 and comm.size > 1:
+        handle = barrier(comm=comm, async_op=True)  # the progress thread polls it
+        with pytest.raises(CollectiveTimeout):
+            handle.wait(timeout=0.5)
+    comm.free()
+    time.sleep(0.3)  # the progress thread's turns, after the free
+    if handle is not None:
+        with pytest.raises(CommunicatorBroken, match="freed"):
+            handle.wait(timeout=1)
+    t = torch.ones(3)
+    allreduce(t, timeout=60)  # the process is alive and the world in step
+    assert torch.equal(t, torch.full((3,), float(world().size)))
+
+
 def test_a_receive_buffer_too_small_is_named() -> None:
     comm = world()
     if comm.size == 1:

@@ -99,6 +99,10 @@ class CallBoard:
         return self.slots[:, number & 1, 1 : 1 + ROW]
 
     def free(self) -> None:
+        # A step still polling (an operation that timed out) reads private
+        # copies from now on, never the shared memory given back to MPI.
+        self.slots = self.slots.copy()
+        self._numbers = self.slots[:, :, 0]
         self._win.Unlock_all()
         self._win.Free()
 

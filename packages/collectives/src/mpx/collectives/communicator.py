@@ -249,6 +249,13 @@ class Communicator:
         if self._freed:
             return
         self._freed = True
+        with LOCK:
+            self._queue.abandon(
+                CommunicatorBroken(
+                    "the communicator was freed (Communicator.free()) before this operation "
+                    "finished; its peers may still be waiting in it"
+                )
+            )
         # The fast path's cached calls name the MPI communicator by its handle,
         # which MPI may give to a new communicator once this one is freed.
         self.choices.reset(current_policy())
@@ -259,6 +266,9 @@ class Communicator:
         if self.hierarchy is not None:
             self.hierarchy.free()
             self.hierarchy = None
+        # A thread may still read the board (a timeout naming who is behind):
+        # from now on it reads a private copy, not memory given back to MPI.
+        self._board = self._board.copy()
         self._board_win.Free()
         if self.call_board is not None:
             self.call_board.free()

@@ -408,6 +408,18 @@ class Queue:
     def __bool__(self) -> bool:
         return bool(self._handles)
 
+    def abandon(self, error: BaseException) -> None:
+        """Fails every queued operation no thread is blocked in (its communicator is freed).
+
+        A timed-out operation stays at the head of its queue, and the progress
+        thread would go on polling it -- in memory the communicator's free()
+        has given back (a crash) -- so free() abandons them first.
+        """
+        for handle in self._handles:
+            if not handle._finished and not handle._claimed:
+                handle._fail(error)
+        self._handles.clear()
+
     def progress(self) -> None:
         """Advances the oldest operations as far as they go without blocking."""
         while self._handles and not self._handles[0]._claimed and self._handles[0]._poll():
