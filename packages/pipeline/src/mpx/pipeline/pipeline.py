@@ -139,8 +139,8 @@ class Pipeline(nn.Module):
         data_parallel_comm: replicas of this stage in other pipelines; gradients
             are averaged over it before each optimizer step.
         sample: a micro-batch sized input for ``balance=None``.
-        weight_stashing, weight_prediction, gap_aware, step_every, recompute,
-        split_backward: options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`);
+        weight_stashing, weight_prediction, gap_aware, step_every, recompute, split_backward:
+            options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`);
             ``split_backward`` runs each backward as ``I`` (sent upstream at once),
             then ``W``.
 
