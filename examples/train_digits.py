@@ -529,7 +529,42 @@ def fail_if_asked(epoch: int, comm: Communicator) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def plot(history: History, path: str, title: str) -> None:
+@dataclass(frozen=True)
+class PanelLabels:
+    """What the loss and accuracy panels of a mode's plot measure."""
+
+    xlabel: str
+    loss: str
+    loss_title: str
+    accuracy: str
+    accuracy_title: str
+    # The digits' loss falls by decades; a language model's by a fraction of its first value.
+    loss_scale: str = "log"
+
+
+DIGITS_LABELS = PanelLabels(
+    xlabel="epoch",
+    loss="training loss (cross-entropy)",
+    loss_title="training loss",
+    accuracy="test accuracy (%)",
+    accuracy_title="digits' test set",
+)
+# --mode gpt trains a character-level language model: no digits, no classes to count.
+GPT_LABELS = PanelLabels(
+    xlabel=f"epoch ({GPT_STEPS_PER_EPOCH} steps)",
+    loss="training loss (nats/char)",
+    loss_title="next-character cross-entropy",
+    accuracy="next-character accuracy (%)",
+    accuracy_title="held-out source text",
+    loss_scale="linear",
+)
+
+
+def panel_labels(mode: str) -> PanelLabels:
+    return GPT_LABELS if mode == "gpt" else DIGITS_LABELS
+
+
+def plot(history: History, path: str, title: str, labels: PanelLabels = DIGITS_LABELS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -539,15 +574,19 @@ def plot(history: History, path: str, title: str) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.5))
     epochs = range(1, len(history.loss) + 1)
     axes[0].plot(epochs, history.loss, marker="o")
-    axes[0].set(xlabel="epoch", ylabel="training loss", yscale="log")
+    axes[0].set(xlabel=labels.xlabel, ylabel=labels.loss, title=labels.loss_title)
+    axes[0].set_yscale(labels.loss_scale)
     axes[1].plot(epochs, [100 * a for a in history.accuracy], marker="o", color="tab:green")
-    axes[1].set(xlabel="epoch", ylabel="test accuracy (%)")
+    axes[1].set(xlabel=labels.xlabel, ylabel=labels.accuracy, title=labels.accuracy_title)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes[:2]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
     if panels == 3:
         # One curve per epoch (the last batch's forward solve): a family, so coloured by
         # epoch with a colour bar instead of ~20 legend entries; iterations are integers.
         from matplotlib.cm import ScalarMappable
         from matplotlib.colors import Normalize
-        from matplotlib.ticker import MaxNLocator
 
         cmap = plt.get_cmap("viridis")
         norm = Normalize(vmin=1, vmax=max(2, len(history.residuals)))
@@ -644,7 +683,8 @@ def main() -> None:
     allreduce(check, "min", comm=comm)
     path = args.plot or ("gpt_stdlib.png" if args.mode == "gpt" else f"digits_{args.mode}.png")
     if comm.rank == 0:
-        plot(history, path, f"mpx: {what}, {comm.size} ranks")
+        labels = panel_labels(args.mode)
+        plot(history, path, f"mpx: {what}, {comm.size} ranks", labels)
         summary = {
             "mode": args.mode,
             "what": what,
@@ -660,6 +700,7 @@ def main() -> None:
             "accuracy": history.accuracy,
             "epoch_seconds": history.seconds,
             "plot": path,
+            "plot_labels": asdict(labels),
         }
         summary_path = path.rsplit(".", 1)[0] + ".json"
         with open(summary_path, "w") as f:

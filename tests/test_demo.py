@@ -133,6 +133,9 @@ def test_gpt_mode_learns(tmp_path: Path, user_environment: dict[str, str]) -> No
     assert not list(tmp_path.glob("digits_*"))
     summary = json.loads((tmp_path / "gpt_stdlib.json").read_text())
     assert summary["loss"][-1] < min(2.8, summary["loss"][0])
+    # Its plot says what a language model measures, not the digits' loss and test accuracy.
+    assert summary["plot_labels"]["loss"] == "training loss (nats/char)"
+    assert summary["plot_labels"]["accuracy"] == "next-character accuracy (%)"
     assert (tmp_path / "gpt_stdlib.png").stat().st_size > 10_000
 
 

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _demo() -> ModuleType:
+    # Loaded once per process: it declares its MPX_DEMO_* settings, and a second
+    # declaration of the same name is an error (the other demo plot tests load it too).
+    if "train_digits" in sys.modules:
+        return sys.modules["train_digits"]
     spec = importlib.util.spec_from_file_location(
         "train_digits", ROOT / "examples" / "train_digits.py"
     )

@@ -1,0 +1,76 @@
+"""The demo's loss and accuracy panels say what each mode measures (issue 33).
+
+``--mode gpt`` trains a character-level language model on the standard
+library's source: its panels are the next-character cross-entropy in nats per
+character and the next-character accuracy on held-out text, not the digits'
+"training loss" and "test accuracy".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _demo() -> ModuleType:
+    # Loaded once per process: it declares its MPX_DEMO_* settings, and a second
+    # declaration of the same name is an error (the other demo plot tests load it too).
+    if "train_digits" in sys.modules:
+        return sys.modules["train_digits"]
+    spec = importlib.util.spec_from_file_location(
+        "train_digits", ROOT / "examples" / "train_digits.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _panels(tmp_path: Path, mode: str) -> list[tuple[str, str, str, str]]:
+    """(x label, y label, title, y scale) of the plot's panels for ``mode``."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    demo = _demo()
+    history = demo.History(loss=[3.4, 2.9, 2.6], accuracy=[0.2, 0.35, 0.41], seconds=[1.0] * 3)
+    path = tmp_path / f"{mode}.png"
+    plt.close("all")
+    demo.plot(history, str(path), f"mpx: {mode}", demo.panel_labels(mode))
+    assert path.stat().st_size > 10_000
+    fig = plt.gcf()
+    found = [(ax.get_xlabel(), ax.get_ylabel(), ax.get_title(), ax.get_yscale()) for ax in fig.axes]
+    for ax in fig.axes[:2]:  # epochs are whole: no ticks at 1.5, 2.5
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert ticks == [1.0, 2.0, 3.0], ticks
+    plt.close(fig)
+    return found
+
+
+def test_gpt_panels_name_the_language_model_measures(tmp_path: Path) -> None:
+    (x0, loss, loss_title, scale), (x1, accuracy, accuracy_title, _) = _panels(tmp_path, "gpt")
+    assert loss == "training loss (nats/char)"
+    assert loss_title == "next-character cross-entropy"
+    assert accuracy == "next-character accuracy (%)"
+    assert accuracy_title == "held-out source text"
+    assert x0 == x1 == "epoch (10 steps)"
+    assert "test accuracy" not in accuracy
+    assert scale == "linear"  # 3.4 to 2.4 nats/char: a log axis only labels 10^0
+
+
+@pytest.mark.parametrize("mode", ["dp", "ddp", "pipeline", "2d"])
+def test_digits_panels_keep_the_classifier_measures(tmp_path: Path, mode: str) -> None:
+    (x0, loss, _, scale), (x1, accuracy, accuracy_title, _) = _panels(tmp_path, mode)
+    assert loss == "training loss (cross-entropy)"
+    assert accuracy == "test accuracy (%)"
+    assert accuracy_title == "digits' test set"
+    assert x0 == x1 == "epoch"
+    assert scale == "log"  # the digits' loss falls by decades
