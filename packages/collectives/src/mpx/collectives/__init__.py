@@ -12,6 +12,7 @@ the other modules are internal: other packages must not import them.
 
 from importlib import metadata as _metadata
 
+from mpx.collectives.channel import Channel
 from mpx.collectives.communicator import CommLike, Communicator, as_communicator, world
 from mpx.collectives.errors import (
     CollectiveTimeout,
@@ -42,6 +43,7 @@ from mpx.collectives.torch_backend import init_process_group, register_torch_bac
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "Channel",
     "CollectiveTimeout",
     "CommLike",
     "Communicator",

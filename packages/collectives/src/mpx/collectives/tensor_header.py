@@ -6,8 +6,9 @@ sends a header first::
     index   0            1      2 .. 9
     value   dtype code   ndim   dims (zero beyond ndim)
 
-The dtype code is the position in :data:`mpx.collectives.dtypes.SUPPORTED_DTYPES`.
-Used by mpx-pipeline's stage-to-stage transport (through
+The dtype code is the position in :data:`mpx.collectives.dtypes.SUPPORTED_DTYPES`,
+then ``torch.bool`` (a mask travels as its bytes, uint8). Used by
+:class:`mpx.collectives.Channel`'s headers (and published in
 :mod:`mpx.collectives.building_blocks`).
 """
 
@@ -22,6 +23,8 @@ __all__ = ["HEADER_LEN", "MAX_HEADER_DIMS", "decode_header", "encode_header"]
 
 MAX_HEADER_DIMS = 8
 HEADER_LEN = 2 + MAX_HEADER_DIMS
+# What a header may describe: the dtypes every operation takes, then bool (sent as uint8).
+_CODES = (*SUPPORTED_DTYPES, torch.bool)
 
 
 def encode_header(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -41,13 +44,13 @@ def encode_header(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
             f"a tensor of shape {tuple(shape)} has more than {MAX_HEADER_DIMS} dimensions; "
             "flatten it (t.flatten(start_dim=...)) before sending it"
         )
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in _CODES:
         raise MPXTypeError(
             f"a tensor of dtype {dtype} cannot be sent; supported: "
-            f"{', '.join(map(str, SUPPORTED_DTYPES))} (convert with t.to(...))"
+            f"{', '.join(map(str, _CODES))} (convert with t.to(...))"
         )
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0], header[1] = SUPPORTED_DTYPES.index(dtype), len(shape)
+    header[0], header[1] = _CODES.index(dtype), len(shape)
     header[2 : 2 + len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
     return header
 
@@ -55,4 +58,4 @@ def encode_header(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
 def decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     """The shape and dtype that :func:`encode_header` wrote into ``header``."""
     ndim = int(header[1])
-    return torch.Size(int(d) for d in header[2 : 2 + ndim]), SUPPORTED_DTYPES[int(header[0])]
+    return torch.Size(int(d) for d in header[2 : 2 + ndim]), _CODES[int(header[0])]
