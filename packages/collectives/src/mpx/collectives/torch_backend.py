@@ -147,8 +147,10 @@ class MPXWork(dist.Work):
         then: Callable[[], None] | None = None,
         source: Callable[[], int] | None = None,
         timeout: float | None = None,
+        lists_for_cpp: bool = True,
     ) -> None:
         super().__init__()
+        self._lists_for_cpp = lists_for_cpp
         self._handles = list(handles)
         self._result = result
         self._then = then
@@ -269,9 +271,12 @@ class MPXWork(dist.Work):
         futures chained on it) finishes the work in the waiting thread, so a
         callback may wait on another work at any depth. To torch's C++ (DDP's
         built-in hooks), a future whose value is a c10 tensor list
-        (:func:`tensor_list_future`), which C++ reads as it reads gloo's.
+        (:func:`tensor_list_future`), which C++ reads as it reads gloo's --
+        where the group has a C++ reader of lists (``lists_for_cpp``, see
+        :meth:`MPXProcessGroup.cpp_reads_lists`); DDP's own reduction reads
+        the Python future too, and it costs no inter-op hop.
         """
-        if _called_from_cpp():
+        if self._lists_for_cpp and _called_from_cpp():
             return self._tensor_list_future()
         with self._lock:
             if self._future is None:
@@ -371,6 +376,26 @@ class MPXProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._shut = False
         self._group_desc = ""
+        # Whether torch's C++ reads this group's futures as c10 tensor lists
+        # (a built-in comm hook registered on a DDP over it): see cpp_reads_lists.
+        self._cpp_reads_lists = False
+        _note_builtin_hooks()  # "mpx" may come from torch's entry point, not register_torch_backend
+
+    def cpp_reads_lists(self) -> None:
+        """From now on torch's C++ gets this group's futures as c10 tensor lists.
+
+        torch's built-in comm hooks (``BuiltinCommHookType.FP16_COMPRESS``)
+        read a future's value in C++ as a tensor list; DDP's default reduction
+        (no hook, or a Python hook) reads a Python value as well. A tensor-list
+        future costs a TorchScript task per operation: its call releases the
+        GIL, which the progress thread then holds for up to a switch interval
+        (~2 ms per bucket measured on the loaded 2-core machine, two inter-op
+        threads more), so only groups that need it pay: DDP's
+        ``_register_builtin_comm_hook`` calls this (:func:`register_torch_backend`
+        wraps it). Call it yourself before handing the group to other C++ code
+        that reads ``getFuture()->value().toTensorList()``.
+        """
+        self._cpp_reads_lists = True
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -423,7 +448,9 @@ class MPXProcessGroup(dist.ProcessGroup):
         source: Callable[[], int] | None = None,
     ) -> MPXWork:
         """A work of this group: it fails at the group's timeout."""
-        return MPXWork(handles, result, then, source, timeout=self.timeout_s)
+        return MPXWork(
+            handles, result, then, source, self.timeout_s, lists_for_cpp=self._cpp_reads_lists
+        )
 
     def _joined(self, works: Sequence[MPXWork], result: list[torch.Tensor]) -> MPXWork:
         """One work over several (the coalesced forms): done when all of them are."""
@@ -988,6 +1015,29 @@ def register_torch_backend() -> None:
         dist.Backend.register_backend(
             BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
         )
+    _note_builtin_hooks()
+
+
+def _note_builtin_hooks() -> None:
+    """DDP's ``_register_builtin_comm_hook`` marks an mpx group as read by C++ (idempotent).
+
+    The built-in hooks run in C++ and read the allreduce's future as a c10
+    tensor list (:meth:`MPXProcessGroup.cpp_reads_lists`); DDP registers them
+    through this Python method, whose ``self.process_group`` names the group.
+    """
+    ddp_class: Any = torch.nn.parallel.DistributedDataParallel
+    original = ddp_class._register_builtin_comm_hook
+    if getattr(original, "_mpx_notes_lists", False):
+        return
+
+    def register(self: Any, comm_hook_type: Any) -> Any:
+        if isinstance(self.process_group, MPXProcessGroup):
+            self.process_group.cpp_reads_lists()
+        return original(self, comm_hook_type)
+
+    register._mpx_notes_lists = True  # type: ignore[attr-defined]
+    register.__doc__ = original.__doc__
+    ddp_class._register_builtin_comm_hook = register
 
 
 def init_process_group(init_method: str | None = None, timeout: timedelta | None = None) -> None:

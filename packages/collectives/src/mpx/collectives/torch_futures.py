@@ -40,8 +40,12 @@ and a future completed from Python holds a Python object instead (torch:
 ``result.isTensorList() INTERNAL ASSERT FAILED``). :func:`tensor_list_future`
 makes one whose value is a real tensor list: a TorchScript task forked on
 torch's inter-op pool waits for the Python future and returns the tensors.
-Only torch's C++ asks for it (``MPXWork.get_future`` tells the callers apart);
-it completes one inter-op hop (~65 us) after the Python future.
+Only torch's C++ gets it (``MPXWork.get_future`` tells the callers apart), and
+only on a group whose futures C++ reads as lists (a built-in hook registered:
+``MPXProcessGroup.cpp_reads_lists``; DDP's own reduction reads the Python
+future): it completes one inter-op hop (~65 us) after the Python future, and
+calling the TorchScript task releases the GIL, which the progress thread may
+then hold for a switch interval (DDP's step paid ~2 ms a bucket for it).
 """
 
 # No `from __future__ import annotations`: TorchScript reads the annotations of
