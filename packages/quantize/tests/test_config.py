@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 
+import mpx.collectives
 import mpx.quantize as mq
+from mpx.collectives import all_implementations
 from mpx.quantize.config import CompressionConfig, registry
+from mpx.quantize.errors import QuantizeValueError
 
 
 @pytest.fixture(autouse=True)
@@ -153,3 +157,24 @@ def test_cgx_communicator_type_maps_to_an_implementation() -> None:
         ValueError, match=r"communicator='NCCL' is not one of \['auto', 'mpi', 'shm'\]"
     ):
         CompressionConfig.from_env({"CGX_COMMUNICATOR_TYPE": "NCCL"})
+
+
+def test_the_communicator_selects_through_the_collectives_registry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What an implementation runs is the registry's word (Implementation.provides)."""
+    registered = all_implementations()
+    for name in ("mpi", "shm"):
+        config = CompressionConfig(communicator=name)
+        for op in ("allreduce", "broadcast", "reduce", "allgather", "alltoall", "send"):
+            expected = name if op in registered[name].provides else None
+            assert config.impl(op) == expected, (name, op)
+    # An implementation that provides less: its other ops go to auto.
+    narrow = replace(registered["shm"], provides=frozenset({"allreduce"}))
+    monkeypatch.setattr(mpx.collectives, "all_implementations", lambda: {"shm": narrow})
+    shm = CompressionConfig(communicator="SHM")
+    assert [shm.impl(op) for op in ("allreduce", "allgather")] == ["shm", None]
+    # One that is not registered: a clear error naming what is.
+    monkeypatch.setattr(mpx.collectives, "all_implementations", lambda: {"ring": narrow})
+    with pytest.raises(QuantizeValueError, match=r"communicator='mpi'.*it has ring"):
+        CompressionConfig(communicator="mpi").impl("allreduce")

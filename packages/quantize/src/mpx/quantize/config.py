@@ -34,7 +34,10 @@ __all__ = [
     "registry",
 ]
 
-# What CompressionConfig.communicator accepts (CGX's COMMUNICATOR_TYPE, any case).
+# What CompressionConfig.communicator accepts (CGX's COMMUNICATOR_TYPE, any case):
+# CGX's MPI and SHM communicators are the mpx.collectives implementations of the
+# same names (the MPI library's collectives; the node's shared memory), looked up
+# in mpx.collectives' registry; auto lets the collectives' policy choose.
 COMMUNICATORS = ("auto", "mpi", "shm")
 
 # CGX compresses nothing below 16 elements, whatever minimal_size says.
@@ -111,14 +114,28 @@ class CompressionConfig:
     def impl(self, op: str) -> str | None:
         """The mpx.collectives implementation of ``op`` under ``communicator`` (None: auto).
 
-        CGX's SHM communicator maps to mpx's ``shm`` where it runs the op
-        (allreduce, allgather); the alltoall then takes ``auto``'s choice.
+        The registry's implementation of that name runs the op where it
+        provides it (``Implementation.provides``: SHM's ``shm`` runs
+        allreduce, broadcast and allgather); any other op (the alltoall under
+        SHM) takes ``auto``'s choice.
+
+        Raises:
+            QuantizeValueError: mpx.collectives registers no implementation of
+                that name (the message lists those it has).
         """
-        if self.communicator == "mpi":
-            return "mpi"
-        if self.communicator == "shm" and op in ("allreduce", "allgather"):
-            return "shm"
-        return None
+        if self.communicator == "auto":
+            return None
+        # Here, not at the top: torch_cgx imports this module, and must not import MPI.
+        from mpx.collectives import all_implementations
+
+        implementations = all_implementations()
+        found = implementations.get(self.communicator)
+        if found is None:
+            raise QuantizeValueError(
+                f"communicator={self.communicator!r}: mpx.collectives has no implementation of "
+                f"that name (it has {', '.join(implementations)}); use communicator='auto'"
+            )
+        return found.name if op in found.provides else None
 
     @property
     def enabled(self) -> bool:
