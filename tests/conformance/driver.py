@@ -31,12 +31,23 @@ import sys
 import time
 import traceback
 import unittest
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+__all__ = [
+    "GLOO_BRANCH_TESTS",
+    "SKIP_EXIT_CODES",
+    "SYNC_DEADLINE_S",
+    "outcome",
+    "record",
+    "run_all",
+    "sync",
+]
+
 # The exit codes of the suite's own skip decorators (sys.exit inside a rank).
-_SKIP_EXIT_CODES = frozenset(range(72, 90))
+SKIP_EXIT_CODES = frozenset(range(72, 90))
 # Tests whose bodies build their model only under ``if BACKEND in ("mpi",
 # "gloo")`` (else they fail on an unbound variable whatever the backend): they
 # run with the module's BACKEND reading "gloo", on the default group, which is
@@ -49,14 +60,15 @@ GLOO_BRANCH_TESTS = frozenset(
         "test_accumulate_gradients_no_sync_grad_is_view",
     }
 )
-_SYNC_DEADLINE_S = 30.0
+SYNC_DEADLINE_S = 30.0
 
 
-def _record(fd: int, **event: Any) -> None:
+def record(fd: int, **event: Any) -> None:
+    """Appends one JSON line (one ``os.write``, so ranks' lines never interleave)."""
     os.write(fd, (json.dumps(event) + "\n").encode())
 
 
-def _sync(comm: Any, deadline_s: float) -> bool:
+def sync(comm: Any, deadline_s: float) -> bool:
     """An MPI barrier that gives up after ``deadline_s``: False if a peer never came."""
     request = comm.Ibarrier()
     end = time.monotonic() + deadline_s
@@ -67,7 +79,59 @@ def _sync(comm: Any, deadline_s: float) -> bool:
     return True
 
 
-def _run_one(suite: Any, case_class: type, name: str, rank: int, size: int, root: Path) -> Any:
+def outcome(test: Callable[[], object]) -> tuple[str, str]:
+    """Runs ``test``: ("pass"|"skip"|"fail", detail); the default group is destroyed after."""
+    import torch.distributed as dist
+
+    try:
+        test()
+    except unittest.SkipTest as skip:
+        return "skip", str(skip)
+    except SystemExit as stop:
+        if stop.code in SKIP_EXIT_CODES:
+            return "skip", f"exit {stop.code}"
+        return "fail", f"SystemExit({stop.code})"
+    except BaseException as error:
+        lines = traceback.format_exception(error)
+        return "fail", "".join(lines[-12:])[-3000:]
+    finally:
+        if dist.is_initialized():
+            # The outcome is recorded; the next test initialises afresh.
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    return "pass", ""
+
+
+def run_all(
+    names: Sequence[str], out: Path, comm: Any, run: Callable[[str], tuple[str, str]]
+) -> None:
+    """Runs each test with ``run`` from the starting environment, recording to ``rank<r>.jsonl``.
+
+    A ``start`` line, then the outcome; then the ranks meet (``sync``): a rank
+    whose peers never come exits (code 3) and the orchestrator restarts the job
+    after that test.
+    """
+    # Each test starts from this environment: in torch's own runs every test
+    # is a fresh process, and some leave variables behind (with_dist_debug_levels
+    # leaves TORCH_DISTRIBUTED_DEBUG=DETAIL when it was unset).
+    pristine = dict(os.environ)
+    fd = os.open(out / f"rank{comm.Get_rank()}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    for name in names:
+        os.environ.clear()
+        os.environ.update(pristine)
+        record(fd, test=name, event="start")
+        started = time.monotonic()
+        status, detail = run(name)
+        seconds = round(time.monotonic() - started)
+        record(fd, test=name, event=status, detail=detail, seconds=seconds)
+        if not sync(comm, SYNC_DEADLINE_S):
+            record(fd, test=name, event="stuck-peer")
+            os._exit(3)
+
+
+def _run_one(
+    suite: Any, case_class: type, name: str, rank: int, size: int, root: Path
+) -> tuple[str, str]:
     """Runs test ``name`` on this rank: ("pass"|"skip"|"fail", detail)."""
     import torch.distributed as dist
 
@@ -84,7 +148,8 @@ def _run_one(suite: Any, case_class: type, name: str, rank: int, size: int, root
     case.rank = rank
     case.file_name = str(temp / "default_group_file")
     seconds = suite.CUSTOM_PG_TIMEOUT.get(name, suite.default_pg_timeout)
-    try:
+
+    def test() -> None:
         dist.init_process_group(
             init_method=f"file://{case.file_name}",
             backend=backend,
@@ -101,21 +166,8 @@ def _run_one(suite: Any, case_class: type, name: str, rank: int, size: int, root
             suite.BACKEND = backend
         case._barrier()
         dist.destroy_process_group()
-    except unittest.SkipTest as skip:
-        return "skip", str(skip)
-    except SystemExit as stop:
-        if stop.code in _SKIP_EXIT_CODES:
-            return "skip", f"exit {stop.code}"
-        return "fail", f"SystemExit({stop.code})"
-    except BaseException as error:
-        lines = traceback.format_exception(error)
-        return "fail", "".join(lines[-12:])[-3000:]
-    finally:
-        if dist.is_initialized():
-            # The outcome is recorded; the next test initialises afresh.
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    return "pass", ""
+
+    return outcome(test)
 
 
 def main() -> int:
@@ -160,26 +212,14 @@ def main() -> int:
     class Case(suite.TestDistBackend, suite.DistributedTest._DistTestBase):
         pass
 
-    # Each test starts from this environment: in torch's own runs every test
-    # is a fresh process, and some leave variables behind (with_dist_debug_levels
-    # leaves TORCH_DISTRIBUTED_DEBUG=DETAIL when it was unset).
-    pristine = dict(os.environ)
     names = [n for n in args.tests.read_text().split() if n]
-    fd = os.open(args.out / f"rank{rank}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     root = args.out / "tmp"
-    for name in names:
-        os.environ.clear()
-        os.environ.update(pristine)
+
+    def run(name: str) -> tuple[str, str]:
         torch.distributed.set_debug_level_from_env()  # type: ignore[attr-defined]
-        _record(fd, test=name, event="start")
-        started = time.monotonic()
-        status, detail = _run_one(suite, Case, name, rank, size, root)
-        _record(
-            fd, test=name, event=status, detail=detail, seconds=round(time.monotonic() - started)
-        )
-        if not _sync(comm, _SYNC_DEADLINE_S):
-            _record(fd, test=name, event="stuck-peer")
-            os._exit(3)
+        return _run_one(suite, Case, name, rank, size, root)
+
+    run_all(names, args.out, comm, run)
     return 0
 
 

@@ -22,33 +22,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
-import os
 import sys
-import time
-import traceback
 import unittest
 from pathlib import Path
 from typing import Any
 
+import driver  # type: ignore[import-not-found]  # this folder's: the script's sys.path[0]
+
 NOT_ON_MPX = "not on mpx: the test builds gloo's classes itself"
-_SKIP_EXIT_CODES = frozenset(range(72, 90))  # torch's skip decorators exit with these
-_SYNC_DEADLINE_S = 30.0
-
-
-def _record(fd: int, **event: Any) -> None:
-    os.write(fd, (json.dumps(event) + "\n").encode())
-
-
-def _sync(comm: Any, deadline_s: float) -> bool:
-    """An MPI barrier that gives up after ``deadline_s``: False if a peer never came."""
-    request = comm.Ibarrier()
-    end = time.monotonic() + deadline_s
-    while not request.Test():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def load(path: Path) -> Any:
@@ -119,13 +100,13 @@ def _on_backend(backend: str, made: list[int]) -> None:
 
 def run_one(module: Any, qualified: str, rank: int, size: int, root: Path) -> tuple[str, str]:
     """Runs ``Class.test`` on this rank: ("pass"|"skip"|"fail", detail)."""
-    import torch.distributed as dist
 
     class_name, name = qualified.split(".", 1)
     cls = getattr(module, class_name)
     case = cls(name)
     store = root / qualified / "store"
-    try:
+
+    def test() -> None:
         with contextlib.ExitStack() as stack:
             # The test's own process start (setUp's _spawn_processes) is MPI's here.
             stack.enter_context(_patched(cls, "_spawn_processes", lambda self: None))
@@ -133,21 +114,10 @@ def run_one(module: Any, qualified: str, rank: int, size: int, root: Path) -> tu
         case.rank = rank
         case.file_name = str(store)
         if case.world_size != size:
-            return "skip", f"needs {case.world_size} ranks, the job has {size}"
+            raise unittest.SkipTest(f"needs {case.world_size} ranks, the job has {size}")
         getattr(case, name)()
-    except unittest.SkipTest as skip:
-        return "skip", str(skip)
-    except SystemExit as stop:
-        if stop.code in _SKIP_EXIT_CODES:
-            return "skip", f"exit {stop.code}"
-        return "fail", f"SystemExit({stop.code})"
-    except BaseException as error:
-        return "fail", "".join(traceback.format_exception(error)[-12:])[-3000:]
-    finally:
-        if dist.is_initialized():  # the outcome is recorded; the next test starts afresh
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    return "pass", ""
+
+    return driver.outcome(test)  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -185,27 +155,16 @@ def main() -> int:
         _on_backend(args.backend, made)
     out = args.out.resolve()
     root = out / "tmp"
-    fd = os.open(out / f"rank{rank}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    pristine = dict(os.environ)
-    for qualified in [n for n in args.tests.read_text().split() if n]:
-        os.environ.clear()
-        os.environ.update(pristine)
+
+    def run(qualified: str) -> tuple[str, str]:
         (root / qualified).mkdir(parents=True, exist_ok=True)
-        _record(fd, test=qualified, event="start")
-        started, before = time.monotonic(), made[0]
+        before = made[0]
         status, detail = run_one(module, qualified, rank, size, root)
         if args.backend != "gloo" and status == "pass" and made[0] == before:
             status, detail = "skip", NOT_ON_MPX
-        _record(
-            fd,
-            test=qualified,
-            event=status,
-            detail=detail,
-            seconds=round(time.monotonic() - started),
-        )
-        if not _sync(comm, _SYNC_DEADLINE_S):
-            _record(fd, test=qualified, event="stuck-peer")
-            os._exit(3)
+        return status, detail
+
+    driver.run_all([n for n in args.tests.read_text().split() if n], out, comm, run)
     return 0
 
 

@@ -8,16 +8,12 @@ than gloo, so they agree to rounding.
 
 import importlib.util
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from mpx.collectives import init_process_group
-from mpx.launch import init_torch_env
 
 pytestmark = pytest.mark.mpi
 
@@ -34,18 +30,6 @@ def _bench() -> ModuleType:
 
 
 BENCH = _bench()
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[dict[str, dist.ProcessGroup]]:
-    """The default group on mpx (env:// store) and a gloo group over the same ranks."""
-    init_torch_env()
-    init_process_group("env://")
-    gloo = dist.new_group(backend="gloo")
-    default = dist.group.WORLD
-    assert default is not None
-    yield {"mpx": default, "gloo": gloo}
-    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)

@@ -3,7 +3,7 @@
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at
 # runtime (test_ddp_comm_hook_chained_on_the_future_equals_gloo).
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -12,22 +12,9 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch import nn
 
-from mpx.collectives import CollectiveTimeout, MPXError, init_process_group, world
-from mpx.launch import init_torch_env
+from mpx.collectives import CollectiveTimeout, MPXError, world
 
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[dict[str, dist.ProcessGroup]]:
-    """The default group on mpx (env:// store) and a gloo group over the same ranks."""
-    init_torch_env()
-    init_process_group("env://")
-    gloo = dist.new_group(backend="gloo")
-    default = dist.group.WORLD
-    assert default is not None
-    yield {"mpx": default, "gloo": gloo}
-    dist.destroy_process_group()
 
 
 def test_backend_collectives(groups: dict[str, dist.ProcessGroup]) -> None:

@@ -8,7 +8,7 @@ completed futures and completed them with a Python object.
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,22 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from mpx.collectives import init_process_group
-from mpx.launch import init_torch_env
-
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[dict[str, dist.ProcessGroup]]:
-    """The default group on mpx (env:// store) and a gloo group over the same ranks."""
-    init_torch_env()
-    init_process_group("env://")
-    gloo = dist.new_group(backend="gloo")
-    default = dist.group.WORLD
-    assert default is not None
-    yield {"mpx": default, "gloo": gloo}
-    dist.destroy_process_group()
 
 
 def _until(done: Callable[[], bool]) -> None:

@@ -7,7 +7,7 @@ gloo: the losses must be equal, and mpx must cause no graph break gloo has not.
 """
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -16,22 +16,7 @@ import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 
-from mpx.collectives import init_process_group
-from mpx.launch import init_torch_env
-
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[dict[str, dist.ProcessGroup]]:
-    """The default group on mpx (env:// store) and a gloo group over the same ranks."""
-    init_torch_env()
-    init_process_group("env://")
-    gloo = dist.new_group(backend="gloo")
-    default = dist.group.WORLD
-    assert default is not None
-    yield {"mpx": default, "gloo": gloo}
-    dist.destroy_process_group()
 
 
 def _ddp(group: dist.ProcessGroup, module: nn.Module) -> nn.Module:
