@@ -410,7 +410,7 @@ class Communicator:
             number = board.post(row)  # now: when the call's turn has come, in order
             if not board.arrived(number):
                 yield Arrival(board, number)
-            if not calls_differ(board.rows(number)):
+            if board.same(number):  # in C where fast_path is compiled
                 return
         else:
             every = np.empty((self.size, ROW), dtype=np.int64)

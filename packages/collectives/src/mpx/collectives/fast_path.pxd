@@ -4,6 +4,7 @@
 # the compiled module (not attributes of it).
 
 cimport cython
+from libc.stdint cimport int64_t
 
 cdef extern from *:
     """
@@ -82,25 +83,46 @@ cdef extern from *:
 
     /* The call board's protocol (mpx.collectives.call_board) in C, on the same
        shared memory: slots of 8 int64 per rank and half, [0] the call's number
-       (stored last, with release order), [1..6] its row. */
+       (stored last, with release order), [1..6] its row. The fast path and, through
+       the wrappers board_post .. board_wait, the general path's CallBoard run it. */
     static void mpx_board_post(long long *slots, int me, long long number, long long op,
                                long long dtype, long long count, long long reduce,
-                               long long root) {
+                               long long root, long long configuration) {
         long long *slot = slots + ((long long)me * 2 + (number & 1)) * 8;
         slot[1] = op; slot[2] = dtype; slot[3] = count; slot[4] = reduce; slot[5] = root;
-        slot[6] = 0;
+        slot[6] = configuration;
         __atomic_store_n(&slot[0], number, __ATOMIC_RELEASE);
     }
 
-    /* Waits until every rank has posted call `number`, then compares their rows
-       with this rank's: 1 when all agree, 0 when any differs. The wait spins,
-       then sched_yields; a yielding communicator's (an oversubscribed host)
-       sleeps after 0.5 ms, 20 us growing to 1 ms, like mpx_mpi_wait_yielding. */
-    static int mpx_board_meet(long long *slots, int size, int me, long long number,
-                              int yielding) {
+    /* Whether every rank has posted call `number` (one look, no wait). */
+    static int mpx_board_arrived(long long *slots, int size, long long number) {
+        const long long half = number & 1;
+        int p;
+        for (p = 0; p < size; p++)
+            if (__atomic_load_n(&slots[((long long)p * 2 + half) * 8], __ATOMIC_ACQUIRE) < number)
+                return 0;
+        return 1;
+    }
+
+    /* Whether every rank's row of call `number` equals this rank's (all have posted it). */
+    static int mpx_board_same(long long *slots, int size, int me, long long number) {
         const long long half = number & 1;
         const long long *mine = slots + ((long long)me * 2 + half) * 8;
         int p, i;
+        for (p = 0; p < size; p++) {
+            const long long *slot = slots + ((long long)p * 2 + half) * 8;
+            for (i = 1; i < 7; i++)
+                if (slot[i] != mine[i]) return 0;
+        }
+        return 1;
+    }
+
+    /* Waits until every rank has posted call `number`. The wait spins, then
+       sched_yields; a yielding communicator's (an oversubscribed host) sleeps
+       after 0.5 ms, 20 us growing to 1 ms, like mpx_mpi_wait_yielding. */
+    static void mpx_board_wait(long long *slots, int size, long long number, int yielding) {
+        const long long half = number & 1;
+        int p;
         for (p = 0; p < size; p++) {
             long long *slot = slots + ((long long)p * 2 + half) * 8;
             int spins = 0;
@@ -118,12 +140,13 @@ cdef extern from *:
                 }
             }
         }
-        for (p = 0; p < size; p++) {
-            const long long *slot = slots + ((long long)p * 2 + half) * 8;
-            for (i = 1; i < 7; i++)
-                if (slot[i] != mine[i]) return 0;
-        }
-        return 1;
+    }
+
+    /* mpx_board_wait, then mpx_board_same: 1 when all agree, 0 when any differs. */
+    static int mpx_board_meet(long long *slots, int size, int me, long long number,
+                              int yielding) {
+        mpx_board_wait(slots, size, number, yielding);
+        return mpx_board_same(slots, size, me, number);
     }
     """
     int mpx_mpi_load(const char *library)
@@ -132,7 +155,11 @@ cdef extern from *:
     int mpx_mpi_wait(int *request) nogil
     int mpx_mpi_wait_yielding(int *request) nogil
     void mpx_board_post(long long *slots, int me, long long number, long long op,
-                        long long dtype, long long count, long long reduce, long long root)
+                        long long dtype, long long count, long long reduce, long long root,
+                        long long configuration)
+    int mpx_board_arrived(long long *slots, int size, long long number)
+    int mpx_board_same(long long *slots, int size, int me, long long number)
+    void mpx_board_wait(long long *slots, int size, long long number, int yielding) nogil
     int mpx_board_meet(long long *slots, int size, int me, long long number,
                        int yielding) nogil
 
@@ -185,3 +212,10 @@ cpdef bint allreduce(object t, object op, object comm, object impl) except -1
 
 @cython.locals(call=_Call)
 cpdef bint broadcast(object t, object root, object comm, object impl) except -1
+
+# The call board's protocol for mpx.collectives.call_board.CallBoard (addresses as ints).
+@cython.locals(counted=cython.p_longlong, n=cython.longlong)
+cpdef long long board_post(size_t slots, size_t counter, int me, const int64_t[::1] row) except -1
+cpdef bint board_arrived(size_t slots, int size, long long number)
+cpdef bint board_same(size_t slots, int size, int me, long long number)
+cpdef void board_wait(size_t slots, int size, long long number, bint yielding)

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from mpx.collectives.call_board import SLOT, Arrival
+from mpx.collectives.call_board import SLOT, Arrival, use_compiled
 from mpx.collectives.communicator import Communicator, as_communicator, world
 from mpx.collectives.consistency import call_of, calls_differ, encode
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
@@ -62,7 +62,17 @@ try:
 except ImportError:  # Cython is not installed: this module runs as Python
     from mpx.collectives._no_cython import cython
 
-__all__ = ["COMPILED", "DIRECT", "allreduce", "broadcast", "payload"]
+__all__ = [
+    "COMPILED",
+    "DIRECT",
+    "allreduce",
+    "board_arrived",
+    "board_post",
+    "board_same",
+    "board_wait",
+    "broadcast",
+    "payload",
+]
 
 COMPILED: bool = cython.compiled
 """Whether this module runs compiled (an extension module) or as Python source."""
@@ -308,6 +318,7 @@ def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
                     call.r_count,
                     call.r_reduce,
                     call.r_root,
+                    0,  # the configuration hash: none for a collective call
                 )
             else:
                 assert call.board_obj is not None  # _takes: checked calls need one
@@ -367,7 +378,7 @@ def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
     return True
 
 
-def allreduce(t: torch.Tensor, op: str, comm: Any, impl: str | None) -> bool:
+def allreduce(t: Any, op: str, comm: Any, impl: str | None) -> bool:
     """Runs a small blocking allreduce; False (nothing done) if it is not one."""
     global _payload  # noqa: PLW0603 -- compiled, a C counter (fast_path.pxd)
     if type(t) is not _TENSOR or not t.is_cpu or t.requires_grad or not t.is_contiguous():
@@ -385,7 +396,7 @@ def allreduce(t: torch.Tensor, op: str, comm: Any, impl: str | None) -> bool:
     return True
 
 
-def broadcast(t: torch.Tensor, root: int, comm: Any, impl: str | None) -> bool:
+def broadcast(t: Any, root: int, comm: Any, impl: str | None) -> bool:
     """Runs a small blocking broadcast; False (nothing done) if it is not one."""
     global _payload  # noqa: PLW0603 -- compiled, a C counter (fast_path.pxd)
     if type(t) is not _TENSOR or not t.is_cpu or t.requires_grad or not t.is_contiguous():
@@ -403,6 +414,44 @@ def broadcast(t: torch.Tensor, root: int, comm: Any, impl: str | None) -> bool:
         return False
     _payload += call.nbytes
     return True
+
+
+# The call board's protocol for the general path (call_board.CallBoard), in C:
+# the same functions as the fast path's, on the board's addresses as ints.
+
+
+def board_post(slots: int, counter: int, me: int, row: Any) -> int:
+    """``CallBoard.post``: counts the call at ``counter``, posts ``row`` as its row."""
+    counted = cython.cast(cython.p_longlong, counter)
+    n = counted[0] + 1
+    counted[0] = n
+    mpx_board_post(
+        cython.cast(cython.p_longlong, slots), me, n, row[0], row[1], row[2], row[3], row[4], row[5]
+    )
+    return int(n)
+
+
+def board_arrived(slots: int, size: int, number: int) -> bool:
+    """``CallBoard.arrived``: whether every rank has posted call ``number``."""
+    return bool(mpx_board_arrived(cython.cast(cython.p_longlong, slots), size, number))
+
+
+def board_same(slots: int, size: int, me: int, number: int) -> bool:
+    """``CallBoard.same``: whether every rank's row of call ``number`` equals this rank's."""
+    return bool(mpx_board_same(cython.cast(cython.p_longlong, slots), size, me, number))
+
+
+def board_wait(slots: int, size: int, number: int, yielding: bool) -> None:
+    """``CallBoard.wait``: waits (without the GIL) until every rank has posted ``number``."""
+    board = cython.cast(cython.p_longlong, slots)
+    with cython.nogil:
+        mpx_board_wait(board, size, number, yielding)
+
+
+if cython.compiled:
+    # Every CallBoard made from now on runs the protocol in C (the package's
+    # __init__ imports this module before any communicator can be made).
+    use_compiled(board_post, board_arrived, board_same, board_wait)
 
 
 if not cython.compiled:
@@ -423,8 +472,25 @@ if not cython.compiled:
         raise AssertionError("compiled only")
 
     def mpx_board_post(
-        slots: Any, me: int, number: int, op: int, dtype: int, count: int, reduce: int, root: int
+        slots: Any,
+        me: int,
+        number: int,
+        op: int,
+        dtype: int,
+        count: int,
+        reduce: int,
+        root: int,
+        configuration: int,
     ) -> None:
+        raise AssertionError("compiled only")
+
+    def mpx_board_arrived(slots: Any, size: int, number: int) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_board_same(slots: Any, size: int, me: int, number: int) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_board_wait(slots: Any, size: int, number: int, yielding: bool) -> None:
         raise AssertionError("compiled only")
 
     def mpx_board_meet(slots: Any, size: int, me: int, number: int, yielding: bool) -> int:
