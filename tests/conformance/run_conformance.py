@@ -12,7 +12,10 @@ gloo passes mpx passes too, and lists the rest::
 The exit status is 1 when the tested backend fails a test the control
 passes, other than those ``--expected-differ`` names (torch's gloo-only
 ``monitored_barrier``): a regression fails the run (and CI, whose
-``nox -s tests`` runs the whole 2-rank suite).
+``nox -s tests`` runs the whole 2-rank suite). Then, unless ``--torch-files
+none`` or ``--select subgroup``, ``run_torch_files.py``'s fixed sample of
+torch's other test files runs (``test_functional_api.py`` ...; torch's sources
+from ``MPX_TORCH_TESTS``, else a ``SKIPPED`` line), and fails the run alike.
 
 The tests of one backend run in one job, one after another (a job start costs
 torch's import); a test that hangs or kills a rank ends the job, and the job
@@ -24,6 +27,7 @@ and ``summary-<ranks>.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -273,6 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=EXPECTED_DIFFER,
         help=f"regex of tests that may differ from the control (default {EXPECTED_DIFFER!r})",
     )
+    parser.add_argument(
+        "--torch-files",
+        choices=["sample", "none"],
+        default="sample",
+        help="after distributed_test.py, run_torch_files.py's fixed sample of torch's other "
+        "test files (read from MPX_TORCH_TESTS; reported SKIPPED without it); not with "
+        "--select subgroup",
+    )
     args = parser.parse_args(argv)
     # Absolute: torch's suite makes file:// URLs of it, and a relative path there
     # reads as a host name (file://conformance-results/...): every rank waits forever.
@@ -310,8 +322,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     regressed = regressions(result, args.expected_differ)
     if regressed:
         print(f"{tested} fails {len(regressed)} test(s) that {control} passes: {regressed}")
-        return 1
-    return 0
+    files_status = 0
+    if args.torch_files == "sample" and args.select != "subgroup":
+        files_status = _torch_files().run_sample(args.ranks, args.out / "files")
+    return 1 if regressed or files_status else 0
+
+
+def _torch_files() -> Any:
+    """run_torch_files.py, this folder's (a script, not an installed module)."""
+    sys.path.insert(0, str(HERE))
+    spec = importlib.util.spec_from_file_location("run_torch_files", HERE / "run_torch_files.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":

@@ -60,3 +60,30 @@ def test_a_sample_file_runs_on_mpx_and_gloo(
     assert files.main(argv) == 0
     said = capsys.readouterr().out
     assert "mpx passes 1 of the 1 tests gloo passes (1 build gloo themselves" in said
+
+
+def test_the_sample_without_torch_sources_is_a_skip_said_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI has no torch checkout: the sample says SKIPPED (not a pass) and fails nothing."""
+    monkeypatch.delenv("MPX_TORCH_TESTS", raising=False)
+    assert files.run_sample(2, tmp_path) == 0
+    said = capsys.readouterr().out
+    assert "torch test files: SKIPPED, not a pass" in said
+    assert "MPX_TORCH_TESTS is not set" in said
+    assert "mpx passes" not in said
+
+
+@pytest.mark.timeout(600)
+def test_the_sample_runs_its_tests_only(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Of a file, the sample runs the tests it names (here one of our sample file's three)."""
+    bin_dir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("MPX_TORCH_TESTS", str(HERE))
+    named = ("SampleTest.test_all_reduce_through_init_process_group",)
+    monkeypatch.setattr(files, "SAMPLE", {"multiprocess_sample.py": named})
+    assert files.run_sample(2, tmp_path) == 0
+    said = capsys.readouterr().out
+    assert "mpx passes 1 of the 1 tests gloo passes (0 build gloo themselves" in said

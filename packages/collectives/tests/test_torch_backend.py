@@ -599,3 +599,16 @@ def test_allgather_of_several_inputs_per_rank_matches_gloo(
         groups["mpx"].allgather([[torch.zeros(1)] * size] * 2, [torch.zeros(1)] * 2)
     with pytest.raises(MPXError, match=r"one output list per input tensor \(2\), got 1"):
         groups["mpx"].allgather([[torch.zeros(1)] * (2 * size)], [torch.zeros(1)] * 2)
+
+
+def test_every_op_of_the_table_has_its_process_group_method() -> None:
+    """registry.OP_SPECS names the c10d method each op backs: MPXProcessGroup defines each one.
+
+    An op added to the one table of op specs without its torch method here
+    would reach ``dist.ProcessGroup``'s C++ default ("not supported") instead.
+    """
+    from mpx.collectives.registry import OP_SPECS
+    from mpx.collectives.torch_backend import MPXProcessGroup
+
+    missing = [s.c10d for s in OP_SPECS.values() if s.c10d not in vars(MPXProcessGroup)]
+    assert missing == []
