@@ -79,7 +79,8 @@ def test_default_job_trains_to_95_percent(tmp_path: Path, user_environment: dict
     [
         ["--mode", "ddp"],
         ["--mode", "pipeline", "--schedule", "gpipe"],
-        ["--mode", "pipeline", "--schedule", "async"],
+        # Another schedule of the pipeline mode: --mode gpt runs async in tests already.
+        pytest.param(["--mode", "pipeline", "--schedule", "async"], marks=pytest.mark.extended),
         ["--mode", "mgrit"],
         ["--mode", "2d"],
     ],
@@ -100,7 +101,9 @@ def test_other_modes_train(
 
 
 @pytest.mark.parametrize(
-    ("mode", "batch"), [("dp", 63), ("2d", 60)], ids=["dp-3-ranks", "2d-3-ranks"]
+    ("mode", "batch"),
+    [("dp", 63), pytest.param("2d", 60, marks=pytest.mark.extended)],
+    ids=["dp-3-ranks", "2d-3-ranks"],
 )
 def test_three_ranks_run_with_the_default_batch_size(
     tmp_path: Path, user_environment: dict[str, str], mode: str, batch: int
@@ -143,7 +146,9 @@ def test_gpt_mode_learns(tmp_path: Path, user_environment: dict[str, str]) -> No
     "args",
     [
         pytest.param([], id="dp-4bit"),
-        pytest.param(["--mode", "gpt", "--schedule", "async"], id="gpt-async"),
+        pytest.param(
+            ["--mode", "gpt", "--schedule", "async"], id="gpt-async", marks=pytest.mark.extended
+        ),
         pytest.param(
             ["--mode", "pipeline", "--schedule", "async"],
             id="pipeline-async",

@@ -31,7 +31,11 @@ TRAIN_BOUND, VALIDATION_BOUND = 2.8, 2.7
 
 @pytest.mark.parametrize(
     ("ranks", "layout", "schedule"),
-    [(4, "2 stage(s) x 2 replica(s)", "async"), (2, "2 stage(s) x 1 replica(s)", "1f1b")],
+    [
+        (4, "2 stage(s) x 2 replica(s)", "async"),
+        # Another rank count and schedule of the same job: nox -s tests-extended.
+        pytest.param(2, "2 stage(s) x 1 replica(s)", "1f1b", marks=pytest.mark.extended),
+    ],
     ids=["4-ranks-async", "2-ranks-1f1b"],
 )
 def test_gpt_learns_under_mpxrun(

@@ -71,7 +71,7 @@ os._exit(0)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_an_env_rendezvous_survives_a_restart_on_the_same_port(
     tmp_path: Path, nprocs: int, fresh_job_environment: Callable[..., dict[str, str]]
 ) -> None:
