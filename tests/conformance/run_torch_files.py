@@ -150,10 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     regressed: list[str] = []
     lines = []
     for path in found:
-        tests = _tests_of(path)
-        if args.sample:
-            wanted = next(v for k, v in SAMPLE.items() if path.as_posix().endswith(k))
-            tests = [t for t in tests if t in wanted]
+        if args.sample:  # named: no listing run (a torch import fewer)
+            tests = list(next(v for k, v in SAMPLE.items() if path.as_posix().endswith(k)))
+        else:
+            tests = _tests_of(path)
         if args.pattern:
             tests = [t for t in tests if re.search(args.pattern, t)]
         if not tests:
