@@ -55,6 +55,20 @@ def _every_rank_raises(comm: Communicator, call: object, match: str) -> None:
 # -- without MPI: the pieces ----------------------------------------------------
 
 
+def test_rows_are_shared_read_only_and_their_cache_is_bounded() -> None:
+    """A repeated call reuses its row (~3 us of numpy less); varying shapes stay bounded."""
+    from mpx.collectives import consistency
+
+    first = encode(("allreduce", "float32", 10, "sum", -1))
+    assert encode(("allreduce", "float32", 10, "sum", -1)) is first
+    assert encode(("allreduce", "float32", 10, "sum", -1), 5) is not first
+    with pytest.raises(ValueError, match="read-only"):
+        first[2] = 11  # shared by every call of that signature: never written
+    for n in range(3 * consistency._ROWS_LIMIT):
+        assert decode(encode(("allreduce", "float32", n, "sum", -1)))[0][2] == n
+    assert len(consistency._ROWS) <= consistency._ROWS_LIMIT
+
+
 def test_signatures_survive_the_wire() -> None:
     sig = signature_of("allreduce", torch.ones(3, 5, dtype=torch.bfloat16), "max", -1)
     assert sig == ("allreduce", "bfloat16", 15, "max", -1)

@@ -126,13 +126,28 @@ def call_of(op: str, tensor: torch.Tensor | None, reduce_op: str, root: int) -> 
     return (op, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape), reduce_op, root)
 
 
+# Rows of recent signatures (building one costs ~3 us of numpy; a training loop
+# repeats a few). Bounded: emptied when full, so shapes that vary every step cost
+# at most _ROWS_LIMIT rows (~100 KB).
+_ROWS: dict[tuple[Signature, int], np.ndarray] = {}
+_ROWS_LIMIT = 1024
+
+
 def encode(signature: Signature, configuration: int = 0) -> np.ndarray:
-    """One call as ``ROW`` int64s: what the ranks compare."""
-    op, dtype, count, reduce_op, root = signature
-    return np.array(
-        [_code(0, op), _code(1, dtype), count, _code(2, reduce_op), root, configuration],
-        dtype=np.int64,
-    )
+    """One call as ``ROW`` int64s: what the ranks compare (read-only: it may be shared)."""
+    key = (signature, configuration)
+    row = _ROWS.get(key)
+    if row is None:
+        op, dtype, count, reduce_op, root = signature
+        row = np.array(
+            [_code(0, op), _code(1, dtype), count, _code(2, reduce_op), root, configuration],
+            dtype=np.int64,
+        )
+        row.flags.writeable = False
+        if len(_ROWS) >= _ROWS_LIMIT:
+            _ROWS.clear()
+        _ROWS[key] = row
+    return row
 
 
 def decode(row: np.ndarray) -> tuple[Signature, int]:
