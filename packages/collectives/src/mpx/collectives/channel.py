@@ -255,8 +255,9 @@ class Channel:
         interrupt: called every few polls of a wait; raises to end it early.
 
     Attributes:
-        full_headers_sent, full_headers_received: headers that described shapes
-            (the others were markers: nothing had changed on their stream).
+        full_headers_sent: headers posted that described shapes (the others were
+            markers: nothing had changed on their stream).
+        full_headers_received: headers decoded that described shapes.
     """
 
     waited: ClassVar[list[float]] = [0.0]

@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
-from mpx.collectives import allgather, broadcast
+from mpx.collectives import Channel, Communicator, MPXValueError, allgather, broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
-from mpx.mgrit._transport import Neighbours, Shift
-from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
+from mpx.mgrit.errors import MGRITConfigError, MGRITError, MGRITTypeError
 from mpx.mgrit.grid import Layout
 
 __all__ = ["MGRIT", "Step", "check_tol"]
@@ -152,7 +152,7 @@ class MGRIT:
         self.cycle_type = cycle_type
         self.vectorized = vectorized
         self.float_times = float_times
-        self.neighbours = Neighbours(self.comm, self.layout.left, self.layout.right)
+        self.ghosts = Ghosts(self.comm, self.layout.left, self.layout.right)
         #: residual norm after each iteration of the last solve
         self.residuals: list[float] = []
         self.iterations = 0
@@ -296,7 +296,7 @@ class MGRIT:
         if not self.layout.active:
             return
         u = self._u[lvl]
-        shift = self.neighbours.start_shift(u[-1], u[0], tag=lvl)
+        shift = self.ghosts.start(u[-1], u[0], tag=lvl)
         if not shift.receives:
             self._f_relax(lvl)
             shift.finish()
@@ -320,7 +320,7 @@ class MGRIT:
         u = self._u[lvl]
         if not self.layout.active:
             return
-        self.neighbours.shift_right(u[-1], u[0], tag=lvl)
+        self.ghosts.start(u[-1], u[0], tag=lvl).finish()
 
     def _restrict(self, lvl: int) -> None:
         """FAS: inject u to the coarse level and form its right-hand side g."""
@@ -355,14 +355,10 @@ class MGRIT:
         n = self.layout.levels[lvl].count
         if not self.layout.active:
             return
-        incoming = self.neighbours.start_recv(u[0], tag=lvl)
-        if incoming is not None:
-            Shift(incoming, None, u[0], (self.layout.left, None)).finish()
+        self.ghosts.start(None, u[0], tag=lvl).finish()
         rows = self._march(lvl, u[0], g, n)
         u[1:] = rows
-        outgoing = self.neighbours.start_send(u[-1], tag=lvl)
-        if outgoing is not None:
-            Shift(None, outgoing, u[-1], (None, self.layout.right)).finish()
+        self.ghosts.start(u[-1], None, tag=lvl).finish()
 
     def _march(self, lvl: int, x: torch.Tensor, g: torch.Tensor | None, n: int) -> torch.Tensor:
         """n sequential steps from x (the hot loop of the coarsest level: lists, no indexing)."""
@@ -437,3 +433,85 @@ class MGRIT:
         """C-points of the finest level held by each rank (its rows of the residual)."""
         per_block = math.prod(self.layout.factors) // self.layout.levels[0].cfactor
         return [blocks * per_block for blocks in self.layout.blocks]
+
+
+class Ghosts:
+    """Ghost rows from the neighbouring time blocks, on a :class:`mpx.collectives.Channel`.
+
+    Only C-point values cross ranks: after C-points change, each rank posts its
+    last point (always a C-point of the level) to the rank on its right, which
+    keeps it as the ghost row 0 of its block. One tag per level; the receive is
+    posted before the relaxation that does not need it; CUDA states travel
+    through the channel (MPI need not be CUDA-aware)::
+
+        rank r-1: [g | ... F F C]  --- last C-point --->  rank r: [g | F F C ... ]
+                                                                  ^ ghost row 0
+
+    Example::
+
+        ghosts = Ghosts(comm, left=layout.left, right=layout.right)
+        shift = ghosts.start(u[-1], u[0], tag=level)   # u[0] <- left neighbour's last row
+        relax_all_but_the_first_interval(); shift.finish(); relax_the_first_interval()
+    """
+
+    def __init__(self, comm: Communicator, left: int | None, right: int | None) -> None:
+        self.channel = Channel(comm)
+        self.left, self.right = left, right
+
+    def start(self, last: torch.Tensor | None, ghost: torch.Tensor | None, tag: int) -> Shift:
+        """Starts posting ``last`` right (if given and there is a right neighbour) and
+        receiving the left neighbour's into ``ghost`` (likewise); returns at once."""
+        incoming, sent = None, None
+        if ghost is not None and self.left is not None:
+            like = [(ghost.shape, ghost.dtype)]
+            incoming = self.channel.expect(self.left, tag, like, device=ghost.device)
+        if last is not None and self.right is not None:
+            sent = self.channel.post(self.right, tag, last)  # ``last`` is kept until finish()
+        return Shift(self, incoming, sent, ghost)
+
+
+class Shift:
+    """An exchange in flight: :meth:`finish` waits for it and fills the ghost row."""
+
+    def __init__(
+        self, ghosts: Ghosts, incoming: Any, sent: Any, ghost: torch.Tensor | None
+    ) -> None:
+        self.ghosts, self.incoming, self.sent, self.ghost = ghosts, incoming, sent, ghost
+
+    @property
+    def receives(self) -> bool:
+        """Whether the ghost row will change (there is a left neighbour)."""
+        return self.incoming is not None
+
+    def finish(self) -> None:
+        """Waits for the exchange.
+
+        Raises:
+            MGRITError: the message did not fit (the ranks are out of step).
+            CollectiveTimeout: the neighbour did not arrive in time (``MPX_TIMEOUT``).
+        """
+        channel = self.ghosts.channel
+        try:
+            if self.incoming is not None:
+                assert self.ghost is not None
+                message = channel.receive(self.incoming)
+                self.ghost.copy_(message.tensors[0])
+                channel.release(message.tensors)
+                self.incoming = None
+            if self.sent is not None:
+                channel.wait(self.sent)
+                self.sent = None
+        except (MPXValueError, MPI.Exception) as err:
+            shape = () if self.ghost is None else tuple(self.ghost.shape)
+            raise mismatch((self.ghosts.left, self.ghosts.right), shape, err) from err
+
+
+def mismatch(
+    peers: tuple[int | None, int | None], shape: tuple[int, ...], err: Exception
+) -> MGRITError:
+    """The error of an exchange whose message did not fit: the ranks are out of step."""
+    return MGRITError(
+        f"MGRIT boundary exchange with neighbours (left, right) = {peers} failed for a state of "
+        f"shape {shape} ({err}). Every rank of the communicator must call solve() (or the "
+        "network's forward and backward) in the same order with states of the same shape."
+    )

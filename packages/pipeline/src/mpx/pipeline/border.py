@@ -8,9 +8,10 @@
     tensors [h, mask, s]      spec (the structure, with 3 kept as is)
     flags   [True, False, True]   (does the tensor carry a gradient back?)
 
-A border travels as a *header* (the spec and every tensor's shape, dtype and
-flag, pickled into bytes) and then its tensors, one message each. Plain
-values (None, bool, int, float, str, bytes) ride in the spec unchanged. A
+A border travels as one message of a :class:`mpx.collectives.Channel`
+(:mod:`mpx.pipeline.transport`): its header holds every tensor's shape and
+dtype, and the spec and flags as its note; then the tensors. Plain values
+(None, bool, int, float, str, bytes) ride in the spec unchanged. A
 tensor carries a gradient back iff it requires grad; in a forward run
 without grad (a recomputed micro-batch's first pass) that cannot be seen, so
 there every floating-point tensor does (a mask of floats then gets a zero
@@ -22,37 +23,23 @@ along dim 0, plain values copied into every micro-batch.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mpx.collectives.building_blocks import encode_header as _encode_header
 from mpx.pipeline.errors import PipelineTypeError, PipelineValueError
 
 __all__ = [
-    "HEADER_BYTES",
-    "MAX_TENSORS",
     "Spec",
     "carries_grad",
     "concat",
-    "decode",
-    "encode",
     "first_tensor",
     "flatten",
     "map_tensors",
     "split",
     "unflatten",
-    "wire_dtype",
 ]
-
-HEADER_BYTES = 16384
-"""Room for one border's header; a receive is posted with this many bytes before the
-structure is known (a header is a few dozen bytes per tensor)."""
-
-MAX_TENSORS = 255
-"""Tensors per border; the failure settling logs the sizes of this many sends per tag."""
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
@@ -124,70 +111,6 @@ def first_tensor(obj: Any, predicate: Callable[[torch.Tensor], bool]) -> torch.T
 def carries_grad(t: torch.Tensor) -> bool:
     """Whether ``t``'s gradient is sent back across the border (see the module docstring)."""
     return t.requires_grad if torch.is_grad_enabled() else t.is_floating_point()
-
-
-def encode(tensors: list[torch.Tensor], spec: Spec, flags: list[bool]) -> torch.Tensor:
-    """The header of a border: bytes (uint8) of its spec, shapes, dtypes and flags.
-
-    Raises:
-        PipelineValueError: too many tensors, a tensor of too many dimensions, or a
-            header larger than :data:`HEADER_BYTES`.
-        PipelineTypeError: a dtype no operation takes.
-    """
-    if len(tensors) > MAX_TENSORS:
-        raise PipelineValueError(
-            f"a stage border carries {len(tensors)} tensors, more than {MAX_TENSORS}; "
-            "stack them into fewer tensors"
-        )
-    rows = []
-    for t in tensors:
-        _check_travels(t)
-        rows.append((tuple(t.shape), str(t.dtype)))
-    data = pickle.dumps((spec, rows, flags), protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) > HEADER_BYTES:
-        raise PipelineValueError(
-            f"a stage border's header takes {len(data)} bytes, more than {HEADER_BYTES}: "
-            "its plain values are too large; send them as tensors"
-        )
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor travels as: bool (masks) as uint8, its bytes unchanged."""
-    return torch.uint8 if dtype == torch.bool else dtype
-
-
-def _check_travels(t: torch.Tensor) -> None:
-    """Raises unless ``t``'s dtype and rank fit a tensor header (checked once per kind)."""
-    kind = (t.dtype, t.dim())
-    if kind in _FITS:
-        return
-    try:
-        _encode_header(t.shape, wire_dtype(t.dtype))
-    except TypeError as exc:
-        raise PipelineTypeError(f"an activation cannot cross a stage border: {exc}") from exc
-    except ValueError as exc:
-        raise PipelineValueError(f"an activation cannot cross a stage border: {exc}") from exc
-    _FITS.add(kind)
-
-
-_FITS: set[tuple[torch.dtype, int]] = set()
-
-
-def decode(header: torch.Tensor) -> tuple[Spec, list[tuple[torch.Size, torch.dtype]], list[bool]]:
-    """What :func:`encode` wrote: the spec, each tensor's (shape, dtype), the flags.
-
-    ``header`` may be longer than the message: unpickling stops at its end."""
-    spec, rows, flags = pickle.loads(header.numpy().data)  # our own ranks' bytes
-    metas = [(torch.Size(shape), _dtype(name)) for shape, name in rows]
-    return spec, metas, flags
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise PipelineTypeError(f"a border header names dtype {name!r}, unknown to this torch")
-    return dtype
 
 
 def split(obj: Any, chunks: int, what: str) -> list[Any]:
