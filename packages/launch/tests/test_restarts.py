@@ -62,7 +62,8 @@ def _run(
 
 
 @pytest.mark.parametrize(("how", "cause"), [("exit", "exited with code 3"), ("kill", "SIGKILL")])
-@pytest.mark.parametrize("nprocs", [2, 3])
+# 3 ranks: another rank count of the same restarted job (nox -s tests-extended).
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_a_rank_failing_once_is_restarted_and_the_job_succeeds(
     tmp_path: Path, nprocs: int, how: str, cause: str
 ) -> None:
