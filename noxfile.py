@@ -386,7 +386,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(name="torch-conformance", default=False)
 def torch_conformance(session: nox.Session) -> None:
-    """PyTorch's own distributed suite on `mpx`, gloo the control: 2 ranks, subgroups on 3.
+    """PyTorch's distributed tests on `mpx`, gloo the control: 2 ranks, subgroups on 3.
 
     Prints "mpx passes X of the Y tests that gloo passes" and the differences;
     the JSON results go to conformance-results/. Extra arguments go to
@@ -394,8 +394,11 @@ def torch_conformance(session: nox.Session) -> None:
     """
     _install(session, "expecttest")  # torch's test utilities import it
     script = "tests/conformance/run_conformance.py"
-    session.run("python", script, "--ranks", "2", *session.posargs)
+    # distributed_test.py; then every test of torch's other files (run_torch_files.py),
+    # read from MPX_TORCH_TESTS, a pytorch checkout (it says "none run" without one).
+    session.run("python", script, "--ranks", "2", "--torch-files", "none", *session.posargs)
     session.run("python", script, "--ranks", "3", "--select", "subgroup", *session.posargs)
+    session.run("python", "tests/conformance/run_torch_files.py", "--ranks", "2")
 
 
 DIST = ROOT / "dist"
