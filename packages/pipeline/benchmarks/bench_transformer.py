@@ -12,7 +12,9 @@ per rank, it times a training step (forward, backward, SGD step) of: the whole
 model in one process (rank 0 alone); mpx ``gpipe``, ``1f1b``,
 ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``, ``zbv``,
 ``dualpipev`` and ``async`` (step_every = m: one optimizer step per batch, as
-the others; also with ``split_backward=True``); and torch.distributed.pipelining's
+the others; also with ``split_backward=True``, and both with two chunks per
+rank, ``stages_per_rank=2``: each chunk an asynchronous stage of its own, W
+deferred into the gaps); and torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
 ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV on
 gloo with the same cut and m.
@@ -252,7 +254,8 @@ def measure() -> None:
     configs.append(("single process (whole model)", None, serial_step, None, None, None, None))
     pipes = []
     runs = [(k, v, False) for k, (_, v) in SCHEDULES.items()]
-    for schedule, v, split_backward in [*runs, ("async", 1, False), ("async", 1, True)]:
+    asyncs = [("async", v, split) for v in (1, 2) for split in (False, True)]
+    for schedule, v, split_backward in [*runs, *asyncs]:
         opts: dict[str, Any] = {"step_every": CHUNKS} if schedule == "async" else {}
         if v > 1:
             opts["stages_per_rank"] = v
@@ -263,6 +266,7 @@ def measure() -> None:
         pipes.append((pipe, popt))
         label = f"mpx {schedule}" + (f" step_every={CHUNKS}" if schedule == "async" else "")
         label += " split_backward" if split_backward else ""
+        label += f" stages_per_rank={v}" if schedule == "async" and v > 1 else ""
         theory = None if schedule == "async" else bubble_fraction(schedule, p, CHUNKS, v)
 
         def mpx_step(pipe: Pipeline = pipe, popt: torch.optim.Optimizer = popt) -> None:

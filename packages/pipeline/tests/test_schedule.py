@@ -42,6 +42,57 @@ def test_docstring_grids_are_the_rules_output(name: str) -> None:
         assert grid(name, 2, 4) == docstring_grid(name, 2)
 
 
+def test_async_split_chunks_grid_is_the_layouts_output() -> None:
+    assert grid("async", 2, 4, 2, split=True) == docstring_grid("async`` with ``split_backward", 2)
+
+
+@pytest.mark.parametrize(
+    ("p", "v", "split"), [(1, 2, True), (2, 2, True), (3, 2, False), (3, 3, True)]
+)
+@pytest.mark.parametrize("every", [0, 1, 3])
+def test_async_layout_runs_each_pass_once_and_steps_in_order(
+    p: int, v: int, split: bool, every: int
+) -> None:
+    """AsyncLayout over calls and a flush: every pass of every micro-batch once, the
+    per-chunk rule (f − b <= depth), W before the chunk's next I, steps after the
+    right W, and lists that run against the dependencies (no deadlock)."""
+    from mpx.pipeline.schedule import AsyncLayout, timeline
+
+    n, m, calls = p * v, 4, 3
+    layout = AsyncLayout(p, v, split)
+    lists: list[list[Action]] = [[] for _ in range(p)]
+    for c in range(calls):
+        for r, acts in enumerate(layout.call((c + 1) * m, every)):
+            lists[r] += acts
+        assert all(
+            f == (c + 1) * m and f - b <= n - 1 - s for s, (f, b) in enumerate(layout.counts())
+        )
+    for r, acts in enumerate(layout.call(calls * m, every, flush=True)):
+        lists[r] += acts
+    assert layout.counts() == [(calls * m, calls * m)] * n
+    timeline(lists)  # no deadlock across the calls
+    for r, acts in enumerate(lists):
+        for s in range(r, n, p):
+            mine = [a for a in acts if a.stage == s]
+            back = [a.kind for a in mine if a.kind not in {"F", "STEP"}]
+            assert back == (["I", "W"] * calls * m if split else ["B"] * calls * m)
+            f = b = 0
+            for a in mine:
+                if a.kind == "F":
+                    assert a.mb == f
+                    assert f - b <= n - 1 - s
+                    f += 1
+                elif a.kind in ("I", "B"):
+                    assert a.mb == b
+                    b += 1
+            steps = [a.mb for a in mine if a.kind == "STEP"]
+            total = calls * m
+            expected = list(range(every, total + 1, every)) if every else []
+            if every and total % every:
+                expected.append(total)
+            assert steps == expected
+
+
 @pytest.mark.parametrize("name", CHUNKED)
 @pytest.mark.parametrize(("p", "m", "v"), [(1, 2, 2), (2, 4, 2), (3, 6, 2), (2, 4, 3), (4, 8, 2)])
 def test_chunked_schedules_run_each_pass_once_in_order(name: str, p: int, m: int, v: int) -> None:

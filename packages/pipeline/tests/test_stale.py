@@ -13,7 +13,7 @@ from torch import nn
 
 from mpx.collectives import allgather, world
 from mpx.pipeline import Pipeline, PipelineError
-from mpx.pipeline.schedule import async_ops
+from mpx.pipeline.schedule import Action, AsyncLayout, async_actions, async_flush_actions
 
 pytestmark = pytest.mark.mpi
 
@@ -45,19 +45,52 @@ def batches(calls: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def forward_versions(p: int, calls: int, chunks: int) -> list[list[int]]:
-    """vf[s][j]: optimizer steps stage s has taken when it runs F(j) (step_every=1)."""
-    vf = [[0] * (calls * chunks) for _ in range(p)]
-    for s in range(p):
-        f = b = 0
-        for c in range(calls):
-            for kind, j in async_ops(p - s - 1, f, b, (c + 1) * chunks):
-                if kind == "F":
-                    vf[s][j] = b
-                    f += 1
-                else:
-                    b += 1
-    return vf
+def stream_lists(p: int, v: int, split: bool, calls: int, chunks: int) -> list[list[Action]]:
+    """Per rank, the compute actions of ``calls`` calls and a flush (``step_every=1``)."""
+    if v == 1 and not split:
+        out = []
+        for r in range(p):
+            acts: list[Action] = []
+            f = b = 0
+            for c in range(calls):
+                new = async_actions(p - r - 1, f, b, (c + 1) * chunks, r, 1)
+                f += sum(a.kind == "F" for a in new)
+                b += sum(a.kind == "B" for a in new)
+                acts += new
+            out.append(acts + async_flush_actions(f, b, r, 1))
+        return out
+    layout = AsyncLayout(p, v, split)
+    out = [[] for _ in range(p)]
+    for c in range(calls):
+        for r, acts in enumerate(layout.call((c + 1) * chunks, 1)):
+            out[r] += acts
+    for r, acts in enumerate(layout.call(calls * chunks, 1, flush=True)):
+        out[r] += acts
+    return out
+
+
+def stream_versions(
+    lists: list[list[Action]], n: int
+) -> tuple[list[dict[int, int]], list[dict[int, int]], list[list[int]]]:
+    """From the lists: vf[s][j] and vb[s][j], the steps virtual stage ``s`` has taken
+    at F(j) and at the backward of j (its I or B); per rank, the staleness of its
+    backwards in its order."""
+    vf: list[dict[int, int]] = [{} for _ in range(n)]
+    vb: list[dict[int, int]] = [{} for _ in range(n)]
+    stale: list[list[int]] = []
+    version = [0] * n
+    for r, acts in enumerate(lists):
+        mine = []
+        for a in acts:
+            if a.kind == "F":
+                vf[a.stage][a.mb] = version[a.stage]
+            elif a.kind in ("I", "B"):
+                vb[a.stage][a.mb] = version[a.stage]
+                mine.append(version[a.stage] - vf[a.stage][a.mb])
+            elif a.kind == "STEP":
+                version[r if a.stage < 0 else a.stage] += 1
+        stale.append(mine)
+    return vf, vb, stale
 
 
 def serial_reference(
@@ -67,34 +100,38 @@ def serial_reference(
     chunks: int,
     stashing: bool,
     recompute: bool,
-) -> list[dict[str, torch.Tensor]]:
-    """PipeDream semantics run serially: stage s's weights after every backward."""
-    p = len(balance)
+    versions: tuple[list[dict[int, int]], list[dict[int, int]]],
+) -> dict[int, dict[str, torch.Tensor]]:
+    """PipeDream semantics run serially: virtual stage s's weights after every backward.
+
+    Returns the final state of every layer, by its index in ``model``.
+    """
+    n = len(balance)
+    vf, vb = versions
     bounds = list(itertools.accumulate([0, *balance]))
     stages = [
-        copy.deepcopy(nn.Sequential(*list(model)[bounds[s] : bounds[s + 1]])) for s in range(p)
+        copy.deepcopy(nn.Sequential(*list(model)[bounds[s] : bounds[s + 1]])) for s in range(n)
     ]
     history = [[{k: v.clone() for k, v in st.state_dict().items()}] for st in stages]
     micro = [
         (x, y) for xb, yb in data for x, y in zip(xb.chunk(chunks), yb.chunk(chunks), strict=True)
     ]
-    vf = forward_versions(p, len(data), chunks)
     for j, (x, y) in enumerate(micro):
         acts = [x]
         with torch.no_grad():
-            for s in range(p):
+            for s in range(n):
                 stages[s].load_state_dict(history[s][vf[s][j]])
                 acts.append(stages[s](acts[-1]))
         grad = None
-        for s in reversed(range(p)):
+        for s in reversed(range(n)):
             # Backward weights: the forward's when stashed or kept in the graph,
-            # else the current ones (j steps taken so far).
-            version = vf[s][j] if (stashing or not recompute) else j
+            # else those current at the backward.
+            version = vf[s][j] if (stashing or not recompute) else vb[s][j]
             stages[s].load_state_dict(history[s][version])
             stages[s].zero_grad()
             inp = acts[s].clone().requires_grad_(s > 0)
             out = stages[s](inp)
-            if s == p - 1:
+            if s == n - 1:
                 nn.functional.cross_entropy(out, y).backward()
             else:
                 out.backward(grad)
@@ -104,16 +141,35 @@ def serial_reference(
                 assert prm.grad is not None
                 new[name] -= LR * prm.grad
             history[s].append(new)
-    return [h[-1] for h in history]
+    final: dict[int, dict[str, torch.Tensor]] = {}
+    for s in range(n):
+        for name, value in history[s][-1].items():
+            i, key = name.split(".", 1)
+            final.setdefault(bounds[s] + int(i), {})[key] = value
+    return final
 
 
+def assert_equals_reference(pipe: Pipeline, expected: dict[int, dict[str, torch.Tensor]]) -> None:
+    for index, layer in pipe.stage.layer_modules().items():
+        for key, value in layer.state_dict().items():
+            torch.testing.assert_close(value, expected[index][key], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(("v", "split"), [(1, False), (1, True), (2, False), (2, True)])
 @pytest.mark.parametrize(
     ("stashing", "recompute"), [(True, False), (True, True), (False, True), (False, False)]
 )
-def test_async_equals_the_serial_pipedream_reference(stashing: bool, recompute: bool) -> None:
+def test_async_equals_the_serial_pipedream_reference(
+    v: int, split: bool, stashing: bool, recompute: bool
+) -> None:
+    """Every virtual stage is a PipeDream stage (its own steps and staleness); with
+    split_backward each backward is I (sent upstream at once) then W, deferred into
+    idle time: the weights each pass uses follow the action lists, and the serial
+    reference replays them."""
     comm = world()
-    model, balance = make_model(comm.size)
-    ref_model, _ = make_model(comm.size)
+    n = comm.size * v
+    model, balance = make_model(n)
+    ref_model, _ = make_model(n)
     calls, chunks = 4, 3
     data = batches(calls, 6)
     pipe = Pipeline(
@@ -123,26 +179,33 @@ def test_async_equals_the_serial_pipedream_reference(stashing: bool, recompute: 
         schedule="async",
         weight_stashing=stashing,
         recompute=recompute,
+        stages_per_rank=v,
+        split_backward=split,
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    kinds: set[str] = set()
     for x, y in data:
         pipe.step(x, y, nn.functional.cross_entropy, opt)
+        kinds |= {a.kind for a, _, _ in pipe.trace}
     pipe.flush(opt)
-    expected = serial_reference(ref_model, balance, data, chunks, stashing, recompute)[comm.rank]
-    mine = pipe.stage.layers.state_dict()
-    for name, value in expected.items():
-        torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-10)
-    # The staleness of backward j is min(j, depth): depth in steady state.
-    depth = comm.size - 1 - comm.rank
+    assert ({"I", "W"} <= kinds and "B" not in kinds) if split else "I" not in kinds
+    vf, vb, stale = stream_versions(stream_lists(comm.size, v, split, calls, chunks), n)
+    expected = serial_reference(ref_model, balance, data, chunks, stashing, recompute, (vf, vb))
+    assert_equals_reference(pipe, expected)
     assert pipe._stale is not None
-    stale = pipe._stale.staleness
-    assert stale == [min(j, depth) for j in range(calls * chunks)]
-    if comm.size > 1 and not stashing and recompute:
-        # Without stashing the result differs from the stashed reference (the
-        # test can tell the two apart).
-        other = serial_reference(ref_model, balance, data, chunks, True, recompute)
+    assert pipe._stale.staleness == stale[comm.rank]
+    if v == 1 and not split:
+        # The staleness of backward j is min(j, depth): depth in steady state.
+        depth = comm.size - 1 - comm.rank
+        assert stale[comm.rank] == [min(j, depth) for j in range(calls * chunks)]
+    if any(any(row) for row in stale) and not stashing and recompute:
+        # With any staleness, the result without stashing differs from the
+        # stashed reference (the test can tell the two apart).
+        other = serial_reference(ref_model, balance, data, chunks, True, recompute, (vf, vb))
         differs = any(
-            not torch.allclose(mine[k], v, atol=1e-8) for k, v in other[comm.rank].items()
+            not torch.allclose(value, other[index][key], atol=1e-8)
+            for index, layer in pipe.stage.layer_modules().items()
+            for key, value in layer.state_dict().items()
         )
         flags = allgather(torch.tensor([int(differs)]))
         assert bool(flags.any())
@@ -169,10 +232,10 @@ def test_forward_between_async_steps_leaves_training_unchanged() -> None:
         else:
             assert out is None
     pipe.flush(opt)
-    expected = serial_reference(ref_model, balance, data, chunks, True, False)[comm.rank]
-    mine = pipe.stage.layers.state_dict()
-    for name, value in expected.items():
-        torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-10)
+    vf, vb, _ = stream_versions(stream_lists(comm.size, 1, False, calls, chunks), comm.size)
+    assert_equals_reference(
+        pipe, serial_reference(ref_model, balance, data, chunks, True, False, (vf, vb))
+    )
 
 
 def test_one_stage_async_is_plain_sgd_per_microbatch() -> None:
@@ -327,8 +390,9 @@ def test_ga_without_stash_under_recompute_is_refused_and_ga_jfl_acts() -> None:
         assert gaps > 1e-6
 
 
-def digits_accuracy(schedule: str, **options: Any) -> float:
-    """Trains a small MLP on digits with ``schedule``; test accuracy (on every rank)."""
+def digits_accuracy(schedule: str, v: int = 1, **options: Any) -> float:
+    """Trains a small MLP on digits with ``schedule`` (``v`` chunks per rank); test
+    accuracy (on every rank)."""
     from sklearn.datasets import load_digits
 
     comm = world()
@@ -338,11 +402,20 @@ def digits_accuracy(schedule: str, **options: Any) -> float:
     x_train, y_train, x_test, y_test = x[:1400], y[:1400], x[1400:1796], y[1400:1796]
     torch.manual_seed(3)
     layers: list[nn.Module] = [nn.Linear(64, 48), nn.Tanh()]
-    for _ in range(comm.size - 1):
-        layers += [nn.Linear(48, 48), nn.Tanh()]
-    layers.append(nn.Linear(48, 10))
-    balance = [2] * comm.size
-    balance[-1] += 1
+    if v == 1:
+        for _ in range(comm.size - 1):
+            layers += [nn.Linear(48, 48), nn.Tanh()]
+        layers.append(nn.Linear(48, 10))
+        balance = [2] * comm.size
+        balance[-1] += 1
+    else:
+        # The same two hidden layers at any size, cut into comm.size·v chunks
+        # (identities where there are more chunks than layers).
+        n = comm.size * v
+        layers += [nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 10)]
+        layers += [nn.Identity() for _ in range(n - len(layers))]
+        balance = [len(layers) // n + (s < len(layers) % n) for s in range(n)]
+        options["stages_per_rank"] = v
     pipe = Pipeline(nn.Sequential(*layers), balance, chunks=4, schedule=schedule, **options)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
@@ -367,6 +440,17 @@ def test_async_training_reaches_synchronous_accuracy() -> None:
     sync = digits_accuracy("gpipe")
     # The same mini-batch as gpipe's (step_every = chunks): only staleness differs.
     stale = digits_accuracy("async", weight_prediction="msnag", gap_aware="ga", step_every=4)
+    assert sync > 0.85
+    assert stale >= sync - 0.02, (sync, stale)
+
+
+def test_async_with_split_backward_and_chunks_reaches_synchronous_accuracy() -> None:
+    """Asynchrony with two chunks per rank and W deferred into the gaps trains the
+    deeper model as well as gpipe does (each chunk is a stage as stale as its depth)."""
+    sync = digits_accuracy("looped_bfs", v=2)
+    stale = digits_accuracy(
+        "async", v=2, weight_prediction="msnag", gap_aware="ga", step_every=4, split_backward=True
+    )
     assert sync > 0.85
     assert stale >= sync - 0.02, (sync, stale)
 
@@ -411,39 +495,9 @@ def test_async_data_parallel_replicas_average_every_step() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    ("stashing", "recompute"), [(True, False), (True, True), (False, True), (False, False)]
-)
-def test_async_with_split_backward_equals_the_serial_pipedream_reference(
-    stashing: bool, recompute: bool
-) -> None:
-    """split_backward=True: each backward is I (sent upstream at once) then W; the
-    weights every pass uses are unchanged, so the PipeDream reference still holds."""
-    comm = world()
-    model, balance = make_model(comm.size)
-    ref_model, _ = make_model(comm.size)
-    calls, chunks = 4, 3
-    data = batches(calls, 6)
-    pipe = Pipeline(
-        model,
-        balance,
-        chunks=chunks,
-        schedule="async",
-        weight_stashing=stashing,
-        recompute=recompute,
-        split_backward=True,
-    )
-    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-    kinds: set[str] = set()
-    for x, y in data:
-        pipe.step(x, y, nn.functional.cross_entropy, opt)
-        kinds |= {a.kind for a, _, _ in pipe.trace}
-    pipe.flush(opt)
-    assert {"I", "W"} <= kinds
-    assert "B" not in kinds
-    expected = serial_reference(ref_model, balance, data, chunks, stashing, recompute)[comm.rank]
-    mine = pipe.stage.layers.state_dict()
-    for name, value in expected.items():
-        torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-10)
+def test_split_backward_and_chunks_are_async_options() -> None:
+    model, balance = make_model(world().size)
     with pytest.raises(PipelineError, match="split_backward"):
         Pipeline(model, balance, schedule="1f1b", split_backward=True)
+    with pytest.raises(PipelineError, match="stages_per_rank=2"):
+        Pipeline(model, balance, schedule="1f1b", stages_per_rank=2)

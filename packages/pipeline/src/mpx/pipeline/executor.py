@@ -9,7 +9,7 @@
                         B | I   full backward | input gradient (graph kept)
                         W       weight gradient
                         SEND_B  input gradient to the previous chunk's rank
-                        STEP    hooks.step() (the asynchronous stream's optimizer steps)
+                        STEP    hooks.step(a) (the asynchronous stream's optimizer steps)
 
 The schedule (:mod:`mpx.pipeline.schedule`) decides the order; what a
 schedule adds to the passes is a :class:`Hooks` object: the synchronous
@@ -66,8 +66,8 @@ class Hooks:
     def after_backward(self, action: Action, mb: Micro) -> None:
         """After ``B``, or after ``W`` (the micro-batch's gradients are complete)."""
 
-    def step(self) -> None:
-        """A ``STEP`` action."""
+    def step(self, action: Action) -> None:
+        """A ``STEP`` action (``action.stage``: the chunk that steps, -1 for the rank's one)."""
 
 
 class SyncHooks(Hooks):
@@ -174,7 +174,9 @@ class Executor:
             elif a.kind == "I":
                 mb = self.live[key]
                 hooks.before_backward(a, mb)
-                passes.input_grad(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale)
+                passes.input_grad(
+                    a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale, hooks.weights(mb)
+                )
                 mb.extra["w_due"] = True
             elif a.kind == "W":
                 mb = self.live.pop(key)
@@ -189,7 +191,7 @@ class Executor:
                 if mb.out is None and "w_due" not in mb.extra:
                     del self.live[key]  # backward done: nothing left to keep
             elif a.kind == "STEP":
-                hooks.step()
+                hooks.step(a)
             else:
                 raise ValueError(f"internal: unknown action {a}")
             self.trace.append((a, start, clock()))

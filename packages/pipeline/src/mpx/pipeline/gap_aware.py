@@ -90,24 +90,32 @@ class GapAware:
                 if not wd or _decoupled(optimizer, group):
                     continue
                 for p in group["params"]:
-                    phi = self.last_penalty.get(p)
-                    if phi is not None and p.grad is not None:
+                    if p.grad is None:
+                        continue  # not stepping now: its penalty waits for its step
+                    phi = self.last_penalty.pop(p, None)
+                    if phi is not None:
                         p.grad.add_(p.detach() * wd * (1 / phi - 1))
-        self.last_penalty.clear()
 
     def after_step(
-        self, optimizer: torch.optim.Optimizer, before: dict[torch.Tensor, torch.Tensor] | None
+        self,
+        optimizer: torch.optim.Optimizer,
+        before: dict[torch.Tensor, torch.Tensor] | None,
+        stepped: set[torch.Tensor] | None = None,
     ) -> None:
         """Updates ``A`` once the optimizer has stepped.
 
         Args:
             before: for Adam, each parameter's value before the step.
+            stepped: the parameters that stepped (all by default): the
+                asynchronous pipeline steps one chunk of a rank at a time.
         """
         self.t += 1
         with torch.no_grad():
             for group in optimizer.param_groups:
                 self.eta_max = max(self.eta_max, float(group["lr"]))
                 for p in group["params"]:
+                    if stepped is not None and p not in stepped:
+                        continue
                     if self.kind == "adam":
                         if before is None or p not in before:
                             raise PipelineError("internal: Adam gap aware needs the old weights")

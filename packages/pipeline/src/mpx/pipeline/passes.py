@@ -15,13 +15,23 @@ to the rank of the previous one. Messages are keyed by ``j·S + s`` (``S``
 virtual stages, ``s`` the receiving one), one tag per key on each link.
 
 The backward can be split (``I`` then ``W``, :meth:`StagePasses.input_grad`,
-:meth:`StagePasses.weight_grad`): ``torch.autograd.grad`` with ``inputs=`` the
-chunk's input tensors (kept graph), then with ``inputs=`` the weights.
+:meth:`StagePasses.weight_grad`). ``I`` is ``torch.autograd.grad`` with
+``inputs=`` the chunk's input tensors, graph kept; ``W`` must not walk the
+input-gradient chain again (in a chunk of several layers that would be most
+of ``I`` over again). So ``I`` first finds, in the graph, the nodes on the path
+from the outputs to the inputs that also feed a weight by a branch of their
+own (a Linear's matmul node: its weight slot), and records the gradient that
+reaches each of them while ``I`` runs (a node pre-hook); ``W`` starts from
+those nodes (``GradientEdge``) with ``inputs=`` only the weights of their
+branches, which the input path does not reach again (:func:`weight_starts`).
+Where it would (one weight used at two depths of a chunk) ``W`` falls back to
+differentiating the outputs again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,20 +39,82 @@ from typing import Any
 
 import torch
 
-# Imported here, once, by every rank alike: autograd imports it (and sympy:
-# seconds on a loaded machine) at the first backward given explicit output
-# gradients, which would stall the other stages in their first call.
-import torch.fx.experimental.symbolic_shapes  # isort: skip
 from mpx.collectives import CollectiveTimeout, Communicator, Handle
 from mpx.pipeline.border import carries_grad, flatten, unflatten
 from mpx.pipeline.schedule import local_stages, rank_of
 from mpx.pipeline.stage import Stage
 from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
 
-__all__ = ["LossFn", "Micro", "StagePasses"]
+__all__ = ["LossFn", "Micro", "StagePasses", "weight_starts"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target)``: the last stage's output and the target (tensors or structures)."""
+
+
+@dataclass
+class _Start:
+    """Where ``W`` starts: an output tensor (with its gradient) or a node on the input
+    path (with the gradients its pre-hook saw in ``I``), and the weights (bits) below."""
+
+    mask: int
+    path: int = 0  # the weights its input-path children reach (not to be asked of it)
+    tensor: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    node: Any = None
+    grads: tuple[torch.Tensor | None, ...] = ()
+
+
+def weight_starts(
+    outputs: list[torch.Tensor], leaves: list[torch.Tensor], weights: list[torch.Tensor]
+) -> list[_Start] | None:
+    """The starts of ``W`` (see the module docstring), or None to fall back.
+
+    A node on the input path (it reaches a leaf) starts ``W`` for the weights
+    its other children reach; an output off that path starts it for all the
+    weights below it. None when a start's input-path children reach one of
+    its own weights too: from there ``W`` would run the chain again and count
+    that weight's deeper use twice.
+    """
+    edge = torch.autograd.graph.get_gradient_edge
+    targets = {edge(t).node for t in leaves}
+    bit = {edge(w).node: 1 << k for k, w in enumerate(weights)}
+    info: dict[Any, tuple[bool, int]] = {}  # node -> (reaches an input, weights below)
+    roots = [t.grad_fn if t.grad_fn is not None else edge(t).node for t in outputs]
+    stack: list[tuple[Any, bool]] = [(r, False) for r in roots if r is not None]
+    while stack:  # post-order, without recursion (graphs may be deep)
+        node, expanded = stack.pop()
+        if node in info:
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if c not in info)
+            continue
+        reach = node in targets or any(info[c][0] for c in children)
+        mask = bit.get(node, 0)
+        for c in children:
+            mask |= info[c][1]
+        info[node] = (reach, mask)
+    starts: list[_Start] = []
+    for t, r in zip(outputs, roots, strict=True):
+        if r is not None and not info[r][0] and info[r][1]:
+            starts.append(_Start(info[r][1], tensor=t))
+    for node, (reach, _) in info.items():
+        if not reach:
+            continue
+        branch = path = 0
+        for c, _ in node.next_functions:
+            if c is None:
+                continue
+            if info[c][0]:
+                path |= info[c][1]
+            else:
+                branch |= info[c][1]
+        if branch & path:
+            return None
+        if branch:
+            starts.append(_Start(branch, path, node=node))
+    return starts
 
 
 @dataclass
@@ -60,6 +132,57 @@ class Micro:
     stage: int = 0  # the virtual stage
     extra: dict[str, Any] = field(default_factory=dict)  # hooks' state (async: weights used)
     owed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # W: (out, grad)
+    starts: list[_Start] = field(default_factory=list)  # W: where to start (weight_starts)
+
+
+def _saver(start: _Start) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+    def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
+        start.grads = tuple(grads)
+
+    return hook
+
+
+def _accumulate(w: torch.Tensor, gw: torch.Tensor) -> None:
+    with torch.no_grad():
+        if w.grad is None:
+            w.grad = gw
+        else:
+            w.grad.add_(gw)
+
+
+def _from_starts(starts: list[_Start], weights: list[torch.Tensor]) -> None:
+    """``W`` from the starts: in groups whose input-path children reach none of the
+    group's weights (one autograd call per group, not per node: the nodes of
+    parallel branches, such as a block's query, key and value, go together)."""
+    groups: list[tuple[int, int, list[_Start]]] = []  # (weights, path weights, starts)
+    for st in starts:
+        for k, (mask, path, members) in enumerate(groups):
+            if not (mask | st.mask) & (path | st.path):
+                groups[k] = (mask | st.mask, path | st.path, [*members, st])
+                break
+        else:
+            groups.append((st.mask, st.path, [st]))
+    edge_type = torch.autograd.graph.GradientEdge
+    for mask, _, members in groups:
+        outs: list[Any] = []
+        grads: list[torch.Tensor | None] = []
+        for st in members:
+            if st.tensor is not None:
+                outs.append(st.tensor)
+                grads.append(st.grad)
+            for k, gr in enumerate(st.grads):
+                if gr is not None:
+                    outs.append(edge_type(st.node, k))
+                    grads.append(gr)
+        chosen = [w for k, w in enumerate(weights) if mask >> k & 1]
+        if not outs:
+            continue
+        got = torch.autograd.grad(
+            outs, inputs=chosen, grad_outputs=grads, retain_graph=True, allow_unused=True
+        )
+        for w, gw in zip(chosen, got, strict=True):
+            if gw is not None:
+                _accumulate(w, gw)
 
 
 class StagePasses:
@@ -87,6 +210,12 @@ class StagePasses:
     def __init__(
         self, comm: Communicator, stage: Stage, stages_per_rank: int = 1, style: str = "loop"
     ) -> None:
+        # Imported now, by every rank alike, not when the package is imported:
+        # autograd imports it (and sympy: seconds on a loaded machine) at the
+        # first backward given explicit output gradients, which would stall the
+        # other stages in their first call; a process that never builds a
+        # pipeline does not pay for it.
+        importlib.import_module("torch.fx.experimental.symbolic_shapes")
         self.stage = stage
         self.num_stages, self.stage_id = comm.size, comm.rank
         p, me = comm.size, comm.rank
@@ -348,7 +477,7 @@ class StagePasses:
         self.doing = f"send of the gradients of micro-batch {j}"
         q = self.owner[mb.stage - 1]
         self.grad_out[q].send_tensors(self.key(mb.stage - 1, j), mb.extra.pop("grads_out"))
-        if not mb.owed:
+        if not mb.owed and not mb.starts:
             # After ``I`` the kept graph still reads the input (a Linear's saved
             # input is the receive buffer): ``W`` gives the buffers back.
             self.act_in[q].release(mb.bufs)
@@ -367,23 +496,49 @@ class StagePasses:
             self._input_grads(j, mb, [t.grad for t in mb.leaves])
         mb.out = mb.loss = None
 
-    def input_grad(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float) -> None:
+    def input_grad(
+        self,
+        j: int,
+        mb: Micro,
+        g: int,
+        loss_fn: LossFn | None,
+        scale: float,
+        weights: list[torch.Tensor] | None = None,
+    ) -> None:
         """``I``: the gradient of the chunk's input only (``torch.autograd.grad`` with
-        ``inputs=`` the input tensors); the graph is kept for :meth:`weight_grad`."""
+        ``inputs=`` the input tensors); the graph is kept for :meth:`weight_grad`,
+        and where ``W`` will start (``weights``: those it differentiates)."""
         self.doing = f"input gradient of micro-batch {j}"
         if mb.recompute:
             self._recompute(mb, g, loss_fn)
         pairs = self._output_grads(j, mb, scale)
-        mb.owed = pairs
+        mb.owed, mb.starts = pairs, []
         grads: list[torch.Tensor | None] = [None] * len(mb.leaves)
         if pairs and mb.leaves:
-            got = torch.autograd.grad(
-                [t for t, _ in pairs],
-                inputs=mb.leaves,
-                grad_outputs=[gr for _, gr in pairs],
-                retain_graph=True,
-                allow_unused=True,
-            )
+            needs = [w for w in weights or [] if w.requires_grad]
+            outs = [t for t, _ in pairs]
+            starts = weight_starts(outs, mb.leaves, needs) if needs else None
+            handles = []
+            if starts is not None:
+                mb.owed, mb.starts = [], starts
+                mb.extra["w_needs"] = needs
+                given = {id(t): gr for t, gr in pairs}
+                for st in starts:
+                    if st.tensor is not None:
+                        st.grad = given.get(id(st.tensor))
+                    else:
+                        handles.append(st.node.register_prehook(_saver(st)))
+            try:
+                got = torch.autograd.grad(
+                    outs,
+                    inputs=mb.leaves,
+                    grad_outputs=[gr for _, gr in pairs],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            finally:
+                for h in handles:
+                    h.remove()
             grads = list(got)
             if mb.stage == 0:
                 # The user's own inputs that require grad (micro-batches are views of
@@ -394,12 +549,16 @@ class StagePasses:
         self._input_grads(j, mb, grads)
 
     def weight_grad(self, j: int, mb: Micro, weights: list[torch.Tensor]) -> None:
-        """``W``: the gradients of ``weights`` (the tensors the chunk's forward used,
-        ``torch.autograd.grad`` with ``inputs=`` them), accumulated into their ``.grad``."""
+        """``W``: the gradients of ``weights`` (the tensors the chunk's forward used),
+        accumulated into their ``.grad``: from the starts ``I`` found, else from the
+        outputs (``torch.autograd.grad`` with ``inputs=`` the weights)."""
         self.doing = f"weight gradient of micro-batch {j}"
         pairs, mb.owed = mb.owed, []
         needs = [w for w in weights if w.requires_grad]
-        if pairs and needs:
+        if mb.starts:
+            _from_starts(mb.starts, mb.extra.pop("w_needs"))
+            mb.starts = []
+        elif pairs and needs:
             # allow_unused: a weight this micro-batch did not reach gets None.
             got: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
                 [t for t, _ in pairs],

@@ -130,8 +130,8 @@ class Pipeline(nn.Module):
         schedule: one of :data:`~mpx.pipeline.schedule.SCHEDULES` (or torch's
             name, e.g. ``"Interleaved1F1B"``).
         stages_per_rank: chunks (virtual stages) per rank for the interleaved
-            and V-shaped schedules (default 2); ``balance`` then has one entry
-            per virtual stage.
+            and V-shaped schedules (default 2) and ``async`` (default 1);
+            ``balance`` then has one entry per virtual stage.
         checkpoint: recompute activations in the backward for
             ``"always"``, all but the last micro-batch (``"except_last"``), or
             ``"never"`` (synchronous schedules).
@@ -142,7 +142,8 @@ class Pipeline(nn.Module):
         weight_stashing, weight_prediction, gap_aware, step_every, recompute, split_backward:
             options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`);
             ``split_backward`` runs each backward as ``I`` (sent upstream at once),
-            then ``W``.
+            then ``W`` (deferred into idle time); with ``stages_per_rank >= 2``
+            every chunk is an asynchronous stage of its own.
 
     Example::
 
@@ -232,6 +233,14 @@ class Pipeline(nn.Module):
             weight_stashing,
             split_backward,
         )
+        if schedule == "async" and v > 1 and self._tied:
+            # Each chunk steps alone (its own PipeDream stage): copies of a tied
+            # weight on different ranks' chunks would step at different times.
+            raise PipelineValueError(
+                f"schedule='async' with stages_per_rank={v} steps each chunk on its own, "
+                "so the copies of a weight tied across ranks would diverge; pass "
+                "stages_per_rank=1 (or a synchronous schedule) for a model with tied weights"
+            )
         if schedule == "async":
             # The runner gets what it drives explicitly: the stage's passes and
             # two of this pipeline's steps, never the pipeline itself.

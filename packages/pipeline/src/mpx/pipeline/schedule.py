@@ -56,6 +56,18 @@ backwards still owed run in the next call (or in ``flush``). First call::
 
 In steady state every stage alternates F and B with no bubble.
 
+``async`` with ``split_backward`` — and ``stages_per_rank = v``: every chunk
+is an asynchronous stage of its own (its depth is the virtual stages after
+it; it steps its own parameters), each backward is ``I`` (sent upstream at
+once) then ``W``, and :class:`AsyncLayout` lays the stream out call after
+call: ``I`` first, then forwards, ``W`` deferred into what would be idle
+time (a ``W`` that completes an optimizer step still goes before its chunk's
+next forward, so deferring never makes a forward staler). First call, two
+chunks per rank::
+
+    rank 0 | F0 F1 f0 f1 F2 i0 F3 w0 i1 I0 w1 W0 f2 f3 .  .  i2 w2 .  .  .
+    rank 1 | .  F0 F1 f0 i0 f1 w0 i1 I0 W0 I1 F2 F3 f2 w1 i2 f3 w2 i3 W1 w3
+
 ``interleaved_1f1b`` — Megatron's interleaved 1F1B (torch's
 ``ScheduleInterleaved1F1B``): ``v`` chunks per rank in a loop, forwards in
 rounds of ``p`` micro-batches per chunk, ``2(p−r−1) + (v−1)p`` warm-up
@@ -108,6 +120,7 @@ __all__ = [
     "SCHEDULES",
     "SPLIT",
     "Action",
+    "AsyncLayout",
     "Op",
     "async_actions",
     "async_flush_actions",
@@ -225,6 +238,8 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
                 "(stages_per_rank=1 is schedule='1f1b' or 'gpipe')"
             )
         return v
+    if name == "async":
+        return 1 if requested is None else requested  # a loop of chunks when >= 2
     if requested not in (None, 1):
         raise PipelineValueError(
             f"schedule={name!r} runs one stage per rank; stages_per_rank={requested} needs "
@@ -257,13 +272,17 @@ def _check(schedule: str, stage: int, num_stages: int, chunks: int) -> str:
 # -- the schedules ---------------------------------------------------------------
 
 
-def compute_actions(schedule: str, rank: int, ranks: int, chunks: int, v: int = 1) -> list[Action]:
+def compute_actions(
+    schedule: str, rank: int, ranks: int, chunks: int, v: int = 1, split: bool = False
+) -> list[Action]:
     """The compute actions of ``rank`` for one mini-batch of ``chunks`` micro-batches.
 
     Args:
         v: chunks per rank (see :func:`stages_per_rank`).
+        split: ``async`` only: each backward as ``I`` then ``W``.
 
-    For ``async`` this is the first call of a fresh pipeline (see :func:`async_actions`).
+    For ``async`` this is the first call of a fresh pipeline (see
+    :func:`async_actions`, and :func:`async_stream` for ``v >= 2``).
 
     Raises:
         PipelineValueError: a schedule that cannot run these sizes (named with the fix).
@@ -280,6 +299,8 @@ def compute_actions(schedule: str, rank: int, ranks: int, chunks: int, v: int = 
     if name == "1f1b":
         return _one_f_one_b(r, p, m)
     if name == "async":
+        if v > 1 or split:
+            return AsyncLayout(p, v, split=split).call(m)[r]
         return async_actions(p - r - 1, 0, 0, m, r)
     if name == "looped_bfs":
         mine = local_stages(r, p, v, "loop")
@@ -543,6 +564,158 @@ def async_flush_actions(
     return out
 
 
+class AsyncLayout:
+    """The asynchronous stream over ``v`` chunks per rank (in a loop), laid out call by call.
+
+    Every virtual stage ``s`` of the ``n = ranks·v`` is a PipeDream stage of
+    its own (``depth = n − 1 − s``): it forwards micro-batch ``f`` only while
+    ``f − b <= depth`` (``b`` backwards started), and its optimizer step (its
+    chunk's parameters only) follows every ``step_every``-th of its
+    backwards. A unit-time list scheduler over all ranks, run alike on every
+    rank and continued from call to call (a rank starts its next call when it
+    is done with this one, not when the slowest is), orders each rank's
+    chunks: ``I`` (or ``B``) first whenever ready (deepest chunk first: the
+    critical path), then a forward (deepest chunk first), then the oldest
+    deferred ``W``, which thus fills what would be idle time. A chunk's ``W``
+    runs before that chunk's next ``I``, so a backward always meets the steps
+    of every earlier backward of its chunk (weight prediction counts them
+    exactly), and a ``W`` that completes a step runs before the chunk's next
+    forward (deferring it would only feed that forward older weights; a ``W``
+    that only accumulates can wait). A chunk stops, as the one-chunk stream does, once its forwards
+    are done and the rule would allow a forward again; the rank's deferred
+    ``W`` close its call.
+
+    Args:
+        ranks, v: ranks and chunks per rank.
+        split: ``I`` then ``W`` for each backward, else ``B``.
+
+    Example::
+
+        layout = AsyncLayout(2, 2, split=True)
+        first = layout.call(4, step_every=1)  # per rank, its compute actions of call 1
+        second = layout.call(8, step_every=1)  # micro-batches 4..7 enqueued
+        rest = layout.call(8, step_every=1, flush=True)
+    """
+
+    def __init__(self, ranks: int, v: int, split: bool = False) -> None:
+        self.p, self.v, self.n = ranks, v, ranks * v
+        self.split = split
+        self.f = [0] * self.n  # forwards done, per virtual stage
+        self.b = [0] * self.n  # backwards (B or I) done
+        self.depth = [self.n - 1 - s for s in range(self.n)]
+        self.mine = [sorted(range(r, self.n, ranks), reverse=True) for r in range(ranks)]
+        self.done: dict[tuple[str, int, int], int] = {}  # ("F"|"B", s, j) -> end time
+        self.busy = [0] * ranks
+
+    def counts(self) -> list[tuple[int, int]]:
+        """Per virtual stage, ``(forwards, backwards)`` done."""
+        return list(zip(self.f, self.b, strict=True))
+
+    def _ready(self, kind: str, s: int, j: int, t: int) -> bool:
+        count = self.f[s] if kind == "F" else self.b[s]
+        return j < count and self.done.get((kind, s, j), 0) <= t
+
+    def _finished(self, s: int, total: int, flush: bool) -> bool:
+        f, b = self.f[s], self.b[s]
+        return b == f if flush else f == total and f - b <= self.depth[s]
+
+    def call(self, total: int, step_every: int = 0, flush: bool = False) -> list[list[Action]]:
+        """Per rank, its compute actions of the call that brings ``total`` micro-batches
+        enqueued (``flush``: only the backwards still owed, and a last partial step).
+
+        Args:
+            step_every: a ``STEP`` (``stage`` = the chunk's virtual stage, ``mb``
+                = its backwards done) after every ``step_every``-th backward of
+                a chunk; 0: none.
+
+        Raises:
+            PipelineError: internal: the layout did not finish.
+        """
+        p, n, f, b = self.p, self.n, self.f, self.b
+        pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        lists: list[list[Action]] = [[] for _ in range(p)]
+        over = [False] * p
+        t = min(self.busy)
+        limit = t + 4 * n * (total + 1) + 8
+        while not all(over):
+            for r in range(p):
+                if over[r] or self.busy[r] > t:
+                    continue
+                act = self._choose(r, t, total, flush, pending[r], step_every)
+                if act is None:
+                    if not pending[r] and all(
+                        self._finished(s, total, flush) for s in self.mine[r]
+                    ):
+                        over[r] = True
+                    continue
+                lists[r].append(act)
+                self.busy[r] = t + 1
+                if act.kind == "F":
+                    f[act.stage] += 1
+                    self.done[("F", act.stage, act.mb)] = t + 1
+                elif act.kind in ("I", "B"):
+                    b[act.stage] += 1
+                    self.done[("B", act.stage, act.mb)] = t + 1
+                    if act.kind == "I":
+                        pending[r].append((act.stage, act.mb))
+                every = step_every
+                if act.kind in ("B", "W") and every and (act.mb + 1) % every == 0:
+                    lists[r].append(Action("STEP", act.mb + 1, act.stage))
+            t += 1
+            if t > limit:
+                raise PipelineError(f"internal: the asynchronous layout stopped at {self.counts()}")
+        if flush and step_every:
+            for r in range(p):  # a last partial accumulation
+                for s in reversed(self.mine[r]):
+                    if f[s] % step_every:
+                        lists[r].append(Action("STEP", f[s], s))
+        # What later calls still read: backwards from the oldest one owed on.
+        oldest = min(b)
+        self.done = {k: e for k, e in self.done.items() if k[2] >= oldest}
+        return lists
+
+    def _choose(
+        self,
+        r: int,
+        t: int,
+        total: int,
+        flush: bool,
+        pending: list[tuple[int, int]],
+        step_every: int,
+    ) -> Action | None:
+        n, f, b = self.n, self.f, self.b
+        for s in self.mine[r]:
+            j = b[s]
+            if self._finished(s, total, flush) or j >= f[s] or not self._ready("F", s, j, t):
+                continue
+            if s < n - 1 and not self._ready("B", s + 1, j, t):
+                continue
+            owed = [w for w in pending if w[0] == s]
+            if owed:  # this chunk's last W first: its step comes before this backward
+                pending.remove(owed[0])
+                return Action("W", owed[0][1], s)
+            return Action("I" if self.split else "B", j, s)
+        if not flush:
+            for s in self.mine[r]:
+                j = f[s]
+                if (
+                    j < total
+                    and j - b[s] <= self.depth[s]
+                    and (s == 0 or self._ready("F", s - 1, j, t))
+                ):
+                    # A W that completes a step goes before the chunk's next
+                    # forward: deferring it would feed that forward older weights.
+                    owed = [w for w in pending if w[0] == s]
+                    if owed and step_every and (owed[0][1] + 1) % step_every == 0:
+                        pending.remove(owed[0])
+                        return Action("W", owed[0][1], s)
+                    return Action("F", j, s)
+        if pending:
+            s, j = pending.pop(0)
+            return Action("W", j, s)
+        return None
+
+
 def flush_ops(done_fwds: int, done_bwds: int) -> list[Op]:
     """The backwards an asynchronous stage still owes."""
     return [("B", j) for j in range(done_bwds, done_fwds)]
@@ -670,15 +843,24 @@ def simulate(lists: Sequence[Sequence[Action | Op]]) -> list[list[Action | None]
     return rows
 
 
-def _lists(schedule: str, ranks: int, chunks: int, v: int | None) -> tuple[list[list[Action]], int]:
+def _lists(
+    schedule: str, ranks: int, chunks: int, v: int | None, split: bool = False
+) -> tuple[list[list[Action]], int]:
     name = canonical(schedule)
     k = stages_per_rank(name, v)
-    return [compute_actions(name, r, ranks, chunks, k) for r in range(ranks)], k
+    return [compute_actions(name, r, ranks, chunks, k, split) for r in range(ranks)], k
 
 
-def grid(schedule: str, num_stages: int, chunks: int, stages_per_rank: int | None = None) -> str:
-    """The rank × time grid of ``schedule`` (see the module docstring)."""
-    lists, v = _lists(schedule, num_stages, chunks, stages_per_rank)
+def grid(
+    schedule: str,
+    num_stages: int,
+    chunks: int,
+    stages_per_rank: int | None = None,
+    split: bool = False,
+) -> str:
+    """The rank × time grid of ``schedule`` (see the module docstring);
+    ``split``: ``async``'s backwards as ``I`` then ``W``."""
+    lists, v = _lists(schedule, num_stages, chunks, stages_per_rank, split)
     rows = simulate(lists)
     style = placement(schedule)
 
@@ -700,10 +882,14 @@ def grid(schedule: str, num_stages: int, chunks: int, stages_per_rank: int | Non
 
 
 def bubble_fraction(
-    schedule: str, num_stages: int, chunks: int, stages_per_rank: int | None = None
+    schedule: str,
+    num_stages: int,
+    chunks: int,
+    stages_per_rank: int | None = None,
+    split: bool = False,
 ) -> float:
     """Idle share of the ranks' time with ``F = I = W = 1``, ``B = 2``; gpipe: ``(p-1)/(m+p-1)``."""
-    lists, _ = _lists(schedule, num_stages, chunks, stages_per_rank)
+    lists, _ = _lists(schedule, num_stages, chunks, stages_per_rank, split)
     timed = timeline(lists, _COSTS)
     span = max(end for row in timed for _, end, _ in row)
     busy = sum(end - start for row in timed for start, end, _ in row)

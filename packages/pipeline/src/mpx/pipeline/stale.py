@@ -39,7 +39,13 @@ from mpx.pipeline.executor import Hooks
 from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
 from mpx.pipeline.passes import Micro, StagePasses
 from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
-from mpx.pipeline.schedule import Action, async_actions, async_flush_actions, rank_actions
+from mpx.pipeline.schedule import (
+    Action,
+    AsyncLayout,
+    async_actions,
+    async_flush_actions,
+    rank_actions,
+)
 from mpx.pipeline.stage import Weights
 
 __all__ = ["AsyncHooks"]
@@ -115,19 +121,38 @@ class AsyncHooks(Hooks):
         # Each backward as I (its gradient upstream at once) then W: the
         # weights each pass uses do not change, only when the gradient leaves.
         self.split = split_backward
+        # Chunks per rank: every virtual stage is a PipeDream stage of its own,
+        # stepping its chunk's parameters (see schedule.AsyncLayout). With a
+        # split backward or several chunks the stream is laid out by the
+        # list scheduler (W deferred into the gaps), else by the one-stage rule.
+        self.v = len(passes.stages)
+        self.layout: AsyncLayout | None = None
+        if self.v > 1 or split_backward:
+            self.layout = AsyncLayout(passes.num_stages, self.v, split_backward)
         self.optimizer: torch.optim.Optimizer | None = None  # of the call under way
         self.scheduler: Any = None
         self.prediction, self.gap_aware = weight_prediction, gap_aware
         self.step_every, self.recompute, self.stashing = step_every, recompute, weight_stashing
         self.depth = passes.num_stages - 1 - passes.stage_id
         self.done_f = self.done_b = self.total = 0
-        self.version = 0  # optimizer steps taken by this stage
-        self.staleness: list[int] = []  # per backward: steps since its forward
+        self.version = 0  # optimizer steps taken by this stage (all chunks)
+        self.staleness: list[int] = []  # per backward: steps of its chunk since its forward
         self.params = [
             (i, name, p)
             for i, d in passes.stage.named_layer_params().items()
             for name, p in d.items()
         ]
+        # Per virtual stage of this rank: its parameters, backwards done, steps.
+        self.chunk_params = {
+            s: [
+                (i, name, p)
+                for i, d in passes.stage.named_layer_params(k).items()
+                for name, p in d.items()
+            ]
+            for k, s in enumerate(passes.stages)
+        }
+        self.chunk_b = dict.fromkeys(passes.stages, 0)
+        self.chunk_version = dict.fromkeys(passes.stages, 0)
         self._ga: GapAware | None = None
         self._ga_optimizer: torch.optim.Optimizer | None = None
         # Gap-aware statistics loaded from a checkpoint, for the next optimizer seen.
@@ -135,19 +160,20 @@ class AsyncHooks(Hooks):
 
     # -- weights ---------------------------------------------------------------
 
-    def _steps_before_backward(self, j: int) -> int:
-        """Optimizer steps between now and the backward of ``j`` (backwards run in order)."""
+    def _steps_before_backward(self, j: int, s: int) -> int:
+        """Steps of chunk ``s`` between now and the backward of ``j`` (a chunk's
+        backwards run in order, each after the last one's step)."""
         k = self.step_every
-        return sum(1 for b in range(self.done_b, j) if (b + 1) % k == 0)
+        return sum(1 for b in range(self.chunk_b[s], j) if (b + 1) % k == 0)
 
     def _forward_weights(
-        self, j: int, optimizer: torch.optim.Optimizer | None, scheduler: Any
+        self, j: int, s: int, optimizer: torch.optim.Optimizer | None, scheduler: Any
     ) -> dict[torch.nn.Parameter, torch.Tensor] | None:
-        """Values for the forward of ``j``; None means the live parameters will do."""
-        d = self._steps_before_backward(j) if optimizer is not None else 0
+        """Values for the forward of ``j`` on chunk ``s``; None: the live parameters will do."""
+        d = self._steps_before_backward(j, s) if optimizer is not None else 0
         if d == 0:
             return None  # nothing changes before the backward
-        plist = [p for _, _, p in self.params]
+        plist = [p for _, _, p in self.chunk_params[s]]
         if self.prediction is not None:
             assert optimizer is not None
             lrs = future_lrs(optimizer, scheduler, d)
@@ -156,36 +182,38 @@ class AsyncHooks(Hooks):
             return {p: p.detach().clone() for p in plist}
         return None
 
-    def _leaves(self, values: dict[torch.nn.Parameter, torch.Tensor] | None) -> Weights:
-        """Leaf tensors requiring grad, one per parameter (no copy for live ones)."""
+    def _leaves(self, values: dict[torch.nn.Parameter, torch.Tensor] | None, s: int) -> Weights:
+        """Leaf tensors requiring grad, one per parameter of chunk ``s`` (no copy for live ones)."""
         out: Weights = {}
-        for i, name, p in self.params:
+        for i, name, p in self.chunk_params[s]:
             t = p.detach() if values is None else values[p].detach()
             out.setdefault(i, {})[name] = t.requires_grad_(p.requires_grad)
         return out
 
-    def _plain(self, values: dict[torch.nn.Parameter, torch.Tensor] | None) -> Weights | None:
+    def _plain(
+        self, values: dict[torch.nn.Parameter, torch.Tensor] | None, s: int
+    ) -> Weights | None:
         if values is None:
             return None
         out: Weights = {}
-        for i, name, p in self.params:
+        for i, name, p in self.chunk_params[s]:
             out.setdefault(i, {})[name] = values[p]
         return out
 
     # -- hooks (see mpx.pipeline.executor.Hooks) --------------------------------
 
     def before_forward(self, action: Action, mb: Micro) -> None:
-        j = action.mb
+        j, s = action.mb, action.stage
         mb.recompute = self.recompute
-        values = self._forward_weights(j, self.optimizer, self.scheduler)
+        values = self._forward_weights(j, s, self.optimizer, self.scheduler)
         mb.extra["values"] = values
-        mb.extra["version"] = self.version
+        mb.extra["version"] = self.chunk_version[s]
         if self.recompute:
-            mb.extra["weights"] = self._plain(values)
+            mb.extra["weights"] = self._plain(values, s)
         else:
             # Live parameters (nothing steps before the backward) go straight
             # into the graph, and autograd accumulates into ``.grad`` itself.
-            mb.extra["weights"] = None if values is None else self._leaves(values)
+            mb.extra["weights"] = None if values is None else self._leaves(values, s)
 
     def before_backward(self, action: Action, mb: Micro) -> None:
         values = mb.extra["values"]
@@ -197,13 +225,13 @@ class AsyncHooks(Hooks):
         # The gap-aware penalty needs this micro-batch's gradient on its own.
         separate = self._ga is not None and gap_ref is not None
         if self.recompute:
-            leaves = self._leaves(used) if (used is not None or separate) else None
+            leaves = self._leaves(used, mb.stage) if (used is not None or separate) else None
             mb.extra["backward_weights"] = leaves
         else:
             leaves = mb.extra["weights"]
         mb.extra["grad_leaves"] = leaves
         mb.extra["gap_ref"] = gap_ref if separate else None
-        self.staleness.append(self.version - mb.extra["version"])
+        self.staleness.append(self.chunk_version[mb.stage] - mb.extra["version"])
 
     def weights(self, mb: Micro) -> list[torch.Tensor]:
         leaves = mb.extra.get("grad_leaves")
@@ -221,7 +249,7 @@ class AsyncHooks(Hooks):
         gap_ref = mb.extra["gap_ref"]
         if leaves is not None:
             with torch.no_grad():
-                for i, name, p in self.params:
+                for i, name, p in self.chunk_params[mb.stage]:
                     g = leaves[i][name].grad
                     if g is None:
                         continue
@@ -233,26 +261,41 @@ class AsyncHooks(Hooks):
                     else:
                         p.grad.add_(g)
         self.done_b += 1
+        self.chunk_b[mb.stage] += 1
 
-    def step(self) -> None:
+    def step(self, action: Action) -> None:
         if self.optimizer is not None:
-            self._step(self.optimizer, self.scheduler)
+            self._step(self.optimizer, self.scheduler, action.stage)
 
-    def _step(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    def _step(self, optimizer: torch.optim.Optimizer, scheduler: Any, s: int) -> None:
+        """The step of chunk ``s`` (``-1``: of the rank's one chunk)."""
+        s = self.passes.stages[0] if s < 0 else s
+        mine = [p for _, _, p in self.chunk_params[s]]
+        # With several chunks only chunk s steps: the others' gradients (owed
+        # to their own steps) are set aside, so the optimizer skips them.
+        others = [p for t, ps in self.chunk_params.items() if t != s for _, _, p in ps]
+        aside = [p.grad for p in others]
+        for p in others:
+            p.grad = None
         ga = self._gap(optimizer)
         if ga is not None:
             ga.damp_weight_decay(optimizer)
         self._average_grads()
+        for p in others:  # averaging gave them zeros: a step would move them
+            p.grad = None
         before: dict[torch.Tensor, torch.Tensor] | None = None
         if ga is not None and ga.kind == "adam":
-            before = {p: p.detach().clone() for _, _, p in self.params}
+            before = {p: p.detach().clone() for p in mine}
         optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+        if scheduler is not None and s == self.passes.stages[0]:
+            scheduler.step()  # once per step of the rank's first chunk
         if ga is not None:
-            ga.after_step(optimizer, before)
+            ga.after_step(optimizer, before, set(mine))
         optimizer.zero_grad(set_to_none=True)
+        for p, g in zip(others, aside, strict=True):
+            p.grad = g
         self.version += 1
+        self.chunk_version[s] += 1
 
     def _gap(self, optimizer: torch.optim.Optimizer) -> GapAware | None:
         if self.gap_aware is None:
@@ -281,12 +324,15 @@ class AsyncHooks(Hooks):
         passes = self.passes
         stage = passes.stages[0]
         every = self.step_every if optimizer is not None else 0
-        compute = async_actions(
-            self.depth, self.done_f, self.done_b, self.total, stage, every, self.split
-        )
+        if self.layout is not None:
+            compute = self.layout.call(self.total, every)[passes.stage_id]
+        else:
+            compute = async_actions(
+                self.depth, self.done_f, self.done_b, self.total, stage, every, self.split
+            )
         self.done_f += sum(a.kind == "F" for a in compute)
         actions = rank_actions(
-            "async", passes.stage_id, passes.num_stages, self.chunks, actions=compute
+            "async", passes.stage_id, passes.num_stages, self.chunks, self.v, actions=compute
         )
         return list(range(first_id, first_id + self.chunks)), actions
 
@@ -297,9 +343,17 @@ class AsyncHooks(Hooks):
         self.optimizer, self.scheduler = optimizer, scheduler
         stage = self.passes.stages[0]
         every = self.step_every if optimizer is not None else 0
-        compute = async_flush_actions(self.done_f, self.done_b, stage, every, self.split)
+        if self.layout is not None:
+            compute = self.layout.call(self.total, every, flush=True)[self.passes.stage_id]
+        else:
+            compute = async_flush_actions(self.done_f, self.done_b, stage, every, self.split)
         return rank_actions(
-            "async", self.passes.stage_id, self.passes.num_stages, self.chunks, actions=compute
+            "async",
+            self.passes.stage_id,
+            self.passes.num_stages,
+            self.chunks,
+            self.v,
+            actions=compute,
         )
 
     def in_flight(self) -> int:
@@ -319,6 +373,7 @@ class AsyncHooks(Hooks):
             "done_b": self.done_b,
             "total": self.total,
             "version": self.version,
+            "chunk_versions": [self.chunk_version[s] for s in self.passes.stages],
             "staleness": list(self.staleness),
             "gap_aware": ga,
         }
@@ -328,9 +383,20 @@ class AsyncHooks(Hooks):
         self.done_f, self.done_b = int(state["done_f"]), int(state["done_b"])
         self.total, self.version = int(state["total"]), int(state["version"])
         self.staleness = [int(s) for s in state["staleness"]]
+        versions = state.get("chunk_versions", [self.version])
+        self.chunk_version = dict(zip(self.passes.stages, map(int, versions), strict=True))
+        # Saved drained: every chunk has run every micro-batch both ways.
+        self.chunk_b = dict.fromkeys(self.passes.stages, self.total)
+        if self.layout is not None:
+            self.layout = AsyncLayout(self.passes.num_stages, self.v, self.split)
+            self.layout.f = [self.total] * self.layout.n
+            self.layout.b = [self.total] * self.layout.n
         self._ga, self._ga_optimizer, self._ga_loaded = None, None, state["gap_aware"]
 
     def reset(self) -> None:
         """Drops the stream after a failure: the micro-batches in flight are forgotten and
         numbering restarts at 0, as in a fresh pipeline (the weights keep their steps)."""
         self.done_f = self.done_b = self.total = 0
+        self.chunk_b = dict.fromkeys(self.passes.stages, 0)
+        if self.layout is not None:
+            self.layout = AsyncLayout(self.passes.num_stages, self.v, self.split)
