@@ -232,6 +232,24 @@ def test_uneven_all_to_all_matches_gloo(groups: dict[str, dist.ProcessGroup]) ->
     assert [o.tolist() for o in outs] == [[10 * j + rank] * n for j, n in enumerate(recv_rows)]
 
 
+def test_all_to_all_single_refuses_non_contiguous_like_gloo(
+    groups: dict[str, dist.ProcessGroup],
+) -> None:
+    """c10d's all_to_all_single takes a contiguous input: a strided one is a ValueError."""
+    size = dist.get_world_size()
+    every_other = torch.arange(size * 4.0)[::2]  # strided at any world size, 1 included
+    for name, group in groups.items():
+        with pytest.raises(ValueError, match="Tensors must be contiguous") as raised:
+            dist.all_to_all_single(torch.zeros(size * 2), every_other, group=group)
+        if name == "mpx":
+            assert "input.contiguous()" in str(raised.value)  # the fix, named
+        # The group is still usable, and a channels-last tensor (gloo takes it) passes.
+        images = torch.arange(size * 8.0).reshape(size, 2, 2, 2)
+        out = torch.empty_like(images).to(memory_format=torch.channels_last)
+        dist.all_to_all_single(out, images.to(memory_format=torch.channels_last), group=group)
+        assert out.shape == images.shape
+
+
 def test_reduce_scatter_forms_match_gloo(groups: dict[str, dist.ProcessGroup]) -> None:
     size = dist.get_world_size()
 

@@ -348,6 +348,14 @@ class _MPIRequest:
         return int(self._status.Get_source())
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Contiguous in some memory format (channels-last counts, as in c10d's checks)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return t.is_contiguous() or (
+        t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()])
+    )
+
+
 def _all_of(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """torch's list form of an argument also given as one tensor (``pg.allreduce(t)``)."""
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -793,6 +801,13 @@ class MPXProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> MPXWork:
         size = self.comm.size
+        # c10d's contract, as gloo checks it: the input is whole in its memory format
+        # (a strided output is accepted, and written through a copy).
+        if not _dense(input):
+            raise MPXValueError(
+                f"all_to_all_single: Tensors must be contiguous; the input has strides "
+                f"{input.stride()} for shape {tuple(input.shape)}: pass input.contiguous()"
+            )
         if not input_split_sizes and not output_split_sizes:
             if input.numel() % size:
                 raise MPXValueError(
