@@ -501,3 +501,17 @@ def test_split_backward_and_chunks_are_async_options() -> None:
         Pipeline(model, balance, schedule="1f1b", split_backward=True)
     with pytest.raises(PipelineError, match="stages_per_rank=2"):
         Pipeline(model, balance, schedule="1f1b", stages_per_rank=2)
+
+
+def test_async_chunks_refuse_weights_tied_across_ranks() -> None:
+    # Each chunk steps alone: copies of a weight tied across ranks would step at
+    # different times and drift apart, so the combination is refused on every rank.
+    comm = world()
+    n = comm.size * 2
+    model, balance = make_model(n)
+    model[2 * (n - 1)].weight = model[0].weight  # first and last virtual stage
+    if comm.size == 1:  # both chunks on this rank: one parameter, nothing to tie
+        Pipeline(model, balance, schedule="async", stages_per_rank=2)
+        return
+    with pytest.raises(PipelineError, match="stages_per_rank=2 steps each chunk on its own"):
+        Pipeline(model, balance, schedule="async", stages_per_rank=2)

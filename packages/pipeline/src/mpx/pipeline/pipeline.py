@@ -233,7 +233,12 @@ class Pipeline(nn.Module):
             weight_stashing,
             split_backward,
         )
-        if schedule == "async" and v > 1 and self._tied:
+        # Decided from the model alone, alike on every rank (owners or not).
+        across = any(
+            len({rank_of(s, self.num_stages, self._style) for s in by_stage}) > 1
+            for by_stage in tied_groups(module, self.balance)
+        )
+        if schedule == "async" and v > 1 and across:
             # Each chunk steps alone (its own PipeDream stage): copies of a tied
             # weight on different ranks' chunks would step at different times.
             raise PipelineValueError(
