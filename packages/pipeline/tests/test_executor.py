@@ -21,7 +21,7 @@ from mpx.pipeline.executor import measured_bubble
 
 pytestmark = pytest.mark.mpi
 
-UNIT = 0.2  # seconds per F, I and W: a message hop (ms; more under load) stays small
+UNIT = 0.1  # seconds per F, I and W: a message hop (ms; more under load) stays small
 
 
 class _SleepyGrad(torch.autograd.Function):
