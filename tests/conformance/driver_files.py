@@ -45,9 +45,14 @@ def load(path: Path) -> Any:
 
 
 def test_names(module: Any) -> list[str]:
-    """``Class.test_x`` for every MultiProcessTestCase class the file defines."""
+    """``Class.test_x`` for every MultiProcessTestCase class the file defines.
+
+    The tests are those unittest finds (any ``test*`` method: torch names a few
+    ``testWithoutEnv``-style).
+    """
     from torch.testing._internal.common_distributed import MultiProcessTestCase
 
+    loader = unittest.TestLoader()
     names = []
     for name, value in sorted(vars(module).items()):
         if (
@@ -55,7 +60,7 @@ def test_names(module: Any) -> list[str]:
             and issubclass(value, MultiProcessTestCase)
             and value.__module__ == module.__name__
         ):
-            names += [f"{name}.{t}" for t in sorted(dir(value)) if t.startswith("test_")]
+            names += [f"{name}.{t}" for t in sorted(loader.getTestCaseNames(value))]
     return names
 
 

@@ -49,6 +49,35 @@ def test_tests_that_never_touch_mpx_are_counted_apart() -> None:
     assert list(result["differ"]) == ["c"]
 
 
+def test_the_listing_finds_what_unittest_finds() -> None:
+    """torch names a few tests test* without the underscore (LocalRankTest.testWithoutEnv)."""
+    driver_files = _module("driver_files")
+    names = driver_files.test_names(driver_files.load(HERE / "multiprocess_sample.py"))
+    assert names == [
+        "FourRanksTest.testNamedWithoutUnderscore",
+        "FourRanksTest.test_needs_four",
+        "SampleTest.test_all_reduce_through_init_process_group",
+        "SampleTest.test_gloo_class_built_directly",
+    ]
+
+
+def test_a_failure_on_gloos_own_api_is_counted_apart_and_no_other() -> None:
+    """create_device is ProcessGroupGloo's: failing on it alone is not an mpx regression."""
+    gloo_api = "AttributeError: 'MPXProcessGroup' object has no attribute 'create_device'"
+    control = {t: {"event": "pass"} for t in ("a", "b", "c", "d")}
+    tested = {
+        "a": {"event": "pass"},
+        "b": {"event": "fail", "detail": f"Traceback (most recent call last):\n  ...\n{gloo_api}"},
+        "c": {"event": "fail", "detail": "AttributeError: 'Tensor' object has no attribute 'x'"},
+        # The words in a message of another error are not the call itself.
+        "d": {"event": "fail", "detail": f"AssertionError: expected {gloo_api!r}"},
+    }
+    result = files.compare_file(control, tested, "apart")
+    assert result["gloo_api"] == ["b"]
+    assert sorted(result["differ"]) == ["c", "d"]
+    assert (result["passes"], result["control_passes"]) == (1, 4)
+
+
 @pytest.mark.timeout(600)
 def test_a_sample_file_runs_on_mpx_and_gloo(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
@@ -59,7 +88,7 @@ def test_a_sample_file_runs_on_mpx_and_gloo(
     argv = ["--torch-tests", str(HERE), "--files", "multiprocess_sample.py", "--out", str(tmp_path)]
     assert files.main(argv) == 0
     said = capsys.readouterr().out
-    assert "mpx passes 1 of the 1 tests gloo passes (1 build gloo themselves" in said
+    assert "mpx passes 1 of the 1 tests gloo passes (1 make no mpx group" in said
 
 
 def test_the_sample_without_torch_sources_is_a_skip_said_so(
@@ -86,4 +115,4 @@ def test_the_sample_runs_its_tests_only(
     monkeypatch.setattr(files, "SAMPLE", {"multiprocess_sample.py": named})
     assert files.run_sample(2, tmp_path) == 0
     said = capsys.readouterr().out
-    assert "mpx passes 1 of the 1 tests gloo passes (0 build gloo themselves" in said
+    assert "mpx passes 1 of the 1 tests gloo passes (0 make no mpx group" in said
