@@ -14,9 +14,8 @@ which files it looked for and where, and exits 0 having run nothing.
 ranks); ``run_conformance.py`` runs it after ``distributed_test.py``, so CI
 runs it where ``MPX_TORCH_TESTS`` names torch's sources. Where it names none
 (CI has no copy) the sample prints ``torch test files: SKIPPED`` with the
-reason: a skip, never counted as a pass. The whole set runs with the command
-above (no nox session runs it yet: ``nox -s torch-conformance`` runs
-``distributed_test.py`` and the sample).
+reason: a skip, never counted as a pass. The whole set runs in
+``nox -s torch-conformance``, as the command above does.
 
 For each file, every ``MultiProcessTestCase`` test runs on gloo, then on mpx
 (``driver_files.py``: ranks from MPI, the groups the test asks gloo for made
