@@ -86,13 +86,13 @@ def _called_from_cpp() -> bool:
         caller: types.FrameType | None = sys._getframe(2)  # 0: this, 1: get_future, 2: caller
     except ValueError:  # no Python frame: a C++ thread
         return True
-    while caller is not None and caller.f_code.co_filename == _EAGER_WRAPPER_FILE:
+    while caller is not None and caller.f_code.co_filename in _EAGER_WRAPPER_FILE:
         caller = caller.f_back  # torch.compiler.disable's wrapper (_run_eagerly)
     return caller is None or "get_future" not in caller.f_code.co_names
 
 
 def _run_eagerly(cls: type[_Class]) -> type[_Class]:
-    """``cls`` with the methods torch calls wrapped in ``torch.compiler.disable``.
+    """Marks ``cls``: the methods torch calls are wrapped in ``torch.compiler.disable``.
 
     torch's C++ calls these Python overrides from inside compiled code
     (``torch.compile(DDP(m))``: the reducer's bucket rebuild broadcasts), and
@@ -100,17 +100,33 @@ def _run_eagerly(cls: type[_Class]) -> type[_Class]:
     process group whose Python members it does not know (``Member
     '_check_root' is not registered``). Run eagerly, as gloo's C++ methods
     are. Only torch's entry points are wrapped: each wrapper costs ~1.5 us.
+    The wrapping waits for the first group (:func:`_make_eager`):
+    ``torch.compiler.disable`` imports ``torch._dynamo``, 1.4 s of every
+    rank's start-up when done at import, in jobs that never make a group.
     """
-    base = next(b for b in cls.__mro__[1:] if b.__module__.startswith("torch"))
-    for name, value in list(vars(cls).items()):
-        entry = hasattr(base, name) or name == "getBackendName"
-        if entry and isinstance(value, types.FunctionType) and not name.startswith("__"):
-            setattr(cls, name, _disable(value, reason="mpx runs eagerly"))
+    _EAGER_CLASSES.append(cls)
     return cls
 
 
-_disable: Any = torch.compiler.disable  # untyped in torch
-_EAGER_WRAPPER_FILE = _disable(_run_eagerly).__code__.co_filename
+def _make_eager() -> None:
+    """Wraps the marked classes' torch entry points, once (the first group does it)."""
+    with _EAGER_LOCK:
+        if _EAGER_WRAPPER_FILE:
+            return
+        disable: Any = torch.compiler.disable  # untyped in torch
+        for cls in _EAGER_CLASSES:
+            base = next(b for b in cls.__mro__[1:] if b.__module__.startswith("torch"))
+            for name, value in list(vars(cls).items()):
+                entry = hasattr(base, name) or name == "getBackendName"
+                if entry and isinstance(value, types.FunctionType) and not name.startswith("__"):
+                    setattr(cls, name, disable(value, reason="mpx runs eagerly"))
+        _EAGER_WRAPPER_FILE.append(disable(_make_eager).__code__.co_filename)
+
+
+_EAGER_CLASSES: list[type[Any]] = []
+_EAGER_LOCK = threading.Lock()
+# The file of torch.compiler.disable's wrapper, once _make_eager has run.
+_EAGER_WRAPPER_FILE: list[str] = []
 
 
 @_run_eagerly
@@ -387,6 +403,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         # Whether torch's C++ reads this group's futures as c10 tensor lists
         # (a built-in comm hook registered on a DDP over it): see cpp_reads_lists.
         self._cpp_reads_lists = False
+        _make_eager()
         _note_builtin_hooks()  # "mpx" may come from torch's entry point, not register_torch_backend
 
     def cpp_reads_lists(self) -> None:
