@@ -1,9 +1,11 @@
-"""The demo's loss and accuracy panels say what each mode measures (issue 33).
+"""The demo's plots say what each mode measures, readably (issue 33).
 
 ``--mode gpt`` trains a character-level language model on the standard
 library's source: its panels are the next-character cross-entropy in nats per
 character and the next-character accuracy on held-out text, not the digits'
-"training loss" and "test accuracy".
+"training loss" and "test accuracy". ``--mode mgrit``'s residual panel, one
+curve per epoch, needs a colour bar (or legend) that says which curve is which
+epoch, and its MGRIT iterations are integers, so no fractional ticks.
 """
 
 from __future__ import annotations
@@ -74,3 +76,39 @@ def test_digits_panels_keep_the_classifier_measures(tmp_path: Path, mode: str) -
     assert accuracy_title == "digits' test set"
     assert x0 == x1 == "epoch"
     assert scale == "log"  # the digits' loss falls by decades
+
+
+def test_residual_panel_has_integer_iterations_and_an_epoch_colour_bar(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    demo = _demo()
+    epochs = 20
+    history = demo.History(
+        loss=[1.0 / (e + 1) for e in range(epochs)],
+        accuracy=[0.9] * epochs,
+        seconds=[0.1] * epochs,
+        residuals=[[5e-3 * (1 + e / 40), 2e-5] for e in range(epochs)],  # 2 iterations each
+    )
+    path = tmp_path / "digits_mgrit.png"
+    plt.close("all")
+    demo.plot(history, str(path), "mgrit")
+    assert path.stat().st_size > 10_000
+    fig = plt.gcf()
+    panel = fig.axes[2]
+    assert len(panel.get_lines()) == epochs
+    low, high = panel.get_xlim()
+    ticks = [t for t in panel.get_xticks() if low <= t <= high]
+    assert ticks == [1.0, 2.0], ticks  # integer ticks only, for 2 iterations
+    # The family is labelled: a colour bar named "epoch", with integer ticks over 1..20.
+    bars = [ax for ax in fig.axes[3:] if ax.get_ylabel() == "epoch"]
+    assert len(bars) == 1, [ax.get_ylabel() for ax in fig.axes]
+    low, high = bars[0].get_ylim()
+    assert (low, high) == (1.0, float(epochs))
+    bar_ticks = [t for t in bars[0].get_yticks() if low <= t <= high]
+    assert len(bar_ticks) >= 2
+    assert all(float(t).is_integer() for t in bar_ticks), bar_ticks
+    # Early and late epochs are told apart by colour.
+    first, last = panel.get_lines()[0], panel.get_lines()[-1]
+    assert first.get_color() != last.get_color()
+    plt.close(fig)
