@@ -32,6 +32,8 @@ def self_comm() -> Communicator:
 
 def dahlquist(u: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
     """Backward Euler for u' = -u, written as PyMGRIT's Dahlquist example writes it."""
+    if isinstance(dt, torch.Tensor) and dt.dim() < u.dim():  # vectorized: one dt per row
+        dt = dt.reshape(dt.shape + (1,) * (u.dim() - dt.dim()))
     z = dt * -1
     u_next: torch.Tensor = 1 / (1 - z) * u  # t, dt: floats, or tensors when vectorized
     return u_next

@@ -75,7 +75,7 @@ def test_finite_input_near_the_dtype_limits_decodes_finite(
         mq.dequantize_add(q, acc, backend=backend)
         assert torch.equal(acc, y)
     # Every backend decodes to the same bytes as the reference.
-    ref = mq.dequantize(mq.quantize(x, bits, 512, False, backend="torch"), backend="torch")
+    ref = mq.dequantize(mq.quantize(x.cpu(), bits, 512, False, backend="torch"), backend="torch")
     assert torch.equal(mq.dequantize(mq.quantize(x, bits, 512, False, backend=backend)).cpu(), ref)
 
 
