@@ -233,3 +233,53 @@ def test_the_op_specs_describe_the_functional_api_and_torch() -> None:
         assert OP_SPECS[name].in_place
         assert getattr(mpx.collectives, name)(t) is t
     assert choose("send", False, 1 << 30, world(), "ring") == "mpi"  # not the policy's
+
+
+def _one_node(ranks: int, gpus_shared: bool) -> Any:
+    from types import SimpleNamespace
+
+    from mpx.collectives.policy import ChoiceCache
+
+    return SimpleNamespace(
+        size=ranks, num_nodes=1, node_size=ranks, single_node=True,
+        gpus_shared=gpus_shared, hierarchy=None, choices=ChoiceCache(),
+    )  # fmt: skip
+
+
+def test_cuda_calls_take_ipc_from_its_threshold_where_every_rank_sees_the_same_gpus() -> None:
+    threshold = policy.current().ipc_bytes
+    assert threshold == 4 << 20  # the H200's crossover (BENCHMARKS.md), unless set
+    shared = _one_node(2, gpus_shared=True)
+    assert choose("allreduce", True, threshold - 4, shared) == "staged"
+    assert choose("allreduce", True, threshold, shared) == "ipc"
+    assert choose("broadcast", True, 1 << 28, shared) == "ipc"
+    assert choose("allgather", True, 1 << 28, shared) == "staged"  # ipc has no allgather
+    assert choose("allreduce", False, 1 << 28, shared) == "shm"  # CPU tensors: unchanged
+    # Each rank bound to its own GPU: a peer's memory cannot be mapped.
+    assert choose("allreduce", True, 1 << 28, _one_node(2, gpus_shared=False)) == "staged"
+    assert choose("allreduce", True, 1 << 28, _one_node(1, gpus_shared=True)) == "staged"
+
+
+def test_ipc_threshold_zero_turns_auto_ipc_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPX_AUTO_IPC_BYTES", "0")
+    reload_settings()
+    assert policy.current().ipc_bytes == 0
+    assert choose("allreduce", True, 1 << 28, _one_node(2, gpus_shared=True)) == "staged"
+    monkeypatch.setenv("MPX_AUTO_IPC_BYTES", "1M")
+    reload_settings()
+    assert choose("allreduce", True, 1 << 20, _one_node(2, gpus_shared=True)) == "ipc"
+
+
+@pytest.mark.mpi
+def test_gpus_are_shared_only_when_every_rank_sees_the_same_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    comm = world()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    same = Communicator.from_mpi(MPI.COMM_WORLD)
+    assert same.gpus_shared == same.single_node
+    same.free()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(comm.rank))
+    bound = Communicator.from_mpi(MPI.COMM_WORLD)
+    assert bound.gpus_shared == (comm.size == 1)
+    bound.free()

@@ -145,10 +145,15 @@ class Communicator:
         # How many nodes the group spans, and whether every rank follows the
         # same policy (ranks that chose differently would deadlock or mix
         # algorithms): one collective, here, since creation is collective.
-        mine = (1 if self.node_rank == 0 else 0, current_policy().fingerprint())
+        # The devices each rank sees travel too: CUDA IPC (``auto``'s ipc)
+        # needs every rank to see its peers' GPUs, which holds when all were
+        # started with the same CUDA_VISIBLE_DEVICES on one node.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        mine = (1 if self.node_rank == 0 else 0, current_policy().fingerprint(), visible)
         every = mpi_comm.allgather(mine)
-        self.num_nodes: int = sum(leader for leader, _ in every)
-        differ = [r for r, (_, fp) in enumerate(every) if fp != every[0][1]]
+        self.num_nodes: int = sum(leader for leader, _, _ in every)
+        self.gpus_shared: bool = self.single_node and len({v for _, _, v in every}) == 1
+        differ = [r for r, (_, fp, _) in enumerate(every) if fp != every[0][1]]
         if differ:
             raise MismatchError(
                 f"ranks {differ} run a different collectives policy from rank 0 (settings "

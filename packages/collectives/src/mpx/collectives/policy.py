@@ -8,8 +8,8 @@ enabled for the call under the current :class:`Policy` wins::
 
     op                 ordered implementations (first enabled wins)
     -----------------  -------------------------------------------------------
-    allreduce          mpi<small  shm  hier  ring  mpi(cuda-aware)  staged  mpi
-    broadcast          mpi<small  shm  hier  ring  mpi(cuda-aware)  staged  mpi
+    allreduce          mpi<small  shm  hier  ring  ipc>=large  mpi(cuda-aware)  staged  mpi
+    broadcast          mpi<small  shm  hier  ring  ipc>=large  mpi(cuda-aware)  staged  mpi
     allgather          mpi<small  shm  ring  mpi(cuda-aware)  staged  mpi
     reduce_scatter     mpi<small  ring  mpi(cuda-aware)  staged  mpi
     reduce, alltoall,  mpi(cuda-aware)  staged  mpi
@@ -21,13 +21,18 @@ enabled for the call under the current :class:`Policy` wins::
     shm              CPU, every rank on one node
     hier             CPU, several nodes, more than one rank on some node
     ring             CPU, several nodes
+    ipc>=large       CUDA tensor of at least the policy's ipc threshold
+                     (MPX_AUTO_IPC_BYTES), every rank on one node seeing the
+                     same GPUs (the same CUDA_VISIBLE_DEVICES)
     mpi(cuda-aware)  CUDA tensor and MPX_CUDA_AWARE=1
     staged           CUDA tensor
     mpi              the fallback for CPU tensors
 
-``ipc`` (CUDA IPC within a node) is never chosen by ``auto``: it needs every
-rank to see its peers' GPUs, which only the user knows; name it with
-``impl="ipc"``. Nor are ``gloo`` (CPU) and ``nccl`` (CUDA), torch's own process
+``ipc`` (CUDA IPC within a node) needs every rank to see its peers' GPUs:
+``auto`` takes it only where the ranks were started with the same visible
+devices (one GPU shared, or all visible), which communicator creation checks
+(``Communicator.gpus_shared``); with one GPU bound to each rank, name it with
+``impl="ipc"`` after making them visible. Not chosen by ``auto`` are ``gloo`` (CPU) and ``nccl`` (CUDA), torch's own process
 groups over the same ranks (:mod:`mpx.collectives.impl_c10d`), there to
 compare with, as TorchMPI offered.
 
@@ -103,6 +108,8 @@ class Layout(Protocol):
     @property
     def single_node(self) -> bool: ...
     @property
+    def gpus_shared(self) -> bool: ...
+    @property
     def hierarchy(self) -> object | None: ...
     @property
     def choices(self) -> ChoiceCache: ...
@@ -172,14 +179,24 @@ _RING_TUNED = Entry(
     lambda call, policy: not call.cuda and policy.tuned_winner(call) == "ring",
     "ring(tuned)",
 )
+# On an H200 with two ranks, ipc was 3.4-4.6x staged from 16 MiB but cost
+# ~0.9 ms a call, where staged took 0.2-0.5 ms up to 1 MiB (BENCHMARKS.md).
+_IPC = Entry(
+    "ipc",
+    lambda call, policy: call.cuda
+    and call.comm.size > 1
+    and call.comm.gpus_shared
+    and 0 < policy.ipc_bytes <= call.nbytes,
+    "ipc>=large",
+)
 _MPI_CUDA = Entry("mpi", lambda call, policy: call.cuda and policy.cuda_aware, "mpi(cuda-aware)")
 _STAGED = Entry("staged", lambda call, policy: call.cuda)
 _MPI = Entry("mpi", lambda call, policy: not call.cuda, "mpi")
 
 _P2P = (_MPI_CUDA, _STAGED, _MPI)
 ORDER: dict[str, tuple[Entry, ...]] = {
-    "allreduce": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
-    "broadcast": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
+    "allreduce": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _IPC, _MPI_CUDA, _STAGED, _MPI),
+    "broadcast": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _IPC, _MPI_CUDA, _STAGED, _MPI),
     "allgather": (_MPI_SMALL, _SHM, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
     "reduce_scatter": (_MPI_SMALL, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
     "reduce": _P2P,
@@ -215,6 +232,8 @@ class Policy:
 
     Attributes:
         small_bytes: below this, MPI's own collectives (``MPX_AUTO_SMALL_BYTES``).
+        ipc_bytes: from this, CUDA IPC for CUDA tensors where every rank sees
+            the same GPUs (``MPX_AUTO_IPC_BYTES``; 0: never).
         cuda_aware: MPI takes CUDA buffers (``MPX_CUDA_AWARE``).
         impl: the implementation every call without ``impl=`` uses
             (``MPX_COLLECTIVES_IMPL``; ``"auto"`` lets the lists decide).
@@ -236,6 +255,7 @@ class Policy:
     check: str
     tuned: dict[str, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
     source: str = "built-in"
+    ipc_bytes: int = 4 << 20
     _log_seen: set[tuple[str, bool, int]] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -261,6 +281,7 @@ class Policy:
             check=settings.CHECK.get(),
             tuned=tuned,
             source=source,
+            ipc_bytes=settings.IPC_BYTES.get(),
         )
 
     def bands(self, comm: Layout) -> dict[str, list[tuple[int, str]]] | None:
@@ -287,6 +308,7 @@ class Policy:
         text = json.dumps(
             [
                 self.small_bytes,
+                self.ipc_bytes,
                 self.cuda_aware,
                 self.impl,
                 self.check,
