@@ -11,6 +11,7 @@ from mpx.collectives import (
     allgather,
     allreduce,
     broadcast,
+    policy,
     recv,
     reduce_scatter,
     send,
@@ -43,8 +44,10 @@ def test_allreduce(dtype: torch.dtype, n: int, op: str, async_op: bool) -> None:
     comm = world()
     inputs = [_make(r, n, dtype) for r in range(comm.size)]
     t = inputs[comm.rank].to(_device())
-    assert choose("allreduce", t.is_cuda, t.nbytes, comm) == "staged"
-    result = allreduce(t, op, async_op=async_op)
+    # auto takes ipc for large CUDA calls where every rank sees the same GPUs.
+    ipc = comm.size > 1 and comm.gpus_shared and t.nbytes >= policy.current().ipc_bytes
+    assert choose("allreduce", t.is_cuda, t.nbytes, comm) == ("ipc" if ipc else "staged")
+    result = allreduce(t, op, async_op=async_op, impl="staged")
     if async_op:
         assert isinstance(result, Handle)
         result = result.wait(timeout=120)

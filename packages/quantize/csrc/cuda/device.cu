@@ -3,13 +3,27 @@
 // intrinsic (and the build passes --fmad=false), so nvcc cannot fuse a*b+c
 // into an FMA: nearest rounding is bit-identical to the CPU.
 //
-//   meta kernel     one warp per bucket: min, max, non-finite scan (shuffle
-//                   reduction), then lane 0 writes the bucket's min and unit
+// The fast path (bucket_size a multiple of 8 from 128 to 64Ki values, aligned
+// buffers: what training uses) reads the input once and moves 4 values per
+// vector load and store, so both directions run near the memory bound:
+//
+//   bucket kernel   one warp per bucket: min, max, non-finite scan (shuffle
+//                   reduction, lane 0 writes min and unit), then the same warp
+//                   encodes the bucket again from L1/L2: each lane 4 values,
+//                   two lanes' codes (shuffle) -> one group's `bits` bytes
+//   quad decode     one thread per 4 values: its half of a group's bytes ->
+//                   one 16-byte (float32) or 8-byte (16-bit) store
+//
+// Any other layout takes the general kernels, one thread per group of 8:
+//
+//   meta kernel     one warp per bucket: as above, min, max and unit only
 //   encode kernel   one thread per group of 8 values: 8 codes -> `bits` bytes
 //   decode kernel   one thread per group of 8 values: `bits` bytes -> 8 values
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstring>
 
 #include "../common/qmath.h"
 #include "device.h"
@@ -60,6 +74,105 @@ __device__ __forceinline__ float load_meta(const void* p, int64_t i, bool fp16) 
   return fp16 ? __half2float(static_cast<const __half*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
+// A bucket's stored min and unit from its reduced min, max and non-finite sum
+// (NaN when a NaN or an infinity was seen); every path computes them here.
+struct BucketMeta {
+  float min, unit;  // as stored: rounded to float16 for 16-bit inputs, NaN when flagged
+};
+
+__device__ __forceinline__ BucketMeta bucket_meta(float mn, float mx, float z, int bits,
+                                                  bool fp16_meta) {
+  mn = __fadd_rn(mn, 0.0f);  // -0 -> +0
+  const float levels = static_cast<float>((1 << bits) - 1);
+  float rng = __fsub_rn(mx, mn);
+  // A range past float32 (finite values): at half scale (qmath.h's is_wide).
+  float unit = isfinite(rng) ? __fdiv_rn(rng, levels)
+                             : __fmul_rn(__fdiv_rn(__fsub_rn(__fmul_rn(mx, 0.5f),
+                                                             __fmul_rn(mn, 0.5f)),
+                                                   levels),
+                                         2.0f);
+  if (fp16_meta) {
+    unsigned short u16 = __half_as_ushort(__float2half_rn(unit));
+    if (__half2float(__ushort_as_half(u16)) < unit) ++u16;  // round the unit up
+    unit = __half2float(__ushort_as_half(u16));
+  }
+  float recip = __fdiv_rn(1.0f, unit);
+  if (!isfinite(recip)) unit = 0.0f;
+  const bool flagged = isnan(z) || !isfinite(unit);
+  const float nan = __uint_as_float(kNanF32);
+  if (flagged) return {nan, nan};
+  if (fp16_meta) return {__half2float(__float2half_rn(mn)), __half2float(__float2half_rn(unit))};
+  return {mn, unit};
+}
+
+__device__ __forceinline__ void store_meta(BucketMeta m, bool fp16_meta, void* mins, void* units,
+                                           int64_t b) {
+  if (fp16_meta) {
+    // NaN stays the canonical float16 NaN; the rest is exact in float16 already.
+    static_cast<__half*>(mins)[b] = isnan(m.min) ? __ushort_as_half(kNanF16)
+                                                 : __float2half_rn(m.min);
+    static_cast<__half*>(units)[b] = isnan(m.unit) ? __ushort_as_half(kNanF16)
+                                                   : __float2half_rn(m.unit);
+  } else {
+    static_cast<float*>(mins)[b] = m.min;
+    static_cast<float*>(units)[b] = m.unit;
+  }
+}
+
+// What encoding a bucket needs, from its stored min and unit.
+struct EncodeParams {
+  float min, recip, scale;
+  bool flagged;
+};
+
+__device__ __forceinline__ EncodeParams encode_params(float mn, float unit, float levels) {
+  EncodeParams p;
+  p.flagged = isnan(unit);
+  // A wide bucket is encoded at half scale (qmath.h); x * 1 is x exactly.
+  p.scale = !p.flagged && mpxq::is_wide(unit, levels) ? 0.5f : 1.0f;
+  p.min = __fmul_rn(mn, p.scale);
+  p.recip = __fdiv_rn(1.0f, __fmul_rn(unit, p.scale));
+  if (p.flagged || !isfinite(p.recip)) p.recip = 0.0f;
+  return p;
+}
+
+__device__ __forceinline__ unsigned encode_one(float v, const EncodeParams& p, float levels,
+                                               float r) {
+  float t = __fadd_rn(__fmul_rn(__fsub_rn(__fmul_rn(v, p.scale), p.min), p.recip), r);
+  t = t < levels ? t : levels;
+  t = t > 0.0f ? t : 0.0f;
+  return static_cast<unsigned>(__float2int_rz(t));
+}
+
+// Four consecutive values as floats: one 16-byte (float32) or 8-byte load.
+template <class T>
+__device__ __forceinline__ void load4(const typename T::storage* p, float (&v)[4]) {
+  if constexpr (sizeof(typename T::storage) == 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else {
+    const uint2 q = *reinterpret_cast<const uint2*>(p);
+    typename T::storage h[4];
+    memcpy(h, &q, sizeof(q));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = T::load(h[k]);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void store4(typename T::storage* p, const float (&v)[4]) {
+  if constexpr (sizeof(typename T::storage) == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    typename T::storage h[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) h[k] = T::store(v[k]);
+    uint2 q;
+    memcpy(&q, h, sizeof(q));
+    *reinterpret_cast<uint2*>(p) = q;
+  }
+}
+
 template <class T>
 __global__ void meta_kernel(const typename T::storage* __restrict__ x, int64_t nq, int64_t bs,
                             int bits, bool fp16_meta, void* mins, void* units) {
@@ -85,34 +198,7 @@ __global__ void meta_kernel(const typename T::storage* __restrict__ x, int64_t n
       mx = omx > mx ? omx : mx;
       z = __fadd_rn(z, oz);
     }
-    if (lane == 0) {
-      mn = __fadd_rn(mn, 0.0f);  // -0 -> +0
-      const float levels = static_cast<float>((1 << bits) - 1);
-      float rng = __fsub_rn(mx, mn);
-      // A range past float32 (finite values): at half scale (qmath.h's is_wide).
-      float unit = isfinite(rng) ? __fdiv_rn(rng, levels)
-                                 : __fmul_rn(__fdiv_rn(__fsub_rn(__fmul_rn(mx, 0.5f),
-                                                                 __fmul_rn(mn, 0.5f)),
-                                                       levels),
-                                             2.0f);
-      if (fp16_meta) {
-        unsigned short u16 = __half_as_ushort(__float2half_rn(unit));
-        if (__half2float(__ushort_as_half(u16)) < unit) ++u16;  // round the unit up
-        unit = __half2float(__ushort_as_half(u16));
-      }
-      float recip = __fdiv_rn(1.0f, unit);
-      if (!isfinite(recip)) unit = 0.0f;
-      bool flagged = isnan(z) || !isfinite(unit);
-      if (fp16_meta) {
-        static_cast<__half*>(mins)[b] =
-            flagged ? __ushort_as_half(kNanF16) : __float2half_rn(mn);
-        static_cast<__half*>(units)[b] =
-            flagged ? __ushort_as_half(kNanF16) : __float2half_rn(unit);
-      } else {
-        static_cast<float*>(mins)[b] = flagged ? __uint_as_float(kNanF32) : mn;
-        static_cast<float*>(units)[b] = flagged ? __uint_as_float(kNanF32) : unit;
-      }
-    }
+    if (lane == 0) store_meta(bucket_meta(mn, mx, z, bits, fp16_meta), fp16_meta, mins, units, b);
   }
 }
 
@@ -128,32 +214,21 @@ __global__ void encode_kernel(const typename T::storage* __restrict__ x, int64_t
        g += stride) {
     const int64_t e0 = g * 8;
     const mpxq::HashKeys keys = mpxq::hash_keys(seed, static_cast<uint32_t>(e0 >> 32));
-    int64_t b = -1, next = e0;  // current bucket and where the next one starts
-    float mn = 0.0f, recip = 0.0f, scale = 1.0f;
-    bool flagged = false;
+    int64_t next = e0;  // where the next bucket starts
+    EncodeParams p{0.0f, 0.0f, 1.0f, false};
     uint64_t acc = 0;
     for (int j = 0; j < 8; ++j) {
       const int64_t e = e0 + j;
       if (e >= nq) break;
       if (e >= next) {
-        b = e / bs;
+        const int64_t b = e / bs;
         next = (b + 1) * bs;
-        mn = load_meta(mins, b, fp16_meta);
-        float unit = load_meta(units, b, fp16_meta);
-        flagged = isnan(unit);
-        // A wide bucket is encoded at half scale (qmath.h); x * 1 is x exactly.
-        scale = !flagged && mpxq::is_wide(unit, levels) ? 0.5f : 1.0f;
-        mn = __fmul_rn(mn, scale);
-        recip = __fdiv_rn(1.0f, __fmul_rn(unit, scale));
-        if (flagged || !isfinite(recip)) recip = 0.0f;
+        p = encode_params(load_meta(mins, b, fp16_meta), load_meta(units, b, fp16_meta), levels);
       }
       unsigned code = 0;
-      if (!flagged) {
+      if (!p.flagged) {
         float r = stochastic ? mpxq::hash_uniform(keys, static_cast<uint32_t>(e)) : 0.5f;
-        float t = __fadd_rn(__fmul_rn(__fsub_rn(__fmul_rn(T::load(x[e]), scale), mn), recip), r);
-        t = t < levels ? t : levels;
-        t = t > 0.0f ? t : 0.0f;
-        code = static_cast<unsigned>(__float2int_rz(t));
+        code = encode_one(T::load(x[e]), p, levels, r);
       }
       acc |= static_cast<uint64_t>(code) << (j * B);
     }
@@ -206,10 +281,218 @@ __global__ void decode_kernel(const uint8_t* __restrict__ values, const void* __
   }
 }
 
+// Writes one group's `B` bytes; `out` is aligned to 8 bytes (launch_quantize checks).
+template <int B>
+__device__ __forceinline__ void store_group(uint8_t* out, uint64_t group) {
+  if constexpr (B == 1) *out = static_cast<uint8_t>(group);
+  else if constexpr (B == 2) *reinterpret_cast<uint16_t*>(out) = static_cast<uint16_t>(group);
+  else if constexpr (B == 4) *reinterpret_cast<uint32_t*>(out) = static_cast<uint32_t>(group);
+  else if constexpr (B == 8) *reinterpret_cast<uint64_t*>(out) = group;
+  else {
+#pragma unroll
+    for (int k = 0; k < B; ++k) out[k] = static_cast<uint8_t>(group >> (8 * k));
+  }
+}
+
+template <int B>
+__device__ __forceinline__ uint64_t load_group(const uint8_t* in) {
+  if constexpr (B == 1) return *in;
+  else if constexpr (B == 2) return *reinterpret_cast<const uint16_t*>(in);
+  else if constexpr (B == 4) return *reinterpret_cast<const uint32_t*>(in);
+  else if constexpr (B == 8) return *reinterpret_cast<const uint64_t*>(in);
+  else {
+    uint64_t acc = 0;
+#pragma unroll
+    for (int k = 0; k < B; ++k) acc |= static_cast<uint64_t>(in[k]) << (8 * k);
+    return acc;
+  }
+}
+
+// The fast path's quantize: one warp per bucket reduces and encodes it
+// (bucket_size % 8 == 0, so a bucket starts at a group and a 4-value quad
+// never straddles two; x aligned to 16 bytes, values to 8). Lane l takes the
+// quads l, l + 32, ...; with Q > 0 (bucket_size == 128 * Q) it keeps its Q
+// quads in registers between the two passes, else it reads them again (L1).
+template <class T, int B, int Q>
+__global__ void bucket_quantize_kernel(const typename T::storage* __restrict__ x, int64_t nq,
+                                       int64_t bs, bool stochastic, uint64_t seed,
+                                       bool fp16_meta, void* __restrict__ mins,
+                                       void* __restrict__ units, uint8_t* __restrict__ values) {
+  constexpr int kHeld = Q > 0 ? Q : 1;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t nb = (nq + bs - 1) / bs;
+  const float levels = static_cast<float>((1 << B) - 1);
+  for (int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; b < nb;
+       b += warps) {
+    const int64_t a = b * bs, n = min(nq, a + bs) - a;
+    const typename T::storage* xb = x + a;
+    const int64_t whole = n >> 2, quads = (n + 3) >> 2;
+    float first = T::load(xb[0]);
+    float mn = first, mx = first, z = 0.0f;
+    float held[kHeld][4];
+    if constexpr (Q > 0) {
+#pragma unroll
+      for (int k = 0; k < Q; ++k) {
+        const int64_t i = 4 * (lane + 32 * k);
+        if (i + 4 <= n) {
+          load4<T>(xb + i, held[k]);
+        } else {
+          // Past the bucket's end: its first value, which moves neither min
+          // nor max, and whose non-finiteness the sum sees anyway.
+#pragma unroll
+          for (int j = 0; j < 4; ++j) held[k][j] = i + j < n ? T::load(xb[i + j]) : first;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float v = held[k][j];
+          mn = v < mn ? v : mn;
+          mx = v > mx ? v : mx;
+          z = __fadd_rn(z, __fsub_rn(v, v));  // NaN once a NaN or an infinity is seen
+        }
+      }
+    } else {
+#pragma unroll 4
+      for (int64_t q = lane; q < whole; q += 32) {
+        float v[4];
+        load4<T>(xb + 4 * q, v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          mn = v[k] < mn ? v[k] : mn;
+          mx = v[k] > mx ? v[k] : mx;
+          z = __fadd_rn(z, __fsub_rn(v[k], v[k]));
+        }
+      }
+      for (int64_t i = 4 * whole + lane; i < n; i += 32) {
+        float v = T::load(xb[i]);
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+        z = __fadd_rn(z, __fsub_rn(v, v));
+      }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      float omn = __shfl_xor_sync(0xFFFFFFFFu, mn, off);
+      float omx = __shfl_xor_sync(0xFFFFFFFFu, mx, off);
+      float oz = __shfl_xor_sync(0xFFFFFFFFu, z, off);
+      mn = omn < mn ? omn : mn;
+      mx = omx > mx ? omx : mx;
+      z = __fadd_rn(z, oz);
+    }
+    // Every lane holds the same reduction, so the same stored meta.
+    const BucketMeta m = bucket_meta(mn, mx, z, B, fp16_meta);
+    if (lane == 0) store_meta(m, fp16_meta, mins, units, b);
+    const EncodeParams p = encode_params(m.min, m.unit, levels);
+    // The hash keys change every 2^32 elements: once per bucket, but for the
+    // rare bucket across such a line.
+    const bool one_key = (a >> 32) == ((a + n - 1) >> 32);
+    const mpxq::HashKeys bucket_keys = mpxq::hash_keys(seed, static_cast<uint32_t>(a >> 32));
+    // Whole rounds of 32 quads, so every lane reaches each shuffle.
+    const int64_t rounds = Q > 0 ? Q : (quads + 31) >> 5;
+    for (int64_t round = 0; round < rounds; ++round) {
+      const int64_t q = 32 * round + lane;
+      uint32_t codes = 0;  // this quad's 4 codes, B bits each
+      if (q < quads && !p.flagged) {
+        const int64_t e0 = a + 4 * q;
+        const int count = n - 4 * q < 4 ? static_cast<int>(n - 4 * q) : 4;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if constexpr (Q > 0) {
+#pragma unroll
+          for (int k = 0; k < Q; ++k) {
+            if (k == round) {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) v[j] = held[k][j];
+            }
+          }
+        } else if (count == 4) {
+          load4<T>(xb + 4 * q, v);
+        } else {
+          for (int k = 0; k < count; ++k) v[k] = T::load(xb[4 * q + k]);
+        }
+        const mpxq::HashKeys keys =
+            one_key ? bucket_keys : mpxq::hash_keys(seed, static_cast<uint32_t>(e0 >> 32));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (k >= count) break;  // past the end: code 0, as the general kernel
+          const float r =
+              stochastic ? mpxq::hash_uniform(keys, static_cast<uint32_t>(e0 + k)) : 0.5f;
+          codes |= encode_one(v[k], p, levels, r) << (k * B);
+        }
+      }
+      // A group is two quads: the even lane joins its odd neighbour's codes.
+      const uint32_t upper = __shfl_down_sync(0xFFFFFFFFu, codes, 1);
+      if ((lane & 1) == 0 && q < quads) {
+        const uint64_t group = codes | (static_cast<uint64_t>(upper) << (4 * B));
+        store_group<B>(values + ((a >> 3) + (q >> 1)) * B, group);
+      }
+    }
+  }
+}
+
+// The fast path's decode: one thread per 4 values (bucket_size % 8 == 0;
+// out aligned to 16 bytes, values to 8).
+template <class O, int B>
+__global__ void quad_decode_kernel(const uint8_t* __restrict__ values,
+                                   const void* __restrict__ mins, const void* __restrict__ units,
+                                   bool fp16_meta, int64_t nq, int64_t bs,
+                                   typename O::storage* __restrict__ out, bool accumulate) {
+  const int64_t quads = (nq + 3) / 4;
+  const float levels = static_cast<float>((1 << B) - 1);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  // 32-bit division where the indices fit: a 64-bit one costs several times more.
+  const bool narrow = nq <= 0xFFFFFFFFll;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < quads;
+       q += stride) {
+    const int64_t e0 = 4 * q;
+    const int64_t b = narrow ? static_cast<int64_t>(static_cast<uint32_t>(e0) /
+                                                    static_cast<uint32_t>(bs))
+                             : e0 / bs;
+    float mn = load_meta(mins, b, fp16_meta);
+    float unit = load_meta(units, b, fp16_meta);
+    // A wide bucket decodes at half scale, then doubles (qmath.h); NaN is never wide.
+    const bool wide = mpxq::is_wide(unit, levels);
+    const float post = wide ? 2.0f : 1.0f;
+    if (wide) {
+      mn = __fmul_rn(mn, 0.5f);
+      unit = __fmul_rn(unit, 0.5f);
+    }
+    const uint64_t group = load_group<B>(values + (e0 >> 3) * B);
+    const int shift = static_cast<int>((e0 >> 2) & 1) * 4 * B;
+    float y[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float code = static_cast<float>((group >> (shift + k * B)) & ((1u << B) - 1u));
+      float v = __fmul_rn(__fadd_rn(mn, __fmul_rn(code, unit)), post);
+      y[k] = v > O::kMax ? O::kMax : v;  // as the general kernel: NaN passes through
+    }
+    typename O::storage* o = out + e0;
+    if (e0 + 4 <= nq) {
+      if (accumulate) {
+        float old[4];
+        load4<O>(o, old);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) y[k] = __fadd_rn(old[k], y[k]);
+      }
+      store4<O>(o, y);
+    } else {
+      for (int k = 0; e0 + k < nq; ++k)
+        o[k] = accumulate ? O::store(__fadd_rn(O::load(o[k]), y[k])) : O::store(y[k]);
+    }
+  }
+}
+
 unsigned blocks_for(int64_t threads_needed) {
   int64_t blocks = (threads_needed + kThreads - 1) / kThreads;
   if (blocks < 1) blocks = 1;
   return static_cast<unsigned>(blocks > (1 << 20) ? (1 << 20) : blocks);
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// The fast path takes buckets of whole groups, small enough that a warp per
+// bucket leaves work for every multiprocessor, and aligned buffers.
+bool fast_layout(int64_t bs, const void* data, const uint8_t* values) {
+  return bs % 8 == 0 && bs >= 128 && bs <= (int64_t{1} << 16) && aligned(data, 16) &&
+         aligned(values, 8);
 }
 
 template <class T, int B>
@@ -217,6 +500,20 @@ void launch_quantize(const void* x, int64_t nq, int64_t bs, bool stochastic, uin
                      bool fp16_meta, void* mins, void* units, uint8_t* values, cudaStream_t s) {
   auto px = static_cast<const typename T::storage*>(x);
   const int64_t nb = (nq + bs - 1) / bs;
+  if (fast_layout(bs, x, values)) {
+    const unsigned blocks = blocks_for(nb * 32);
+    // CGX's and DDP's usual buckets keep their values in registers.
+    if (bs == 512)
+      bucket_quantize_kernel<T, B, 4><<<blocks, kThreads, 0, s>>>(
+          px, nq, bs, stochastic, seed, fp16_meta, mins, units, values);
+    else if (bs == 1024)
+      bucket_quantize_kernel<T, B, 8><<<blocks, kThreads, 0, s>>>(
+          px, nq, bs, stochastic, seed, fp16_meta, mins, units, values);
+    else
+      bucket_quantize_kernel<T, B, 0><<<blocks, kThreads, 0, s>>>(
+          px, nq, bs, stochastic, seed, fp16_meta, mins, units, values);
+    return;
+  }
   meta_kernel<T><<<blocks_for(nb * 32), kThreads, 0, s>>>(px, nq, bs, B, fp16_meta, mins, units);
   encode_kernel<T, B><<<blocks_for((nq + 7) / 8), kThreads, 0, s>>>(
       px, nq, bs, stochastic, seed, fp16_meta, mins, units, values);
@@ -242,6 +539,20 @@ void dequantize_bits(int bits, const uint8_t* values, const void* mins, const vo
                      bool fp16_meta, int64_t nq, int64_t bs, void* out, bool accumulate,
                      cudaStream_t s) {
   auto po = static_cast<typename O::storage*>(out);
+  if (fast_layout(bs, out, values)) {
+    const unsigned quad_blocks = blocks_for((nq + 3) / 4);
+    switch (bits) {
+#define MPXQ_CASE(BITS)                                                                        \
+  case BITS:                                                                                   \
+    quad_decode_kernel<O, BITS><<<quad_blocks, kThreads, 0, s>>>(values, mins, units,          \
+                                                                 fp16_meta, nq, bs, po,        \
+                                                                 accumulate);                  \
+    return;
+      MPXQ_CASE(1) MPXQ_CASE(2) MPXQ_CASE(3) MPXQ_CASE(4)
+      MPXQ_CASE(5) MPXQ_CASE(6) MPXQ_CASE(7) MPXQ_CASE(8)
+#undef MPXQ_CASE
+    }
+  }
   const unsigned blocks = blocks_for((nq + 7) / 8);
   switch (bits) {
 #define MPXQ_CASE(BITS)                                                                       \

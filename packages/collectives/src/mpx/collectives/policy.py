@@ -183,10 +183,12 @@ _RING_TUNED = Entry(
 # ~0.9 ms a call, where staged took 0.2-0.5 ms up to 1 MiB (BENCHMARKS.md).
 _IPC = Entry(
     "ipc",
-    lambda call, policy: call.cuda
-    and call.comm.size > 1
-    and call.comm.gpus_shared
-    and 0 < policy.ipc_bytes <= call.nbytes,
+    lambda call, policy: (
+        call.cuda
+        and call.comm.size > 1
+        and call.comm.gpus_shared
+        and 0 < policy.ipc_bytes <= call.nbytes
+    ),
     "ipc>=large",
 )
 _MPI_CUDA = Entry("mpi", lambda call, policy: call.cuda and policy.cuda_aware, "mpi(cuda-aware)")
