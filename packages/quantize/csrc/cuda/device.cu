@@ -3,13 +3,13 @@
 // intrinsic (and the build passes --fmad=false), so nvcc cannot fuse a*b+c
 // into an FMA: nearest rounding is bit-identical to the CPU.
 //
-// The fast path (bucket_size a multiple of 8 from 128 to 64Ki values, aligned
-// buffers: what training uses) reads the input once and moves 4 values per
-// vector load and store, so both directions run near the memory bound:
+// The fast path (aligned buffers; buckets of 512 or 1024 values to quantize,
+// any multiple of 8 from 128 to 64Ki to decode: what training uses) reads the
+// input once and moves 4 values per vector load and store:
 //
-//   bucket kernel   one warp per bucket: min, max, non-finite scan (shuffle
-//                   reduction, lane 0 writes min and unit), then the same warp
-//                   encodes the bucket again from L1/L2: each lane 4 values,
+//   bucket kernel   one warp per bucket, held in registers: min, max,
+//                   non-finite scan (shuffle reduction, lane 0 writes min and
+//                   unit), then the same warp encodes it: each lane 4 values,
 //                   two lanes' codes (shuffle) -> one group's `bits` bytes
 //   quad decode     one thread per 4 values: its half of a group's bytes ->
 //                   one 16-byte (float32) or 8-byte (16-bit) store
@@ -311,14 +311,14 @@ __device__ __forceinline__ uint64_t load_group(const uint8_t* in) {
 // The fast path's quantize: one warp per bucket reduces and encodes it
 // (bucket_size % 8 == 0, so a bucket starts at a group and a 4-value quad
 // never straddles two; x aligned to 16 bytes, values to 8). Lane l takes the
-// quads l, l + 32, ...; with Q > 0 (bucket_size == 128 * Q) it keeps its Q
-// quads in registers between the two passes, else it reads them again (L1).
+// quads l, l + 32, ... (bucket_size == 128 * Q) and keeps them in registers
+// between the two passes.
 template <class T, int B, int Q>
 __global__ void bucket_quantize_kernel(const typename T::storage* __restrict__ x, int64_t nq,
                                        int64_t bs, bool stochastic, uint64_t seed,
                                        bool fp16_meta, void* __restrict__ mins,
                                        void* __restrict__ units, uint8_t* __restrict__ values) {
-  constexpr int kHeld = Q > 0 ? Q : 1;
+  static_assert(Q > 0, "a bucket of 128 * Q values");
   const int lane = threadIdx.x & 31;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int64_t nb = (nq + bs - 1) / bs;
@@ -327,47 +327,27 @@ __global__ void bucket_quantize_kernel(const typename T::storage* __restrict__ x
        b += warps) {
     const int64_t a = b * bs, n = min(nq, a + bs) - a;
     const typename T::storage* xb = x + a;
-    const int64_t whole = n >> 2, quads = (n + 3) >> 2;
+    const int64_t quads = (n + 3) >> 2;
     float first = T::load(xb[0]);
     float mn = first, mx = first, z = 0.0f;
-    float held[kHeld][4];
-    if constexpr (Q > 0) {
+    float held[Q][4];
 #pragma unroll
-      for (int k = 0; k < Q; ++k) {
-        const int64_t i = 4 * (lane + 32 * k);
-        if (i + 4 <= n) {
-          load4<T>(xb + i, held[k]);
-        } else {
-          // Past the bucket's end: its first value, which moves neither min
-          // nor max, and whose non-finiteness the sum sees anyway.
+    for (int k = 0; k < Q; ++k) {
+      const int64_t i = 4 * (lane + 32 * k);
+      if (i + 4 <= n) {
+        load4<T>(xb + i, held[k]);
+      } else {
+        // Past the bucket's end: its first value, which moves neither min
+        // nor max, and whose non-finiteness the sum sees anyway.
 #pragma unroll
-          for (int j = 0; j < 4; ++j) held[k][j] = i + j < n ? T::load(xb[i + j]) : first;
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float v = held[k][j];
-          mn = v < mn ? v : mn;
-          mx = v > mx ? v : mx;
-          z = __fadd_rn(z, __fsub_rn(v, v));  // NaN once a NaN or an infinity is seen
-        }
+        for (int j = 0; j < 4; ++j) held[k][j] = i + j < n ? T::load(xb[i + j]) : first;
       }
-    } else {
-#pragma unroll 4
-      for (int64_t q = lane; q < whole; q += 32) {
-        float v[4];
-        load4<T>(xb + 4 * q, v);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          mn = v[k] < mn ? v[k] : mn;
-          mx = v[k] > mx ? v[k] : mx;
-          z = __fadd_rn(z, __fsub_rn(v[k], v[k]));
-        }
-      }
-      for (int64_t i = 4 * whole + lane; i < n; i += 32) {
-        float v = T::load(xb[i]);
+      for (int j = 0; j < 4; ++j) {
+        const float v = held[k][j];
         mn = v < mn ? v : mn;
         mx = v > mx ? v : mx;
-        z = __fadd_rn(z, __fsub_rn(v, v));
+        z = __fadd_rn(z, __fsub_rn(v, v));  // NaN once a NaN or an infinity is seen
       }
     }
     for (int off = 16; off > 0; off >>= 1) {
@@ -387,26 +367,19 @@ __global__ void bucket_quantize_kernel(const typename T::storage* __restrict__ x
     const bool one_key = (a >> 32) == ((a + n - 1) >> 32);
     const mpxq::HashKeys bucket_keys = mpxq::hash_keys(seed, static_cast<uint32_t>(a >> 32));
     // Whole rounds of 32 quads, so every lane reaches each shuffle.
-    const int64_t rounds = Q > 0 ? Q : (quads + 31) >> 5;
-    for (int64_t round = 0; round < rounds; ++round) {
+    for (int64_t round = 0; round < Q; ++round) {
       const int64_t q = 32 * round + lane;
       uint32_t codes = 0;  // this quad's 4 codes, B bits each
       if (q < quads && !p.flagged) {
         const int64_t e0 = a + 4 * q;
         const int count = n - 4 * q < 4 ? static_cast<int>(n - 4 * q) : 4;
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if constexpr (Q > 0) {
 #pragma unroll
-          for (int k = 0; k < Q; ++k) {
-            if (k == round) {
+        for (int k = 0; k < Q; ++k) {
+          if (k == round) {
 #pragma unroll
-              for (int j = 0; j < 4; ++j) v[j] = held[k][j];
-            }
+            for (int j = 0; j < 4; ++j) v[j] = held[k][j];
           }
-        } else if (count == 4) {
-          load4<T>(xb + 4 * q, v);
-        } else {
-          for (int k = 0; k < count; ++k) v[k] = T::load(xb[4 * q + k]);
         }
         const mpxq::HashKeys keys =
             one_key ? bucket_keys : mpxq::hash_keys(seed, static_cast<uint32_t>(e0 >> 32));
@@ -500,17 +473,16 @@ void launch_quantize(const void* x, int64_t nq, int64_t bs, bool stochastic, uin
                      bool fp16_meta, void* mins, void* units, uint8_t* values, cudaStream_t s) {
   auto px = static_cast<const typename T::storage*>(x);
   const int64_t nb = (nq + bs - 1) / bs;
-  if (fast_layout(bs, x, values)) {
+  // CGX's and DDP's usual buckets keep their values in registers; other sizes
+  // take the general kernels (a variant that read the bucket twice gained
+  // only ~5 % on the H200: not worth its compile time).
+  if ((bs == 512 || bs == 1024) && fast_layout(bs, x, values)) {
     const unsigned blocks = blocks_for(nb * 32);
-    // CGX's and DDP's usual buckets keep their values in registers.
     if (bs == 512)
       bucket_quantize_kernel<T, B, 4><<<blocks, kThreads, 0, s>>>(
           px, nq, bs, stochastic, seed, fp16_meta, mins, units, values);
-    else if (bs == 1024)
-      bucket_quantize_kernel<T, B, 8><<<blocks, kThreads, 0, s>>>(
-          px, nq, bs, stochastic, seed, fp16_meta, mins, units, values);
     else
-      bucket_quantize_kernel<T, B, 0><<<blocks, kThreads, 0, s>>>(
+      bucket_quantize_kernel<T, B, 8><<<blocks, kThreads, 0, s>>>(
           px, nq, bs, stochastic, seed, fp16_meta, mins, units, values);
     return;
   }
