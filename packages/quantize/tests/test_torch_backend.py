@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 import mpx.quantize as mq
 from mpx.collectives import init_process_group, world
+from mpx.collectives.building_blocks import MPXWork
 from mpx.quantize.config import CompressionConfig, registry
 from mpx.quantize.torch_backend import CGXProcessGroup
 
@@ -176,6 +178,45 @@ def test_ddp_on_cgx_keeps_excluded_layers_exact_and_quantizes_the_rest_within_th
                 assert (got - want).abs().max().item() <= bound, (step, name)
                 if size > 1:
                     assert error > 1e-4, (step, name, error)  # quantized, not exact
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_ddp_on_cgx_hands_cpp_no_tensor_list_futures_without_a_builtin_hook(
+    groups: dict[str, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quantized all_reduce's work follows its group, as the mpx group's own (issue 31).
+
+    DDP's reduction reads the Python future; only a group with a built-in comm
+    hook needs c10 tensor-list futures, which cost a TorchScript task and a GIL
+    release per bucket. The quantized path made its works for C++ lists always.
+    """
+    made: list[int] = []
+    original = MPXWork._tensor_list_future
+
+    def counted(work: MPXWork) -> torch.futures.Future[list[torch.Tensor]]:
+        made.append(1)
+        return original(work)
+
+    monkeypatch.setattr(MPXWork, "_tensor_list_future", counted)
+    cgx = _cgx_group(monkeypatch, "4")
+
+    def train(builtin_hook: bool) -> None:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            _Net(), process_group=cgx, bucket_cap_mb=0.01
+        )
+        if builtin_hook:
+            allreduce_hook: Any = dist.BuiltinCommHookType.ALLREDUCE  # type: ignore[attr-defined]
+            ddp._register_builtin_comm_hook(allreduce_hook)  # type: ignore[no-untyped-call]
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+            ddp(x).square().mean().backward()
+
+    train(builtin_hook=False)
+    assert made == []  # quantized and exact buckets alike: Python futures only
+    train(builtin_hook=True)
+    assert made  # a C++ reader of lists registered: the group hands them from now on
 
 
 def test_import_torch_registers_cgx_without_starting_mpi() -> None:

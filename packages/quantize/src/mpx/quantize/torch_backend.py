@@ -83,9 +83,13 @@ class CGXProcessGroup(MPXProcessGroup):
             and t.numel() >= self.config.min_compressed
         ):
             return super().allreduce(listed, opts)  # exact: mpx's own
+        # The work is made by the group (``_work``), as the exact path's: it carries
+        # the group's timeout and hands torch's C++ tensor-list futures only where
+        # the group has a C++ reader of lists (``cpp_reads_lists``: a built-in comm
+        # hook), not a TorchScript task per DDP bucket always.
         if not self.layers.active():  # no layers registered: the tensor as a whole
             allreduce(t, self.comm, op=name, config=self.config)
-            return MPXWork([], listed)
+            return self._work([], listed)
         segments = self.layers.segments(t.numel(), self.config)
         if not any(quantized for _, quantized in segments):
             return super().allreduce(listed, opts)
@@ -93,7 +97,7 @@ class CGXProcessGroup(MPXProcessGroup):
         self._reduce_segments(flat, segments, name)
         if not t.is_contiguous():
             t.copy_(flat.view(t.shape))
-        return MPXWork([], listed)
+        return self._work([], listed)
 
     def _reduce_segments(self, flat: torch.Tensor, segments: Segments, op: str) -> None:
         """Reduces the quantized runs of ``flat`` together, then the exact ones, in place."""
