@@ -7,18 +7,30 @@ CUDA IPC: torch exports a CUDA allocation as a tuple of handles
 (``UntypedStorage._share_cuda_``) and maps a peer's with
 ``UntypedStorage._new_shared_cuda`` (what ``torch.multiprocessing`` does for
 CUDA tensors). Both exist, with these names, from torch 1.x to 2.13.
+
+DDP's built-in comm hooks: ``DistributedDataParallel._register_builtin_comm_hook``
+is where a DDP hands its group to C++ hooks that read futures as c10 tensor
+lists (:func:`on_builtin_comm_hook` hears of it). Private in torch since 1.8,
+with this name and signature to 2.13.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mpx.collectives.errors import MPXValueError
 
-__all__ = ["export_cuda_storage", "gloo_process_group", "open_cuda_storage"]
+__all__ = [
+    "export_cuda_storage",
+    "gloo_process_group",
+    "on_builtin_comm_hook",
+    "open_cuda_storage",
+]
 
 
 def export_cuda_storage(t: torch.Tensor) -> tuple[Any, ...]:
@@ -53,3 +65,33 @@ def gloo_process_group(
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+# Who hears of a built-in comm hook's registration, in order; the wrapper is installed once.
+_HOOK_LISTENERS: list[Callable[[Any], None]] = []
+_HOOK_LOCK = threading.Lock()
+
+
+def on_builtin_comm_hook(listener: Callable[[Any], None]) -> None:
+    """From now on ``listener(process_group)`` runs as a DDP registers a built-in comm hook.
+
+    It runs before torch registers the hook, with the DDP's
+    ``process_group``. Idempotent: a listener already installed is not added
+    again, and torch's method is wrapped once however often this is called.
+    """
+    with _HOOK_LOCK:
+        if listener not in _HOOK_LISTENERS:
+            _HOOK_LISTENERS.append(listener)
+        ddp_class: Any = torch.nn.parallel.DistributedDataParallel
+        original = ddp_class._register_builtin_comm_hook
+        if getattr(original, "_mpx_listened", False):
+            return
+
+        def register(self: Any, comm_hook_type: Any) -> Any:
+            for heard in list(_HOOK_LISTENERS):
+                heard(self.process_group)
+            return original(self, comm_hook_type)
+
+        register._mpx_listened = True  # type: ignore[attr-defined]
+        register.__doc__ = original.__doc__
+        ddp_class._register_builtin_comm_hook = register

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from mpx.collectives import ops, progress
+from mpx.collectives._torch_private import on_builtin_comm_hook
 from mpx.collectives.communicator import Communicator, world
 from mpx.collectives.errors import CollectiveTimeout, MPXTypeError, MPXValueError
 from mpx.collectives.handle import LOCK, Handle
@@ -415,10 +416,11 @@ class MPXProcessGroup(dist.ProcessGroup):
         future costs a TorchScript task per operation: its call releases the
         GIL, which the progress thread then holds for up to a switch interval
         (~2 ms per bucket measured on the loaded 2-core machine, two inter-op
-        threads more), so only groups that need it pay: DDP's
-        ``_register_builtin_comm_hook`` calls this (:func:`register_torch_backend`
-        wraps it). Call it yourself before handing the group to other C++ code
-        that reads ``getFuture()->value().toTensorList()``.
+        threads more), so only groups that need it pay: a DDP registering a
+        built-in hook calls this (:func:`_note_builtin_hooks`, through
+        :func:`mpx.collectives._torch_private.on_builtin_comm_hook`). Call it
+        yourself before handing the group to other C++ code that reads
+        ``getFuture()->value().toTensorList()``.
         """
         self._cpp_reads_lists = True
 
@@ -1051,25 +1053,19 @@ def register_torch_backend() -> None:
 
 
 def _note_builtin_hooks() -> None:
-    """DDP's ``_register_builtin_comm_hook`` marks an mpx group as read by C++ (idempotent).
+    """DDP's registration of a built-in comm hook marks an mpx group as read by C++ (idempotent).
 
     The built-in hooks run in C++ and read the allreduce's future as a c10
     tensor list (:meth:`MPXProcessGroup.cpp_reads_lists`); DDP registers them
-    through this Python method, whose ``self.process_group`` names the group.
+    through a private Python method, which :mod:`mpx.collectives._torch_private`
+    (the package's one user of torch's private APIs) listens to.
     """
-    ddp_class: Any = torch.nn.parallel.DistributedDataParallel
-    original = ddp_class._register_builtin_comm_hook
-    if getattr(original, "_mpx_notes_lists", False):
-        return
+    on_builtin_comm_hook(_reads_lists)
 
-    def register(self: Any, comm_hook_type: Any) -> Any:
-        if isinstance(self.process_group, MPXProcessGroup):
-            self.process_group.cpp_reads_lists()
-        return original(self, comm_hook_type)
 
-    register._mpx_notes_lists = True  # type: ignore[attr-defined]
-    register.__doc__ = original.__doc__
-    ddp_class._register_builtin_comm_hook = register
+def _reads_lists(group: Any) -> None:
+    if isinstance(group, MPXProcessGroup):
+        group.cpp_reads_lists()
 
 
 def init_process_group(init_method: str | None = None, timeout: timedelta | None = None) -> None:
