@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -283,3 +284,151 @@ def test_gpus_are_shared_only_when_every_rank_sees_the_same_devices(
     bound = Communicator.from_mpi(MPI.COMM_WORLD)
     assert bound.gpus_shared == (comm.size == 1)
     bound.free()
+
+
+def _narrow(**declared: Any) -> Any:
+    """A CPU allreduce implementation (MPI's functions) that declares narrow acceptance."""
+    from mpx.collectives.registry import Implementation
+
+    return Implementation(
+        "narrow",
+        "mpx.collectives.impl_mpi",
+        frozenset({"allreduce"}),
+        frozenset({"cpu"}),
+        automatic=False,
+        **declared,
+    )
+
+
+@pytest.fixture
+def narrow(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Registers ``narrow``: float32 only, sum/avg only, at most 1 KiB."""
+    from mpx.collectives import registry
+
+    found = _narrow(
+        dtypes=frozenset({torch.float32}), reduce_ops=frozenset({"sum", "avg"}), max_bytes=1024
+    )
+    monkeypatch.setitem(registry._registry, "narrow", found)
+    return found
+
+
+def test_auto_passes_by_an_implementation_that_declines_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The walk skips an entry whose implementation's declarations do not accept the call."""
+    from mpx.collectives import registry
+
+    big = 1 << 24  # shm's size on one node of two ranks
+    assert choose("allreduce", False, big, _one_node(2, False), None, torch.bfloat16) == "shm"
+    shm = registry.get("shm")
+    narrowed = dataclasses.replace(
+        shm, dtypes=frozenset({torch.float32}), reduce_ops=frozenset({"sum"}), max_bytes=big
+    )
+    monkeypatch.setitem(registry._registry, "shm", narrowed)
+    layout = _one_node(2, False)
+    assert choose("allreduce", False, big, layout, None, torch.float32, "sum") == "shm"
+    assert choose("allreduce", False, big, layout, None, torch.bfloat16, "sum") == "mpi"
+    assert choose("allreduce", False, big, layout, None, torch.float32, "max") == "mpi"
+    assert choose("allreduce", False, big + 4, layout, None, torch.float32, "sum") == "mpi"
+    # An op without a reduce op (broadcast) is not declined for it.
+    assert choose("broadcast", False, big, layout, None, torch.float32) == "shm"
+
+
+def test_a_named_implementation_that_declines_raises_naming_the_value(narrow: Any) -> None:
+    layout = _one_node(2, False)
+    assert choose("allreduce", False, 512, layout, "narrow", torch.float32, "avg") == "narrow"
+    with pytest.raises(PolicyError, match=r"impl='narrow' takes dtypes float32, got float64.*"):
+        choose("allreduce", False, 512, layout, "narrow", torch.float64, "sum")
+    with pytest.raises(PolicyError, match=r"reduces with avg, sum, got op='max'; use impl='auto'"):
+        choose("allreduce", False, 512, layout, "narrow", torch.float32, "max")
+    with pytest.raises(PolicyError, match=r"at most 1024 bytes, got 2048; split the tensor"):
+        choose("allreduce", False, 2048, layout, "narrow", torch.float32, "sum")
+    assert choose("broadcast", False, 2048, layout, "narrow", torch.float64) == "mpi"  # not its op
+
+
+def test_a_default_implementation_that_declines_a_call_leaves_it_to_auto(
+    narrow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MPX_COLLECTIVES_IMPL is every call's default: a call it declines runs as auto's."""
+    monkeypatch.setenv("MPX_COLLECTIVES_IMPL", "narrow")
+    reload_settings()
+    layout = _one_node(2, False)
+    assert choose("allreduce", False, 512, layout, None, torch.float32, "sum") == "narrow"
+    assert choose("allreduce", False, 512, layout, None, torch.float32, "max") == "mpi"
+    assert choose("allreduce", False, 1 << 24, layout, None, torch.float64, "sum") == "shm"
+
+
+def test_declarations_are_checked_when_an_implementation_is_made() -> None:
+    from mpx.collectives.registry import RegistryError
+
+    with pytest.raises(RegistryError, match=r"requires_grad must be one of .*got 'sometimes'"):
+        _narrow(requires_grad="sometimes")
+    with pytest.raises(
+        RegistryError, match=r"dtypes must be torch dtypes \(e.g. torch.float32\), got 'float32'"
+    ):
+        _narrow(dtypes=frozenset({"float32"}))
+    with pytest.raises(RegistryError, match=r"reduce_ops must be among .*got \['mean'\]"):
+        _narrow(reduce_ops=frozenset({"mean"}))
+    with pytest.raises(RegistryError, match=r"max_bytes must be an int or None, got '1M'"):
+        _narrow(max_bytes="1M")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_a_named_implementation_that_declines_raises_on_every_rank(narrow: Any) -> None:
+    """The error comes from the declarations before anything moves; the next call is sound."""
+    comm = world()
+    with pytest.raises(PolicyError, match=r"allreduce: impl='narrow' takes dtypes float32"):
+        allreduce(torch.ones(4, dtype=torch.float64), impl="narrow")
+    with pytest.raises(PolicyError, match=r"got op='max'"):
+        allreduce(torch.ones(4), "max", impl="narrow")
+    t = torch.ones(4)
+    assert allreduce(t, impl="narrow") is t
+    assert t.tolist() == [float(comm.size)] * 4
+
+
+_GOT_GRAD: list[bool] = []
+
+
+def allreduce_recording(comm: Any, t: torch.Tensor, op: str) -> Any:
+    """An op function that records whether it got a tensor requiring grad (``as is``)."""
+    from mpx.collectives import impl_mpi
+
+    _GOT_GRAD.append(t.requires_grad)
+    return (yield from impl_mpi.allreduce(comm, t.detach(), op))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_what_an_implementation_gets_for_a_tensor_that_requires_grad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``requires_grad="detached"`` (every built-in one): ``t.data``; ``"as is"``: ``t``."""
+    from mpx.collectives import registry
+    from mpx.collectives.registry import Implementation
+
+    for name, handling in (("detaching", "detached"), ("keeping", "as is")):
+        found = Implementation(
+            name,
+            __name__,
+            frozenset({"allreduce"}),
+            frozenset({"cpu"}),
+            automatic=False,
+            attribute="_RECORDING",
+            requires_grad=handling,
+        )
+        monkeypatch.setitem(registry._registry, name, found)
+    assert all(impl.requires_grad == "detached" for impl in registry.BUILT_IN)
+    _GOT_GRAD.clear()
+    x = torch.ones(3, requires_grad=True)
+    allreduce(x, impl="detaching")
+    allreduce(x, impl="keeping")
+    assert _GOT_GRAD == [False, True]
+    assert x.tolist() == [float(world().size ** 2)] * 3
+
+
+class _Recording:
+    allreduce = staticmethod(allreduce_recording)
+
+
+_RECORDING = _Recording()

@@ -464,3 +464,31 @@ def test_impl_errors_name_the_value() -> None:
         dp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), impl="bogus")
     with pytest.raises(ValueError, match="pass compression= or impl=, not both"):
         dp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=object(), impl="mpi")
+
+
+def test_impl_that_declines_a_bucket_is_refused_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The implementation's registry declarations (dtypes, reduce ops) decide, before backward."""
+    from mpx.collectives import Implementation, registry
+
+    narrow = Implementation(
+        "narrow",
+        "mpx.collectives.impl_mpi",
+        frozenset({"allreduce"}),
+        frozenset({"cpu"}),
+        automatic=False,
+        dtypes=frozenset({torch.float32}),
+        reduce_ops=frozenset({"sum"}),
+    )
+    monkeypatch.setitem(registry._registry, "narrow", narrow)
+    model = _model(torch.float64)
+    with pytest.raises(ValueError, match=r"float64 gradient .*impl='narrow' takes dtypes float32"):
+        dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, impl="narrow")
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match=r"op='avg'\) cannot be reduced: .*reduces with sum"):
+        dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, impl="narrow")
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, average=False, impl="narrow"
+    )
+    assert opt.impl == "narrow"

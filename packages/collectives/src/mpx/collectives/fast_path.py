@@ -228,7 +228,7 @@ def _takes(op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: s
         and not (reduce_op == "avg" and not t.is_floating_point())
         and current().check != "1"
         and (current().check == "0" or comm.call_board is not None)
-        and choose(op, False, t.nbytes, comm, impl) == "mpi"
+        and choose(op, False, t.nbytes, comm, impl, t.dtype, reduce_op) == "mpi"
     )
 
 

@@ -55,7 +55,7 @@ def _across(lane: Communicator, x: torch.Tensor, op: str) -> Steps[torch.Tensor]
     reduce_op = "sum" if op == "avg" else op
     # The policy picks the cross-node step as for any allreduce on the lane
     # (one rank per node: MPI's own for small chunks, the ring above).
-    name = choose("allreduce", False, x.numel() * x.element_size(), lane)
+    name = choose("allreduce", False, x.numel() * x.element_size(), lane, None, x.dtype, reduce_op)
     steps: Steps[torch.Tensor] = _ACROSS.get(name, impl_mpi).allreduce(lane, x, reduce_op)
     return steps
 
@@ -110,7 +110,7 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
     root_node_rank, root_in_lane = hier.lane_position(root)
     if hier.node.rank == root_node_rank:
         lanes = hier.lanes
-        name = choose("broadcast", False, t.numel() * t.element_size(), lanes)
+        name = choose("broadcast", False, t.numel() * t.element_size(), lanes, None, t.dtype)
         yield from _ACROSS.get(name, impl_mpi).broadcast(lanes, t, root_in_lane)
     if hier.node.size > 1:
         yield from impl_shm.broadcast(hier.node, t, root_node_rank)

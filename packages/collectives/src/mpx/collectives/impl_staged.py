@@ -68,9 +68,12 @@ class CudaEvent(Pending):
 _HOST = {"mpi": impl_mpi, "shm": impl_shm, "hier": impl_hier, "ring": impl_ring}
 
 
-def _host_impl(op: str, comm: Communicator, nbytes: int) -> Any:
-    """The host algorithm for one staged chunk: what the policy picks for a CPU tensor."""
-    return _HOST.get(choose(op, False, nbytes, comm), impl_mpi)
+def _host_impl(
+    op: str, comm: Communicator, nbytes: int, dtype: torch.dtype, reduce_op: str = ""
+) -> Any:
+    """The host algorithm for one staged chunk: what the policy picks for a CPU tensor
+    (of the chunk's dtype and reduce op: one whose declarations decline it is passed by)."""
+    return _HOST.get(choose(op, False, nbytes, comm, None, dtype, reduce_op), impl_mpi)
 
 
 class _Stager:
@@ -151,7 +154,8 @@ def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tenso
     _check_cuda(t, "allreduce")
     if comm.size == 1 or t.numel() == 0:
         return t.div_(1) if op == "avg" else t
-    impl = _host_impl("allreduce", comm, min(t.numel() * t.element_size(), chunk_bytes()))
+    nbytes = min(t.numel() * t.element_size(), chunk_bytes())
+    impl = _host_impl("allreduce", comm, nbytes, t.dtype, op)
     return (yield from _chunked(comm, t, lambda h: impl.allreduce(comm, h, op), True, True))
 
 
@@ -159,7 +163,8 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
     _check_cuda(t, "broadcast")
     if comm.size == 1 or t.numel() == 0:
         return t
-    impl = _host_impl("broadcast", comm, min(t.numel() * t.element_size(), chunk_bytes()))
+    nbytes = min(t.numel() * t.element_size(), chunk_bytes())
+    impl = _host_impl("broadcast", comm, nbytes, t.dtype)
     is_root = comm.rank == root
     return (
         yield from _chunked(

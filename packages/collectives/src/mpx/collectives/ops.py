@@ -103,17 +103,29 @@ def _run(
 ) -> Any:
     comm = as_communicator(comm)
     nbytes = 0 if t is None else t.numel() * t.element_size()
-    # The one decision of this call: the policy is consulted here, once.
-    name = choose(op, t is not None and t.is_cuda, nbytes, comm, impl)
+    # The one decision of this call: the policy is consulted here, once, and
+    # picks among the implementations whose declarations accept the call.
+    name = choose(
+        op,
+        t is not None and t.is_cuda,
+        nbytes,
+        comm,
+        impl,
+        None if t is None else t.dtype,
+        reduce_op,
+    )
+    chosen = implementation(name)
     _payload[0] += nbytes
     # Autograd as on gloo, whatever the implementation: a collective works on
     # the tensor's memory and is not recorded by autograd (no grad_fn, the
     # version counter untouched, outputs that do not require grad). Every
-    # implementation gets that memory as a tensor without autograd (``.data``)
-    # -- before, MPI's path bypassed autograd while shm's out= kernels and a
-    # broadcast into a Parameter raised on one rank and hung the others.
-    work = t.data if t is not None and t.requires_grad else t
-    steps = implementation(name).function(op)(comm, *(() if work is None else (work,)), *args)
+    # implementation declaring requires_grad="detached" (all built-in ones)
+    # gets that memory as a tensor without autograd (``.data``) -- before,
+    # MPI's path bypassed autograd while shm's out= kernels and a broadcast
+    # into a Parameter raised on one rank and hung the others. One declaring
+    # "as is" records autograd itself and gets the caller's tensor.
+    work = t.data if t is not None and t.requires_grad and not chosen.takes_autograd else t
+    steps = chosen.function(op)(comm, *(() if work is None else (work,)), *args)
     if work is not None and work is not t:
         steps = _returning_input(steps, work, t)
     check = comm.check_steps(op, t, reduce_op, root)

@@ -4,7 +4,10 @@ Every caller that must pick an implementation -- the operations, the
 small-call fast path, ``staged`` choosing its host algorithm, ``hier``
 choosing its cross-node step, point-to-point -- asks :func:`choose`. It walks
 the op's list below (as Horovod walks its per-op lists); the first entry
-enabled for the call under the current :class:`Policy` wins::
+enabled for the call under the current :class:`Policy`, whose implementation
+provides the op and accepts the call -- its dtype, reduce op and size, as the
+implementation declares them (:class:`mpx.collectives.registry.Implementation`)
+-- wins::
 
     op                 ordered implementations (first enabled wins)
     -----------------  -------------------------------------------------------
@@ -32,9 +35,9 @@ enabled for the call under the current :class:`Policy` wins::
 ``auto`` takes it only where the ranks were started with the same visible
 devices (one GPU shared, or all visible), which communicator creation checks
 (``Communicator.gpus_shared``); with one GPU bound to each rank, name it with
-``impl="ipc"`` after making them visible. Not chosen by ``auto`` are ``gloo`` (CPU) and ``nccl`` (CUDA), torch's own process
-groups over the same ranks (:mod:`mpx.collectives.impl_c10d`), there to
-compare with, as TorchMPI offered.
+``impl="ipc"`` after making them visible. Not chosen by ``auto`` are ``gloo``
+(CPU) and ``nccl`` (CUDA), torch's own process groups over the same ranks
+(:mod:`mpx.collectives.impl_c10d`), there to compare with, as TorchMPI offered.
 
 The policy holds the threshold, CUDA-awareness and, when ``mpxrun --tune``
 has measured this machine and rank layout, the measured winner of each size
@@ -121,12 +124,19 @@ class PolicyError(MPXError, ValueError):
 
 @dataclass(frozen=True)
 class Call:
-    """What the decision depends on: the op, the device, the bytes, the communicator."""
+    """What the decision depends on: the op, the device, the bytes, the communicator,
+    and what an implementation may decline (dtype, reduce op: ``registry.Implementation``)."""
 
     op: str
     cuda: bool
     nbytes: int
     comm: Layout
+    dtype: Any = None
+    reduce_op: str = ""
+
+    def declined_by(self, name: str) -> str | None:
+        """Why implementation ``name`` does not accept this call (its declarations), or None."""
+        return implementation(name).declines(self.dtype, self.reduce_op, self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -381,12 +391,17 @@ COMPARE_ONLY = frozenset(i.name for i in BUILT_IN if not i.automatic and "cpu" i
 
 
 def _walk(call: Call, policy: Policy) -> str:
+    """The first entry of the op's list that is enabled, provides the op and accepts the call."""
     for entry in ORDER[call.op]:
-        if entry.enabled(call, policy) and call.op in implementation(entry.impl).provides:
+        if (
+            entry.enabled(call, policy)
+            and call.op in implementation(entry.impl).provides
+            and call.declined_by(entry.impl) is None
+        ):
             return entry.impl
-    raise PolicyError(  # unreachable with the lists above: each ends in a fallback
-        f"{call.op}: no implementation is enabled for a {'CUDA' if call.cuda else 'CPU'} "
-        f"tensor of {call.nbytes} bytes"
+    raise PolicyError(  # unreachable with the built-in lists: each ends in mpi, which takes all
+        f"{call.op}: no implementation accepts a {'CUDA' if call.cuda else 'CPU'} "
+        f"tensor of {call.nbytes} bytes ({call.dtype}, op {call.reduce_op or '-'})"
     )
 
 
@@ -396,8 +411,15 @@ def builtin_choice(op: str, nbytes: int, comm: Layout) -> str:
     return _walk(Call(op, False, nbytes, comm), untuned)
 
 
-def _named(call: Call, name: str, policy: Policy) -> str:
-    """Checks an explicitly named implementation; falls back for ops it does not have."""
+def _named(call: Call, name: str, policy: Policy, explicit: bool) -> str:
+    """Checks a named implementation; falls back for ops it does not have.
+
+    A call it declines (dtype, reduce op, size: its declarations) raises where
+    ``impl=`` named it (``explicit``), and goes the way ``auto`` would where
+    only ``MPX_COLLECTIVES_IMPL`` did: that setting is every call's default,
+    and one op it cannot run (a ``max`` of a metric under ``cgx``) must not
+    stop the job.
+    """
     comm, op = call.comm, call.op
     try:
         named = implementation(name)
@@ -408,21 +430,39 @@ def _named(call: Call, name: str, policy: Policy) -> str:
         raise PolicyError(f"{op}: {refusal}")
     if op not in named.provides:
         return "staged" if call.cuda and not policy.cuda_aware else "mpi"
+    declined = call.declined_by(name)
+    if declined is not None:
+        if explicit:
+            raise PolicyError(f"{op}: {declined}")
+        return _walk(call, policy)
     return name
 
 
-def choose(op: str, cuda: bool, nbytes: int, comm: Layout, impl: str | None = None) -> str:
+def choose(
+    op: str,
+    cuda: bool,
+    nbytes: int,
+    comm: Layout,
+    impl: str | None = None,
+    dtype: Any = None,
+    reduce_op: str = "",
+) -> str:
     """The name of the implementation that runs this call (``impl=None``: ``MPX_COLLECTIVES_IMPL``).
 
-    Point-to-point and barrier always run on MPI (through pinned memory for
-    CUDA tensors unless MPI is CUDA-aware), whatever ``impl`` says.
+    ``dtype`` (a ``torch.dtype``; None: any) and ``reduce_op`` (``""``: the
+    op reduces nothing) are what implementations may decline: ``auto``
+    passes one that declines by, ``impl=`` naming one raises. Point-to-point
+    and barrier always run on MPI (through pinned memory for CUDA tensors
+    unless MPI is CUDA-aware), whatever ``impl`` says.
 
     Raises:
         PolicyError: an unknown name, ``shm``/``ipc`` across nodes, ``hier``
-            on one node, or a device the implementation cannot take.
+            on one node, a device the implementation cannot take, or a dtype,
+            reduce op or size it declines (the message names the value and
+            what to use instead).
     """
     policy = current()
-    key = (op, cuda, nbytes, impl)
+    key = (op, cuda, nbytes, impl, dtype, reduce_op)
     cache = comm.choices
     if cache.policy is policy:
         hit = cache.get(key)
@@ -430,11 +470,11 @@ def choose(op: str, cuda: bool, nbytes: int, comm: Layout, impl: str | None = No
             return hit
     else:
         cache.reset(policy)
-    call = Call(op, cuda, nbytes, comm)
+    call = Call(op, cuda, nbytes, comm, dtype, reduce_op)
     name = impl or policy.impl
     if not OP_SPECS[op].policy:
         name = "auto"  # point to point and barrier: MPI runs them, whatever impl says
-    chosen = _walk(call, policy) if name == "auto" else _named(call, name, policy)
+    chosen = _walk(call, policy) if name == "auto" else _named(call, name, policy, impl is not None)
     cache[key] = chosen
     size_class = max(nbytes, 1).bit_length()
     if LOG.isEnabledFor(logging.DEBUG) and (op, cuda, size_class) not in policy._log_seen:
@@ -453,7 +493,7 @@ def choose(op: str, cuda: bool, nbytes: int, comm: Layout, impl: str | None = No
     return chosen
 
 
-class ChoiceCache(dict[tuple[str, bool, int, str | None], str]):
+class ChoiceCache(dict[tuple[str, bool, int, str | None, Any, str], str]):
     """A communicator's decisions under one policy (dropped when the policy changes)."""
 
     # Bounded: a program calling with ever new sizes must not grow it forever.

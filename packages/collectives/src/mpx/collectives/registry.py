@@ -1,17 +1,24 @@
 """The registry of implementations: one object per implementation, in one place.
 
 Each implementation is an :class:`Implementation`: its name, the ops it
-provides, the devices and rank layouts it accepts, whether ``auto`` may pick
-it, and the module whose op functions run its calls. The policy
-(:mod:`mpx.collectives.policy`) decides among the implementations that accept
-a call; the operations (:mod:`mpx.collectives.ops`) run the one it chose::
+provides, what it accepts -- devices, rank layouts, dtypes, reduce ops, sizes,
+tensors that require grad -- whether ``auto`` may pick it, and the module
+whose op functions run its calls. The policy (:mod:`mpx.collectives.policy`)
+decides among the implementations that accept a call; the operations
+(:mod:`mpx.collectives.ops`) run the one it chose::
 
     ops.allreduce(t)                  validation, autograd, the check: once
-      policy.choose(op, cuda, bytes)  the op's ordered list; each entry names an
-        registry.get(name)            implementation: enabled, provides the op,
-          .refusal(...)               accepts the device and layout?
+      policy.choose(op, cuda, bytes,  the op's ordered list; each entry names an
+        dtype, reduce_op)             implementation: enabled, provides the op,
+        registry.get(name)            accepts the device and layout (.refusal)
+          .refusal(...), .declines()  and the dtype, reduce op and size (.declines)?
+      ops: t.data, or t itself        as its requires_grad says (.takes_autograd)
       registry.get(chosen)
         .function("allreduce")        the module's op function: a generator of steps
+
+An implementation that declines a call is skipped by ``auto``'s walk; one named
+with ``impl=`` raises ``mpx.collectives.policy.PolicyError`` naming the value it
+declines and what to use instead.
 
 Other packages add implementations through the entry-point group
 ``mpx.collectives.implementations`` (the entry point names an
@@ -36,12 +43,16 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar
 
+import torch
+
+from mpx.collectives.dtypes import REDUCE_OPS
 from mpx.collectives.errors import MPXError
 from mpx.collectives.handle import Done, Pending
 
 __all__ = [
     "BUILT_IN",
     "ENTRY_POINT_GROUP",
+    "GRAD_HANDLING",
     "OPS",
     "OP_SPECS",
     "Implementation",
@@ -57,6 +68,9 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "mpx.collectives.implementations"
+
+GRAD_HANDLING = ("detached", "as is")
+"""What an implementation may do with a tensor that requires grad (its ``requires_grad``)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +274,29 @@ class Implementation:
         attribute: the object of ``module`` whose methods are the op functions
             (``""``: the module's own functions).
         summary: one line for docs and ``--check``.
+        dtypes: the dtypes it takes (None: every dtype mpx supports).
+        reduce_ops: the reduce ops it runs (None: every one, ``sum`` ``avg``
+            ``max`` ``min`` ``prod``); a call without one (broadcast) is not
+            affected.
+        max_bytes: the largest tensor it takes, in bytes (None: no limit).
+        requires_grad: what its op functions get for a tensor that requires
+            grad: ``"detached"`` (the default, every built-in one) -- the
+            tensor's memory without autograd (``t.data``), handed over by the
+            operations, which gives gloo's semantics on every implementation;
+            ``"as is"`` -- the caller's tensor itself, for an implementation
+            that records autograd itself.
+
+    A call the implementation does not accept (:meth:`refusal`,
+    :meth:`declines`) is never given to it: ``auto`` passes it by, and
+    ``impl=`` naming it raises before anything moves.
+
+    Example::
+
+        Implementation(
+            "mine", "my_package.collectives", frozenset({"allreduce"}),
+            frozenset({"cpu"}), automatic=False,
+            dtypes=frozenset({torch.float32}), reduce_ops=frozenset({"sum", "avg"}),
+        )
     """
 
     name: str
@@ -270,6 +307,10 @@ class Implementation:
     automatic: bool = True
     attribute: str = ""
     summary: str = ""
+    dtypes: frozenset[torch.dtype] | None = None
+    reduce_ops: frozenset[str] | None = None
+    max_bytes: int | None = None
+    requires_grad: str = "detached"
 
     def __post_init__(self) -> None:
         unknown = set(self.provides) - set(OPS)
@@ -282,6 +323,28 @@ class Implementation:
             raise RegistryError(
                 f"implementation {self.name!r}: layout must be 'any', 'one node' or "
                 f"'several nodes', got {self.layout!r}"
+            )
+        if self.requires_grad not in GRAD_HANDLING:
+            raise RegistryError(
+                f"implementation {self.name!r}: requires_grad must be one of "
+                f"{', '.join(map(repr, GRAD_HANDLING))}, got {self.requires_grad!r}"
+            )
+        if self.dtypes is not None and not all(isinstance(d, torch.dtype) for d in self.dtypes):
+            raise RegistryError(
+                f"implementation {self.name!r}: dtypes must be torch dtypes (e.g. "
+                f"torch.float32), got {', '.join(sorted(map(repr, self.dtypes)))}"
+            )
+        if self.reduce_ops is not None and not set(self.reduce_ops) <= set(REDUCE_OPS):
+            raise RegistryError(
+                f"implementation {self.name!r}: reduce_ops must be among "
+                f"{', '.join(REDUCE_OPS)}, got {sorted(self.reduce_ops)}"
+            )
+        if self.max_bytes is not None and (
+            isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)
+        ):
+            raise RegistryError(
+                f"implementation {self.name!r}: max_bytes must be an int or None, "
+                f"got {self.max_bytes!r}"
             )
 
     def takes_cuda(self, cuda_aware: bool) -> bool:
@@ -309,6 +372,38 @@ class Implementation:
         if not cuda and "cpu" not in self.devices:
             return f"impl={self.name!r} takes CUDA tensors, got a CPU one; use impl='auto'"
         return None
+
+    def declines(self, dtype: torch.dtype | None, reduce_op: str, nbytes: int) -> str | None:
+        """Why this implementation does not take a tensor of ``dtype`` and ``nbytes`` reduced
+        with ``reduce_op`` (``""``: the op reduces nothing), as the end of an error; or None.
+
+        What the declarations ``dtypes``, ``reduce_ops`` and ``max_bytes`` say
+        (a tensor that requires grad is taken by every one: ``requires_grad``
+        only decides what the op function gets, :attr:`takes_autograd`).
+        """
+        if self.dtypes is not None and dtype is not None and dtype not in self.dtypes:
+            takes = sorted(str(d).replace("torch.", "") for d in self.dtypes)
+            return (
+                f"impl={self.name!r} takes dtypes {', '.join(takes)}, got "
+                f"{str(dtype).replace('torch.', '')}; convert the tensor (e.g. "
+                f"t.to(torch.{takes[0]})) or use impl='auto'"
+            )
+        if self.reduce_ops is not None and reduce_op and reduce_op not in self.reduce_ops:
+            return (
+                f"impl={self.name!r} reduces with {', '.join(sorted(self.reduce_ops))}, got "
+                f"op={reduce_op!r}; use impl='auto' (or another implementation) for it"
+            )
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            return (
+                f"impl={self.name!r} takes tensors of at most {self.max_bytes} bytes, got "
+                f"{nbytes}; split the tensor, or use impl='auto'"
+            )
+        return None
+
+    @property
+    def takes_autograd(self) -> bool:
+        """Whether its op functions get a tensor that requires grad as is (not ``t.data``)."""
+        return self.requires_grad == "as is"
 
     def function(self, op: str) -> Callable[..., Any]:
         """The op function that runs ``op`` (the module is imported on first use)."""

@@ -121,6 +121,19 @@ def _check_impl(impl: object, compression: object) -> None:
         )
 
 
+def _check_buckets_accepted(impl: str, buckets: list[_Bucket], op: str) -> None:
+    """Every bucket is a call ``impl`` accepts (its registry declarations: dtypes, reduce
+    ops, sizes), so that a bucket it declines fails here, not in the middle of backward."""
+    declared = all_implementations()[impl]
+    for bucket in buckets:
+        declined = declared.declines(bucket.dtype, op, bucket.nbytes)
+        if declined is not None:
+            raise DataParallelValueError(
+                f"DistributedOptimizer: a bucket of {bucket.numel} {bucket.dtype} gradient "
+                f"values (op={op!r}) cannot be reduced: {declined}"
+            )
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps any torch optimizer: ``step()`` uses gradients averaged over ranks.
 
@@ -239,6 +252,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._compare_parameters = True
         self._params = params
         self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))
+        if impl is not None and impl != "auto":
+            _check_buckets_accepted(impl, self._buckets, self.op)
         self.overlap = (
             overlap_pays(self._buckets, self.comm) if overlap == "auto" else bool(overlap)
         )
