@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib.machinery
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, fast_path, world
-from mpx.collectives.call_board import CallBoard, compiled_protocol
+from mpx.collectives.call_board import CallBoard, CompiledProtocol, compiled_protocol
 from mpx.collectives.consistency import encode
 
 
@@ -86,3 +87,47 @@ def test_the_numpy_form_meets_the_compiled_form() -> None:
     finally:
         board.free()
         node.Free()
+
+
+def _recording(real: CompiledProtocol, asked: list[bool]) -> Any:
+    """``real.wait``, recording whether each wait was asked to yield (sleep)."""
+
+    def wait(slots: int, size: int, number: int, yielding: bool) -> None:
+        asked.append(yielding)
+        real.wait(slots, size, number, yielding)
+
+    return wait
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_the_board_waits_as_its_communicator_waits() -> None:
+    """A communicator with a core per rank waits at the board without sleeping.
+
+    Its unchecked calls wait in MPI's spinning wait; a board wait that slept
+    (20 µs growing to 1 ms after 0.5 ms) woke up to ~1 ms late whenever the
+    peers came late, which the check added to the data-parallel step. Both
+    the C and the numpy form take the communicator's choice.
+    """
+    import dataclasses
+
+    comm = Communicator.from_mpi(world().mpi)
+    try:
+        board = comm.call_board
+        assert board is not None
+        assert board.yielding == comm.yielding
+        for yielding in (False, True):
+            board.yielding = yielding
+            asked: list[bool] = []
+            real = board._c
+            if real is not None:
+                board._c = dataclasses.replace(real, wait=_recording(real, asked))
+            try:
+                number = board.post(encode(("allreduce", "float32", 10, "sum", -1)))
+                board.wait(number)
+                assert board.same(number)
+            finally:
+                board._c = real
+            assert asked in ([yielding], [])  # [] where the extension is not built
+    finally:
+        comm.free()

@@ -34,6 +34,7 @@ for the whole numpy check).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -97,9 +98,21 @@ class CallBoard:
     """
 
     def __init__(
-        self, node_comm: MPI.Intracomm, members: list[int], numpy_only: bool = False
+        self,
+        node_comm: MPI.Intracomm,
+        members: list[int],
+        numpy_only: bool = False,
+        yielding: bool = True,
     ) -> None:
         size = node_comm.Get_size()
+        # How wait() waits: as the communicator's blocking waits do. Not
+        # yielding (a core per rank): polls and sched_yields, never sleeps,
+        # like MPI's spinning wait that MPX_CHECK=0 leaves the call in --
+        # a sleeping wait woke up to ~1 ms late (its sleeps grow to 1 ms)
+        # whenever the peers came more than 0.5 ms after this rank, a cost
+        # the check added to every data-parallel step whose ranks were out
+        # of step. Yielding (ranks outnumber cores): sleeps after 0.5 ms.
+        self.yielding = yielding
         self.node_rank: int = node_comm.Get_rank()
         self.size = size
         self.members = members
@@ -161,13 +174,17 @@ class CallBoard:
         return not calls_differ(self.rows(number))
 
     def wait(self, number: int) -> None:
-        """Blocks until every rank has posted call ``number`` (polls, then yields, then sleeps)."""
+        """Blocks until every rank has posted call ``number``: polls, then yields the core,
+        then (``yielding`` only) sleeps."""
         if self._c is not None:
-            self._c.wait(self._address, self.size, number, True)  # without the GIL
+            self._c.wait(self._address, self.size, number, self.yielding)  # without the GIL
             return
         backoff = Backoff()
         while not self.arrived(number):
-            backoff.pause()
+            if self.yielding:
+                backoff.pause()
+            else:
+                os.sched_yield()
 
     def free(self) -> None:
         # A step still polling (an operation that timed out) reads private

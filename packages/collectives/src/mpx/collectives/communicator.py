@@ -148,7 +148,7 @@ class Communicator:
         # The devices each rank sees travel too: CUDA IPC (``auto``'s ipc)
         # needs every rank to see its peers' GPUs, which holds when all were
         # started with the same CUDA_VISIBLE_DEVICES on one node.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = settings.cuda_visible_devices()
         mine = (1 if self.node_rank == 0 else 0, current_policy().fingerprint(), visible)
         every = mpi_comm.allgather(mine)
         self.num_nodes: int = sum(leader for leader, _, _ in every)
@@ -175,7 +175,9 @@ class Communicator:
         # MPX_CHECK: where the ranks compare each call (consistency, call_board):
         # the node's shared memory when the group is one node, else MPI.
         self.call_board: CallBoard | None = (
-            CallBoard(self._node_comm, list(self._node_members)) if self.single_node else None
+            CallBoard(self._node_comm, list(self._node_members), yielding=self.yielding)
+            if self.single_node
+            else None
         )
         self.hierarchy: Hierarchy | None = Hierarchy.build(self) if self.num_nodes > 1 else None
         self._node_comm.Barrier()

@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 from mpx.launch.settings import Setting, declare
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "TIMEOUT",
     "WAIT",
     "XDG_CACHE_HOME",
+    "cuda_visible_devices",
 ]
 
 _PACKAGE = "collectives"
@@ -185,3 +188,13 @@ BUILD_CYTHON = declare(
     choices=("AUTO", "ON", "OFF"),
     when="build",
 )
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as the process has it now, or None where unset.
+
+    Read afresh at each call, not cached like the ``MPX_*`` settings: it is
+    torch's and CUDA's variable, which a launcher or a test sets per process
+    before making a communicator (``Communicator.gpus_shared`` compares it).
+    """
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
