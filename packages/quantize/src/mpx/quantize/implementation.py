@@ -38,6 +38,10 @@ CGX = Implementation(
     devices=frozenset({"cpu", "cuda"}),
     automatic=False,
     summary="CGX's quantized allreduce (mpx-quantize; MPX_QUANTIZE_*/CGX_* settings)",
+    # The compressed allreduce sums (and averages) only: impl="cgx" with another
+    # op is refused before anything moves; under MPX_COLLECTIVES_IMPL=cgx such a
+    # call (a max of a metric) runs as auto's.
+    reduce_ops=frozenset({"sum", "avg"}),
 )
 """The registry's entry (the ``mpx.collectives.implementations`` entry point names it)."""
 
