@@ -25,7 +25,8 @@ class MatmulCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+        # addmm_: W accumulates a weight's gradient into its .grad in place.
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
             self.count += 1
         return func(*args, **(kwargs or {}))
 

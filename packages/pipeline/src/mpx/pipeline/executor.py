@@ -6,7 +6,8 @@
                         F       input (given, received, or handed over) -> forward
                         SEND_F  activation to the next chunk's rank
                         RECV_B  the output's gradient
-                        B | I   full backward | input gradient (graph kept)
+                        B | I   full backward | input gradient (graph freed;
+                                what W needs kept, see mpx.pipeline.deferred)
                         W       weight gradient
                         SEND_B  input gradient to the previous chunk's rank
                         STEP    hooks.step(a) (the asynchronous stream's optimizer steps)
@@ -60,7 +61,8 @@ class Hooks:
         """Before ``B`` or ``I``: the weights a recomputation runs on."""
 
     def weights(self, mb: Micro) -> list[torch.Tensor]:
-        """The tensors ``W`` differentiates (the weights the forward used)."""
+        """The tensors ``W`` differentiates (the weights the forward used) on a chunk
+        whose backward keeps its graph for ``W`` (see :mod:`mpx.pipeline.retained`)."""
         return []
 
     def after_backward(self, action: Action, mb: Micro) -> None:
@@ -120,6 +122,8 @@ class Executor:
 
     def reset(self) -> None:
         """Forgets the micro-batches in flight (after a failure)."""
+        for mb in [*self.live.values(), *self._received.values()]:
+            mb.records.clear()
         self.live.clear()
         self._received.clear()
 
@@ -145,6 +149,9 @@ class Executor:
         losses: list[float] = []
         self.trace = []
         clock = time.perf_counter
+        # A call that splits backwards has its forwards record what W needs
+        # (a forward whose backward turns out full runs its W inside B).
+        split = any(a.kind == "W" for a in actions)
         for a in actions:
             start = clock()
             key = (a.stage, a.mb)
@@ -155,6 +162,7 @@ class Executor:
                 if mb is None:
                     mb = passes.input(a.mb, inputs.get(a.mb) if a.stage == 0 else None, a.stage)
                 mb.target = targets.get(a.mb) if a.stage == last else None
+                mb.capture = split
                 hooks.before_forward(a, mb)
                 passes.forward(a.mb, mb, hooks.number(a.mb), loss_fn)
                 if mb.loss is not None:
@@ -174,14 +182,15 @@ class Executor:
             elif a.kind == "I":
                 mb = self.live[key]
                 hooks.before_backward(a, mb)
-                passes.input_grad(
-                    a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale, hooks.weights(mb)
-                )
+                # The weights only for a chunk that keeps its graph (a list built
+                # per call otherwise, for nothing).
+                weights = None if mb.capture else hooks.weights(mb)
+                passes.input_grad(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale, weights)
                 mb.extra["w_due"] = True
             elif a.kind == "W":
                 mb = self.live.pop(key)
                 mb.extra.pop("w_due", None)
-                passes.weight_grad(a.mb, mb, hooks.weights(mb))
+                passes.weight_grad(a.mb, mb, None if mb.kept is None else hooks.weights(mb))
                 hooks.after_backward(a, mb)
                 if "grads_out" in mb.extra:
                     self.live[key] = mb

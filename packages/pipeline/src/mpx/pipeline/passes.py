@@ -15,17 +15,16 @@ to the rank of the previous one. Messages are keyed by ``j·S + s`` (``S``
 virtual stages, ``s`` the receiving one), one tag per key on each link.
 
 The backward can be split (``I`` then ``W``, :meth:`StagePasses.input_grad`,
-:meth:`StagePasses.weight_grad`). ``I`` is ``torch.autograd.grad`` with
-``inputs=`` the chunk's input tensors, graph kept; ``W`` must not walk the
-input-gradient chain again (in a chunk of several layers that would be most
-of ``I`` over again). So ``I`` first finds, in the graph, the nodes on the path
-from the outputs to the inputs that also feed a weight by a branch of their
-own (a Linear's matmul node: its weight slot), and records the gradient that
-reaches each of them while ``I`` runs (a node pre-hook); ``W`` starts from
-those nodes (``GradientEdge``) with ``inputs=`` only the weights of their
-branches, which the input path does not reach again (:func:`weight_starts`).
-Where it would (one weight used at two depths of a chunk) ``W`` falls back to
-differentiating the outputs again.
+:meth:`StagePasses.weight_grad`). ``W`` must neither walk the chunk's graph
+again nor make ``I`` keep it (the whole graph of every micro-batch between
+its ``I`` and ``W`` would stay alive: many times 1F1B's memory). So a forward
+whose backward will be split runs the chunk's Linear layers through
+:func:`mpx.pipeline.deferred.capturing`: ``I`` is a plain backward that frees
+the graph and leaves, per Linear call, its input and its output's gradient;
+``W`` multiplies them (:mod:`mpx.pipeline.deferred`). Every other weight gets
+its gradient in ``I``. A chunk with weights of another kind (a convolution, a
+module's own ``nn.Parameter``) keeps its graph from ``I`` to ``W`` instead
+(:mod:`mpx.pipeline.retained`).
 """
 
 from __future__ import annotations
@@ -40,81 +39,38 @@ from typing import Any
 import torch
 
 from mpx.collectives import CollectiveTimeout, Communicator, Handle
+from mpx.pipeline import retained
 from mpx.pipeline.border import carries_grad, flatten, unflatten
+from mpx.pipeline.deferred import (
+    Held,
+    Records,
+    capturing,
+    deferrable,
+    linear_layers,
+    weight_grads,
+)
 from mpx.pipeline.schedule import local_stages, rank_of
 from mpx.pipeline.stage import Stage
 from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
 
-__all__ = ["LossFn", "Micro", "StagePasses", "weight_starts"]
+__all__ = ["LossFn", "Micro", "StagePasses"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target)``: the last stage's output and the target (tensors or structures)."""
 
 
-@dataclass
-class _Start:
-    """Where ``W`` starts: an output tensor (with its gradient) or a node on the input
-    path (with the gradients its pre-hook saw in ``I``), and the weights (bits) below."""
+class _Pin:
+    """Received buffers, given back to their inbox when no micro-batch chunk reads them.
 
-    mask: int
-    path: int = 0  # the weights its input-path children reach (not to be asked of it)
-    tensor: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
-    node: Any = None
-    grads: tuple[torch.Tensor | None, ...] = ()
-
-
-def weight_starts(
-    outputs: list[torch.Tensor], leaves: list[torch.Tensor], weights: list[torch.Tensor]
-) -> list[_Start] | None:
-    """The starts of ``W`` (see the module docstring), or None to fall back.
-
-    A node on the input path (it reaches a leaf) starts ``W`` for the weights
-    its other children reach; an output off that path starts it for all the
-    weights below it. None when a start's input-path children reach one of
-    its own weights too: from there ``W`` would run the chain again and count
-    that weight's deeper use twice.
+    A chunk's output handed to this rank's next chunk may be a view of the
+    chunk's input (a slicing layer), so the next chunk's graph (kept until its
+    ``W`` on the retained path) reads the buffers too: each reader holds a use.
     """
-    edge = torch.autograd.graph.get_gradient_edge
-    targets = {edge(t).node for t in leaves}
-    bit = {edge(w).node: 1 << k for k, w in enumerate(weights)}
-    info: dict[Any, tuple[bool, int]] = {}  # node -> (reaches an input, weights below)
-    roots = [t.grad_fn if t.grad_fn is not None else edge(t).node for t in outputs]
-    stack: list[tuple[Any, bool]] = [(r, False) for r in roots if r is not None]
-    while stack:  # post-order, without recursion (graphs may be deep)
-        node, expanded = stack.pop()
-        if node in info:
-            continue
-        children = [c for c, _ in node.next_functions if c is not None]
-        if not expanded:
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if c not in info)
-            continue
-        reach = node in targets or any(info[c][0] for c in children)
-        mask = bit.get(node, 0)
-        for c in children:
-            mask |= info[c][1]
-        info[node] = (reach, mask)
-    starts: list[_Start] = []
-    for t, r in zip(outputs, roots, strict=True):
-        if r is not None and not info[r][0] and info[r][1]:
-            starts.append(_Start(info[r][1], tensor=t))
-    for node, (reach, _) in info.items():
-        if not reach:
-            continue
-        branch = path = 0
-        for c, _ in node.next_functions:
-            if c is None:
-                continue
-            if info[c][0]:
-                path |= info[c][1]
-            else:
-                branch |= info[c][1]
-        if branch & path:
-            return None
-        if branch:
-            starts.append(_Start(branch, path, node=node))
-    return starts
+
+    __slots__ = ("box", "bufs", "users")
+
+    def __init__(self, box: Inbox, bufs: list[torch.Tensor]) -> None:
+        self.box, self.bufs, self.users = box, bufs, 1
 
 
 @dataclass
@@ -122,7 +78,7 @@ class Micro:
     """What a rank keeps of one micro-batch on one chunk between its forward and backward."""
 
     feed: Any  # the stage input: a border structure (leaves requiring grad past stage 0)
-    bufs: list[torch.Tensor] = field(default_factory=list)  # pooled buffers behind ``feed``
+    pins: list[_Pin] = field(default_factory=list)  # pooled buffers behind ``feed``
     leaves: list[torch.Tensor] = field(default_factory=list)  # feed tensors owed a gradient
     out: Any = None  # output with its graph (None if recomputed)
     flags: list[bool] = field(default_factory=list)  # which output tensors get a gradient
@@ -131,58 +87,9 @@ class Micro:
     recompute: bool = False
     stage: int = 0  # the virtual stage
     extra: dict[str, Any] = field(default_factory=dict)  # hooks' state (async: weights used)
-    owed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # W: (out, grad)
-    starts: list[_Start] = field(default_factory=list)  # W: where to start (weight_starts)
-
-
-def _saver(start: _Start) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
-    def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
-        start.grads = tuple(grads)
-
-    return hook
-
-
-def _accumulate(w: torch.Tensor, gw: torch.Tensor) -> None:
-    with torch.no_grad():
-        if w.grad is None:
-            w.grad = gw
-        else:
-            w.grad.add_(gw)
-
-
-def _from_starts(starts: list[_Start], weights: list[torch.Tensor]) -> None:
-    """``W`` from the starts: in groups whose input-path children reach none of the
-    group's weights (one autograd call per group, not per node: the nodes of
-    parallel branches, such as a block's query, key and value, go together)."""
-    groups: list[tuple[int, int, list[_Start]]] = []  # (weights, path weights, starts)
-    for st in starts:
-        for k, (mask, path, members) in enumerate(groups):
-            if not (mask | st.mask) & (path | st.path):
-                groups[k] = (mask | st.mask, path | st.path, [*members, st])
-                break
-        else:
-            groups.append((st.mask, st.path, [st]))
-    edge_type = torch.autograd.graph.GradientEdge
-    for mask, _, members in groups:
-        outs: list[Any] = []
-        grads: list[torch.Tensor | None] = []
-        for st in members:
-            if st.tensor is not None:
-                outs.append(st.tensor)
-                grads.append(st.grad)
-            for k, gr in enumerate(st.grads):
-                if gr is not None:
-                    outs.append(edge_type(st.node, k))
-                    grads.append(gr)
-        chosen = [w for k, w in enumerate(weights) if mask >> k & 1]
-        if not outs:
-            continue
-        got = torch.autograd.grad(
-            outs, inputs=chosen, grad_outputs=grads, retain_graph=True, allow_unused=True
-        )
-        for w, gw in zip(chosen, got, strict=True):
-            if gw is not None:
-                _accumulate(w, gw)
+    capture: bool = False  # the backward will be split: Linear layers record for W
+    records: Records = field(default_factory=Records)  # W's work, left by I (deferred.py)
+    kept: retained.Kept | None = None  # W's work on a chunk that keeps its graph
 
 
 class StagePasses:
@@ -242,8 +149,16 @@ class StagePasses:
         self.outboxes: list[Outbox] = [*self.act_out.values(), *self.grad_out.values()]
         self.boxes: list[Inbox | Outbox] = [*self.inboxes, *self.outboxes]
         # The V's turn: a chunk handing to the next chunk on this rank.
-        self._handed: dict[tuple[int, int], tuple[Any, list[bool]]] = {}
+        self._handed: dict[tuple[int, int], tuple[Any, list[bool], list[_Pin]]] = {}
         self._handed_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # Per chunk, whether W can run from records (deferred.py) and the Linear
+        # layers whose weight gradients W computes then.
+        self._deferrable = [deferrable(stage.part_modules(k)) for k in range(len(self.stages))]
+        self._linears = [
+            [m for layer in stage.part_modules(k) for m in linear_layers(layer)]
+            for k in range(len(self.stages))
+        ]
+        self.held = Held()  # bytes the records of every micro-batch keep for W
         self.busy_seconds = 0.0
         self.doing = "nothing yet"  # the pass under way, for the message if it fails
 
@@ -340,28 +255,45 @@ class StagePasses:
             assert x is not None
             # A user input that requires grad gets its gradient, as loss.backward() would.
             leaves = [t for t in flatten(x, "inputs")[0] if t.requires_grad]
-            return Micro(feed=x, leaves=leaves, stage=s)
+            return Micro(feed=x, leaves=leaves, stage=s, records=Records(self.held))
         if self.owner[s - 1] == self.stage_id:
-            y, flags = self._handed.pop((s, j))
+            y, flags, pins = self._handed.pop((s, j))
+            for pin in pins:
+                pin.users += 1
             tensors, spec = flatten(y)
             fed = [
                 t.detach().requires_grad_(True) if f else t.detach()
                 for t, f in zip(tensors, flags, strict=True)
             ]
             leaves = [t for t, f in zip(fed, flags, strict=True) if f]
-            return Micro(feed=unflatten(spec, fed), leaves=leaves, stage=s)
-        parcel = self.act_in[self.owner[s - 1]].get(self.key(s, j))
+            return Micro(
+                feed=unflatten(spec, fed),
+                pins=list(pins),
+                leaves=leaves,
+                stage=s,
+                records=Records(self.held),
+            )
+        inbox = self.act_in[self.owner[s - 1]]
+        parcel = inbox.get(self.key(s, j))
         tensors = [buf.detach() for buf in parcel.tensors]
         leaves = []
         for t, flag in zip(tensors, parcel.flags, strict=True):
             if flag:
                 leaves.append(t.requires_grad_(True))
         return Micro(
-            feed=unflatten(parcel.spec, tensors), bufs=parcel.tensors, leaves=leaves, stage=s
+            feed=unflatten(parcel.spec, tensors),
+            pins=[_Pin(inbox, parcel.tensors)],
+            leaves=leaves,
+            stage=s,
+            records=Records(self.held),
         )
 
     def _run(self, mb: Micro, g: int, weights: Any) -> Any:
-        return self.stage.run(mb.feed, g, weights, self.part[mb.stage])
+        part = self.part[mb.stage]
+        if not mb.capture:
+            return self.stage.run(mb.feed, g, weights, part)
+        with capturing(self._linears[part], mb.records):
+            return self.stage.run(mb.feed, g, weights, part)
 
     def _remote_next(self, s: int) -> bool:
         return s < self.virtual - 1 and self.owner[s + 1] != self.stage_id
@@ -374,6 +306,7 @@ class StagePasses:
         over on this rank, or the output kept for :meth:`send_activation`."""
         self.doing = f"forward of micro-batch {j}"
         s = mb.stage
+        mb.capture = mb.capture and self._deferrable[self.part[s]]
         with torch.set_grad_enabled(not mb.recompute):
             y = self._run(mb, g, mb.extra.get("weights"))
             if s == self.virtual - 1:
@@ -383,7 +316,7 @@ class StagePasses:
             elif not self._remote_next(s):
                 tensors, _ = flatten(y)
                 mb.flags = [carries_grad(t) for t in tensors]
-                self._handed[(s + 1, j)] = (y, mb.flags)
+                self._handed[(s + 1, j)] = (y, mb.flags, mb.pins)
             else:
                 # The flags are read in this grad mode (see border.carries_grad).
                 tensors, _ = flatten(y)
@@ -410,10 +343,12 @@ class StagePasses:
         )
 
     def release_input(self, mb: Micro) -> None:
-        """Gives a received input's buffers back (forward only: no backward will)."""
-        if mb.bufs:
-            self.act_in[self.owner[mb.stage - 1]].release(mb.bufs)
-            mb.bufs = []
+        """Lets go of the buffers behind the chunk's input: given back once no chunk reads them."""
+        for pin in mb.pins:
+            pin.users -= 1
+            if pin.users == 0:
+                pin.box.release(pin.bufs)
+        mb.pins = []
 
     def receive_grads(self, j: int, mb: Micro) -> None:
         """``RECV_B``: waits for the gradients of the chunk's output."""
@@ -477,21 +412,27 @@ class StagePasses:
         self.doing = f"send of the gradients of micro-batch {j}"
         q = self.owner[mb.stage - 1]
         self.grad_out[q].send_tensors(self.key(mb.stage - 1, j), mb.extra.pop("grads_out"))
-        if not mb.owed and not mb.starts:
-            # After ``I`` the kept graph still reads the input (a Linear's saved
-            # input is the receive buffer): ``W`` gives the buffers back.
-            self.act_in[q].release(mb.bufs)
-            mb.bufs = []
+        if not mb.records and mb.kept is None:
+            # After ``I`` a record or the kept graph may hold the input (a first
+            # Linear's input is the receive buffer): then ``W`` lets go of them.
+            self.release_input(mb)
 
     def backward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float) -> None:
         """``B``: the full backward of micro-batch ``j`` (input and weight gradients)."""
         self.doing = f"backward of micro-batch {j}"
+        self._backward(j, mb, g, loss_fn, scale)
+        weight_grads(mb.records)  # a forward that captured, then a full backward
+        self._release_grads(j, mb)
+        if not self._remote_prev(mb.stage):
+            self.release_input(mb)  # handed over: no SEND_B will (see _Pin)
+
+    def _backward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float) -> None:
         if mb.recompute:
             self._recompute(mb, g, loss_fn)
         pairs = self._output_grads(j, mb, scale)
         if pairs:
+            # Frees the graph as it goes; captured Linears leave records for W.
             torch.autograd.backward([t for t, _ in pairs], [gr for _, gr in pairs])
-        self._release_grads(j, mb)
         if mb.stage > 0:  # stage 0's inputs are the user's: autograd filled their .grad
             self._input_grads(j, mb, [t.grad for t in mb.leaves])
         mb.out = mb.loss = None
@@ -505,75 +446,31 @@ class StagePasses:
         scale: float,
         weights: list[torch.Tensor] | None = None,
     ) -> None:
-        """``I``: the gradient of the chunk's input only (``torch.autograd.grad`` with
-        ``inputs=`` the input tensors); the graph is kept for :meth:`weight_grad`,
-        and where ``W`` will start (``weights``: those it differentiates)."""
+        """``I``: the backward of the chunk less its captured Linears' weight gradients,
+        whose inputs and output gradients stay in ``mb.records`` for :meth:`weight_grad`
+        (the graph itself is freed; see :mod:`mpx.pipeline.deferred`). A forward that
+        did not capture keeps its graph for ``W`` instead (``weights``: the tensors ``W``
+        differentiates then; see :mod:`mpx.pipeline.retained`)."""
         self.doing = f"input gradient of micro-batch {j}"
+        if mb.capture:
+            self._backward(j, mb, g, loss_fn, scale)
+            return
         if mb.recompute:
             self._recompute(mb, g, loss_fn)
         pairs = self._output_grads(j, mb, scale)
-        mb.owed, mb.starts = pairs, []
-        grads: list[torch.Tensor | None] = [None] * len(mb.leaves)
-        if pairs and mb.leaves:
-            needs = [w for w in weights or [] if w.requires_grad]
-            outs = [t for t, _ in pairs]
-            starts = weight_starts(outs, mb.leaves, needs) if needs else None
-            handles = []
-            if starts is not None:
-                mb.owed, mb.starts = [], starts
-                mb.extra["w_needs"] = needs
-                given = {id(t): gr for t, gr in pairs}
-                for st in starts:
-                    if st.tensor is not None:
-                        st.grad = given.get(id(st.tensor))
-                    else:
-                        handles.append(st.node.register_prehook(_saver(st)))
-            try:
-                got = torch.autograd.grad(
-                    outs,
-                    inputs=mb.leaves,
-                    grad_outputs=[gr for _, gr in pairs],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            finally:
-                for h in handles:
-                    h.remove()
-            grads = list(got)
-            if mb.stage == 0:
-                # The user's own inputs that require grad (micro-batches are views of
-                # them): the gradient goes on to them as loss.backward() would send it.
-                owed = [(t, gt) for t, gt in zip(mb.leaves, grads, strict=True) if gt is not None]
-                if owed:
-                    torch.autograd.backward([t for t, _ in owed], [gt for _, gt in owed])
+        grads, mb.kept = retained.input_grad(pairs, mb.leaves, weights or [], mb.stage == 0)
         self._input_grads(j, mb, grads)
 
-    def weight_grad(self, j: int, mb: Micro, weights: list[torch.Tensor]) -> None:
-        """``W``: the gradients of ``weights`` (the tensors the chunk's forward used),
-        accumulated into their ``.grad``: from the starts ``I`` found, else from the
-        outputs (``torch.autograd.grad`` with ``inputs=`` the weights)."""
+    def weight_grad(self, j: int, mb: Micro, weights: list[torch.Tensor] | None = None) -> None:
+        """``W``: the recorded Linears' weight gradients (or, on a chunk that kept its
+        graph, those of ``weights``), accumulated into their ``.grad``."""
         self.doing = f"weight gradient of micro-batch {j}"
-        pairs, mb.owed = mb.owed, []
-        needs = [w for w in weights if w.requires_grad]
-        if mb.starts:
-            _from_starts(mb.starts, mb.extra.pop("w_needs"))
-            mb.starts = []
-        elif pairs and needs:
-            # allow_unused: a weight this micro-batch did not reach gets None.
-            got: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
-                [t for t, _ in pairs],
-                inputs=needs,
-                grad_outputs=[gr for _, gr in pairs],
-                allow_unused=True,
-            )
-            with torch.no_grad():
-                for w, gw in zip(needs, got, strict=True):
-                    if gw is None:
-                        continue
-                    if w.grad is None:
-                        w.grad = gw
-                    else:
-                        w.grad.add_(gw)
+        weight_grads(mb.records)
+        if mb.kept is not None:
+            mb.kept.weight_grad(weights or [])
+            mb.kept = None
+        # A record may hold the received gradient (the chunk's last Linear's output
+        # gradient) and the received input: their buffers go back only now.
         self._release_grads(j, mb)
         self.release_input(mb)
         mb.out = mb.loss = None

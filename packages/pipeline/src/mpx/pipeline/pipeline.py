@@ -331,6 +331,13 @@ class Pipeline(nn.Module):
         """Compute time of the last call, less the time spent waiting for messages."""
         return self._passes.busy_seconds
 
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes kept now for weight-gradient passes still owed (``W`` of the split
+        backward: each recorded Linear call's input and output gradient; see
+        :mod:`mpx.pipeline.deferred`). 0 for the schedules that do not split."""
+        return self._passes.held.bytes
+
     def _progress(self) -> None:
         self._passes.progress()
         if self._pending_status is not None:

@@ -108,6 +108,11 @@ class Stage(nn.Module):
     def layer_modules(self) -> dict[int, nn.Module]:
         return dict(zip(self._index, self.layers, strict=True))
 
+    def part_modules(self, part: int) -> list[nn.Module]:
+        """The layers of chunk ``part``, in order."""
+        lo, hi = self._offset[part : part + 2]
+        return list(self.layers[lo:hi])
+
     def named_layer_params(self, part: int | None = None) -> dict[int, dict[str, nn.Parameter]]:
         """Per global layer index, its parameters (of chunk ``part`` only, if given)."""
         lo, hi = (0, len(self.layers)) if part is None else self._offset[part : part + 2]
