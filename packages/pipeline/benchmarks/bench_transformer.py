@@ -25,8 +25,10 @@ median over samples) beside ``bubble_fraction`` (F = I = W = 1, B = 2), the
 compute bound (1 − the theoretical bubble: the most a perfectly balanced
 pipeline of this schedule keeps busy), the peak activation memory (the most
 bytes saved for backward alive at once on any rank, counted by
-``torch.autograd.graph.saved_tensors_hooks``, parameters left out), and each
-rank's CPU time over the wall time.
+``torch.autograd.graph.saved_tensors_hooks``, parameters left out, plus for mpx
+what the split backward keeps for its W passes outside the graph:
+``Pipeline.deferred_bytes``, sampled at each save), and each rank's CPU time
+over the wall time.
 
 ``--variable``: every step draws its own sequence length (32, 64, 96 or 128
 tokens, the same on every rank). mpx's schedules take each as it comes (a
@@ -94,11 +96,15 @@ def build() -> nn.Sequential:
         def __init__(self) -> None:
             super().__init__()
             self.token = nn.Embedding(VOCAB, WIDTH)
-            self.position = nn.Parameter(torch.randn(SEQUENCE, WIDTH) * 0.02)
+            # An nn.Embedding, not a bare nn.Parameter: the split backward defers
+            # the weight gradients of chunks whose parameters it knows
+            # (mpx.pipeline.deferred.deferrable); a bare one keeps the chunk's graph.
+            self.position = nn.Embedding(SEQUENCE, WIDTH)
+            nn.init.normal_(self.position.weight, std=0.02)
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             tokens: torch.Tensor = self.token(ids)
-            return tokens + self.position[: ids.shape[1]]
+            return tokens + self.position.weight[: ids.shape[1]]
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -146,8 +152,11 @@ def stage_ranks(stages: int, v: int, v_shaped: bool) -> list[int]:
 class SavedBytes:
     """Bytes saved for backward alive at once (by storage; parameters left out)."""
 
-    def __init__(self, params: set[int]) -> None:
+    def __init__(self, params: set[int], deferred: Callable[[], int] = lambda: 0) -> None:
         self.params = params
+        # Bytes the split backward keeps for W outside the graph (mpx's
+        # Pipeline.deferred_bytes): counted beside the saved tensors.
+        self.deferred = deferred
         self.live: dict[int, list[int]] = {}  # storage -> [bytes, saved copies]
         self.now = self.peak = 0
 
@@ -162,7 +171,7 @@ class SavedBytes:
         else:
             self.live[key] = [storage.nbytes(), 1]
             self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
+            self.peak = max(self.peak, self.now + self.deferred())
         weakref.finalize(holder, self._drop, key)
         return holder
 
@@ -248,8 +257,11 @@ def measure() -> None:
             loss_fn(serial(xs), ys).backward()
             sopt.step()
 
-    def counter(params: Any) -> SavedBytes:
-        return SavedBytes({q.untyped_storage().data_ptr() for q in params})
+    def counter(params: Any, deferred: Callable[[], int] = lambda: 0) -> SavedBytes:
+        return SavedBytes({q.untyped_storage().data_ptr() for q in params}, deferred)
+
+    def deferred_of(pipe: Pipeline) -> Callable[[], int]:
+        return lambda: pipe.deferred_bytes
 
     configs.append(("single process (whole model)", None, serial_step, None, None, None, None))
     pipes = []
@@ -281,7 +293,7 @@ def measure() -> None:
                 lambda pipe=pipe: pipe.busy_seconds,
                 lambda pipe=pipe: [(a.kind, s, e) for a, s, e in pipe.trace],
                 theory,
-                counter(pipe.parameters()),
+                counter(pipe.parameters(), deferred_of(pipe)),
             )
         )
 
