@@ -3,9 +3,10 @@
 Every call is MPI's non-blocking variant (``MPI_Iallreduce`` ...), waited on
 by the handle: MPI does not match a blocking collective on one rank with a
 non-blocking one on another, so sync and async calls must be the same call.
-Tensors go to MPI as numpy views of their memory (no copy). Reductions MPI
-cannot do itself (bfloat16 always; float16 where the library lacks it) run on
-a float32 copy, rounded back once. CUDA tensors are passed to MPI only when
+Tensors go to MPI as numpy views of their memory (no copy). Reductions of
+float16 and bfloat16 run on a float32 copy, rounded back once (MPI has no
+bfloat16, and MPICH's float16 sum is slow and rounds at every step:
+:mod:`mpx.collectives.dtypes`). CUDA tensors are passed to MPI only when
 the user declares the MPI CUDA-aware (``MPX_CUDA_AWARE=1``); otherwise the
 ``staged`` implementation carries them through host memory.
 """
@@ -54,7 +55,7 @@ def _buf(t: torch.Tensor) -> Any:
 
 
 def _reducible(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a float32 copy when MPI cannot reduce its dtype."""
+    """``t`` itself, or a float32 copy for the 16-bit floats (see ``mpi_reduces``)."""
     return t if mpi_reduces(t.dtype) else t.to(torch.float32)
 
 
