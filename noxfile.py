@@ -1,7 +1,8 @@
 """Sessions for the mpx monorepo.
 
-    nox -s tests       unit tests, the mpi tests under mpxrun -n 1, 2, 3, then PyTorch's
-                       distributed suite on mpx against gloo (2 ranks)
+    nox -s tests       unit tests (pytest-xdist, a worker a core), the mpi tests under
+                       mpxrun -n 1, 2, 3, then PyTorch's distributed suite on mpx against
+                       gloo (2 ranks)
     nox -s tests-gpu   CUDA build ON, the gpu-marked tests (default where nvidia-smi exists)
     nox -s tests-torch-newer  the torch packages' tests on torch TORCH_NEWER (2.14.1)
     nox -s gpu-report  CUDA build ON, then benchmarks/gpu_report.py: the two calls of a
@@ -23,12 +24,15 @@ Every session installs from constraints.txt (torch pinned to the CPU build).
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nox
@@ -42,9 +46,13 @@ CONSTRAINTS = str(ROOT / "constraints.txt")
 PACKAGES = ["launch", "collectives", "quantize", "mgrit", "pipeline", "dataparallel"]
 RANK_COUNTS = (1, 2, 3)
 TEST_DEPS = ["torch", "numpy", "mpi4py", "mpich", "pytest", "pytest-timeout", "scikit-learn"]
+TEST_DEPS += ["pytest-xdist"]  # the unit step on every core (UNIT_WORKERS)
 TEST_DEPS += ["matplotlib"]  # the examples' plots, run by the tests
 TEST_DEPS += ["pymgrit"]  # mpx-mgrit: the reference solver of its tests
 TEST_DEPS += ["lightning"]  # the Lightning Trainer example on the mpx backend
+# pytest-xdist workers of the unit step: one a core, at most 4 (many unit tests start
+# mpxrun jobs of 2 to 4 ranks of their own). ``nox -s tests -- -n 0`` runs it in one process.
+UNIT_WORKERS = str(min(os.cpu_count() or 1, 4))
 # Wall-clock limit of one multi-rank pytest run; each test has its own (300 s).
 MPI_RUN_TIMEOUT_S = "1200"
 HAS_GPU = shutil.which("nvidia-smi") is not None
@@ -53,14 +61,38 @@ nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
 
 
+@contextlib.contextmanager
+def _package_builds(session: nox.Session) -> Iterator[None]:
+    """Holds the lock of in-tree package builds while the caller builds the packages.
+
+    A build writes into the source tree (setuptools' build/ and egg-info of
+    mpx-collectives, scikit-build-core's build/ of mpx-quantize), and .ci/run runs
+    nox -s tests beside nox -s build: two builds of one package at once would share
+    those folders. The lock makes them take turns; the other work runs at the same time.
+    """
+    lock_dir = ROOT / ".nox"
+    lock_dir.mkdir(exist_ok=True)
+    with (lock_dir / "package-builds.lock").open("w") as lock:
+        start = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waited = time.monotonic() - start
+        if waited > 1:
+            session.log(f"waited {waited:.0f} s for another session's package build")
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _install(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
     session.install("-c", CONSTRAINTS, *TEST_DEPS, *extra)
-    session.install(
-        "-c",
-        CONSTRAINTS,
-        *[str(ROOT / "packages" / name) for name in PACKAGES],
-        env={"MPX_QUANTIZE_CUDA": cuda, **(_local_cuda_arch() if cuda == "ON" else {})},
-    )
+    with _package_builds(session):
+        session.install(
+            "-c",
+            CONSTRAINTS,
+            *[str(ROOT / "packages" / name) for name in PACKAGES],
+            env={"MPX_QUANTIZE_CUDA": cuda, **(_local_cuda_arch() if cuda == "ON" else {})},
+        )
 
 
 def _local_cuda_arch() -> dict[str, str]:
@@ -126,6 +158,9 @@ def tests(session: nox.Session) -> None:
     """
     _install(session, "expecttest")  # torch's distributed test suite imports it
     # pytest exits 5 when it collects nothing: session.run fails on it, as it should.
+    # The unit tests are independent processes' work (each makes its own tmp_path,
+    # ports, job ids): xdist runs them side by side; worksteal evens out the files
+    # of long end-to-end jobs. The mpi runs stay one pytest per rank.
     _timed(
         session,
         "unit tests",
@@ -135,6 +170,10 @@ def tests(session: nox.Session) -> None:
         *TEST_PATHS,
         "-m",
         "not mpi and not gpu and not extended",
+        "-n",
+        UNIT_WORKERS,
+        "--dist",
+        "worksteal",
         *session.posargs,
     )
     _mpi_runs(session, "mpi and not gpu and not extended")
@@ -248,8 +287,14 @@ def gpu_report(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format check), mypy (strict), and the import contract."""
-    _install(session, "ruff", "mypy", "matplotlib", "import-linter")
+    """ruff (lint and format check), mypy (strict), and the import contract.
+
+    The packages' dependencies are installed, the packages are not: mypy reads
+    them from the sources (mypy_path in pyproject.toml, .pyi beside the compiled
+    modules) and lint-imports from PYTHONPATH, so their build (Cython, C++) is
+    not needed here.
+    """
+    session.install("-c", CONSTRAINTS, *TEST_DEPS, "ruff", "mypy", "import-linter")
     targets = ["packages", "examples", "tests", "tools", "benchmarks", "noxfile.py", "conftest.py"]
     session.run("ruff", "check", *targets)
     session.run("ruff", "format", "--check", *targets)
@@ -461,21 +506,22 @@ def build(session: nox.Session) -> None:
     raw = Path(session.create_tmp()) / "raw-wheels"
     shutil.rmtree(raw, ignore_errors=True)
     timings = []
-    for name in PACKAGES:
-        start = time.monotonic()
-        # Without --sdist/--wheel, build makes the sdist and then the wheel from it:
-        # an sdist that lacks a file the wheel needs fails here, not at a user's.
-        session.run(
-            "python",
-            "-m",
-            "build",
-            "--no-isolation",
-            "--outdir",
-            str(raw),
-            str(ROOT / "packages" / name),
-            env=env,
-        )
-        timings.append(f"{name}: {time.monotonic() - start:.1f} s")
+    with _package_builds(session):
+        for name in PACKAGES:
+            start = time.monotonic()
+            # Without --sdist/--wheel, build makes the sdist and then the wheel from it:
+            # an sdist that lacks a file the wheel needs fails here, not at a user's.
+            session.run(
+                "python",
+                "-m",
+                "build",
+                "--no-isolation",
+                "--outdir",
+                str(raw),
+                str(ROOT / "packages" / name),
+                env=env,
+            )
+            timings.append(f"{name}: {time.monotonic() - start:.1f} s")
     for sdist in raw.glob("*.tar.gz"):
         shutil.move(sdist, DIST / sdist.name)
     for wheel in sorted(raw.glob("*.whl")):
