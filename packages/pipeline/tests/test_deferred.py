@@ -207,3 +207,30 @@ def test_chunks_with_other_weights_keep_their_graph_for_w() -> None:
     assert not deferrable([nn.Conv1d(2, 2, 3)])
     assert not deferrable([OwnLinearForward(4, 4)])
     assert not deferrable([nn.MultiheadAttention(4, 2)])
+
+
+def test_a_full_backward_in_a_split_call_does_not_record() -> None:
+    # DualPipeV mixes full backwards (B) with split ones (I, W) in one call: the
+    # forwards of the B ones need no records (recording then multiplying them
+    # in B would only add Python per Linear call).
+    pipe = solo_pipeline("dualpipev")
+    passes = pipe._passes
+    kinds: dict[str, list[bool]] = {"B": [], "I": []}
+    backward, input_grad = passes.backward, passes.input_grad
+
+    def watched_backward(j: int, mb: Any, *rest: Any) -> None:
+        kinds["B"].append(mb.capture)
+        backward(j, mb, *rest)
+
+    def watched_input_grad(j: int, mb: Any, *rest: Any) -> None:
+        kinds["I"].append(mb.capture)
+        input_grad(j, mb, *rest)
+
+    setattr(passes, "backward", watched_backward)  # noqa: B010
+    setattr(passes, "input_grad", watched_input_grad)  # noqa: B010
+    x, y = batch()
+    pipe.step(x, y, nn.functional.mse_loss)
+    assert kinds["B"]
+    assert not any(kinds["B"])
+    assert kinds["I"]
+    assert all(kinds["I"])

@@ -149,9 +149,12 @@ class Executor:
         losses: list[float] = []
         self.trace = []
         clock = time.perf_counter
-        # A call that splits backwards has its forwards record what W needs
-        # (a forward whose backward turns out full runs its W inside B).
+        # A call that splits backwards has its forwards record what W needs, but
+        # those whose backward in this call is a full B (DualPipeV's pairs): they
+        # need no records. (A forward whose backward comes in a later call, the
+        # asynchronous stream's, records; if that backward is full, B runs its W.)
         split = any(a.kind == "W" for a in actions)
+        full = {(a.stage, a.mb) for a in actions if a.kind == "B"} if split else set()
         for a in actions:
             start = clock()
             key = (a.stage, a.mb)
@@ -162,7 +165,7 @@ class Executor:
                 if mb is None:
                     mb = passes.input(a.mb, inputs.get(a.mb) if a.stage == 0 else None, a.stage)
                 mb.target = targets.get(a.mb) if a.stage == last else None
-                mb.capture = split
+                mb.capture = split and key not in full
                 hooks.before_forward(a, mb)
                 passes.forward(a.mb, mb, hooks.number(a.mb), loss_fn)
                 if mb.loss is not None:
