@@ -173,6 +173,25 @@ __device__ __forceinline__ void store4(typename T::storage* p, const float (&v)[
   }
 }
 
+// One value into a bucket's running min, max and non-finite sum (NaN once a
+// NaN or an infinity is seen); then the warp's 32 partial results combined.
+__device__ __forceinline__ void scan_value(float v, float& mn, float& mx, float& z) {
+  mn = v < mn ? v : mn;
+  mx = v > mx ? v : mx;
+  z = __fadd_rn(z, __fsub_rn(v, v));
+}
+
+__device__ __forceinline__ void warp_combine(float& mn, float& mx, float& z) {
+  for (int off = 16; off > 0; off >>= 1) {
+    float omn = __shfl_xor_sync(0xFFFFFFFFu, mn, off);
+    float omx = __shfl_xor_sync(0xFFFFFFFFu, mx, off);
+    float oz = __shfl_xor_sync(0xFFFFFFFFu, z, off);
+    mn = omn < mn ? omn : mn;
+    mx = omx > mx ? omx : mx;
+    z = __fadd_rn(z, oz);
+  }
+}
+
 template <class T>
 __global__ void meta_kernel(const typename T::storage* __restrict__ x, int64_t nq, int64_t bs,
                             int bits, bool fp16_meta, void* mins, void* units) {
@@ -184,20 +203,8 @@ __global__ void meta_kernel(const typename T::storage* __restrict__ x, int64_t n
     const int64_t a = b * bs, e = min(nq, a + bs);
     float first = T::load(x[a]);
     float mn = first, mx = first, z = 0.0f;
-    for (int64_t i = a + lane; i < e; i += 32) {
-      float v = T::load(x[i]);
-      mn = v < mn ? v : mn;
-      mx = v > mx ? v : mx;
-      z = __fadd_rn(z, __fsub_rn(v, v));  // NaN once a NaN or an infinity is seen
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-      float omn = __shfl_xor_sync(0xFFFFFFFFu, mn, off);
-      float omx = __shfl_xor_sync(0xFFFFFFFFu, mx, off);
-      float oz = __shfl_xor_sync(0xFFFFFFFFu, z, off);
-      mn = omn < mn ? omn : mn;
-      mx = omx > mx ? omx : mx;
-      z = __fadd_rn(z, oz);
-    }
+    for (int64_t i = a + lane; i < e; i += 32) scan_value(T::load(x[i]), mn, mx, z);
+    warp_combine(mn, mx, z);
     if (lane == 0) store_meta(bucket_meta(mn, mx, z, bits, fp16_meta), fp16_meta, mins, units, b);
   }
 }
@@ -343,21 +350,9 @@ __global__ void bucket_quantize_kernel(const typename T::storage* __restrict__ x
         for (int j = 0; j < 4; ++j) held[k][j] = i + j < n ? T::load(xb[i + j]) : first;
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float v = held[k][j];
-        mn = v < mn ? v : mn;
-        mx = v > mx ? v : mx;
-        z = __fadd_rn(z, __fsub_rn(v, v));  // NaN once a NaN or an infinity is seen
-      }
+      for (int j = 0; j < 4; ++j) scan_value(held[k][j], mn, mx, z);
     }
-    for (int off = 16; off > 0; off >>= 1) {
-      float omn = __shfl_xor_sync(0xFFFFFFFFu, mn, off);
-      float omx = __shfl_xor_sync(0xFFFFFFFFu, mx, off);
-      float oz = __shfl_xor_sync(0xFFFFFFFFu, z, off);
-      mn = omn < mn ? omn : mn;
-      mx = omx > mx ? omx : mx;
-      z = __fadd_rn(z, oz);
-    }
+    warp_combine(mn, mx, z);
     // Every lane holds the same reduction, so the same stored meta.
     const BucketMeta m = bucket_meta(mn, mx, z, B, fp16_meta);
     if (lane == 0) store_meta(m, fp16_meta, mins, units, b);
