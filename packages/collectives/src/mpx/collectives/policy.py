@@ -267,7 +267,7 @@ class Policy:
     check: str
     tuned: dict[str, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
     source: str = "built-in"
-    ipc_bytes: int = 4 << 20
+    ipc_bytes: int = settings.IPC_BYTES.default  # one default: the setting's
     _log_seen: set[tuple[str, bool, int]] = field(default_factory=set, repr=False)
 
     @classmethod
