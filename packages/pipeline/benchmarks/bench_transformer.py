@@ -7,7 +7,9 @@ BENCHMARKS.md). The model is a decoder-only transformer (token + position
 embedding, ``DEPTH`` pre-norm blocks of causal attention and MLP, LayerNorm
 and the vocabulary projection), one tensor between blocks (each block makes
 its causal mask itself), cut into S stages (one per rank) or 2S (two chunks
-per rank) as evenly as the layers allow. In one job, with one intra-op thread
+per rank) by ``split_times`` over layer times measured on rank 0, so that each
+rank's chunks together take about the same time (a V's rank 0 holds the first
+and the last chunk; the same cut for torch's rows). In one job, with one intra-op thread
 per rank, it times a training step (forward, backward, SGD step) of: the whole
 model in one process (rank 0 alone); mpx ``gpipe``, ``1f1b``,
 ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``, ``zbv``,
@@ -135,12 +137,6 @@ def build() -> nn.Sequential:
     )
 
 
-def split(stages: int = STAGES) -> list[int]:
-    """Layers per stage, as even as ``DEPTH + 2`` layers allow (the first stages take more)."""
-    layers = DEPTH + 2
-    return [layers // stages + (k < layers % stages) for k in range(stages)]
-
-
 def stage_ranks(stages: int, v: int, v_shaped: bool) -> list[int]:
     """The rank of each of ``stages`` virtual stages (a loop, or a V for two chunks)."""
     p = stages // v
@@ -212,8 +208,10 @@ def measure() -> None:
 
     from mpx.collectives import world
     from mpx.launch import init_torch_env
-    from mpx.pipeline import Pipeline, bubble_fraction
+    from mpx.pipeline import Pipeline, bubble_fraction, split_times
     from mpx.pipeline.executor import measured_bubble
+    from mpx.pipeline.partition import layer_times
+    from mpx.pipeline.schedule import placement
 
     torch.set_num_threads(1)
     comm = world()
@@ -237,6 +235,18 @@ def measure() -> None:
         ys = torch.full_like(y, -100)  # no loss on padding
         ys[:, :n] = y[:, :n]
         return xs, ys
+
+    # Layers per virtual stage, for mpx's rows and torch's alike: balanced by
+    # layer times measured on rank 0 (one micro-batch), over each rank's chunks
+    # where a rank runs two (a V puts the first and the last chunk on rank 0).
+    times = raw.bcast(layer_times(build(), x[: BATCH // CHUNKS]) if rank == 0 else None, 0)
+    cuts: dict[tuple[int, bool], list[int]] = {}
+
+    def cut(v: int, v_shaped: bool) -> list[int]:
+        if (v, v_shaped) not in cuts:
+            n = p * v
+            cuts[(v, v_shaped)] = split_times(times, n, stage_ranks(n, v, v_shaped))
+        return cuts[(v, v_shaped)]
 
     def polite_barrier() -> None:
         # Sleeps instead of spinning: in the single-process row the idle ranks
@@ -273,7 +283,8 @@ def measure() -> None:
             opts["stages_per_rank"] = v
         if split_backward:
             opts["split_backward"] = True
-        pipe = Pipeline(build(), split(p * v), chunks=CHUNKS, schedule=schedule, **opts)
+        balance = cut(v, placement(schedule) == "v")
+        pipe = Pipeline(build(), balance, chunks=CHUNKS, schedule=schedule, **opts)
         popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         pipes.append((pipe, popt))
         label = f"mpx {schedule}" + (f" step_every={CHUNKS}" if schedule == "async" else "")
@@ -305,13 +316,14 @@ def measure() -> None:
     for schedule, (name, v) in SCHEDULES.items():
         try:
             n = p * v
-            cut = split(n)
-            owner = stage_ranks(n, v, schedule in ("zbv", "dualpipev"))
+            v_shaped = placement(schedule) == "v"
+            balance = cut(v, v_shaped)
+            owner = stage_ranks(n, v, v_shaped)
             whole = list(build())
             stages, params = [], []
             for s in (s for s in range(n) if owner[s] == rank):
-                lo = sum(cut[:s])
-                sub = nn.Sequential(*whole[lo : lo + cut[s]])
+                lo = sum(balance[:s])
+                sub = nn.Sequential(*whole[lo : lo + balance[s]])
                 params += list(sub.parameters())
                 stages.append(pipelining.PipelineStage(sub, s, n, torch.device("cpu")))
             cls = getattr(pipelining.schedules, name)
@@ -382,12 +394,13 @@ def measure() -> None:
         peak = int(raw.allreduce(0 if saved is None else saved.peak, op=MPI.MAX))
         rows.append((label, m, t, bubble, theory, cpu_share, peak))
     if rank == 0:
-        report(rows, torch_error)
+        report(rows, torch_error, cuts)
 
 
 def report(
     rows: list[tuple[str, int | None, float, float | None, float | None, float, int]],
     torch_error: str,
+    cuts: dict[tuple[int, bool], list[int]],
 ) -> None:
     tokens = BATCH * (statistics.mean(LENGTHS) if VARIABLE else SEQUENCE)
     t_single = rows[0][2]
@@ -418,6 +431,13 @@ def report(
         print(f"| interleaved_zb ≥ 1.1× mpx 1f1b (m={CHUNKS}) | {one_f / zb:.2f}× |")
     if asy:
         print(f"| async ≥ 1.1× the best synchronous schedule | {best_sync / asy:.2f}× |")
+    shapes = {(1, False): "one chunk a rank", (2, False): "two, looped", (2, True): "two, a V"}
+    print(
+        "\nLayers per virtual stage (`split_times` over layer times measured on rank 0, "
+        "balancing each rank's chunks): "
+        + "; ".join(f"{shapes.get(key, key)} {balance}" for key, balance in sorted(cuts.items()))
+        + "."
+    )
     if torch_error:
         print(f"\ntorch.distributed.pipelining failed:{torch_error}")
 
@@ -447,8 +467,7 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
         f"decoder-only transformer, {DEPTH} blocks, width {WIDTH}, {HEADS} heads, sequence "
         f"{lengths}, vocabulary {VOCAB} ({params:.1f} M params), batch {batch} sequences, "
-        f"m = {m}, 1 thread per rank, layers per stage {split(args.stages)} (one chunk per "
-        f"rank) or {split(2 * args.stages)} (two); "
+        f"m = {m}, 1 thread per rank, layers per virtual stage below the table; "
         f"`python {os.path.basename(__file__)} --stages {args.stages}"
         f"{' --variable' if args.variable else ''}`. Step = forward + backward + SGD step; "
         f"the fastest of {REPEATS} samples of {STEPS} steps (each sample's slowest rank), "

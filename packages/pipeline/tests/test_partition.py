@@ -36,6 +36,71 @@ def test_split_is_optimal(seed: int) -> None:
     assert slowest == pytest.approx(brute_force(times, k))
 
 
+def brute_force_by_rank(times: list[float], ranks: list[int]) -> tuple[float, float]:
+    """(busiest rank, largest part) of the best split, over every split."""
+    n, k = len(times), len(ranks)
+    best = (float("inf"), float("inf"))
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *cuts, n]
+        parts = [sum(times[a:b]) for a, b in itertools.pairwise(edges)]
+        loads = [sum(x for x, r in zip(parts, ranks, strict=True) if r == q) for q in set(ranks)]
+        best = min(best, (max(loads), max(parts)))
+    return best
+
+
+def cost_by_rank(times: list[float], balance: list[int], ranks: list[int]) -> tuple[float, float]:
+    edges = [0, *itertools.accumulate(balance)]
+    parts = [sum(times[a:b]) for a, b in itertools.pairwise(edges)]
+    loads = [sum(x for x, r in zip(parts, ranks, strict=True) if r == q) for q in set(ranks)]
+    return max(loads), max(parts)
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("style", ["loop", "v"])
+def test_split_by_rank_is_optimal(seed: int, style: str) -> None:
+    g = torch.Generator().manual_seed(seed)
+    p = int(torch.randint(2, 4, (1,), generator=g))
+    k = 2 * p
+    n = int(torch.randint(k, 13, (1,), generator=g))
+    ranks = [s % p for s in range(k)] if style == "loop" else [*range(p), *reversed(range(p))]
+    times = torch.rand(n, generator=g).tolist()
+    balance = split_times(times, k, ranks)
+    assert len(balance) == k
+    assert sum(balance) == n
+    assert min(balance) >= 1
+    got, want = cost_by_rank(times, balance, ranks), brute_force_by_rank(times, ranks)
+    assert got[0] == pytest.approx(want[0])
+    assert got[1] == pytest.approx(want[1])
+    # Never worse for the ranks than the split that balances parts alone.
+    plain = cost_by_rank(times, split_times(times, k), ranks)
+    assert got[0] <= plain[0] + 1e-12
+
+
+def test_split_by_rank_balances_a_v() -> None:
+    times = [2.0, 3.0, 2.0, 3.0, 2.0, 2.0, 2.0]  # the module docstring's example
+    v = [0, 1, 1, 0]
+    assert split_times(times, 4) == [1, 2, 2, 2]  # parts 2 5 5 4: ranks 6 and 10
+    assert cost_by_rank(times, [1, 2, 2, 2], v) == (10.0, 5.0)
+    assert split_times(times, 4, v) == [1, 1, 2, 3]  # parts 2 3 5 6: ranks 8 and 8
+    assert cost_by_rank(times, [1, 1, 2, 3], v) == (8.0, 6.0)
+    assert split_times(times, 2, [0, 1]) == split_times(times, 2)  # a part per rank
+    with pytest.raises(PipelineError, match=r"ranks=\[0, 1\] names 2 stages' ranks"):
+        split_times(times, 4, [0, 1])
+
+
+def test_split_by_rank_stops_searching_at_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpx.pipeline import partition
+
+    times = torch.rand(40, generator=torch.Generator().manual_seed(0)).tolist()
+    ranks = [s % 4 for s in range(8)]
+    monkeypatch.setattr(partition, "_SEARCH_LIMIT", 50)
+    balance = split_times(times, 8, ranks)
+    assert sum(balance) == 40
+    assert len(balance) == 8
+    plain = cost_by_rank(times, split_times(times, 8), ranks)
+    assert cost_by_rank(times, balance, ranks)[0] <= plain[0] + 1e-12
+
+
 def test_split_needs_enough_layers() -> None:
     with pytest.raises(PipelineError, match="fewer than the 3 stages"):
         split_times([1.0, 2.0], 3)

@@ -324,7 +324,9 @@ class Pipeline(nn.Module):
                     )
                 times = torch.tensor(layer_times(module, sample), dtype=torch.float64)
         broadcast(times, 0, comm=self.comm)
-        return split_times(times.tolist(), stages)
+        # A rank runs several chunks with stages_per_rank > 1: its load is their sum.
+        ranks = [rank_of(s, self.num_stages, self._style) for s in range(stages)]
+        return split_times(times.tolist(), stages, ranks)
 
     @property
     def busy_seconds(self) -> float:
