@@ -245,7 +245,7 @@ def measure() -> None:
     def cut(v: int, v_shaped: bool) -> list[int]:
         if (v, v_shaped) not in cuts:
             n = p * v
-            cuts[(v, v_shaped)] = split_times(times, n, stage_ranks(n, v, v_shaped))
+            cuts[(v, v_shaped)] = split_times(times, n, stage_ranks(n, v, v_shaped), CHUNKS)
         return cuts[(v, v_shaped)]
 
     def polite_barrier() -> None:
@@ -434,7 +434,7 @@ def report(
     shapes = {(1, False): "one chunk a rank", (2, False): "two, looped", (2, True): "two, a V"}
     print(
         "\nLayers per virtual stage (`split_times` over layer times measured on rank 0, "
-        "balancing each rank's chunks): "
+        "the shortest estimated step over each rank's chunks): "
         + "; ".join(f"{shapes.get(key, key)} {balance}" for key, balance in sorted(cuts.items()))
         + "."
     )

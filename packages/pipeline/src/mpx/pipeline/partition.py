@@ -13,7 +13,9 @@ linear-partition dynamic program).
 With several virtual stages per rank, a rank's time is the sum of its chunks,
 and the split whose slowest chunk is fastest can load one rank more than
 another. Given each virtual stage's rank, ``split_times`` looks for the split
-whose busiest *rank* is least busy (then whose slowest chunk is fastest)::
+whose busiest *rank* is least busy, then whose slowest chunk is fastest (given
+the micro-batches per step too, the split with the shortest estimated step:
+``chunks × busiest rank + (ranks − 1) × slowest chunk``)::
 
     layer times:  2 | 3 2 | 3 2 | 2 2 2        parts 2 5 5 4: slowest part 5
     V ranks:      0    1     1      0          rank 0: 6, rank 1: 10
@@ -135,16 +137,24 @@ _SEARCH_LIMIT = 200_000
 
 
 def split_times(
-    times: Sequence[float], num_stages: int, ranks: Sequence[int] | None = None
+    times: Sequence[float],
+    num_stages: int,
+    ranks: Sequence[int] | None = None,
+    chunks: int | None = None,
 ) -> list[int]:
     """The contiguous split of ``times`` into ``num_stages`` non-empty parts
     whose largest sum is smallest.
 
     Args:
-        ranks: the rank of each part (virtual stage), when a rank runs several:
-            then the split whose largest per-rank sum is smallest, ties going to
-            the smaller largest part. Exact up to ``_SEARCH_LIMIT`` splits
-            tried, else the best of those (never worse than the plain split).
+        ranks: the rank of each part (virtual stage), when a rank runs several.
+            Then a step takes about ``chunks × busiest rank + (ranks − 1) ×
+            slowest part`` (the steady state, then the pipeline's fill and
+            drain), and the split minimizes that estimate.
+        chunks: micro-batches per step (with ``ranks``); None weighs the
+            busiest rank first and the slowest part only to break ties.
+
+    The search is exact up to ``_SEARCH_LIMIT`` splits tried, else the best of
+    those, never worse than the plain split.
 
     Raises:
         PipelineValueError: fewer layers than stages, or ``ranks`` not one per stage.
@@ -157,15 +167,23 @@ def split_times(
             f"ranks={list(ranks)} names {len(ranks)} stages' ranks, but there are "
             f"{num_stages} stages: give one rank per virtual stage"
         )
+    if chunks is not None and chunks < 1:
+        raise PipelineValueError(f"chunks={chunks} must be at least 1 (micro-batches per step)")
     if len(set(ranks)) == len(ranks):
         return balance  # a part per rank: the plain split is already the answer
-    return _split_by_rank(times, list(ranks), balance)
+    return _split_by_rank(times, list(ranks), chunks, balance)
+
+
+def _step_cost(busiest: float, largest: float, fill: int, chunks: int | None) -> tuple[float, ...]:
+    """What the rank-aware search minimizes (see :func:`split_times`)."""
+    if chunks is None:
+        return (busiest, largest)
+    return (chunks * busiest + fill * largest,)
 
 
 def _cost(
-    prefix: Sequence[float], balance: Sequence[int], ranks: Sequence[int]
-) -> tuple[float, float]:
-    """(the busiest rank's sum, the largest part) of a split."""
+    prefix: Sequence[float], balance: Sequence[int], ranks: Sequence[int], chunks: int | None
+) -> tuple[float, ...]:
     loads = dict.fromkeys(ranks, 0.0)
     largest, i = 0.0, 0
     for rank, size in zip(ranks, balance, strict=True):
@@ -173,29 +191,30 @@ def _cost(
         loads[rank] += part
         largest = max(largest, part)
         i += size
-    return max(loads.values()), largest
+    return _step_cost(max(loads.values()), largest, len(loads) - 1, chunks)
 
 
-def _split_by_rank(times: Sequence[float], ranks: list[int], start: list[int]) -> list[int]:
+def _split_by_rank(
+    times: Sequence[float], ranks: list[int], chunks: int | None, start: list[int]
+) -> list[int]:
     """Branch and bound over the cut positions, from the plain split's cost."""
     n, k = len(times), len(ranks)
+    fill = len(set(ranks)) - 1
     prefix = [0.0]
     for t in times:
         prefix.append(prefix[-1] + t)
-    best, best_cost = list(start), _cost(prefix, start, ranks)
+    best, best_cost = list(start), _cost(prefix, start, ranks, chunks)
     loads = dict.fromkeys(ranks, 0.0)
     sizes: list[int] = []
     budget = [_SEARCH_LIMIT]
 
-    def search(part: int, i: int, largest: float) -> None:
+    def search(part: int, i: int, busiest: float, largest: float) -> None:
         nonlocal best, best_cost
         budget[0] -= 1
         rank = ranks[part]
         if part == k - 1:  # the last part takes the layers left
             piece = prefix[n] - prefix[i]
-            loads[rank] += piece
-            cost = (max(loads.values()), max(largest, piece))
-            loads[rank] -= piece
+            cost = _step_cost(max(busiest, loads[rank] + piece), max(largest, piece), fill, chunks)
             if cost < best_cost:
                 best, best_cost = [*sizes, n - i], cost
             return
@@ -203,15 +222,19 @@ def _split_by_rank(times: Sequence[float], ranks: list[int], start: list[int]) -
             if budget[0] <= 0:
                 return
             piece = prefix[j] - prefix[i]
-            if loads[rank] + piece > best_cost[0]:
-                break  # a longer part only loads its rank more
-            loads[rank] += piece
+            load = loads[rank] + piece
+            # What is chosen so far bounds the cost from below; a longer part
+            # only raises it.
+            bound = _step_cost(max(busiest, load), max(largest, piece), fill, chunks)
+            if bound[0] > best_cost[0]:
+                break
+            loads[rank] = load
             sizes.append(j - i)
-            search(part + 1, j, max(largest, piece))
+            search(part + 1, j, max(busiest, load), max(largest, piece))
             sizes.pop()
             loads[rank] -= piece
 
-    search(0, 0, 0.0)
+    search(0, 0, 0.0, 0.0)
     return best
 
 
@@ -246,8 +269,12 @@ def _split_parts(times: Sequence[float], num_stages: int) -> list[int]:
 
 
 def balance_by_time(
-    module: nn.Sequential, sample: Any, num_stages: int, ranks: Sequence[int] | None = None
+    module: nn.Sequential,
+    sample: Any,
+    num_stages: int,
+    ranks: Sequence[int] | None = None,
+    chunks: int | None = None,
 ) -> list[int]:
     """Profiles ``module`` on ``sample`` and balances it over ``num_stages``
     (over their ``ranks``' loads when given, see :func:`split_times`)."""
-    return split_times(layer_times(module, sample), num_stages, ranks)
+    return split_times(layer_times(module, sample), num_stages, ranks, chunks)

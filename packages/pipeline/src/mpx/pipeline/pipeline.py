@@ -326,7 +326,7 @@ class Pipeline(nn.Module):
         broadcast(times, 0, comm=self.comm)
         # A rank runs several chunks with stages_per_rank > 1: its load is their sum.
         ranks = [rank_of(s, self.num_stages, self._style) for s in range(stages)]
-        return split_times(times.tolist(), stages, ranks)
+        return split_times(times.tolist(), stages, ranks, self.chunks)
 
     @property
     def busy_seconds(self) -> float:
