@@ -205,6 +205,29 @@ def test_balance_none_profiles_and_splits() -> None:
     pipe.step(x, y, nn.functional.cross_entropy)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_balance_none_with_two_chunks_a_rank_weighs_each_ranks_chunks(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpx.pipeline import pipeline as pipeline_module
+    from mpx.pipeline import split_times
+    from mpx.pipeline.schedule import placement, rank_of
+
+    p = world().size
+    # Layer times as if measured (the same on every rank, as after the broadcast).
+    times = [2.0, 3.0, 2.0, 3.0, 2.0, 2.0, 2.0, 1.0, 2.0, 1.0]
+    monkeypatch.setattr(pipeline_module, "layer_times", lambda module, sample: list(times))
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in times))
+    pipe = Pipeline(
+        model, None, chunks=2 * p, schedule=schedule, stages_per_rank=2, sample=torch.zeros(1, 4)
+    )
+    ranks = [rank_of(s, p, placement(schedule)) for s in range(2 * p)]
+    assert pipe.balance == split_times(times, 2 * p, ranks, 2 * p)
+    if p == 2:  # the split of the chunks alone loads one rank more: 2 2 2 4 on ranks 0 1 0 1
+        assert pipe.balance == ([2, 3, 3, 2] if schedule == "interleaved_1f1b" else [3, 1, 4, 2])
+    pipe.step(torch.randn(4 * p, 4), torch.randn(4 * p, 4), nn.functional.mse_loss)
+
+
 def test_bad_arguments_give_clear_errors() -> None:
     comm = world()
     model, balance = make_model(comm.size)
