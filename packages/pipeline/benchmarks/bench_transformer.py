@@ -137,14 +137,6 @@ def build() -> nn.Sequential:
     )
 
 
-def stage_ranks(stages: int, v: int, v_shaped: bool) -> list[int]:
-    """The rank of each of ``stages`` virtual stages (a loop, or a V for two chunks)."""
-    p = stages // v
-    if v_shaped:
-        return [s if s < p else 2 * p - 1 - s for s in range(stages)]
-    return [s % p for s in range(stages)]
-
-
 class SavedBytes:
     """Bytes saved for backward alive at once (by storage; parameters left out)."""
 
@@ -211,7 +203,7 @@ def measure() -> None:
     from mpx.pipeline import Pipeline, bubble_fraction, split_times
     from mpx.pipeline.executor import measured_bubble
     from mpx.pipeline.partition import layer_times
-    from mpx.pipeline.schedule import placement
+    from mpx.pipeline.schedule import placement, rank_of
 
     torch.set_num_threads(1)
     comm = world()
@@ -240,13 +232,15 @@ def measure() -> None:
     # layer times measured on rank 0 (one micro-batch), over each rank's chunks
     # where a rank runs two (a V puts the first and the last chunk on rank 0).
     times = raw.bcast(layer_times(build(), x[: BATCH // CHUNKS]) if rank == 0 else None, 0)
-    cuts: dict[tuple[int, bool], list[int]] = {}
+    cuts: dict[tuple[int, str], list[int]] = {}
 
-    def cut(v: int, v_shaped: bool) -> list[int]:
-        if (v, v_shaped) not in cuts:
-            n = p * v
-            cuts[(v, v_shaped)] = split_times(times, n, stage_ranks(n, v, v_shaped), CHUNKS)
-        return cuts[(v, v_shaped)]
+    def owners(v: int, style: str) -> list[int]:
+        return [rank_of(s, p, style) for s in range(p * v)]
+
+    def cut(v: int, style: str) -> list[int]:
+        if (v, style) not in cuts:
+            cuts[(v, style)] = split_times(times, p * v, owners(v, style), CHUNKS)
+        return cuts[(v, style)]
 
     def polite_barrier() -> None:
         # Sleeps instead of spinning: in the single-process row the idle ranks
@@ -283,7 +277,7 @@ def measure() -> None:
             opts["stages_per_rank"] = v
         if split_backward:
             opts["split_backward"] = True
-        balance = cut(v, placement(schedule) == "v")
+        balance = cut(v, placement(schedule))
         pipe = Pipeline(build(), balance, chunks=CHUNKS, schedule=schedule, **opts)
         popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         pipes.append((pipe, popt))
@@ -316,9 +310,8 @@ def measure() -> None:
     for schedule, (name, v) in SCHEDULES.items():
         try:
             n = p * v
-            v_shaped = placement(schedule) == "v"
-            balance = cut(v, v_shaped)
-            owner = stage_ranks(n, v, v_shaped)
+            balance = cut(v, placement(schedule))
+            owner = owners(v, placement(schedule))
             whole = list(build())
             stages, params = [], []
             for s in (s for s in range(n) if owner[s] == rank):
@@ -400,7 +393,7 @@ def measure() -> None:
 def report(
     rows: list[tuple[str, int | None, float, float | None, float | None, float, int]],
     torch_error: str,
-    cuts: dict[tuple[int, bool], list[int]],
+    cuts: dict[tuple[int, str], list[int]],
 ) -> None:
     tokens = BATCH * (statistics.mean(LENGTHS) if VARIABLE else SEQUENCE)
     t_single = rows[0][2]
@@ -431,7 +424,7 @@ def report(
         print(f"| interleaved_zb ≥ 1.1× mpx 1f1b (m={CHUNKS}) | {one_f / zb:.2f}× |")
     if asy:
         print(f"| async ≥ 1.1× the best synchronous schedule | {best_sync / asy:.2f}× |")
-    shapes = {(1, False): "one chunk a rank", (2, False): "two, looped", (2, True): "two, a V"}
+    shapes = {(1, "loop"): "one chunk a rank", (2, "loop"): "two, looped", (2, "v"): "two, a V"}
     print(
         "\nLayers per virtual stage (`split_times` over layer times measured on rank 0, "
         "the shortest estimated step over each rank's chunks): "

@@ -26,6 +26,7 @@ the micro-batches per step too, the split with the shortest estimated step:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -174,6 +175,11 @@ def split_times(
     return _split_by_rank(times, list(ranks), chunks, balance)
 
 
+def _prefix_sums(times: Sequence[float]) -> list[float]:
+    """``[0, t0, t0 + t1, ...]``: any run of layers' time as one difference."""
+    return [0.0, *itertools.accumulate(times)]
+
+
 def _step_cost(busiest: float, largest: float, fill: int, chunks: int | None) -> tuple[float, ...]:
     """What the rank-aware search minimizes (see :func:`split_times`)."""
     if chunks is None:
@@ -200,17 +206,15 @@ def _split_by_rank(
     """Branch and bound over the cut positions, from the plain split's cost."""
     n, k = len(times), len(ranks)
     fill = len(set(ranks)) - 1
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
+    prefix = _prefix_sums(times)
     best, best_cost = list(start), _cost(prefix, start, ranks, chunks)
     loads = dict.fromkeys(ranks, 0.0)
     sizes: list[int] = []
-    budget = [_SEARCH_LIMIT]
+    budget = _SEARCH_LIMIT
 
     def search(part: int, i: int, busiest: float, largest: float) -> None:
-        nonlocal best, best_cost
-        budget[0] -= 1
+        nonlocal best, best_cost, budget
+        budget -= 1
         rank = ranks[part]
         if part == k - 1:  # the last part takes the layers left
             piece = prefix[n] - prefix[i]
@@ -219,7 +223,7 @@ def _split_by_rank(
                 best, best_cost = [*sizes, n - i], cost
             return
         for j in range(i + 1, n - (k - 1 - part) + 1):  # this part: layers [i, j)
-            if budget[0] <= 0:
+            if budget <= 0:
                 return
             piece = prefix[j] - prefix[i]
             load = loads[rank] + piece
@@ -246,9 +250,7 @@ def _split_parts(times: Sequence[float], num_stages: int) -> list[int]:
             f"the module has {n} layers, fewer than the {num_stages} stages (ranks); "
             "use fewer ranks or split the model into more layers"
         )
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
+    prefix = _prefix_sums(times)
     inf = float("inf")
     # best[k][i]: the smallest possible slowest stage for layers [0, i) in k stages.
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
