@@ -356,3 +356,51 @@ def test_every_schedule_equals_the_whole_batch_and_reaches_the_input(
         assert x.grad is not None
         assert ref_x.grad is not None
         torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv"])
+def test_pass_costs_move_the_w_passes_not_the_results(schedule: str) -> None:
+    """Laid out by unit costs, by given costs (W five times an I, every other stage),
+    or by the times measured in call MEASURE_AT: other lists, the same losses and
+    weights bit for bit; the measured times are alike on every rank."""
+    from mpi4py import MPI
+
+    from mpx.pipeline.pipeline import MEASURE_AT
+    from mpx.pipeline.schedule import rank_actions
+
+    comm = world()
+    n = comm.size * 2
+    skewed = {"F": [1.0] * n, "I": [1.0] * n, "W": [1.0 + 4 * (s % 2) for s in range(n)]}
+    x, y = data()
+    chunks = 2 * comm.size
+    x, y = x[: 2 * chunks], y[: 2 * chunks]
+    runs = []
+    for costs in ("unit", skewed, "measured"):
+        model, balance = make_model(n)
+        pipe = Pipeline(
+            model, balance, chunks=chunks, schedule=schedule, stages_per_rank=2, pass_costs=costs
+        )
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        losses = [pipe.step(x, y, nn.functional.cross_entropy, opt) for _ in range(MEASURE_AT + 1)]
+        runs.append((pipe, losses))
+    (unit, unit_losses), (given, _), (measured, _) = runs
+    assert unit.pass_costs is None
+    assert given.pass_costs == skewed
+    got = measured.pass_costs
+    assert got is not None
+    assert sorted(got) == ["F", "I", "W"]
+    assert all(len(got[k]) == n and min(got[k]) >= 1 for k in got)
+    assert MPI.COMM_WORLD.allgather(got) == [got] * comm.size
+    if comm.size > 1:  # one rank has no one to wait for: the same list either way
+        lists = [
+            [rank_actions(schedule, r, comm.size, chunks, 2, costs=c) for r in range(comm.size)]
+            for c in (None, skewed)
+        ]
+        assert lists[0] != lists[1]
+    for pipe, losses in runs[1:]:
+        assert losses == unit_losses
+        for (name, a), b in zip(unit.named_parameters(), pipe.parameters(), strict=True):
+            assert torch.equal(a, b), name
+    model, balance = make_model(n)
+    with pytest.raises(PipelineError, match="pass_costs='fast' is not 'measured', 'unit'"):
+        Pipeline(model, balance, chunks=chunks, schedule=schedule, pass_costs="fast")

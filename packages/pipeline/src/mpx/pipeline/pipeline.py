@@ -47,7 +47,10 @@ from mpx.pipeline.partition import (
 )
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
 from mpx.pipeline.schedule import (
+    COMPUTE,
+    TIMED,
     Action,
+    PassCosts,
     canonical,
     local_stages,
     placement,
@@ -63,6 +66,10 @@ __all__ = ["Pipeline"]
 
 CHECKPOINTS = ("never", "except_last", "always")
 """The values of ``Pipeline(checkpoint=...)`` (synchronous schedules)."""
+
+MEASURE_AT = 2
+"""``pass_costs="measured"``: the training call whose trace the passes' times come
+from (the first pays one-time costs: allocations, lazy initialisation)."""
 
 
 class _UndoPoint:
@@ -144,6 +151,16 @@ class Pipeline(nn.Module):
             ``split_backward`` runs each backward as ``I`` (sent upstream at once),
             then ``W`` (deferred into idle time); with ``stages_per_rank >= 2``
             every chunk is an asynchronous stage of its own.
+        pass_costs: ``interleaved_zb`` and ``zbv`` lay their ``W`` out by the
+            passes' times (:data:`~mpx.pipeline.schedule.TIMED`):
+            ``"measured"`` (default) takes them from training call
+            :data:`MEASURE_AT`'s trace, the median ``F``, ``I`` and ``W`` of
+            each virtual stage, shared by every rank, and lays out the calls
+            after it with them; ``"unit"`` keeps the Zero Bubble paper's unit
+            costs; or a :data:`~mpx.pipeline.schedule.PassCosts` mapping. The
+            layout changes when passes run, never what they compute (each
+            stage runs its passes in micro-batch order): losses and gradients
+            are bit for bit the same.
 
     Example::
 
@@ -171,6 +188,7 @@ class Pipeline(nn.Module):
         recompute: bool = False,
         stages_per_rank: int | None = None,
         split_backward: bool = False,
+        pass_costs: PassCosts | str = "measured",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -209,8 +227,16 @@ class Pipeline(nn.Module):
         self.first, self.last = self._passes.first, self._passes.last
         self._tied = self._tie(module)
         self._executor = Executor(self._passes)
-        # A schedule that cannot run these sizes says so now, alike on every rank.
-        rank_actions(schedule, self.stage_id, self.num_stages, chunks, v)
+        if isinstance(pass_costs, str) and pass_costs not in ("measured", "unit"):
+            raise PipelineValueError(
+                f"pass_costs={pass_costs!r} is not 'measured', 'unit' or a mapping of "
+                "'F', 'I' and 'W' to one time per virtual stage"
+            )
+        self._costs = None if isinstance(pass_costs, str) else pass_costs
+        self._measure = pass_costs == "measured" and schedule in TIMED
+        self._training_calls = 0  # successful synchronous ones (pass_costs="measured")
+        # A schedule that cannot run these sizes (or bad costs) says so now, alike on every rank.
+        rank_actions(schedule, self.stage_id, self.num_stages, chunks, v, costs=self._costs)
         if self._passes.boxes:
             self.stage.progress = self._progress
         self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
@@ -329,6 +355,12 @@ class Pipeline(nn.Module):
         return split_times(times.tolist(), stages, ranks, self.chunks)
 
     @property
+    def pass_costs(self) -> PassCosts | None:
+        """The passes' times the zero-bubble lists are laid out by (None: unit costs, as
+        before the measurement of ``pass_costs="measured"``); the same on every rank."""
+        return self._costs
+
+    @property
     def busy_seconds(self) -> float:
         """Compute time of the last call, less the time spent waiting for messages."""
         return self._passes.busy_seconds
@@ -413,6 +445,9 @@ class Pipeline(nn.Module):
         # This call's gradients only (the earlier ones, set aside, were summed).
         self._sum_tied_grads()
         undo.keep()
+        self._training_calls += 1
+        if self._measure and self._training_calls == MEASURE_AT:
+            self._costs = self._measured_costs()
         self._average_replica_grads()
         if optimizer is not None:
             optimizer.step()
@@ -524,12 +559,44 @@ class Pipeline(nn.Module):
         self._ids = list(range(m))
         self._passes.start_call(self._ids)
         actions = rank_actions(
-            self.schedule, self.stage_id, self.num_stages, m, self.stages_per_rank
+            self.schedule,
+            self.stage_id,
+            self.num_stages,
+            m,
+            self.stages_per_rank,
+            costs=self._costs,
         )
         hooks = SyncHooks(self._passes, base, m, self.checkpoint)
         losses = self._run(actions, hooks, xs, ts, loss_fn)
         self._passes.finish_sends()
         return sum(losses) / m
+
+    def _measured_costs(self) -> PassCosts:
+        """Every virtual stage's median ``F``, ``I`` and ``W`` of the last call, on every rank.
+
+        Each rank times its own stages and an allreduce shares them. They are
+        rounded to quarters of the cheapest pass, so timing noise between
+        passes that cost the same does not flip the list scheduler's ties.
+        """
+        n = self.num_stages * self.stages_per_rank
+        kinds = [k for k in COMPUTE if k != "B"]
+        times = torch.zeros(len(kinds), n, dtype=torch.float64)
+        for row, kind in enumerate(kinds):
+            for s in local_stages(
+                self.stage_id, self.num_stages, self.stages_per_rank, self._style
+            ):
+                took = [
+                    end - start for a, start, end in self.trace if (a.kind, a.stage) == (kind, s)
+                ]
+                times[row, s] = float(torch.tensor(took).median()) if took else 0.0
+        allreduce(times, "sum", comm=self.comm)
+        quarter = float(times.min()) / 4
+        if not quarter > 0:  # a pass that took no measurable time: keep the unit costs
+            return {k: [1.0] * n for k in kinds}
+        return {
+            k: [max(1.0, round(c / quarter)) for c in times[row].tolist()]
+            for row, k in enumerate(kinds)
+        }
 
     def _step_grads(self) -> None:
         """async, before each optimizer step: tied copies summed, replicas averaged."""
