@@ -13,7 +13,9 @@ and the last chunk; the same cut for torch's rows). In one job, with one intra-o
 per rank, it times a training step (forward, backward, SGD step) of: the whole
 model in one process (rank 0 alone); mpx ``gpipe``, ``1f1b``,
 ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``, ``zbv``,
-``dualpipev`` and ``async`` (step_every = m: one optimizer step per batch, as
+``dualpipev`` (``interleaved_zb`` and ``zbv`` laid out by their measured
+pass times, the default, and again by unit costs: ``pass_costs="unit"``) and
+``async`` (step_every = m: one optimizer step per batch, as
 the others; also with ``split_backward=True``, and both with two chunks per
 rank, ``stages_per_rank=2``: each chunk an asynchronous stage of its own, W
 deferred into the gaps); and torch.distributed.pipelining's
@@ -203,7 +205,7 @@ def measure() -> None:
     from mpx.pipeline import Pipeline, bubble_fraction, split_times
     from mpx.pipeline.executor import measured_bubble
     from mpx.pipeline.partition import layer_times
-    from mpx.pipeline.schedule import placement, rank_of
+    from mpx.pipeline.schedule import TIMED, placement, rank_of
 
     torch.set_num_threads(1)
     comm = world()
@@ -231,7 +233,20 @@ def measure() -> None:
     # Layers per virtual stage, for mpx's rows and torch's alike: balanced by
     # layer times measured on rank 0 (one micro-batch), over each rank's chunks
     # where a rank runs two (a V puts the first and the last chunk on rank 0).
-    times = raw.bcast(layer_times(build(), x[: BATCH // CHUNKS]) if rank == 0 else None, 0)
+    def polite_barrier() -> None:
+        # Sleeps instead of spinning: in the single-process row the idle ranks
+        # must not take a core from the computing one.
+        request = raw.Ibarrier()
+        while not request.Test():
+            time.sleep(1e-4)
+
+    # The other ranks wait politely while rank 0 times the layers: one spinning in
+    # the broadcast made the blocks' times spread 17-21 ms instead of 17-18. The
+    # fastest of 7 (not layer_times' default 3): the blocks are equal, and a
+    # cut by noise (looped 4 3 1 2 instead of 3 2 2 3) cost a run of its rows.
+    times = layer_times(build(), x[: BATCH // CHUNKS], repeats=7) if rank == 0 else None
+    polite_barrier()
+    times = raw.bcast(times, 0)
     cuts: dict[tuple[int, str], list[int]] = {}
 
     def owners(v: int, style: str) -> list[int]:
@@ -241,13 +256,6 @@ def measure() -> None:
         if (v, style) not in cuts:
             cuts[(v, style)] = split_times(times, p * v, owners(v, style), CHUNKS)
         return cuts[(v, style)]
-
-    def polite_barrier() -> None:
-        # Sleeps instead of spinning: in the single-process row the idle ranks
-        # must not take a core from the computing one.
-        request = raw.Ibarrier()
-        while not request.Test():
-            time.sleep(1e-4)
 
     # name, m, step, busy (mpx), trace rows (mpx), theoretical bubble, saved-bytes counter
     configs: list[tuple[str, int | None, Callable[..., object], Any, Any, float | None, Any]] = []
@@ -269,14 +277,18 @@ def measure() -> None:
 
     configs.append(("single process (whole model)", None, serial_step, None, None, None, None))
     pipes = []
-    runs = [(k, v, False) for k, (_, v) in SCHEDULES.items()]
-    asyncs = [("async", v, split) for v in (1, 2) for split in (False, True)]
-    for schedule, v, split_backward in [*runs, *asyncs]:
+    runs = [(k, v, False, "measured") for k, (_, v) in SCHEDULES.items()]
+    # The zero-bubble lists as laid out with unit costs too (pass_costs="unit"),
+    # beside the default layout by the measured times.
+    runs += [(k, 2, False, "unit") for k in TIMED]
+    asyncs = [("async", v, split, "measured") for v in (1, 2) for split in (False, True)]
+    for schedule, v, split_backward, pass_costs in [*runs, *asyncs]:
         opts: dict[str, Any] = {"step_every": CHUNKS} if schedule == "async" else {}
         if v > 1:
             opts["stages_per_rank"] = v
         if split_backward:
             opts["split_backward"] = True
+        opts["pass_costs"] = pass_costs
         balance = cut(v, placement(schedule))
         pipe = Pipeline(build(), balance, chunks=CHUNKS, schedule=schedule, **opts)
         popt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
@@ -284,6 +296,7 @@ def measure() -> None:
         label = f"mpx {schedule}" + (f" step_every={CHUNKS}" if schedule == "async" else "")
         label += " split_backward" if split_backward else ""
         label += f" stages_per_rank={v}" if schedule == "async" and v > 1 else ""
+        label += " pass_costs=unit" if pass_costs == "unit" else ""
         theory = None if schedule == "async" else bubble_fraction(schedule, p, CHUNKS, v)
 
         def mpx_step(pipe: Pipeline = pipe, popt: torch.optim.Optimizer = popt) -> None:

@@ -235,8 +235,12 @@ class Pipeline(nn.Module):
         self._costs = None if isinstance(pass_costs, str) else pass_costs
         self._measure = pass_costs == "measured" and schedule in TIMED
         self._training_calls = 0  # successful synchronous ones (pass_costs="measured")
-        # A schedule that cannot run these sizes (or bad costs) says so now, alike on every rank.
-        rank_actions(schedule, self.stage_id, self.num_stages, chunks, v, costs=self._costs)
+        # A schedule that cannot run these sizes (or bad costs) says so now, alike on every
+        # rank. The list is kept: laying out a zero-bubble one takes milliseconds (68 at
+        # 4 ranks and 16 micro-batches), every call would pay them.
+        self._actions = rank_actions(
+            schedule, self.stage_id, self.num_stages, chunks, v, costs=self._costs
+        )
         if self._passes.boxes:
             self.stage.progress = self._progress
         self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
@@ -448,6 +452,14 @@ class Pipeline(nn.Module):
         self._training_calls += 1
         if self._measure and self._training_calls == MEASURE_AT:
             self._costs = self._measured_costs()
+            self._actions = rank_actions(
+                self.schedule,
+                self.stage_id,
+                self.num_stages,
+                self.chunks,
+                self.stages_per_rank,
+                costs=self._costs,
+            )
         self._average_replica_grads()
         if optimizer is not None:
             optimizer.step()
@@ -558,16 +570,8 @@ class Pipeline(nn.Module):
         self._microbatches += m
         self._ids = list(range(m))
         self._passes.start_call(self._ids)
-        actions = rank_actions(
-            self.schedule,
-            self.stage_id,
-            self.num_stages,
-            m,
-            self.stages_per_rank,
-            costs=self._costs,
-        )
         hooks = SyncHooks(self._passes, base, m, self.checkpoint)
-        losses = self._run(actions, hooks, xs, ts, loss_fn)
+        losses = self._run(self._actions, hooks, xs, ts, loss_fn)
         self._passes.finish_sends()
         return sum(losses) / m
 
