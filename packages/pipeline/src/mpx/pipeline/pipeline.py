@@ -238,9 +238,7 @@ class Pipeline(nn.Module):
         # A schedule that cannot run these sizes (or bad costs) says so now, alike on every
         # rank. The list is kept: laying out a zero-bubble one takes milliseconds (68 at
         # 4 ranks and 16 micro-batches), every call would pay them.
-        self._actions = rank_actions(
-            schedule, self.stage_id, self.num_stages, chunks, v, costs=self._costs
-        )
+        self._actions = self._lay_out()
         if self._passes.boxes:
             self.stage.progress = self._progress
         self._microbatches = 0  # numbers the training micro-batches (dropout seeds)
@@ -452,14 +450,7 @@ class Pipeline(nn.Module):
         self._training_calls += 1
         if self._measure and self._training_calls == MEASURE_AT:
             self._costs = self._measured_costs()
-            self._actions = rank_actions(
-                self.schedule,
-                self.stage_id,
-                self.num_stages,
-                self.chunks,
-                self.stages_per_rank,
-                costs=self._costs,
-            )
+            self._actions = self._lay_out()
         self._average_replica_grads()
         if optimizer is not None:
             optimizer.step()
@@ -574,6 +565,17 @@ class Pipeline(nn.Module):
         losses = self._run(self._actions, hooks, xs, ts, loss_fn)
         self._passes.finish_sends()
         return sum(losses) / m
+
+    def _lay_out(self) -> list[Action]:
+        """This rank's actions of a synchronous call, laid out by :attr:`pass_costs`."""
+        return rank_actions(
+            self.schedule,
+            self.stage_id,
+            self.num_stages,
+            self.chunks,
+            self.stages_per_rank,
+            costs=self._costs,
+        )
 
     def _measured_costs(self) -> PassCosts:
         """Every virtual stage's median ``F``, ``I`` and ``W`` of the last call, on every rank.

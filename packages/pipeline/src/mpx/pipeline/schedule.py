@@ -410,11 +410,11 @@ def _best_zero_bubble(
     unit = _zero_bubble(p, m, v, style, limits)
     if costs is None:
         return unit
-    timed = _zero_bubble(p, m, v, style, limits, costs)
-    per_stage = {k: list(c) for k, c in costs.items()}
+    checked = _stage_costs(costs, p * v)
+    timed = _zero_bubble(p, m, v, style, limits, checked)
 
     def span(lists: list[list[Action]]) -> float:
-        return max(end for row in timeline(lists, per_stage) for _, end, _ in row)
+        return max(end for row in timeline(lists, checked) for _, end, _ in row)
 
     return timed if span(timed) <= span(unit) else unit
 
@@ -494,22 +494,21 @@ def _zero_bubble(
             alive[r] -= 1
 
     while left:
-        placed = False
         for r in range(p):
             if free[r] <= t and (act := choose(r, capped=True)) is not None:
                 place(r, act)
-                placed = True
         while events and events[0] <= t:
             heapq.heappop(events)
-        if events:
+        if events:  # (anything placed just now ends after t: it is among them)
             t = events[0]
             continue
-        if not placed:  # only the cap holds: the deepest ready forward goes past it
-            uncapped = [(a.stage, r, a) for r in range(p) if (a := choose(r, capped=False))]
-            if not uncapped:
-                raise PipelineError("internal: the zero-bubble layout deadlocked")
-            _, r, act = max(uncapped, key=lambda found: found[:2])
-            place(r, act)
+        # Nothing under way and nothing placed: only the cap holds, so the deepest
+        # ready forward goes past it.
+        uncapped = [(a.stage, r, a) for r in range(p) if (a := choose(r, capped=False))]
+        if not uncapped:
+            raise PipelineError("internal: the zero-bubble layout deadlocked")
+        _, r, act = max(uncapped, key=lambda found: found[:2])
+        place(r, act)
     return lists
 
 
