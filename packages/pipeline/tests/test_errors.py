@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import mpx.pipeline
-from mpx.collectives import MPXError, RemoteError
+from mpx.collectives import MismatchError, MPXError, RemoteError
 from mpx.pipeline import (
     PipelineError,
+    PipelineMismatchError,
     PipelineRemoteError,
     PipelineTypeError,
     PipelineValueError,
@@ -24,7 +25,13 @@ from mpx.pipeline.transport import encode_header
 def test_every_public_error_derives_from_mpx_error() -> None:
     found = [getattr(mpx.pipeline, name) for name in mpx.pipeline.__all__]
     errors = {x for x in found if isinstance(x, type) and issubclass(x, BaseException)}
-    assert errors == {PipelineError, PipelineRemoteError, PipelineTypeError, PipelineValueError}
+    assert errors == {
+        PipelineError,
+        PipelineMismatchError,
+        PipelineRemoteError,
+        PipelineTypeError,
+        PipelineValueError,
+    }
     assert all(issubclass(e, PipelineError) and issubclass(e, MPXError) for e in errors)
     assert issubclass(PipelineValueError, ValueError)
     # A TypeError now, and still the ValueError every PipelineError was before.
@@ -34,6 +41,9 @@ def test_every_public_error_derives_from_mpx_error() -> None:
     # Raised on every stage when one failed: a RemoteError, no argument error.
     assert issubclass(PipelineRemoteError, RemoteError)
     assert not issubclass(PipelineRemoteError, ValueError)
+    # Ranks that built one pipeline differently: a bad argument, and a collectives mismatch.
+    assert issubclass(PipelineMismatchError, PipelineValueError)
+    assert issubclass(PipelineMismatchError, MismatchError)
 
 
 def test_a_deadlock_is_no_argument_error() -> None:

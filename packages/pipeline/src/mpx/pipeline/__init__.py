@@ -17,6 +17,7 @@ from importlib import metadata as _metadata
 
 from mpx.pipeline.errors import (
     PipelineError,
+    PipelineMismatchError,
     PipelineRemoteError,
     PipelineTypeError,
     PipelineValueError,
@@ -34,6 +35,7 @@ __all__ = [
     "Keyed",
     "Pipeline",
     "PipelineError",
+    "PipelineMismatchError",
     "PipelineRemoteError",
     "PipelineTypeError",
     "PipelineValueError",

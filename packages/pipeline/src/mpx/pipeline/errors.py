@@ -9,7 +9,9 @@ a layer that returns no tensor, an unsupported optimizer or dtype) raises
 :class:`PipelineTypeError`, a ``TypeError``. Every one of these was a
 ``PipelineError`` that was a ``ValueError`` before, so :class:`PipelineTypeError`
 derives from :class:`PipelineValueError` too and ``except ValueError`` keeps
-catching it. A bare :class:`PipelineError` is a failure while running (a
+catching it. Ranks that build one pipeline with different arguments raise
+:class:`PipelineMismatchError` on every rank (a :class:`PipelineValueError` and a
+:class:`mpx.collectives.MismatchError`). A bare :class:`PipelineError` is a failure while running (a
 schedule that deadlocks, an internal inconsistency), not a bad argument.
 :class:`PipelineRemoteError` (also a :class:`mpx.collectives.RemoteError`) is
 raised on every stage when one stage failed (e.g. timing the layers for
@@ -18,9 +20,15 @@ raised on every stage when one stage failed (e.g. timing the layers for
 
 from __future__ import annotations
 
-from mpx.collectives import MPXError, RemoteError
+from mpx.collectives import MismatchError, MPXError, RemoteError
 
-__all__ = ["PipelineError", "PipelineRemoteError", "PipelineTypeError", "PipelineValueError"]
+__all__ = [
+    "PipelineError",
+    "PipelineMismatchError",
+    "PipelineRemoteError",
+    "PipelineTypeError",
+    "PipelineValueError",
+]
 
 
 class PipelineError(MPXError):
@@ -50,6 +58,20 @@ class PipelineTypeError(PipelineValueError, TypeError):
 
         with pytest.raises(TypeError, match=r"nn\\.Sequential"):
             Pipeline([nn.Linear(2, 2)], chunks=1)
+    """
+
+
+class PipelineMismatchError(PipelineValueError, MismatchError):
+    """The ranks built the pipeline differently (raised on every rank, before anything moves).
+
+    Also a :class:`mpx.collectives.MismatchError`. The message names the
+    argument and each side's value.
+
+    Example::
+
+        Pipeline(model, balance=[3, 3] if rank == 0 else [2, 4], chunks=4)
+        # every rank: PipelineMismatchError: Pipeline: ranks disagree on balance:
+        #             rank 0 passed [3, 3], rank 1 [2, 4]; ...
     """
 
 

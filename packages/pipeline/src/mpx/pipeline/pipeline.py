@@ -30,6 +30,7 @@ from torch import nn
 
 from mpx.collectives import CommLike, Communicator, allreduce, as_communicator, broadcast
 from mpx.pipeline import border
+from mpx.pipeline.build_agreement import agree_on_build, build_fields
 from mpx.pipeline.errors import (
     PipelineError,
     PipelineRemoteError,
@@ -70,6 +71,17 @@ CHECKPOINTS = ("never", "except_last", "always")
 MEASURE_AT = 2
 """``pass_costs="measured"``: the training call whose trace the passes' times come
 from (the first pays one-time costs: allocations, lazy initialisation)."""
+
+
+_SYNCHRONOUS_DEFAULTS = {
+    "weight_stashing": True,
+    "weight_prediction": None,
+    "gap_aware": None,
+    "step_every": 1,
+    "recompute": False,
+    "split_backward": False,
+}
+"""The async-only options as a synchronous schedule must leave them."""
 
 
 class _UndoPoint:
@@ -191,6 +203,32 @@ class Pipeline(nn.Module):
         pass_costs: PassCosts | str = "measured",
     ) -> None:
         super().__init__()
+        base = as_communicator(comm)
+        # A private duplicate: the pipeline's messages never match the user's.
+        self.comm = Communicator.from_mpi(base.mpi, base.timeout)
+        dp_comm = None if data_parallel_comm is None else as_communicator(data_parallel_comm)
+        async_options = {
+            "weight_stashing": weight_stashing,
+            "weight_prediction": weight_prediction,
+            "gap_aware": gap_aware,
+            "step_every": step_every,
+            "recompute": recompute,
+            "split_backward": split_backward,
+        }
+        # First, before any argument is validated or anything moves (build_agreement).
+        agree_on_build(
+            self.comm,
+            build_fields(
+                module,
+                balance,
+                chunks,
+                schedule,
+                stages_per_rank,
+                pass_costs,
+                0 if dp_comm is None else dp_comm.size,
+                async_options,
+            ),
+        )
         if not isinstance(module, nn.Sequential):
             raise PipelineTypeError(
                 f"module must be an nn.Sequential, got {type(module).__name__}; wrap the "
@@ -204,14 +242,11 @@ class Pipeline(nn.Module):
             )
         if not isinstance(chunks, int) or chunks < 1:
             raise PipelineValueError(f"chunks={chunks!r} must be a positive int")
-        base = as_communicator(comm)
-        # A private duplicate: the pipeline's messages never match the user's.
-        self.comm = Communicator.from_mpi(base.mpi, base.timeout)
         # The stages poll their messages between layers (Stage.progress) and
         # wait for them where the schedule needs them; a background thread
         # polling the same handles would only take time from the compute.
         self.comm.background_progress = False
-        self.dp_comm = None if data_parallel_comm is None else as_communicator(data_parallel_comm)
+        self.dp_comm = dp_comm
         self.num_stages, self.stage_id = self.comm.size, self.comm.rank
         self.chunks, self.schedule, self.checkpoint = chunks, schedule, checkpoint
         self.stages_per_rank, self._style = v, placement(schedule)
@@ -253,14 +288,6 @@ class Pipeline(nn.Module):
         self._pending_status: Status | None = None  # async: read by the next call
         self._deferred: PipelineError | None = None  # raised by the next call (failure.py)
         self._last_call_undo: _UndoPoint | None = None  # async: undoes the last call too
-        async_opts = (
-            weight_prediction,
-            gap_aware,
-            step_every,
-            recompute,
-            weight_stashing,
-            split_backward,
-        )
         # Decided from the model alone, alike on every rank (owners or not).
         across = any(
             len({rank_of(s, self.num_stages, self._style) for s in by_stage}) > 1
@@ -289,7 +316,7 @@ class Pipeline(nn.Module):
                 weight_stashing=weight_stashing,
                 split_backward=split_backward,
             )
-        elif async_opts != (None, None, 1, False, True, False):
+        elif async_options != _SYNCHRONOUS_DEFAULTS:
             raise PipelineValueError(
                 "weight_stashing, weight_prediction, gap_aware, step_every, recompute and "
                 f"split_backward are options of schedule='async', not of schedule={schedule!r}"
