@@ -76,6 +76,38 @@ def test_four_ranks_on_two_virtual_nodes(tmp_path: Path) -> None:
 
 
 @needs_netns
+def test_every_virtual_node_gets_a_rank(tmp_path: Path) -> None:
+    # 4 ranks on 3 nodes: 2, 1, 1 (2 a node, as Hydra fills nodes in turn, left one empty).
+    script = tmp_path / "where.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.run(
+        [
+            *(MPXRUN, "--virtual-nodes", "3", "-n", "4", "--timeout", "120"),
+            *("--", sys.executable, str(script)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("rank")]
+    assert [row[3] for row in rows] == ["2", "2", "1", "1"]
+    assert len({row[5] for row in rows}) == 3
+
+
+@needs_netns
+def test_uneven_slots_per_node() -> None:
+    with VirtualCluster(3) as cluster:
+        with open(cluster.hostfile([2, 1, 1])) as f:
+            assert f.read().split() == [
+                f"{a}:{n}" for a, n in zip(cluster.addresses, [2, 1, 1], strict=True)
+            ]
+        with pytest.raises(UsageError, match="2 counts for 3 nodes"):
+            cluster.hostfile([2, 2])
+
+
+@needs_netns
 def test_cluster_is_removed_on_exit() -> None:
     with VirtualCluster(2) as cluster:
         names = subprocess.run(

@@ -4,7 +4,8 @@
 
     mpxrun -n N [--hostfile F] [--bind none|core|numa] [--gpus auto|none]
            [--timeout S] [--max-restarts N [--restart-delay S]] [--tag-output]
-           [--launcher auto|mpich|openmpi|slurm|PATH] [--virtual-nodes K] [--] prog args…
+           [--launcher auto|mpich|openmpi|slurm|PATH] [--virtual-nodes K]
+           [--oversubscribe] [--] prog args…
     mpxrun --check
 
 The job runs as a process tree in its own session::
@@ -17,7 +18,9 @@ When a rank fails, its supervisor prints a status line, signed with the job's
 key (:mod:`mpx.launch.status`); ``mpxrun`` gives the launcher a moment to tear
 the job down by itself, then signals the whole session (SIGTERM, then
 SIGKILL). The exit code is the failed rank's (128+N for a signal), 124 for
-``--timeout``, 2 for bad usage.
+``--timeout``, 2 for bad usage (checked before anything starts, see
+:mod:`mpx.launch.arguments`: among others, more than 8 ranks a core needs
+``--oversubscribe``).
 
 At ``--timeout`` ``mpxrun`` first asks every rank still running for its
 Python stack (SIGUSR1 to their supervisors, see :mod:`mpx.launch.stacks`) and
@@ -66,14 +69,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, NoReturn
 
-from mpx.launch import settings, shm_cleanup, stacks
+from mpx.launch import arguments, settings, shm_cleanup, stacks
 from mpx.launch.check import run_check
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS, Launcher, find_launcher
 from mpx.launch.rank import die_with_parent, usable_cores
 from mpx.launch.status import new_key, parse_status
-from mpx.launch.virtual_cluster import VirtualCluster
+from mpx.launch.virtual_cluster import MAX_NODES, VirtualCluster
 
 __all__ = ["Job", "RankFailure", "build_parser", "main"]
 
@@ -104,52 +107,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"mpxrun: {message} (see mpxrun --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"-n must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"-n must be a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(
-            f"--timeout must be a positive number of seconds, got {text!r}"
-        )
-    return value
-
-
-def _restart_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(
-            f"--max-restarts must be a whole number >= 0, got {text!r}"
-        )
-    return value
-
-
-def _delay(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(
-            f"--restart-delay must be a number of seconds >= 0, got {text!r}"
-        )
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``mpxrun``."""
     parser = _Parser(
@@ -161,12 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         "-n",
         "-np",
         "--nprocs",
-        type=_positive_int,
+        type=arguments.whole_number("-n", 1),
         default=1,
         dest="nprocs",
-        help="number of ranks (default 1)",
+        metavar="N",
+        help=f"number of ranks (default 1; more than {arguments.MAX_RANKS_PER_CORE} a core "
+        "needs --oversubscribe)",
     )
-    parser.add_argument("--hostfile", help="file of hosts, one per line ('host' or 'host:slots')")
+    parser.add_argument(
+        "--hostfile",
+        metavar="F",
+        help="file of hosts, one per line ('host', 'host:slots' or 'host slots=N')",
+    )
     parser.add_argument(
         "--bind",
         choices=BIND_CHOICES,
@@ -181,13 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=arguments.seconds("--timeout", zero=False),
         default=None,
+        metavar="S",
         help="stop the job after this many seconds (exit 124); with --max-restarts, each attempt",
     )
     parser.add_argument(
         "--max-restarts",
-        type=_restart_count,
+        type=arguments.whole_number("--max-restarts", 0),
         default=0,
         metavar="N",
         help="when a rank fails or the job hangs past --timeout, stop the job and start it "
@@ -195,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--restart-delay",
-        type=_delay,
+        type=arguments.seconds("--restart-delay", zero=True),
         default=0.0,
         metavar="S",
         help="seconds to wait before each restart (default 0)",
@@ -206,15 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--launcher",
         default="auto",
+        metavar="KIND",
         help=f"auto, {', '.join(LAUNCHER_KINDS)}, or a path to mpiexec/mpirun",
     )
     parser.add_argument(
         "--virtual-nodes",
-        type=_positive_int,
+        type=arguments.whole_number("--virtual-nodes", 1, MAX_NODES),
         default=None,
         metavar="K",
         help="spread the ranks over K network namespaces of this machine, each a node to MPI "
-        "(root, MPICH; for testing multi-node code)",
+        "(root, MPICH; for testing multi-node code; K <= -n)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help=f"start more than {arguments.MAX_RANKS_PER_CORE} ranks a core (refused without "
+        "it, where mpxrun can count the hosts' cores); also lets Open MPI place more ranks "
+        "than a hostfile's slots and makes MPICH's ranks yield their cores",
     )
     parser.add_argument(
         "--check",
@@ -256,18 +228,6 @@ def _resolve_program(program: Sequence[str]) -> list[str]:
     if found is None:
         raise UsageError(f"program {prog!r} not found on PATH")
     return [found, *args[1:]]
-
-
-def _hosts_in(hostfile: str) -> list[str]:
-    try:
-        with open(hostfile) as fh:
-            lines = [ln.split("#")[0].strip() for ln in fh]
-    except OSError as exc:
-        raise UsageError(f"cannot read hostfile {hostfile!r}: {exc.strerror}") from None
-    hosts = [ln.split()[0].split(":")[0] for ln in lines if ln]
-    if not hosts:
-        raise UsageError(f"hostfile {hostfile!r} names no hosts")
-    return hosts
 
 
 @dataclass
@@ -685,12 +645,13 @@ def _job_environment(
     hostfile: str | None,
     gpus: str,
     virtual: VirtualCluster | None = None,
+    oversubscribe: bool = False,
 ) -> dict[str, str]:
     local = _all_local(launcher, hostfile, virtual)
-    hosts = _hosts_in(hostfile) if hostfile else []
+    hosts = [host for host, _ in arguments.read_hostfile(hostfile)] if hostfile else []
     if virtual is not None:
         hosts = list(virtual.addresses)
-    oversubscribed = (local or virtual is not None) and nprocs > usable_cores()
+    oversubscribed = oversubscribe or ((local or virtual is not None) and nprocs > usable_cores())
     env = dict(os.environ)
     # A rank supervisor's channels (inside another mpxrun job): this job sets its own.
     for setting in (settings.OUTPUT_FDS, settings.TAG_OUTPUT):
@@ -759,16 +720,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.program = ["--", sys.executable, "-m", "mpx.collectives.tune", *options]
     with contextlib.ExitStack() as stack:
         try:
+            arguments.check_combinations(args.nprocs, args.virtual_nodes, args.hostfile)
             program = _resolve_program(args.program)
             launcher = find_launcher(args.launcher)
+            cores = arguments.job_cores(
+                launcher.kind, args.hostfile, args.virtual_nodes, os.environ
+            )
+            arguments.check_rank_count(args.nprocs, cores, oversubscribe=args.oversubscribe)
             virtual = None
             if args.virtual_nodes is not None:
-                _check_virtual(launcher, args.hostfile)
+                _check_virtual(launcher)
                 virtual = stack.enter_context(VirtualCluster(args.virtual_nodes))
             local = _all_local(launcher, args.hostfile, virtual)
             if local:
                 launcher = launcher.on_this_host()
-            env = _job_environment(launcher, args.nprocs, args.hostfile, args.gpus, virtual)
+            env = _job_environment(
+                launcher, args.nprocs, args.hostfile, args.gpus, virtual, args.oversubscribe
+            )
             if launcher.forker:
                 env[settings.BIND.name] = args.bind  # gforker cannot bind: the supervisors do
             if launcher.kind == "mpich":
@@ -787,7 +755,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 export=exported,
             )
             if virtual is not None:
-                per_node = -(-args.nprocs // virtual.nodes)
+                # As even as can be: 4 ranks on 3 nodes are 2, 1, 1 (not 2, 2, 0).
+                size, extra = divmod(args.nprocs, virtual.nodes)
+                per_node = [size + (node < extra) for node in range(virtual.nodes)]
                 command[1:1] = virtual.mpich_arguments(per_node)
         except LaunchError as exc:
             print(f"mpxrun: {exc}", file=sys.stderr)
@@ -813,14 +783,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_job(new_job, args.timeout, args.max_restarts, args.restart_delay)
 
 
-def _check_virtual(launcher: Launcher, hostfile: str | None) -> None:
+def _check_virtual(launcher: Launcher) -> None:
     if launcher.kind != "mpich":
         raise UsageError(
             f"--virtual-nodes works with MPICH's mpiexec (Hydra), not {launcher.kind} "
             f"({launcher.path}); pass --launcher mpich"
         )
-    if hostfile is not None:
-        raise UsageError("--virtual-nodes and --hostfile exclude each other: pick one")
 
 
 def _failure(job: Job, code: int, timeout: float | None) -> str | None:

@@ -24,11 +24,15 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from types import TracebackType
 
 from mpx.launch.errors import LaunchEnvironmentError, UsageError
 
-__all__ = ["VirtualCluster"]
+__all__ = ["MAX_NODES", "VirtualCluster"]
+
+# The nodes take addresses .1 to .MAX_NODES of one /24 subnet (the bridge has .254).
+MAX_NODES = 200
 
 
 def _ip(*args: str) -> None:
@@ -51,8 +55,8 @@ class VirtualCluster:
     """
 
     def __init__(self, nodes: int) -> None:
-        if nodes < 1 or nodes > 200:
-            raise UsageError(f"--virtual-nodes must be between 1 and 200, got {nodes}")
+        if nodes < 1 or nodes > MAX_NODES:
+            raise UsageError(f"--virtual-nodes must be between 1 and {MAX_NODES}, got {nodes}")
         if shutil.which("ip") is None:
             raise LaunchEnvironmentError(
                 "--virtual-nodes needs iproute2's 'ip' command (apt install iproute2)"
@@ -133,15 +137,33 @@ class VirtualCluster:
             )
         os.chmod(self.shim, stat.S_IRWXU)
 
-    def hostfile(self, ranks_per_node: int) -> str:
-        """A hostfile (``address:slots`` per line) of the virtual nodes, as on a cluster."""
+    def hostfile(self, ranks_per_node: int | Sequence[int]) -> str:
+        """A hostfile (``address:slots`` per line) of the virtual nodes, as on a cluster.
+
+        ``ranks_per_node``: the slots of every node, or of each node in turn.
+        """
+        if isinstance(ranks_per_node, int):
+            ranks_per_node = [ranks_per_node] * self.nodes
+        if len(ranks_per_node) != self.nodes:
+            raise UsageError(
+                f"ranks_per_node gives {len(ranks_per_node)} counts for {self.nodes} nodes: "
+                "pass one count per node, or one int for all"
+            )
         path = os.path.join(self._dir, "hosts")
         with open(path, "w") as f:
-            f.writelines(f"{address}:{ranks_per_node}\n" for address in self.addresses)
+            f.writelines(
+                f"{address}:{slots}\n"
+                for address, slots in zip(self.addresses, ranks_per_node, strict=True)
+            )
         return path
 
-    def mpich_arguments(self, ranks_per_node: int) -> list[str]:
-        """Hydra options that place ``ranks_per_node`` ranks on each virtual node."""
+    def mpich_arguments(self, ranks_per_node: int | Sequence[int]) -> list[str]:
+        """Hydra options that place ``ranks_per_node`` ranks on each virtual node.
+
+        Hydra fills the nodes in turn: with a list (``[2, 1, 1]`` for 4 ranks
+        on 3 nodes) every node gets a rank, where ``2`` each would leave the
+        last one empty.
+        """
         return [
             "-launcher",
             "ssh",
