@@ -14,9 +14,11 @@ from mpx.mgrit.gru import ParallelGRU
 from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
 from mpx.mgrit.refine import refine
 from mpx.mgrit.solver import MGRIT, Step
+from mpx.mgrit.work import WORK_KINDS, work
 
 __all__ = [
     "MGRIT",
+    "WORK_KINDS",
     "LayerParallel",
     "MGRITConfigError",
     "MGRITError",
@@ -26,6 +28,7 @@ __all__ = [
     "Step",
     "__version__",
     "refine",
+    "work",
 ]
 
 # pyproject.toml's version, as installed: the one place it is written.

@@ -30,7 +30,14 @@ from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, split_evenly
 from mpx.mgrit.solver import MGRIT, check_tol
 
-__all__ = ["TimeStepper", "shared_blocks"]
+__all__ = ["WORK_KINDS", "TimeStepper", "shared_blocks"]
+
+#: What :attr:`TimeStepper.work` counts, in layer evaluations (one step of one state):
+#: "forward" the steps of the forward solve, "adjoint" the vector-Jacobian products
+#: (with respect to the state) of the adjoint solve, "linearize" the forward
+#: evaluations the backward makes to differentiate, "gradient" the vector-Jacobian
+#: products with respect to the parameters of the final sweep.
+WORK_KINDS = ("forward", "adjoint", "linearize", "gradient")
 
 #: ``phi(k, x, dt) -> x``: step k of the network from state x, with step size dt.
 Phi = Callable[[int, torch.Tensor, float], torch.Tensor]
@@ -156,6 +163,9 @@ class TimeStepper:
         self.first, self.stop = lv.first, lv.first + lv.count
         self._states: torch.Tensor | None = None
         self._forcing: torch.Tensor | None = None
+        #: layer evaluations (rows stepped) of this rank in the last forward and the last
+        #: backward: see :data:`WORK_KINDS`
+        self.work: dict[str, int] = dict.fromkeys(WORK_KINDS, 0)
 
     def owned_steps(self) -> range:
         """The steps this rank holds (their layers live here)."""
@@ -165,6 +175,7 @@ class TimeStepper:
         return round(t / self.h)
 
     def _step(self, x: torch.Tensor, t: float, dt: float) -> torch.Tensor:
+        self.work["forward"] += 1
         return self.phi(self._index(t), x, dt)
 
     def _adjoint_step(self, lam: torch.Tensor, t: float, dt: float) -> torch.Tensor:
@@ -173,6 +184,8 @@ class TimeStepper:
         if self._forcing is not None:
             # The loss reads x_{k+1} too: lam_{k+1} = nu_{k+1} + dL/dx_{k+1} (see adjoint()).
             lam = lam + self._forcing[k - self.first]
+        self.work["linearize"] += 1
+        self.work["adjoint"] += 1
         with torch.enable_grad():
             x = self._states[k - self.first].detach().requires_grad_(True)
             (g,) = torch.autograd.grad(self.phi(k, x, dt), x, lam, allow_unused=True)
@@ -182,6 +195,7 @@ class TimeStepper:
 
     def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward MGRIT solve, no autograd: ``x_N`` and this rank's states (for the adjoint)."""
+        self.work["forward"] = 0
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
         return xN, self.fwd._u[0].clone()
@@ -196,12 +210,17 @@ class TimeStepper:
         forcing at the step's start: a point this rank owns, so no forcing crosses ranks.
         """
         self._states, self._forcing = states, forcing
+        self._reset_backward_work()
         try:
             with torch.no_grad():
                 self.bwd.solve(states.new_zeros(states.shape[1:]))
         finally:
             self._states, self._forcing = None, None
         return self._lam_next(forcing)
+
+    def _reset_backward_work(self) -> None:
+        for kind in WORK_KINDS[1:]:
+            self.work[kind] = 0
 
     def _lam_next(self, forcing: torch.Tensor | None) -> torch.Tensor:
         """``lam_{k+1}`` (or ``nu_{k+1} + forcing``) of the owned steps k, after the solve."""
@@ -219,6 +238,7 @@ class TimeStepper:
             dL/dx0 (on every rank) and the gradients of ``tensors``.
         """
         self._states = states
+        self._reset_backward_work()
         try:
             return self._backward(gN, tensors)
         finally:
@@ -238,6 +258,8 @@ class TimeStepper:
             # Final fine sweep: lam_{k+1} (reversed point N-1-k) drives step k's gradients.
             lam_next = lams[self.N - 1 - k - rev_first]
             idx = list(self.uses(k))
+            self.work["linearize"] += 1
+            self.work["gradient"] += 1
             with torch.enable_grad():
                 x = self._states[k - self.first].detach().requires_grad_(True)
                 out = self.phi(k, x, self.h)

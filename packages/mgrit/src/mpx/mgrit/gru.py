@@ -408,6 +408,10 @@ class ParallelGRU(nn.Module):
         bwd = self._last_stepper().bwd
         return {"iterations": bwd.iterations, "residuals": bwd.residuals}
 
+    def _work_steppers(self) -> list[TimeStepper]:
+        """The solvers of the last sequence length run (:func:`mpx.mgrit.work` sums them)."""
+        return [] if self._last is None else [d.stepper for d in self._last]
+
     def _last_stepper(self) -> TimeStepper:
         """The forward direction's solver of the last sequence length run."""
         if self._last is None:

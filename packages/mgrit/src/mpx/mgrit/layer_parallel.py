@@ -191,6 +191,10 @@ class LayerParallel(nn.Module):
         out: torch.Tensor = self.close_layer(xN)
         return out
 
+    def _work_steppers(self) -> list[TimeStepper]:
+        """The solver whose work :func:`mpx.mgrit.work` reports."""
+        return [self.stepper]
+
     def fwd_stats(self) -> dict[str, Any]:
         """Iterations and residual history of the last forward solve."""
         return {"iterations": self.stepper.fwd.iterations, "residuals": self.stepper.fwd.residuals}
