@@ -9,7 +9,13 @@ Example::
 
 from importlib import metadata as _metadata
 
-from mpx.launch.environment import Environment, environment, free_port, init_torch_env
+from mpx.launch.environment import (
+    Environment,
+    environment,
+    free_port,
+    init_torch_env,
+    init_torch_env_under_mpi,
+)
 from mpx.launch.errors import (
     LaunchEnvironmentError,
     LauncherNotFound,
@@ -34,6 +40,7 @@ __all__ = [
     "find_launcher",
     "free_port",
     "init_torch_env",
+    "init_torch_env_under_mpi",
 ]
 
 # pyproject.toml's version, as installed: the one place it is written.

@@ -30,7 +30,15 @@ from dataclasses import dataclass
 from mpx.launch.errors import LaunchEnvironmentError
 from mpx.launch.settings import MASTER_ADDR, MASTER_PORT
 
-__all__ = ["Environment", "environment", "free_port", "init_torch_env"]
+__all__ = [
+    "MPI_LAUNCHERS",
+    "TORCH_VARIABLES",
+    "Environment",
+    "environment",
+    "free_port",
+    "init_torch_env",
+    "init_torch_env_under_mpi",
+]
 
 
 @dataclass(frozen=True)
@@ -240,3 +248,32 @@ def init_torch_env(env: Environment | None = None) -> Environment:
         os.environ.setdefault("MASTER_ADDR", addr)
         os.environ.setdefault("MASTER_PORT", port)
     return env
+
+
+TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torch's ``env://`` rendezvous reads."""
+
+MPI_LAUNCHERS = ("openmpi", "mpich", "slurm")
+"""The :attr:`Environment.launcher` values of a job that an MPI launcher started."""
+
+
+def init_torch_env_under_mpi() -> Environment | None:
+    """:func:`init_torch_env` where a bare MPI launcher started this process, else nothing.
+
+    For ``init_process_group`` under ``mpiexec`` or ``srun`` with nothing set by
+    hand (mpx-collectives calls it from torch's ``env://`` rendezvous). Does
+    nothing (None) when every one of :data:`TORCH_VARIABLES` is set already
+    (torchrun, mpxrun, the user) or no MPI launcher started this process (a
+    plain ``python``: torch's own error about RANK then, as for gloo).
+
+    Example::
+
+        init_torch_env_under_mpi()      # under `mpiexec -n 2`: RANK=0/1, WORLD_SIZE=2, ...
+        torch.distributed.init_process_group("gloo")
+    """
+    if all(name in os.environ for name in TORCH_VARIABLES):
+        return None
+    found = environment()
+    if found.launcher not in MPI_LAUNCHERS:
+        return None
+    return init_torch_env(found)
