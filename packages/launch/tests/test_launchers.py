@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +61,8 @@ def test_open_mpi_command_exports_variables() -> None:
     ]
 
 
-def test_slurm_command_and_hostfile_refusal() -> None:
+def test_slurm_command_and_hostfile_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_MPI_TYPE", "pmix")  # the user's choice: no --mpi added
     srun = Launcher("slurm", "srun")
     assert srun.command(4, ["prog"], bind="numa", tag_output=True) == [
         "srun",
@@ -88,3 +91,32 @@ def test_oversubscription_makes_mpich_yield_and_open_mpi_accept() -> None:
     )
     ompi = Launcher("openmpi", "mpirun").environment(8, oversubscribed=True)
     assert ompi["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe"
+
+
+def _fake_scontrol(tmp_path: Path, mpi_default: str) -> str:
+    tool = tmp_path / "scontrol"
+    tool.write_text(f"#!/bin/sh\necho 'MpiDefault              = {mpi_default}'\n")
+    tool.chmod(0o755)
+    return f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.mark.parametrize(
+    ("mpi_default", "user_type", "added"),
+    [("none", None, True), ("pmi2", None, False), ("pmix", None, False), ("none", "pmix", False)],
+)
+def test_srun_gets_pmi2_only_where_the_cluster_gives_no_pmi(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mpi_default: str,
+    user_type: str | None,
+    added: bool,
+) -> None:
+    """A cluster whose MpiDefault is none started each rank as an MPI world of its own."""
+    monkeypatch.setenv("PATH", _fake_scontrol(tmp_path, mpi_default))
+    if user_type is None:
+        monkeypatch.delenv("SLURM_MPI_TYPE", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_MPI_TYPE", user_type)
+    cmd = Launcher("slurm", "srun").command(2, ["prog"])
+    assert ("--mpi=pmi2" in cmd) == added, cmd
+    assert not any(part.startswith("--cpu-bind") for part in cmd)  # bind="none": no flag

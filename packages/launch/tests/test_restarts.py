@@ -179,4 +179,4 @@ def test_under_slurm_each_attempt_is_a_new_srun_step(tmp_path: Path) -> None:
     assert "rank 1 finished attempt 1" in proc.stdout, proc.stdout
     steps = log.read_text().splitlines()
     assert [line.split()[0] for line in steps] == ["0", "1"], steps
-    assert all(" -n 2 --cpu-bind=none --kill-on-bad-exit=1 " in line for line in steps), steps
+    assert all(" -n 2 --kill-on-bad-exit=1 " in line for line in steps), steps

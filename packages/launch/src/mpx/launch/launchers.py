@@ -170,7 +170,17 @@ class Launcher:
             # Slurm ends the whole step when a task fails, on every node, even
             # where mpxrun's signals to srun's session do not reach: with
             # --max-restarts the next attempt's step then starts on free nodes.
-            cmd += [f"--cpu-bind={_SLURM_BIND[bind]}", "--kill-on-bad-exit=1"]
+            if bind != "none":
+                # Only when asked: a cluster without a task plugin warns at every
+                # --cpu-bind, even "none".
+                cmd += [f"--cpu-bind={_SLURM_BIND[bind]}"]
+            cmd += ["--kill-on-bad-exit=1"]
+            if _slurm_mpi_default_is_none():
+                # srun then gives the ranks no PMI, and each MPI process is a world of
+                # its own (the selftest: "the launcher says rank 1 of 2, MPI says 0 of
+                # 1"). PMI-2 is what MPICH (mpx's default MPI), Intel MPI and MVAPICH
+                # speak; SLURM_MPI_TYPE or a cluster default (pmix for Open MPI) wins.
+                cmd += ["--mpi=pmi2"]
             if tag_output:
                 cmd += ["--label"]
         return cmd + list(program)
@@ -247,6 +257,25 @@ def _candidates(env: Mapping[str, str]) -> list[str]:
         if on_path:
             found.append(on_path)
     return list(dict.fromkeys(found))
+
+
+def _slurm_mpi_default_is_none(env: Mapping[str, str] | None = None) -> bool:
+    """Whether srun would start the ranks without PMI: no SLURM_MPI_TYPE and the
+    cluster's ``MpiDefault`` is ``none`` (``scontrol show config``; False if unknown)."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_MPI_TYPE") or not shutil.which("scontrol"):
+        return False
+    try:
+        shown = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    for line in shown.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == "MpiDefault":
+            return value.strip().lower() == "none"
+    return False
 
 
 def find_launcher(kind: str = "auto", env: Mapping[str, str] | None = None) -> Launcher:
