@@ -19,6 +19,7 @@ from mpx.collectives import (
     MPXTypeError,
     MPXValueError,
     RemoteError,
+    channel_state,
     world,
 )
 from mpx.collectives import channel as channel_module
@@ -116,7 +117,7 @@ def test_a_dropped_channel_keeps_its_messages_in_flight_alive() -> None:
     assert in_flight  # MPICH holds a rendezvous send until its receive
     del ch
     gc.collect()
-    adopted = [t for t, h in channel_module._ORPHANS if any(h is g for g in in_flight)]
+    adopted = [t for t, h in channel_state.ORPHANS if any(h is g for g in in_flight)]
     assert len(adopted) == len(in_flight)
     later = Channel(comm, timeout=TIMEOUT_S)
     incoming = later.expect(0, 3, like=[(sent.shape, sent.dtype)])
@@ -126,13 +127,13 @@ def test_a_dropped_channel_keeps_its_messages_in_flight_alive() -> None:
     buf = incoming.entries[0][0]
     del later, incoming
     gc.collect()
-    assert any(t is buf for t, _ in channel_module._ORPHANS)
+    assert any(t is buf for t, _ in channel_state.ORPHANS)
     sender = Channel(comm, timeout=TIMEOUT_S)
     sender.post(0, 5, sent.clone())
     sender.flush()  # the orphaned receive took it
-    channel_module._reap_orphans()
+    channel_state.reap_orphans()
     assert torch.equal(buf, sent)
-    assert not any(t is buf for t, _ in channel_module._ORPHANS)
+    assert not any(t is buf for t, _ in channel_state.ORPHANS)
 
 
 # -- multi-rank ---------------------------------------------------------------

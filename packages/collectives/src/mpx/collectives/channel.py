@@ -19,11 +19,19 @@ shapes says so (``expect(peer, tag, like=[(shape, dtype)])`` or ``into=``
 tensors); one that does not gets a *header* first (each tensor's shape and
 dtype as :mod:`mpx.collectives.tensor_header` writes them, and a picklable
 ``note`` of the caller's), so shapes may change from one message to the
-next. On a ``stream`` a header that repeats the last one posted to the same
-peer and stream travels as one 8-byte marker: headers are renegotiated only
-when a shape (or the note) changes. That needs one rule: a stream's messages
-are expected in the order they are posted (MPI delivers messages of one tag
-in order; a stream may span tags).
+next. A message without a header starts with a small *descriptor* of its
+shapes and dtypes (:mod:`mpx.collectives.channel_wire`), which the receiver
+compares with what it asked for: any difference -- shape, dtype, tensor
+count, a header where none was expected or the reverse -- is an
+:class:`~mpx.collectives.MPXValueError` naming both sides, raised by
+``receive`` (or by ``drain``, for a message nobody received), never data
+reinterpreted.
+
+On a ``stream`` a header that repeats the last one posted to the same peer
+and stream travels as one 8-byte marker: headers are renegotiated only when a
+shape (or the note) changes. That needs one rule: a stream's messages are
+expected in the order they are posted (MPI delivers messages of one tag in
+order; a stream may span tags).
 
 Everything is non-blocking: ``post`` and ``expect`` return at once, and MPI
 moves the messages whenever any of the channel's calls runs (``progress``
@@ -39,10 +47,8 @@ went, every message in flight is completed (receives for what was sent and
 never expected, empty messages for receives nothing will match), and if any
 rank failed, every rank raises :class:`~mpx.collectives.RemoteError` naming it.
 
-Memory safety: MPI reads a send buffer and writes a receive buffer until its
-request completes, so the channel holds every tensor whose message is in
-flight -- when a wait raises, and when the channel is dropped (its tensors are
-then kept alive, module-wide, until MPI is done with them).
+Memory safety: the channel holds every tensor whose message is in flight,
+when a wait raises and when it is dropped (:mod:`mpx.collectives.channel_state`).
 
 Example::
 
@@ -56,32 +62,58 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import pickle
-import time
 import weakref
-from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
-from mpi4py import MPI
 
+from mpx.collectives.channel_state import (
+    ORPHANS,
+    WAITED,
+    Entry,
+    Incoming,
+    Interrupt,
+    Ledger,
+    Message,
+    Pool,
+    Sent,
+    Unfinished,
+    complete,
+    first_part,
+    max_tag,
+    raise_failures,
+    reap_orphans,
+    take_unexpected,
+    unreported,
+    wait_for,
+    wire_of,
+)
+from mpx.collectives.channel_wire import (
+    HEADER_BYTES,
+    MAX_NOTE_BYTES,
+    MAX_TENSORS,
+    Head,
+    Metas,
+    decode,
+    descriptor,
+    encode,
+    marker,
+    receive_head,
+    send_head,
+)
 from mpx.collectives.checks import check_rank, check_tensor
-from mpx.collectives.communicator import CommLike, Communicator, as_communicator, usable_cores
+from mpx.collectives.communicator import CommLike, as_communicator
 from mpx.collectives.errors import (
-    CollectiveTimeout,
     MPXError,
     MPXTypeError,
     MPXValueError,
-    RemoteError,
 )
 from mpx.collectives.exchange import summarize
-from mpx.collectives.handle import Backoff, Handle, Requests, Steps
+from mpx.collectives.handle import Handle
 from mpx.collectives.ops import recv, send
-from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
 
 __all__ = [
     "HEADER_BYTES",
@@ -93,155 +125,12 @@ __all__ = [
     "Ledger",
     "Message",
     "Sent",
+    "decode",
+    "encode",
 ]
 
-MAX_TENSORS = 255
-"""Tensors in one message with a header."""
-
-MAX_NOTE_BYTES = 16384
-"""Room for a header's pickled note."""
-
-_FIXED = 2  # int64 words before the tensor headers: count (or the marker), note length
-HEADER_BYTES = 8 * (_FIXED + MAX_TENSORS * HEADER_LEN) + MAX_NOTE_BYTES
-"""Bytes of a header receive, posted before the shapes are known."""
-
-_MARKER = -1  # a header's count word: "the last header on this stream, again"
-_SPINS = 200  # polls before an oversubscribed waiting rank starts to pause
-_CHECK_EVERY = 64  # polls between two calls of the interrupt
-
-Interrupt = Callable[[], None]
-"""Raises if a wait should end early (e.g. another rank announced a failure)."""
-
-Ledger = dict[str, dict[int, dict[int, int]]]
-"""``{"sent": {peer: {tag: messages}}, "posted": {peer: {tag: receives}}}``."""
-
-Entry = tuple[torch.Tensor, Handle[Any]]
-
-_ORPHANS: list[Entry] = []
-"""Messages still in flight when their channel was dropped: their tensors stay alive
-here until MPI is done with them. Reaped by every channel's progress."""
-
-
-def _reap_orphans() -> None:
-    if _ORPHANS:
-        _ORPHANS[:] = [(t, h) for t, h in _ORPHANS if not h.done()]
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """What MPI moves for ``t``: its memory, contiguous, without autograd; bool as uint8."""
-    wire = t.detach()
-    if not wire.is_contiguous():
-        wire = wire.contiguous()
-    return wire.view(torch.uint8) if wire.dtype == torch.bool else wire
-
-
-@dataclass(eq=False)
-class Sent:
-    """A message being sent; :meth:`Channel.wait` waits for it."""
-
-    peer: int
-    tag: int
-    entries: list[Entry]
-
-    def done(self) -> bool:
-        """Makes progress; True once every part has left (MPI no longer reads it)."""
-        return all(h.done() for _, h in self.entries)
-
-
-@dataclass
-class Message:
-    """A received message: its tensors (the channel's buffers until released) and note."""
-
-    peer: int
-    tag: int
-    tensors: list[torch.Tensor]
-    note: Any = None
-
-
-@dataclass(eq=False)
-class Incoming:
-    """A receive posted ahead (:meth:`Channel.expect`); :meth:`Channel.receive` takes it."""
-
-    peer: int
-    tag: int
-    stream: int | None
-    device: torch.device
-    header: Entry | None = None  # the header receive, until decoded
-    entries: list[Entry] = field(default_factory=list)  # the data receives, once posted
-    dtypes: list[torch.dtype] = field(default_factory=list)  # what each buffer holds
-    note: Any = None
-    pooled: bool = True  # the buffers are the channel's (not the caller's ``into``)
-    taken: bool = False
-
-    @property
-    def described(self) -> bool:
-        """Whether the shapes are known (given, or the header arrived)."""
-        return self.header is None
-
-
-def encode(tensors: Sequence[torch.Tensor], note: bytes) -> torch.Tensor:
-    """A header: count, note length, each tensor's :func:`encode_header`, the note (uint8).
-
-    Raises:
-        MPXValueError: too many tensors, too many dimensions, or a note too large.
-        MPXTypeError: a dtype no operation takes.
-    """
-    if len(tensors) > MAX_TENSORS:
-        raise MPXValueError(
-            f"a message carries {len(tensors)} tensors, more than {MAX_TENSORS}; "
-            "stack them into fewer tensors"
-        )
-    if len(note) > MAX_NOTE_BYTES:
-        raise MPXValueError(
-            f"a message's note takes {len(note)} bytes pickled, more than {MAX_NOTE_BYTES}; "
-            "send large values as tensors"
-        )
-    words = np.empty(_FIXED + len(tensors) * HEADER_LEN, dtype=np.int64)
-    words[0], words[1] = len(tensors), len(note)
-    for k, t in enumerate(tensors):
-        start = _FIXED + k * HEADER_LEN
-        words[start : start + HEADER_LEN] = encode_header(t.shape, t.dtype).numpy()
-    data = words.tobytes() + note
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def decode(header: torch.Tensor) -> tuple[list[tuple[torch.Size, torch.dtype]], bytes] | None:
-    """What :func:`encode` wrote (``header`` may be longer); None for a marker."""
-    raw = header.numpy()
-    fixed = raw[: 8 * _FIXED].view(np.int64)
-    count, note_len = int(fixed[0]), int(fixed[1])
-    if count == _MARKER:
-        return None
-    end = 8 * (_FIXED + count * HEADER_LEN)
-    rows = raw[8 * _FIXED : end].view(np.int64).reshape(count, HEADER_LEN)
-    metas = [decode_header(torch.from_numpy(row)) for row in rows]
-    return metas, raw[end : end + note_len].tobytes()
-
-
-class _Pool:
-    """Free receive buffers by (shape, dtype, device)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = (
-            defaultdict(list)
-        )
-        self.allocated = 0
-
-    def take(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free[(shape, dtype, device)]
-        if free:
-            return free.pop()
-        self.allocated += 1
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        if buf.dtype == torch.bool:
-            buf = buf.view(torch.uint8)  # the bool view of a uint8 buffer
-        self._free[(buf.shape, buf.dtype, buf.device)].append(buf)
-
-
-def _requests(request: MPI.Request, peer: int) -> Steps[None]:
-    yield Requests([request], peers=[peer])
+_HEAD = torch.Size((HEADER_BYTES,))  # the shape of a first part's receive buffer
+_CPU = torch.device("cpu")
 
 
 class Channel:
@@ -260,7 +149,7 @@ class Channel:
         full_headers_received: headers decoded that described shapes.
     """
 
-    waited: ClassVar[list[float]] = [0.0]
+    waited: ClassVar[list[float]] = WAITED
     """Seconds this process has spent in channel waits (one element: read ``waited[0]``)."""
 
     def __init__(
@@ -275,7 +164,7 @@ class Channel:
             raise MPXValueError(f"Channel: timeout must be seconds > 0 or None, got {timeout!r}")
         self._timeout = timeout
         self.interrupt = interrupt
-        self._pool = _Pool()
+        self._pool = Pool()
         self._sent: Counter[tuple[int, int]] = Counter()
         self._posted: Counter[tuple[int, int]] = Counter()
         self._sending: list[Sent] = []
@@ -289,7 +178,7 @@ class Channel:
         self.full_headers_sent = 0
         self.full_headers_received = 0
         # Dropped with messages in flight: their tensors must outlive them.
-        weakref.finalize(self, _ORPHANS.extend, _Unfinished(self.__dict__))
+        weakref.finalize(self, ORPHANS.extend, Unfinished(self.__dict__))
 
     # -- properties -------------------------------------------------------------
 
@@ -304,7 +193,8 @@ class Channel:
         return self._pool.allocated
 
     def sent(self, peer: int) -> dict[int, int]:
-        """Messages (header and tensors each count one) posted to ``peer``, per tag."""
+        """Messages (the first part -- header or descriptor -- and each tensor count one)
+        posted to ``peer``, per tag."""
         return {t: n for (p, t), n in self._sent.items() if p == peer}
 
     def posted(self, peer: int) -> dict[int, int]:
@@ -331,7 +221,9 @@ class Channel:
 
         Args:
             header: send a header first (shapes, dtypes, ``note``), for a
-                receiver that expects without knowing the shapes.
+                receiver that expects without knowing the shapes; without
+                one a descriptor of the shapes and dtypes goes first, for a
+                receiver that expects with ``like=`` or ``into=`` to check.
             note: any picklable value the receiver gets with the message
                 (needs ``header``).
             stream: with ``header``, a header equal to the last one posted to
@@ -340,8 +232,9 @@ class Channel:
 
         Raises:
             MPXValueError, MPXTypeError: a peer or tag out of range, a note
-                without a header, or tensors that cannot travel (nothing is
-                sent then).
+                without a header, or tensors that cannot travel: more than
+                :data:`MAX_TENSORS`, more than 8 dimensions, a dtype no
+                operation takes (nothing is sent then).
         """
         self._check_peer(peer, tag, "post")
         parts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -353,22 +246,22 @@ class Channel:
                 )
         if note is not None and not header:
             raise MPXValueError("Channel.post: a note travels in the header; pass header=True")
-        wires = [_wire(t) for t in parts]
+        wires = [wire_of(t) for t in parts]
         for wire in wires:  # all checked before the first leaves: never half a message
             check_tensor(wire, "Channel.post")
-        if header:
-            metas = [(t.shape, t.dtype) for t in parts]
-            key = None if stream is None else (peer, stream)
-            if key is not None and self._last_out.get(key) == (note, metas):
-                head = torch.tensor([_MARKER, 0], dtype=torch.int64).view(torch.uint8)
-            else:
-                pickled = b"" if note is None else pickle.dumps(note, pickle.HIGHEST_PROTOCOL)
-                head = encode(parts, pickled)
-                if key is not None:
-                    self._last_out[key] = (note, metas)
-                self.full_headers_sent += 1
-            wires.insert(0, head)
-        entries = []
+        metas = [(t.shape, t.dtype) for t in parts]
+        if not header:
+            head = descriptor(metas)[0]
+        elif stream is not None and self._last_out.get((peer, stream)) == (note, metas):
+            head = marker()
+        else:
+            pickled = b"" if note is None else pickle.dumps(note, pickle.HIGHEST_PROTOCOL)
+            head = encode(parts, pickled)
+            if stream is not None:
+                self._last_out[(peer, stream)] = (note, metas)
+            self.full_headers_sent += 1
+        entries = [(head, send_head(self.comm, head, peer, tag))]
+        self._sent[(peer, tag)] += 1
         for wire in wires:
             entries.append((wire, send(wire, peer, tag, comm=self.comm, async_op=True)))
             self._sent[(peer, tag)] += 1
@@ -408,40 +301,55 @@ class Channel:
                 header is expected (the sender posts with ``header=True``)
                 and the data receives follow as soon as it arrives.
             into: receive straight into these tensors (contiguous; yours).
+                On a mismatch (see :meth:`receive`) they hold undefined values.
             stream: the stream of the sender's headers (see :meth:`post`).
             device: where pooled buffers live ("cuda" for CUDA tensors).
 
         Raises:
-            MPXValueError: a peer or tag out of range, or both ``like`` and ``into``.
+            MPXValueError, MPXTypeError: a peer or tag out of range, both
+                ``like`` and ``into``, or tensors that cannot travel (nothing
+                is posted then).
         """
         self._check_peer(peer, tag, "expect")
         if like is not None and into is not None:
             raise MPXValueError("Channel.expect: pass like= or into=, not both")
         incoming = Incoming(peer, tag, stream, torch.device(device))
+        metas: Metas | None = None
         if into is not None:
-            incoming.pooled = False
-            for t in into:
+            for t in into:  # all checked before the first receive is posted
                 if t.dtype == torch.bool or not t.is_contiguous():
                     raise MPXValueError(
                         "Channel.expect: into= takes contiguous tensors of a supported dtype, "
                         f"got {t.dtype} of strides {t.stride()}; receive with like= instead"
                     )
+            metas = [(t.shape, t.dtype) for t in into]
+        elif like is not None:
+            metas = [(torch.Size(s), d) for s, d in like]
+        if metas is not None:
+            incoming.wanted = descriptor(metas)[1]
+        buf = self._pool.take(_HEAD, torch.uint8, _CPU)
+        # Posted before the data receives: MPI matches one tag's messages in order.
+        incoming.head = (buf, receive_head(self.comm, buf, peer, tag))
+        self._posted[(peer, tag)] += 1
+        if into is not None:
+            incoming.pooled = False
+            for t in into:
                 incoming.entries.append((t, self._recv(t, peer, tag)))
                 incoming.dtypes.append(t.dtype)
-        elif like is not None:
-            self._post_data(incoming, [(torch.Size(s), d) for s, d in like])
-        else:
-            buf = self._pool.take(torch.Size((HEADER_BYTES,)), torch.uint8, torch.device("cpu"))
-            incoming.header = (buf, self._recv(buf, peer, tag))
-            if stream is not None:
-                self._order.setdefault((peer, stream), deque()).append(incoming)
+        elif metas is not None:
+            self._post_data(incoming, metas)
+        elif stream is not None:
+            self._order.setdefault((peer, stream), deque()).append(incoming)
         self._incoming.append(incoming)
         return incoming
 
     def ready(self, incoming: Incoming) -> bool:
-        """Makes progress; True once ``incoming`` has arrived whole."""
+        """Makes progress; True once ``incoming`` has arrived whole (or is known not to
+        be what was expected: :meth:`receive` raises then)."""
         self.progress()
-        return incoming.described and all(h.done() for _, h in incoming.entries)
+        if incoming.error is not None:
+            return True
+        return incoming.head is None and all(h.done() for _, h in incoming.entries)
 
     def receive(self, incoming: Incoming) -> Message:
         """Waits for ``incoming``; its tensors are the channel's buffers until :meth:`release`.
@@ -449,16 +357,24 @@ class Channel:
         Raises:
             CollectiveTimeout: not arrived in time (names the peer); the
                 receive stays posted (:meth:`drain` settles it).
-            MPXValueError: a message larger than the receive buffers given,
-                or ``incoming`` already received or drained.
+            MPXValueError: the message is not what was expected (names the
+                sender's shapes and dtypes and the receiver's: a shape, a
+                dtype, the tensor count, a header where none was expected or
+                the reverse); the receive stays posted, :meth:`drain` settles
+                it. Or ``incoming`` already received or drained.
         """
         if incoming.taken or incoming not in self._incoming:
             raise MPXValueError(
                 f"Channel.receive: the message from rank {incoming.peer} (tag {incoming.tag}) "
                 "was already received or drained; expect it again"
             )
-        if not incoming.described:
+        if incoming.error is None and not incoming.described:
             self._open(incoming)
+        elif incoming.error is None and incoming.head is not None:
+            self._check(incoming)
+        if incoming.error is not None:
+            incoming.reported = True
+            raise incoming.error
         for _, handle in incoming.entries:
             self.wait_for(handle, self.comm, "recv", incoming.peer, self.interrupt, self.timeout)
         incoming.taken = True
@@ -476,16 +392,20 @@ class Channel:
 
     def progress(self) -> None:
         """Lets MPI move the messages in flight: a header that has arrived gets its
-        data receives posted at once (each stream's in posting order), finished
-        sends are dropped. Call it between pieces of work."""
+        data receives posted at once (each stream's in posting order), a
+        descriptor is checked, finished sends are dropped. Call it between
+        pieces of work."""
         for incoming in list(self._incoming):
-            if incoming.header is None:
+            if incoming.head is not None and incoming.head[1].done():
+                if incoming.wanted is not None:
+                    self._check(incoming)
+                elif incoming.stream is None:
+                    self._decode(incoming)
+            if incoming.described:
                 for _, handle in incoming.entries:
                     handle.done()
-            elif incoming.stream is None and incoming.header[1].done():
-                self._decode(incoming)
         for order in self._order.values():
-            while order and order[0].header is not None and order[0].header[1].done():
+            while order and order[0].head is not None and order[0].head[1].done():
                 self._decode(order[0])
         self._reap()
 
@@ -517,7 +437,7 @@ class Channel:
         """
         for tag, count in (sent or {}).items():
             for _ in range(count - self._posted[(peer, tag)]):
-                self._take_unexpected(peer, tag)
+                self._settling.append(take_unexpected(self.comm, peer, tag, self.timeout))
         for tag, count in (posted or {}).items():
             for _ in range(count - self._sent[(peer, tag)]):
                 empty = torch.empty(0)
@@ -532,7 +452,16 @@ class Channel:
 
         Raises:
             CollectiveTimeout: a message did not complete in time.
+            MPXValueError: a message settled here (expected, never received)
+                was not what its receive expected; the channel is settled all
+                the same.
         """
+        found = self._settle(ledgers)
+        if found is not None:
+            raise found
+
+    def _settle(self, ledgers: Sequence[Ledger]) -> MPXValueError | None:
+        """:meth:`settle`; returns the mismatches found, if any, as one error."""
         me = self.comm.rank
         peers = {p for p, _ in self._sent} | {p for p, _ in self._posted}
         peers |= {r for r, ledger in enumerate(ledgers) if me in ledger["sent"]}
@@ -541,18 +470,12 @@ class Channel:
             self.settle_link(
                 peer, ledgers[peer]["sent"].get(me, {}), ledgers[peer]["posted"].get(me, {})
             )
-        # Polled together: a wait for one message must not hold up the others.
-        pending = [handle for _, handle in self.in_flight()]
-        limit = self.timeout
-        deadline = None if limit is None else time.monotonic() + limit
-        backoff = Backoff(spins=_SPINS)
-        while pending:
-            pending = [handle for handle in pending if not handle.done()]
-            if pending and deadline is not None and time.monotonic() > deadline:
-                assert limit is not None
-                raise CollectiveTimeout("drain", "mpi", limit, sorted(peers))
-            backoff.pause()
+        complete([handle for _, handle in self.in_flight()], self.timeout, sorted(peers))
+        # A message nobody received may still be the wrong one: not lost here.
+        errors = [unreported(incoming, self._pool) for incoming in self._incoming]
+        found = [str(error) for error in errors if error is not None]
         self.reset()
+        return MPXValueError("; ".join(found)) if found else None
 
     def drain(self, error: BaseException | str | None = None, what: str = "Channel") -> None:
         """Completes everything outstanding; raises every rank's error on every rank. Collective.
@@ -563,22 +486,25 @@ class Channel:
         channel starts afresh (headers included).
 
         Raises:
+            MPXValueError: on a rank that expected a message it never received
+                (and :meth:`receive` did not already raise for), which was not
+                what its receive expected (names both sides); the other ranks
+                raise RemoteError naming it.
             RemoteError: some rank passed an error (names the ranks and errors).
             CollectiveTimeout: the ranks or their messages did not arrive in time.
         """
         summary = None if error is None else summarize(error)
         every = self.comm.allgather_object((summary, self.ledger()), timeout=self.timeout)
-        self.settle([ledger for _, ledger in every])
-        failures = {r: text for r, (text, _) in enumerate(every) if text is not None}
-        if failures:
-            raised = RemoteError(what, failures)
-            if isinstance(error, BaseException):
-                raise raised from error
-            raise raised
+        found = self._settle([ledger for _, ledger in every])
+        # Found only now, on the receiving rank: one more exchange so every rank raises.
+        mismatches = self.comm.allgather_object(
+            None if found is None else summarize(found), timeout=self.timeout
+        )
+        raise_failures(what, error, [text for text, _ in every], mismatches, found)
 
     def in_flight(self) -> list[Entry]:
         """Every message not known to be complete, with its tensor."""
-        return list(_Unfinished(self.__dict__))
+        return list(Unfinished(self.__dict__))
 
     def reset(self) -> None:
         """Forgets everything in progress; every message must have completed.
@@ -590,8 +516,8 @@ class Channel:
             raise MPXError("Channel.reset: messages are still in flight; drain() first")
         for incoming in self._incoming:
             incoming.taken = True
-            if incoming.header is not None:
-                self._pool.give(incoming.header[0])
+            if incoming.head is not None:
+                self._pool.give(incoming.head[0])
             if incoming.pooled:
                 self.release([buf for buf, _ in incoming.entries])
         self._incoming.clear()
@@ -605,59 +531,23 @@ class Channel:
 
     # -- waiting ----------------------------------------------------------------
 
-    @classmethod
-    def wait_for(
-        cls,
-        handle: Handle[Any],
-        comm: Communicator,
-        op: str,
-        peer: int,
-        interrupt: Interrupt | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        """Waits for ``handle`` (any operation), calling ``interrupt`` now and then.
-
-        With a core per rank it polls without pause (as MPI's own wait); with
-        more ranks than cores it pauses between polls (spin, sched_yield,
-        then sleeps), leaving the core to a rank that computes.
-
-        Raises:
-            CollectiveTimeout: past ``timeout`` (else ``comm.timeout``), naming
-                ``peer``. Unlike a timed out collective, this leaves the
-                communicator usable: drain the channel after it.
-        """
-        start = time.perf_counter()
-        limit = comm.timeout if timeout is None else timeout
-        deadline = None if limit is None else time.monotonic() + limit
-        backoff = Backoff(spins=_SPINS) if _oversubscribed(comm) else None
-        polls = 0
-        try:
-            while not handle.done():
-                if interrupt is not None and polls % _CHECK_EVERY == 0:
-                    interrupt()
-                if deadline is not None and time.monotonic() > deadline:
-                    assert limit is not None
-                    raise CollectiveTimeout(op, "mpi", limit, [peer] if peer >= 0 else [])
-                polls += 1
-                if backoff is not None:
-                    backoff.pause()
-        finally:
-            cls.waited[0] += time.perf_counter() - start
-        handle.wait()  # finished: returns at once, or raises the operation's error
+    wait_for = staticmethod(wait_for)
+    """Waits for a handle (any operation), calling ``interrupt`` now and then
+    (:func:`mpx.collectives.channel_state.wait_for`)."""
 
     @staticmethod
     def keep_alive(entries: Sequence[Entry]) -> None:
         """Keeps the tensors of unfinished messages alive until their handles complete
         (for a caller that gives up on its messages without settling them)."""
-        _ORPHANS.extend(entry for entry in entries if not entry[1].completed)
+        ORPHANS.extend(entry for entry in entries if not entry[1].completed)
 
     # -- internals --------------------------------------------------------------
 
     def _check_peer(self, peer: int, tag: int, op: str) -> None:
         check_rank(peer, self.comm.size, "peer", f"Channel.{op}")
-        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= _max_tag():
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= max_tag():
             raise MPXValueError(
-                f"Channel.{op}: tag must be an int in [0, {_max_tag()}], got {tag!r}"
+                f"Channel.{op}: tag must be an int in [0, {max_tag()}], got {tag!r}"
             )
 
     def _recv(self, buf: torch.Tensor, peer: int, tag: int) -> Handle[torch.Tensor]:
@@ -681,81 +571,47 @@ class Channel:
         while not incoming.described:
             self._decode(order[0])
 
+    def _first(self, incoming: Incoming) -> Head | None:
+        """Waits for ``incoming``'s first part and reads it (:func:`first_part`)."""
+
+        def wait(handle: Handle[Any]) -> None:
+            wait_for(handle, self.comm, "recv", incoming.peer, self.interrupt, self.timeout)
+
+        return first_part(incoming, self._pool, wait)
+
+    def _check(self, incoming: Incoming) -> None:
+        """Compares ``incoming``'s descriptor with the one expected (like=, into=)."""
+        head = self._first(incoming)
+        if head is not None:
+            incoming.mismatched(head)
+
     def _decode(self, incoming: Incoming) -> None:
-        assert incoming.header is not None
-        buf, handle = incoming.header
-        self.wait_for(handle, self.comm, "recv", incoming.peer, self.interrupt, self.timeout)
-        incoming.header = None
         key = None if incoming.stream is None else (incoming.peer, incoming.stream)
+        head = self._first(incoming)
         if key is not None:
             self._order[key].popleft()
-        decoded = decode(buf)
-        self._pool.give(buf)
-        if decoded is None:
+        assert head is not None
+        if head.kind == "marker":
             if key is None or key not in self._last_in:
-                raise MPXError(
+                incoming.error = MPXError(
                     f"Channel: a header marker from rank {incoming.peer} (tag {incoming.tag}) "
                     "repeats a header never received on its stream; expect a stream's "
                     "messages in the order they are posted"
                 )
+                return
             metas, note = self._last_in[key]
-        else:
-            metas, pickled = decoded
-            note = pickle.loads(pickled) if pickled else None  # our own ranks' bytes
+        elif head.kind == "header":
+            metas = head.metas
+            note = pickle.loads(head.note) if head.note else None  # our own ranks' bytes
             if key is not None:
                 self._last_in[key] = (metas, note)
             self.full_headers_received += 1
+        else:
+            incoming.mismatched(head)
+            return
         incoming.note = note
         self._post_data(incoming, metas)
 
-    def _take_unexpected(self, peer: int, tag: int) -> None:
-        """Receives (to drop it) the next message of (peer, tag) that no receive was posted
-        for, whatever its size: it was sent before the ledgers were exchanged, so it is
-        there to probe (MPI matches it; its data may still be on the way)."""
-        status = MPI.Status()
-        limit = self.timeout
-        deadline = None if limit is None else time.monotonic() + limit
-        backoff = Backoff(spins=_SPINS)
-        while (message := self.comm.mpi.Improbe(peer, tag, status)) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                assert limit is not None
-                raise CollectiveTimeout("drain", "mpi", limit, [peer])
-            backoff.pause()
-        buf = torch.empty(status.Get_count(MPI.BYTE), dtype=torch.uint8)
-        request = message.Irecv([buf.numpy(), MPI.BYTE])
-        self._settling.append((buf, Handle("drain", "mpi", _requests(request, peer))))
-
     def _reap(self) -> None:
         self._sending = [s for s in self._sending if not s.done()]
-        _reap_orphans()
-
-
-class _Unfinished:
-    """The unfinished messages of a channel (its ``__dict__``): what its finalizer adopts."""
-
-    def __init__(self, box: dict[str, Any]) -> None:
-        self.box = box
-
-    def __iter__(self) -> Iterator[Entry]:
-        box = self.box
-        for sent in box.get("_sending", []):
-            yield from (e for e in sent.entries if not e[1].completed)
-        for incoming in box.get("_incoming", []):
-            if incoming.header is not None and not incoming.header[1].completed:
-                yield incoming.header
-            yield from (e for e in incoming.entries if not e[1].completed)
-        yield from (e for e in box.get("_settling", []) if not e[1].completed)
-
-
-def _oversubscribed(comm: Communicator) -> bool:
-    """More ranks on this node than cores this process may run on (cached per comm)."""
-    known = comm.cached("channel.oversubscribed")
-    if known is None:
-        known = comm.cache("channel.oversubscribed", comm.node_size > usable_cores())
-    return bool(known)
-
-
-@functools.cache
-def _max_tag() -> int:
-    value = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-    return int(value) if value is not None else 32767
+        reap_orphans()

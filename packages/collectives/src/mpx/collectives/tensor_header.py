@@ -56,6 +56,17 @@ def encode_header(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
 
 
 def decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    """The shape and dtype that :func:`encode_header` wrote into ``header``."""
-    ndim = int(header[1])
-    return torch.Size(int(d) for d in header[2 : 2 + ndim]), _CODES[int(header[0])]
+    """The shape and dtype that :func:`encode_header` wrote into ``header``.
+
+    Raises:
+        MPXValueError: ``header`` holds no header (a dtype code, ndim or dim out of
+            range: e.g. a tensor's data where a header was expected).
+    """
+    code, ndim = int(header[0]), int(header[1])
+    dims = [int(d) for d in header[2 : 2 + ndim]] if 0 <= ndim <= MAX_HEADER_DIMS else [-1]
+    if not 0 <= code < len(_CODES) or min(dims, default=0) < 0:
+        raise MPXValueError(
+            f"not a tensor header (encode_header): dtype code {code}, ndim {ndim}, "
+            f"dims {dims}; the sender and the receiver are out of step"
+        )
+    return torch.Size(dims), _CODES[code]

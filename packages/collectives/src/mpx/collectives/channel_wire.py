@@ -1,0 +1,287 @@
+"""The first part of every :class:`~mpx.collectives.Channel` message, and its check.
+
+A channel message is a first part and then its tensors, one MPI message each,
+under one tag. The first part says what follows, as int64 words::
+
+    header      count (0..255)   note length   count rows of encode_header   the note
+    marker      -1               0             (the stream's last header, again)
+    descriptor  DESCRIPTOR       count         count rows of encode_header
+
+(a row is :func:`~mpx.collectives.tensor_header.encode_header`'s dtype code,
+ndim and dims). A sender with ``header=True`` sends a header (or a marker);
+any other sends a descriptor. A receiver that does not know the shapes gets a
+header and posts its tensors' receives once it is in; one that does
+(``like=``, ``into=``) posts them at once, beside the receive of the first
+part, and compares the descriptor that arrives with the one it expects.
+
+Why a descriptor on every message: MPI matches a message to a receive by
+source and tag alone, and its byte counts cannot tell float32 from int32, so
+without one 4 floats land in a receive of 8 (4 never sent, no error), a
+float32 in an int32 receive has its bits reinterpreted, and a header read as
+a tensor (or a tensor as a header) is garbage. The check is a comparison of a
+few dozen bytes with a cached expectation; only a difference is decoded, to
+name both sides in the error.
+
+The first part is received into :data:`HEADER_BYTES` (whatever the receiver
+expects), so that a header where a descriptor was expected -- or the reverse,
+or a descriptor of more tensors -- arrives whole and is named, not truncated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpx.collectives.communicator import Communicator
+from mpx.collectives.errors import MPXValueError
+from mpx.collectives.handle import Handle, Requests, Steps
+from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
+
+__all__ = [
+    "DESCRIPTOR",
+    "HEADER_BYTES",
+    "MARKER",
+    "MAX_NOTE_BYTES",
+    "MAX_TENSORS",
+    "Head",
+    "Metas",
+    "decode",
+    "describe",
+    "descriptor",
+    "encode",
+    "marker",
+    "mismatch",
+    "read_head",
+    "receive_head",
+    "send_head",
+]
+
+Metas = list[tuple[torch.Size, torch.dtype]]
+
+MAX_TENSORS = 255
+"""Tensors in one message."""
+
+MAX_NOTE_BYTES = 16384
+"""Room for a header's pickled note."""
+
+_FIXED = 2  # int64 words before the rows: count (or the marker, or DESCRIPTOR), then one more
+HEADER_BYTES = 8 * (_FIXED + MAX_TENSORS * HEADER_LEN) + MAX_NOTE_BYTES
+"""Bytes of a first part's receive: the longest header (a descriptor is shorter)."""
+
+MARKER = -1
+"""A header's count word: "the last header on this stream, again"."""
+
+DESCRIPTOR = int.from_bytes(b"mpx:desc", "little")
+"""A descriptor's first word; a header's (a count, or -1) is never it."""
+
+_MARKER = torch.tensor([MARKER, 0], dtype=torch.int64).view(torch.uint8)
+
+
+def _check_count(count: int) -> None:
+    if count > MAX_TENSORS:
+        raise MPXValueError(
+            f"a message carries {count} tensors, more than {MAX_TENSORS}; "
+            "stack them into fewer tensors"
+        )
+
+
+def _rows(words: np.ndarray, metas: Iterable[tuple[Sequence[int], torch.dtype]]) -> None:
+    for k, (shape, dtype) in enumerate(metas):
+        start = _FIXED + k * HEADER_LEN
+        words[start : start + HEADER_LEN] = encode_header(tuple(shape), dtype).numpy()
+
+
+def encode(tensors: Sequence[torch.Tensor], note: bytes) -> torch.Tensor:
+    """A header: count, note length, each tensor's :func:`encode_header`, the note (uint8).
+
+    Raises:
+        MPXValueError: too many tensors, too many dimensions, or a note too large.
+        MPXTypeError: a dtype no operation takes.
+    """
+    _check_count(len(tensors))
+    if len(note) > MAX_NOTE_BYTES:
+        raise MPXValueError(
+            f"a message's note takes {len(note)} bytes pickled, more than {MAX_NOTE_BYTES}; "
+            "send large values as tensors"
+        )
+    words = np.empty(_FIXED + len(tensors) * HEADER_LEN, dtype=np.int64)
+    words[0], words[1] = len(tensors), len(note)
+    _rows(words, ((t.shape, t.dtype) for t in tensors))
+    return torch.frombuffer(bytearray(words.tobytes() + note), dtype=torch.uint8)
+
+
+def marker() -> torch.Tensor:
+    """A marker (shared: MPI only reads a send buffer)."""
+    return _MARKER
+
+
+def descriptor(metas: Iterable[tuple[torch.Size, torch.dtype]]) -> tuple[torch.Tensor, bytes]:
+    """The descriptor of tensors of these (shape, dtype): to send (shared), and its bytes.
+
+    Raises:
+        MPXValueError: too many tensors or dimensions.
+        MPXTypeError: a dtype no operation takes.
+    """
+    return _descriptor(tuple(metas))
+
+
+@functools.lru_cache(maxsize=1024)
+def _descriptor(key: tuple[tuple[torch.Size, torch.dtype], ...]) -> tuple[torch.Tensor, bytes]:
+    # Cached: a layer's messages repeat a few shapes, and this runs on every post and expect.
+    _check_count(len(key))
+    words = np.empty(_FIXED + len(key) * HEADER_LEN, dtype=np.int64)
+    words[0], words[1] = DESCRIPTOR, len(key)
+    _rows(words, key)
+    data = words.tobytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), data
+
+
+@dataclass
+class Head:
+    """A first part as received: ``kind`` is "header", "marker", "descriptor", "nothing"
+    (an empty message: the settling of a receive nobody sent to) or "other"."""
+
+    kind: str
+    nbytes: int  # -1: longer than HEADER_BYTES (MPI truncated it)
+    metas: Metas = field(default_factory=list)
+    note: bytes = b""
+
+
+def read_head(raw: np.ndarray, nbytes: int | None) -> Head:
+    """What the first ``nbytes`` of ``raw`` (uint8) hold; None: all of ``raw``, maybe padded."""
+    size = len(raw) if nbytes is None else nbytes
+    if size == 0:
+        return Head("nothing", 0)
+    if size < 8 * _FIXED:
+        return Head("other", size)
+    first, second = (int(w) for w in raw[: 8 * _FIXED].view(np.int64))
+    if first == MARKER and second == 0 and nbytes in (None, 8 * _FIXED):
+        return Head("marker", size)
+    if first == DESCRIPTOR:
+        kind, count, note_len = "descriptor", second, 0
+    elif 0 <= first <= MAX_TENSORS and 0 <= second <= MAX_NOTE_BYTES:
+        kind, count, note_len = "header", first, second
+    else:
+        return Head("other", size)
+    end = 8 * (_FIXED + count * HEADER_LEN) if 0 <= count <= MAX_TENSORS else -1
+    fits = end + note_len <= size if nbytes is None else end + note_len == size
+    if end < 0 or not fits:
+        return Head("other", size)
+    rows = raw[8 * _FIXED : end].view(np.int64).reshape(count, HEADER_LEN)
+    try:
+        metas = [decode_header(torch.from_numpy(row)) for row in rows]
+    except MPXValueError:
+        return Head("other", size)
+    return Head(kind, size, metas, raw[end : end + note_len].tobytes())
+
+
+def decode(header: torch.Tensor) -> tuple[Metas, bytes] | None:
+    """What :func:`encode` wrote (``header`` may be longer); None for a marker.
+
+    Raises:
+        MPXValueError: ``header`` holds no header.
+    """
+    head = read_head(header.numpy(), None)
+    if head.kind == "marker":
+        return None
+    if head.kind != "header":
+        raise MPXValueError(f"not a channel header ({head.kind}, {head.nbytes} bytes)")
+    return head.metas, head.note
+
+
+def describe(metas: Sequence[tuple[Sequence[int], torch.dtype]]) -> str:
+    """``"2 tensors: float32[4], int64[2, 3]"``."""
+    named = ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in metas)
+    return f"{len(metas)} tensor{'' if len(metas) == 1 else 's'}{': ' if metas else ''}{named}"
+
+
+def mismatch(peer: int, tag: int, head: Head, wanted: Metas | None, how: str) -> MPXValueError:
+    """The error of a message that is not what its receive expects, naming both sides.
+
+    Args:
+        head: the first part that arrived.
+        wanted: what the receiver expects (None: a header).
+        how: how it expects it ("like=", "into=").
+    """
+    where = f"Channel: the message from rank {peer} (tag {tag})"
+    mine = "a header (expect() without like= or into=)" if wanted is None else describe(wanted)
+    settle = "drain() settles the channel"
+    if head.kind == "descriptor" and wanted is not None:
+        undefined = "; the into= tensors hold undefined values" if how == "into=" else ""
+        return MPXValueError(
+            f"{where} does not match its receive: the sender posted {describe(head.metas)}, "
+            f"the receiver expects {mine} ({how}); receive it with like= of the sender's "
+            f"shapes and dtypes, or post what the receiver expects ({settle}{undefined})"
+        )
+    if head.kind == "descriptor":
+        return MPXValueError(
+            f"{where} came without a header (the sender posted {describe(head.metas)}), the "
+            f"receiver expects {mine}; post it with header=True, or expect it with like= of "
+            f"its shapes and dtypes ({settle})"
+        )
+    if head.kind in ("header", "marker") and wanted is not None:
+        sent = (
+            describe(head.metas)
+            if head.kind == "header"
+            else "on a stream, a marker repeating its last header"
+        )
+        return MPXValueError(
+            f"{where} came with a header (the sender posted with header=True: {sent}), the "
+            f"receiver expects none ({how} {mine}); post it without header=True, or expect "
+            f"it without like= and into= ({settle})"
+        )
+    size = f"more than {HEADER_BYTES}" if head.nbytes < 0 else str(head.nbytes)
+    return MPXValueError(
+        f"{where} does not start with a header or descriptor ({size} bytes; the receiver "
+        f"expects {mine}): the sender and the receiver are out of step (an earlier message "
+        f"on this tag had more or fewer tensors than its receive, or another sender uses "
+        f"the tag); {settle}, and keep other traffic on tags of its own"
+    )
+
+
+class _HeadReceive(Requests):
+    """A first part's receive; keeps its status (its length tells an empty message apart)."""
+
+    __slots__ = ("status",)
+
+    def __init__(self, request: MPI.Request, peer: int) -> None:
+        super().__init__([request], peers=[peer])
+        self.status = MPI.Status()
+
+    def test(self) -> bool:
+        return bool(self.requests[0].Test(self.status))
+
+    def wait(self) -> None:
+        self.requests[0].Wait(self.status)
+
+
+def _receiving(comm: Communicator, raw: np.ndarray, peer: int, tag: int) -> Steps[int]:
+    pending = _HeadReceive(comm.mpi.Irecv([raw, MPI.BYTE], source=peer, tag=tag), peer)
+    yield pending
+    return int(pending.status.Get_count(MPI.BYTE))
+
+
+def _sending(comm: Communicator, raw: np.ndarray, peer: int, tag: int) -> Steps[None]:
+    yield Requests([comm.mpi.Isend([raw, MPI.BYTE], dest=peer, tag=tag)], peers=[peer])
+
+
+def receive_head(comm: Communicator, buf: torch.Tensor, peer: int, tag: int) -> Handle[int]:
+    """Receives a first part into ``buf`` (uint8, CPU); the handle's result is its length.
+
+    Straight through MPI (a first part is bytes on the host): cheaper than
+    :func:`~mpx.collectives.recv`, which chooses an implementation per call.
+    """
+    steps = _receiving(comm, buf.numpy(), peer, tag)
+    return cast("Handle[int]", comm.run("recv", "mpi", steps, True, None))
+
+
+def send_head(comm: Communicator, head: torch.Tensor, peer: int, tag: int) -> Handle[None]:
+    """Sends a first part (uint8, CPU), as :func:`receive_head` receives it."""
+    steps = _sending(comm, head.numpy(), peer, tag)
+    return cast("Handle[None]", comm.run("send", "mpi", steps, True, None))
