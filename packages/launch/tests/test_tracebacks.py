@@ -98,10 +98,16 @@ def test_mpxrun_prints_the_traceback_with_the_rank(
     )
     last = nprocs - 1
     assert proc.returncode == 1, proc.stderr
-    # Printed once as it happened, once more in mpxrun's summary of the rank.
+    # Printed once, as it happened; mpxrun's summary names the rank and points at it.
     _check_traceback(proc.stderr, last)
+    assert proc.stderr.count(f"[rank{last}]: Traceback (most recent call last):") == 1
+    # Its last line twice: in the traceback, and quoted by the summary.
+    assert proc.stderr.count(f"ValueError: a distinctive bug on rank {last}") == 2, proc.stderr
     assert f"mpxrun: rank {last} exited with code 1; all ranks were stopped." in proc.stderr
-    assert f"mpxrun: last lines of rank {last}'s stderr:" in proc.stderr
+    assert (
+        f"mpxrun: rank {last}'s error is printed above; it ends: "
+        f"[rank{last}]: ValueError: a distinctive bug on rank {last}"
+    ) in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("backend", ["none", "mpi", "mpx"])

@@ -680,6 +680,11 @@ def _job_environment(
     return env
 
 
+def _last_line(tail: Sequence[str]) -> str:
+    """The last non-blank line of a rank's stderr (its exception, for a traceback)."""
+    return next((line.strip() for line in reversed(tail) if line.strip()), "")
+
+
 def _report(job: Job, code: int, timeout: float | None) -> int:
     if job.timed_out:
         print(f"mpxrun: the job ran past --timeout {timeout:g} s and was stopped", file=sys.stderr)
@@ -695,9 +700,12 @@ def _report(job: Job, code: int, timeout: float | None) -> int:
                 f"mpxrun: {_ranks(first.ended_before)} had already ended with exit code 0 "
                 f"before rank {first.rank} failed (if it waited for them: uneven step counts?)"
             )
-        if first.tail:
-            lines.append(f"mpxrun: last lines of rank {first.rank}'s stderr:")
-            lines.extend(f"    {line}" for line in first.tail)
+        ending = _last_line(first.tail)
+        if ending:
+            # The rank's stderr went to this terminal as it was written (the
+            # supervisor tees it): point at it instead of printing it a second time
+            # (a 20-line traceback per failed rank came out twice).
+            lines.append(f"mpxrun: rank {first.rank}'s error is printed above; it ends: {ending}")
         lines.extend(first.details)
         print("\n".join(lines), file=sys.stderr)
         return first.exit_code
