@@ -27,7 +27,6 @@ import signal
 import sysconfig
 import time
 from dataclasses import dataclass
-from typing import IO
 
 from mpx.launch.settings import STACK_FILE
 
@@ -39,7 +38,7 @@ DUMP_WAIT_S = 2.0
 _SETTLE_S = 0.1
 MAX_LINES = 400
 
-_dump_file: list[IO[str]] = []  # kept open for the life of the process
+_dump_fds: list[int] = []  # kept open for the life of the process
 _stdlib: list[str] = []  # the standard library's directory, once looked up
 
 
@@ -52,11 +51,14 @@ def register() -> bool:
     if not path:
         return False
     try:
-        fh = open(path, "a")  # noqa: SIM115 (faulthandler writes to it until exit)
+        # A bare descriptor, kept open until the process ends (faulthandler writes to
+        # it whenever the signal comes, in MPI_Finalize too): a Python file object
+        # left open so long was a "ResourceWarning: unclosed file" at every exit.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     except OSError:
         return False
-    _dump_file.append(fh)
-    faulthandler.register(DUMP_SIGNAL, file=fh, all_threads=True, chain=False)
+    _dump_fds.append(fd)
+    faulthandler.register(DUMP_SIGNAL, file=fd, all_threads=True, chain=False)
     return True
 
 
