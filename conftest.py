@@ -62,14 +62,16 @@ def _world() -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     comm = _world()
     if comm is not None and comm.rank != 0:
-        # The other ranks report failures only. The warnings summary is rank
-        # 0's: the ranks run the same tests and warn alike, and N copies of one
-        # summary buried the results; pytest_terminal_summary counts theirs.
+        # The other ranks report failures only. The warnings summary and the list of
+        # skipped tests are rank 0's: the ranks run the same tests, skip and warn alike,
+        # and N copies of one summary buried the results; pytest_terminal_summary counts
+        # their warnings.
         config.option.verbose = -2
         config.option.disable_warnings = True
+        config.option.reportchars = "fE"  # for a terminal reporter made after this hook
         reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:  # made before this hook ran: it read the options already
-            reporter.reportchars = reporter.reportchars.replace("w", "")
+        if reporter is not None:  # one made before this hook read the options already
+            reporter.reportchars = "".join(c for c in reporter.reportchars if c in "fE")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -57,6 +57,10 @@ pytestmark = pytest.mark.mpi
 
 def test_warns() -> None:
     warnings.warn("a warning every rank gives", UserWarning)
+
+
+def test_skips() -> None:
+    pytest.skip("a skip every rank makes")
 """
 
 
@@ -65,12 +69,16 @@ def test_a_multi_rank_run_prints_one_warnings_summary(
 ) -> None:
     # The repository's conftest, in a directory of its own with one test that warns.
     shutil.copy(Path(__file__).resolve().parent.parent / "conftest.py", tmp_path)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    mpi: multi-rank\n")
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\naddopts = -ra\nmarkers =\n    mpi: multi-rank\n"
+    )
     (tmp_path / "test_warns.py").write_text(WARNS)
     done = run_job(3, ["-m", "pytest", str(tmp_path), "-p", "no:cacheprovider"],
                    fresh_job_environment(), 120)  # fmt: skip
     output = done.stdout + done.stderr
     assert output.count("= warnings summary =") == 1, output
+    # The skipped tests, too, are listed by rank 0 alone (-ra): the ranks skip alike.
+    assert output.count("a skip every rank makes") == 1, output
     assert output.count("a warning every rank gives") == 2, output  # the location and its line
     for rank in (1, 2):
         assert f"rank {rank}: 1 warning(s), not listed: the warnings summary is rank 0's" in output
