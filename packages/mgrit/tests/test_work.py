@@ -17,7 +17,10 @@ points. Its forward solve steps (rows):
 
 The adjoint solve runs the same grid backwards over the same blocks: 21b
 vector-Jacobian products; the final sweep one parameter product per owned step
-(n0 = 4b).
+(n0 = 4b). To differentiate, the batched (stacked) layers linearise each owned
+step once (4b forward evaluations, whatever the level and iteration); one
+module call per step (batched=False) replays the step's forward before each
+product: 21b + 4b.
 """
 
 from __future__ import annotations
@@ -34,25 +37,26 @@ pytestmark = pytest.mark.mpi
 BLOCKS = {1: [4], 2: [2, 2], 3: [2, 1, 1]}
 
 
-def _net() -> LayerParallel:
+def _net(batched: bool = True) -> LayerParallel:
     torch.manual_seed(0)
     return LayerParallel(
         nn.Identity(), lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Identity(),
-        num_steps=16, levels=3, cfactor=2, fwd_iters=1, bwd_iters=1, tol=0.0,
+        num_steps=16, levels=3, cfactor=2, fwd_iters=1, bwd_iters=1, tol=0.0, batched=batched,
     )  # fmt: skip
 
 
-def test_work_of_one_training_step_is_the_algorithms() -> None:
+@pytest.mark.parametrize(("batched", "linearize"), [(True, 4), (False, 25)])
+def test_work_of_one_training_step_is_the_algorithms(batched: bool, linearize: int) -> None:
     comm = world()
     if comm.size not in BLOCKS:
         pytest.skip("the hand count covers 1, 2 and 3 ranks")
     b = BLOCKS[comm.size][comm.rank]
-    net = _net()
+    net = _net(batched)
     net(torch.randn(3, 4)).square().sum().backward()
     got = work(net)
-    assert got["forward"] == 21 * b, got
-    assert got["adjoint"] == 21 * b, got
-    assert got["gradient"] == 4 * b, got
+    assert got == {
+        "forward": 21 * b, "adjoint": 21 * b, "linearize": linearize * b, "gradient": 4 * b
+    }, got  # fmt: skip
     assert len(net.owned_steps()) == 4 * b
 
 

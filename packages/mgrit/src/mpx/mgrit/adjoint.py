@@ -29,6 +29,7 @@ from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, split_evenly
 from mpx.mgrit.solver import MGRIT, check_tol
+from mpx.mgrit.stacked import StackedSteps
 
 __all__ = ["WORK_KINDS", "TimeStepper", "shared_blocks"]
 
@@ -166,6 +167,40 @@ class TimeStepper:
         #: layer evaluations (rows stepped) of this rank in the last forward and the last
         #: backward: see :data:`WORK_KINDS`
         self.work: dict[str, int] = dict.fromkeys(WORK_KINDS, 0)
+        self.stacked: StackedSteps | None = None
+
+    def use_stacked(self, stacked: StackedSteps) -> None:
+        """Runs this rank's steps as ``stacked`` (batched over the C-intervals, see
+        :mod:`mpx.mgrit.stacked`) in both solves instead of one ``phi`` call per step."""
+        self.stacked = stacked
+        for solver, step in ((self.fwd, self._step_rows), (self.bwd, self._adjoint_rows)):
+            solver.step = step
+            solver.vectorized = solver.float_times = True
+
+    def _rows(self, t: Any) -> tuple[int, int]:
+        """Global index of the first row's point and the stride of the rows at times ``t``."""
+        if isinstance(t, float):
+            return self._index(t), 1
+        first = self._index(float(t[0]))
+        return first, (self._index(float(t[1])) - first if t.shape[0] > 1 else 1)
+
+    def _step_rows(self, x: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.clone()
+        assert self.stacked is not None
+        self.work["forward"] += x.shape[0]
+        i, stride = self._rows(t)
+        return self.stacked.step(x, i - self.first, stride, dt)
+
+    def _adjoint_rows(self, lam: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
+        if lam.shape[0] == 0:
+            return lam.clone()
+        assert self.stacked is not None
+        assert self._forcing is None, "a stacked adjoint has no forcing"
+        self.work["adjoint"] += lam.shape[0]
+        j, stride = self._rows(t)
+        # Reversed point j steps with layer N-1-j: row j - (N - stop) of the reversed data.
+        return self.stacked.adjoint(lam, j - (self.N - self.stop), stride, dt)
 
     def owned_steps(self) -> range:
         """The steps this rank holds (their layers live here)."""
@@ -196,6 +231,8 @@ class TimeStepper:
     def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward MGRIT solve, no autograd: ``x_N`` and this rank's states (for the adjoint)."""
         self.work["forward"] = 0
+        if self.stacked is not None:
+            self.stacked.refresh()
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
         return xN, self.fwd._u[0].clone()
@@ -240,9 +277,46 @@ class TimeStepper:
         self._states = states
         self._reset_backward_work()
         try:
+            if self.stacked is not None:
+                return self._stacked_backward(gN, tensors, self.stacked)
             return self._backward(gN, tensors)
         finally:
             self._states = None
+
+    def _stacked_backward(
+        self, gN: torch.Tensor, tensors: Sequence[torch.Tensor], stacked: StackedSteps
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The adjoint and the gradients with one linearisation of every local step."""
+        assert self._states is not None
+        n = self.stop - self.first
+        grads: list[torch.Tensor | None] = [None] * len(tensors)
+        lam0 = torch.zeros_like(gN)
+        try:
+            with torch.no_grad():
+                if n > 0:
+                    stacked.linearize(self._states)
+                    self.work["linearize"] += n
+                self.bwd.solve(gN.detach())
+                if n > 0:
+                    assert self.bwd.layout.levels[0].first == self.N - self.stop
+                    per_step, first = stacked.gradients(self.bwd._u[0], self.h)
+                    self.work["gradient"] += n
+                    for k, got in zip(self.owned_steps(), per_step, strict=True):
+                        for i, g in zip(self.uses(k), got, strict=True):
+                            grads[i] = g
+                    if self.first == 0:
+                        lam0 = first
+        finally:
+            stacked.release()
+        return self._share_lam0(lam0, gN), grads
+
+    def _share_lam0(self, lam0: torch.Tensor, gN: torch.Tensor) -> torch.Tensor:
+        """dL/dx0 from forward rank 0 on every rank (the opening layer is replicated)."""
+        if self.comm.size == 1:
+            return lam0
+        buf = lam0.detach().to("cpu", copy=True).contiguous()
+        broadcast(buf, 0, comm=self.comm)
+        return buf.to(gN.device)
 
     def _backward(
         self, gN: torch.Tensor, tensors: Sequence[torch.Tensor]
@@ -271,12 +345,7 @@ class TimeStepper:
                     grads[i] = g if grads[i] is None else grads[i] + g  # type: ignore[operator]
             if k == 0 and got[0] is not None:
                 lam0 = got[0]
-        if self.comm.size > 1:
-            # dL/dx0 lives on forward rank 0; every rank gets it (the opening layer is replicated).
-            buf = lam0.detach().to("cpu", copy=True).contiguous()
-            broadcast(buf, 0, comm=self.comm)
-            lam0 = buf.to(gN.device)
-        return lam0, grads
+        return self._share_lam0(lam0, gN), grads
 
     def apply(self, x0: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``x_N`` as a differentiable function of ``x0`` and ``tensors``."""

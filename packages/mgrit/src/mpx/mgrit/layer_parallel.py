@@ -28,6 +28,7 @@ from torch import nn
 from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
+from mpx.mgrit.stacked import StackedSteps
 
 __all__ = ["LayerParallel", "SerialResNet"]
 
@@ -116,6 +117,10 @@ class LayerParallel(nn.Module):
         relax, nrelax, skip_downcycle, cycle_type: as for :class:`~mpx.mgrit.MGRIT`.
         fine_relax: relaxation of the fine level only (default: ``relax``):
             torchbraid's ``fine_fcf=True`` is ``fine_relax="FCF"``.
+        batched: run the steps of all C-intervals of a rank as one batched product
+            when every step layer is ``Linear(w, w)`` or ``Sequential(Linear(w, w), act)``
+            with one elementwise activation (see :mod:`mpx.mgrit.stacked`); the
+            adjoint then linearises each step once. False: one module call per step.
 
     Example::
 
@@ -146,6 +151,7 @@ class LayerParallel(nn.Module):
         bwd_tol: float | None = None,
         fine_relax: str | None = None,
         cycle_type: str = "V",
+        batched: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
@@ -172,6 +178,10 @@ class LayerParallel(nn.Module):
             start = len(self._params)
             self._params.extend(p for p in layer.parameters() if p.requires_grad)
             self._param_index.append(list(range(start, len(self._params))))
+        # Layers of one stackable structure run batched over the C-intervals.
+        stacked = StackedSteps.of(list(self.local_steps)) if batched else None
+        if stacked is not None:
+            self.stepper.use_stacked(stacked)
 
     def owned_steps(self) -> range:
         """The global indices of the steps whose layers live on this rank."""

@@ -1,0 +1,182 @@
+"""Step layers of one structure, run as stacked weights: many steps in one batched product.
+
+MGRIT relaxes every C-interval of a rank independently: the j-th step of each
+interval is a different layer applied to a different state. When every step
+layer is ``Linear(w, w)`` (optionally followed by the same elementwise
+activation), those steps are one ``baddbmm`` over the stacked weights, instead
+of one module call (and its Python dispatch) per step::
+
+    rows x_i (n, B, w)   weights W_k (n, w, w) at k = k0, k0 + s, ...
+    x_i + dt_i * act(b_k + x_i W_k^T)       one baddbmm, one act, one fused update
+
+The adjoint needs, at each step k, the Jacobian of ``f_k`` at the stored forward
+state ``x_k``; it does not depend on the step size, so one linearisation
+``D_k = act'(z_k)`` of every local step (one batched forward) serves every
+level and every adjoint iteration: an adjoint step is one ``bmm``,
+``lam + dt (lam * D_k) W_k``, and the parameter gradients of the final sweep
+are one more (``h (lam_{k+1} * D_k)^T x_k``), with no forward replayed.
+The adjoint runs in reversed time, so its data are kept in reversed order
+(row r is step ``stop - 1 - r``): its slices are then plain strided views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["ELEMENTWISE", "StackedSteps"]
+
+#: Activations applied elementwise (so also to a stack of states), without parameters.
+ELEMENTWISE: tuple[type[nn.Module], ...] = (
+    nn.Tanh, nn.ReLU, nn.Sigmoid, nn.GELU, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Softplus,
+    nn.Hardtanh, nn.Mish, nn.Tanhshrink, nn.Softsign, nn.Identity,
+)  # fmt: skip
+
+
+def _split(layer: nn.Module) -> tuple[nn.Linear, nn.Module | None] | None:
+    """``(linear, activation)`` of a stackable step layer, else None."""
+    if isinstance(layer, nn.Linear):
+        return layer, None
+    if type(layer) is nn.Sequential and 1 <= len(layer) <= 2 and isinstance(layer[0], nn.Linear):
+        act = layer[1] if len(layer) == 2 else None
+        if act is None or type(act) in ELEMENTWISE:
+            return layer[0], act
+    return None
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in module.modules()
+    )
+
+
+class StackedSteps:
+    """The stacked weights of step layers that share one stackable structure.
+
+    Built by :meth:`of`, which returns None unless every layer is ``Linear(w, w)``
+    or ``Sequential(Linear(w, w), act)`` with the same activation (class and
+    settings), dtype, device and bias, all parameters trainable and no hooks.
+
+    Example::
+
+        stacked = StackedSteps.of(layers)     # None: run the layers one by one
+        stacked.refresh()                     # the weights as they are now
+        y = stacked.step(x_rows, 0, 2, dt)    # steps 0, 2, 4, ... of the local layers
+    """
+
+    def __init__(self, linears: list[nn.Linear], act: nn.Module | None) -> None:
+        self.linears, self.act = linears, act
+        self.weight = torch.empty(0)
+        self.bias: torch.Tensor | None = None
+        # Reversed-order data of the last linearisation (see the module doc).
+        self._w_rev = torch.empty(0)
+        self._x_rev = torch.empty(0)
+        self._d_rev: torch.Tensor | None = None
+
+    @staticmethod
+    def of(layers: Sequence[nn.Module]) -> StackedSteps | None:
+        """The stacked form of ``layers``, or None if they cannot be stacked."""
+        parts = [_split(layer) for layer in layers]
+        if not parts or any(p is None for p in parts) or any(_hooked(m) for m in layers):
+            return None
+        linears = [p[0] for p in parts if p is not None]
+        acts = [p[1] for p in parts if p is not None]
+        first, act = linears[0], acts[0]
+
+        def signature(lin: nn.Linear) -> tuple[object, ...]:
+            b = lin.bias
+            return (lin.weight.shape, lin.weight.dtype, lin.weight.device, b is None,
+                    lin.weight.requires_grad, b is None or b.requires_grad)  # fmt: skip
+
+        sig = signature(first)
+        if first.in_features != first.out_features or not first.weight.requires_grad:
+            return None
+        if any(signature(lin) != sig for lin in linears) or (
+            first.bias is not None and not first.bias.requires_grad
+        ):
+            return None
+        describe = [(type(a), a.extra_repr()) if a is not None else None for a in acts]
+        if any(d != describe[0] for d in describe):
+            return None
+        return StackedSteps(linears, act)
+
+    def refresh(self) -> None:
+        """Stacks the layers' current weights (once per forward pass)."""
+        with torch.no_grad():
+            self.weight = torch.stack([lin.weight.detach() for lin in self.linears])
+            biases = [lin.bias.detach() for lin in self.linears if lin.bias is not None]
+            self.bias = torch.stack(biases) if biases else None
+
+    def _act(self, z: torch.Tensor) -> torch.Tensor:
+        return z if self.act is None else self.act(z)
+
+    def step(self, x: torch.Tensor, k0: int, stride: int, dt: torch.Tensor | float) -> torch.Tensor:
+        """``x_i + dt_i f_k(x_i)`` for the rows of ``x``, local steps ``k0, k0 + stride, ...``."""
+        n, w = x.shape[0], self.weight.shape[-1]
+        ks = slice(k0, k0 + (n - 1) * stride + 1, stride)
+        x3 = x.reshape(n, -1, w)
+        wt = self.weight[ks].transpose(1, 2)
+        if self.bias is None:
+            z = torch.bmm(x3, wt)
+        else:
+            z = torch.baddbmm(self.bias[ks].unsqueeze(1), x3, wt)
+        y = self._act(z)
+        y = y.mul_(dt if isinstance(dt, float) else dt.to(y.dtype).view(n, 1, 1))
+        return y.add_(x3).reshape(x.shape)
+
+    def linearize(self, states: torch.Tensor) -> None:
+        """Keeps ``act'(z_k)`` at the states of the local steps (rows ``0..n-1`` of ``states``)."""
+        n, w = len(self.linears), self.weight.shape[-1]
+        self._w_rev = self.weight.flip(0)
+        self._x_rev = states[:n].reshape(n, -1, w).flip(0)
+        z = torch.bmm(self._x_rev, self._w_rev.transpose(1, 2))
+        if self.bias is not None:
+            z += self.bias.flip(0).unsqueeze(1)
+        if self.act is None or type(self.act) is nn.Identity:
+            self._d_rev = None
+            return
+        with torch.enable_grad():
+            zr = z.requires_grad_(True)
+            (d,) = torch.autograd.grad(self.act(zr), zr, torch.ones_like(z))
+        self._d_rev = d
+
+    def release(self) -> None:
+        """Drops the linearisation (after the backward pass)."""
+        self._w_rev, self._x_rev, self._d_rev = torch.empty(0), torch.empty(0), None
+
+    def _dlam(self, lam3: torch.Tensor, rs: slice) -> torch.Tensor:
+        return lam3 if self._d_rev is None else lam3 * self._d_rev[rs]
+
+    def adjoint(
+        self, lam: torch.Tensor, r0: int, stride: int, dt: torch.Tensor | float
+    ) -> torch.Tensor:
+        """``lam + dt J_k^T lam`` for reversed rows ``r0, r0 + stride, ...`` (see linearize)."""
+        n, w = lam.shape[0], self.weight.shape[-1]
+        rs = slice(r0, r0 + (n - 1) * stride + 1, stride)
+        lam3 = lam.reshape(n, -1, w)
+        g = torch.bmm(self._dlam(lam3, rs), self._w_rev[rs])
+        g = g.mul_(dt if isinstance(dt, float) else dt.to(g.dtype).view(n, 1, 1))
+        return g.add_(lam3).reshape(lam.shape)
+
+    def gradients(
+        self, lams: torch.Tensor, h: float
+    ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+        """Parameter gradients of every local step from ``lam_{k+1}`` in reversed order.
+
+        Returns:
+            per local step (in order) its gradients in ``parameters()`` order, and
+            ``J_0^T lam_1 + lam_1`` of the first local step (dL/dx of its input).
+        """
+        n, w = len(self.linears), self.weight.shape[-1]
+        lam3 = lams[:n].reshape(n, -1, w)
+        d = self._dlam(lam3, slice(0, n))
+        g_w = torch.bmm(d.transpose(1, 2), self._x_rev).mul_(h)
+        g_b = d.sum(1).mul_(h) if self.bias is not None else None
+        grads = []
+        for k in range(n):
+            r = n - 1 - k
+            grads.append([g_w[r]] if g_b is None else [g_w[r], g_b[r]])
+        first = torch.mm(d[n - 1], self._w_rev[n - 1]).mul_(h).add_(lam3[n - 1])
+        return grads, first.reshape(lams.shape[1:])
