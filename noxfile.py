@@ -88,13 +88,19 @@ def _package_builds(session: nox.Session) -> Iterator[None]:
 
 
 def _install(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
-    session.install("-c", CONSTRAINTS, *TEST_DEPS, *extra)
+    # pip's own lines stay visible (silent=False): a first install takes minutes
+    # (torch, then the packages' Cython and C++ builds), which nox otherwise shows as
+    # one silent command.
+    session.log("installing torch (CPU), MPI and the test tools (minutes the first time)")
+    session.install("-c", CONSTRAINTS, *TEST_DEPS, *extra, silent=False)
     with _package_builds(session):
+        session.log("building and installing the six mpx packages (Cython, C++: minutes)")
         session.install(
             "-c",
             CONSTRAINTS,
             *[str(ROOT / "packages" / name) for name in PACKAGES],
             env={"MPX_QUANTIZE_CUDA": cuda, **(_local_cuda_arch() if cuda == "ON" else {})},
+            silent=False,
         )
 
 
