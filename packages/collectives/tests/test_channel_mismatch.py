@@ -225,8 +225,8 @@ def test_a_marker_where_like_expects_none() -> None:
 
 def test_a_first_part_is_told_apart_from_anything_else() -> None:
     metas = [(torch.Size((2, 3)), F32), (torch.Size((4,)), torch.bool)]
-    sent, data = wire.descriptor(metas)
-    assert bytes(sent.numpy()) == data
+    sent, raw, data = wire.descriptor(metas)
+    assert bytes(sent.numpy()) == bytes(raw) == data
     assert wire.descriptor(list(metas))[0] is sent  # cached: a post costs no encoding
     buf = np.zeros(wire.HEADER_BYTES, dtype=np.uint8)
     buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
@@ -236,7 +236,7 @@ def test_a_first_part_is_told_apart_from_anything_else() -> None:
     buf[: len(header)] = header
     head = wire.read_head(buf, len(header))
     assert (head.kind, head.metas, head.note) == ("header", metas, b"note")
-    assert wire.read_head(wire.marker().numpy(), 16).kind == "marker"
+    assert wire.read_head(wire.marker()[1], 16).kind == "marker"
     assert wire.read_head(buf, 0).kind == "nothing"  # a drain's empty message
     assert wire.read_head(buf, len(header) - 1).kind == "other"  # a length that does not fit
     assert wire.read_head(buf, -1).kind == "other"  # truncated: longer than any first part

@@ -129,9 +129,6 @@ __all__ = [
     "encode",
 ]
 
-_HEAD = torch.Size((HEADER_BYTES,))  # the shape of a first part's receive buffer
-_CPU = torch.device("cpu")
-
 
 class Channel:
     """Tagged, non-blocking point-to-point messages between this rank and its peers.
@@ -251,22 +248,22 @@ class Channel:
             check_tensor(wire, "Channel.post")
         metas = [(t.shape, t.dtype) for t in parts]
         if not header:
-            head = descriptor(metas)[0]
+            head, raw, _ = descriptor(metas)
         elif stream is not None and self._last_out.get((peer, stream)) == (note, metas):
-            head = marker()
+            head, raw = marker()
         else:
             pickled = b"" if note is None else pickle.dumps(note, pickle.HIGHEST_PROTOCOL)
             head = encode(parts, pickled)
+            raw = head.numpy()
             if stream is not None:
                 self._last_out[(peer, stream)] = (note, metas)
             self.full_headers_sent += 1
-        entries = [(head, send_head(self.comm, head, peer, tag))]
+        sent = Sent(peer, tag, [(head, send_head(self.comm, raw, peer, tag))])
         self._sent[(peer, tag)] += 1
+        self._sending.append(sent)  # first: a data send that raises leaves the ledger true
         for wire in wires:
-            entries.append((wire, send(wire, peer, tag, comm=self.comm, async_op=True)))
+            sent.entries.append((wire, send(wire, peer, tag, comm=self.comm, async_op=True)))
             self._sent[(peer, tag)] += 1
-        sent = Sent(peer, tag, entries)
-        self._sending.append(sent)
         self._reap()
         return sent
 
@@ -326,10 +323,10 @@ class Channel:
         elif like is not None:
             metas = [(torch.Size(s), d) for s, d in like]
         if metas is not None:
-            incoming.wanted = descriptor(metas)[1]
-        buf = self._pool.take(_HEAD, torch.uint8, _CPU)
+            incoming.wanted = descriptor(metas)[2]
+        buf, raw = self._pool.take_head()
         # Posted before the data receives: MPI matches one tag's messages in order.
-        incoming.head = (buf, receive_head(self.comm, buf, peer, tag))
+        incoming.head = (buf, receive_head(self.comm, raw, peer, tag))
         self._posted[(peer, tag)] += 1
         if into is not None:
             incoming.pooled = False
@@ -517,7 +514,7 @@ class Channel:
         for incoming in self._incoming:
             incoming.taken = True
             if incoming.head is not None:
-                self._pool.give(incoming.head[0])
+                self._pool.give_head(incoming.head[0], incoming.head[1].raw)
             if incoming.pooled:
                 self.release([buf for buf, _ in incoming.entries])
         self._incoming.clear()

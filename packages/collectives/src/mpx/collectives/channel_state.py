@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpx.collectives.channel_wire import Head, Metas, mismatch, read_head
+from mpx.collectives.channel_wire import HEADER_BYTES, Head, HeadRequest, Metas, mismatch, read_head
 from mpx.collectives.communicator import Communicator, usable_cores
 from mpx.collectives.errors import CollectiveTimeout, MPXError, MPXValueError, RemoteError
 from mpx.collectives.handle import Backoff, Handle, Requests, Steps
@@ -110,7 +111,7 @@ class Incoming:
     tag: int
     stream: int | None
     device: torch.device
-    head: Entry | None = None  # the first part's receive (header or descriptor), until read
+    head: tuple[torch.Tensor, HeadRequest] | None = None  # the first part's receive, until read
     wanted: bytes | None = None  # the descriptor expected (like=, into=); None: a header
     entries: list[Entry] = field(default_factory=list)  # the data receives, once posted
     dtypes: list[torch.dtype] = field(default_factory=list)  # what each buffer holds
@@ -144,7 +145,19 @@ class Pool:
         self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = (
             defaultdict(list)
         )
+        self._heads: list[tuple[torch.Tensor, np.ndarray]] = []
         self.allocated = 0
+
+    def take_head(self) -> tuple[torch.Tensor, np.ndarray]:
+        """A first part's receive buffer, as a tensor and as numpy (what MPI is given)."""
+        if self._heads:
+            return self._heads.pop()
+        self.allocated += 1
+        raw = np.empty(HEADER_BYTES, dtype=np.uint8)
+        return torch.from_numpy(raw), raw
+
+    def give_head(self, buf: torch.Tensor, raw: np.ndarray) -> None:
+        self._heads.append((buf, raw))
 
     def take(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free[(shape, dtype, device)]
@@ -170,19 +183,19 @@ def first_part(incoming: Incoming, pool: Pool, wait: Callable[[Handle[Any]], Non
     buf, handle = incoming.head
     try:
         wait(handle)
-        nbytes: int = handle.wait()
+        nbytes = handle.wait()
     except MPI.Exception as error:  # longer than any first part: not one
         if error.Get_error_class() != MPI.ERR_TRUNCATE:
             raise
         nbytes = -1
     incoming.head = None
-    raw = buf.numpy()
+    raw = handle.raw
     wanted = incoming.wanted
     if wanted is not None and nbytes == len(wanted) and raw[:nbytes].tobytes() == wanted:
         head = None  # the common case: a few dozen bytes compared, nothing decoded
     else:
         head = read_head(raw, nbytes)
-    pool.give(buf)
+    pool.give_head(buf, raw)
     return head
 
 
@@ -231,7 +244,7 @@ def unreported(incoming: Incoming, pool: Pool) -> MPXError | None:
     if incoming.taken or incoming.reported:
         return None
     if incoming.error is None and incoming.head is not None:
-        head = first_part(incoming, pool, Handle.wait)  # complete: settled
+        head = first_part(incoming, pool, lambda handle: None)  # complete: settled
         fine = ("nothing",) if incoming.wanted is not None else ("nothing", "header", "marker")
         if head is not None and head.kind not in fine:  # "nothing": never sent
             incoming.mismatched(head)

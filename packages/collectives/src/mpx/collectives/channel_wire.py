@@ -30,17 +30,17 @@ or a descriptor of more tensors -- arrives whole and is named, not truncated.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator
-from mpx.collectives.errors import MPXValueError
-from mpx.collectives.handle import Handle, Requests, Steps
+from mpx.collectives.errors import CollectiveTimeout, MPXValueError
+from mpx.collectives.handle import Backoff, Handle, Steps
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "MAX_NOTE_BYTES",
     "MAX_TENSORS",
     "Head",
+    "HeadRequest",
     "Metas",
     "decode",
     "describe",
@@ -81,6 +82,7 @@ DESCRIPTOR = int.from_bytes(b"mpx:desc", "little")
 """A descriptor's first word; a header's (a count, or -1) is never it."""
 
 _MARKER = torch.tensor([MARKER, 0], dtype=torch.int64).view(torch.uint8)
+_MARKER_RAW = _MARKER.numpy()
 
 
 def _check_count(count: int) -> None:
@@ -116,13 +118,16 @@ def encode(tensors: Sequence[torch.Tensor], note: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(words.tobytes() + note), dtype=torch.uint8)
 
 
-def marker() -> torch.Tensor:
-    """A marker (shared: MPI only reads a send buffer)."""
-    return _MARKER
+def marker() -> tuple[torch.Tensor, np.ndarray]:
+    """A marker, as a tensor and numpy (shared: MPI only reads a send buffer)."""
+    return _MARKER, _MARKER_RAW
 
 
-def descriptor(metas: Iterable[tuple[torch.Size, torch.dtype]]) -> tuple[torch.Tensor, bytes]:
-    """The descriptor of tensors of these (shape, dtype): to send (shared), and its bytes.
+def descriptor(
+    metas: Iterable[tuple[torch.Size, torch.dtype]],
+) -> tuple[torch.Tensor, np.ndarray, bytes]:
+    """The descriptor of tensors of these (shape, dtype): to send (a tensor and its numpy,
+    shared: MPI only reads a send buffer), and its bytes (to compare).
 
     Raises:
         MPXValueError: too many tensors or dimensions.
@@ -132,14 +137,17 @@ def descriptor(metas: Iterable[tuple[torch.Size, torch.dtype]]) -> tuple[torch.T
 
 
 @functools.lru_cache(maxsize=1024)
-def _descriptor(key: tuple[tuple[torch.Size, torch.dtype], ...]) -> tuple[torch.Tensor, bytes]:
+def _descriptor(
+    key: tuple[tuple[torch.Size, torch.dtype], ...],
+) -> tuple[torch.Tensor, np.ndarray, bytes]:
     # Cached: a layer's messages repeat a few shapes, and this runs on every post and expect.
     _check_count(len(key))
     words = np.empty(_FIXED + len(key) * HEADER_LEN, dtype=np.int64)
     words[0], words[1] = DESCRIPTOR, len(key)
     _rows(words, key)
     data = words.tobytes()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8), data
+    raw = np.frombuffer(bytearray(data), dtype=np.uint8)
+    return torch.from_numpy(raw), raw, data
 
 
 @dataclass
@@ -245,43 +253,82 @@ def mismatch(peer: int, tag: int, head: Head, wanted: Metas | None, how: str) ->
     )
 
 
-class _HeadReceive(Requests):
-    """A first part's receive; keeps its status (its length tells an empty message apart)."""
+class HeadRequest(Handle[int]):
+    """A first part's send or receive: one MPI request, which the channel polls itself.
 
-    __slots__ = ("status",)
-
-    def __init__(self, request: MPI.Request, peer: int) -> None:
-        super().__init__([request], peers=[peer])
-        self.status = MPI.Status()
-
-    def test(self) -> bool:
-        return bool(self.requests[0].Test(self.status))
-
-    def wait(self) -> None:
-        self.requests[0].Wait(self.status)
-
-
-def _receiving(comm: Communicator, raw: np.ndarray, peer: int, tag: int) -> Steps[int]:
-    pending = _HeadReceive(comm.mpi.Irecv([raw, MPI.BYTE], source=peer, tag=tag), peer)
-    yield pending
-    return int(pending.status.Get_count(MPI.BYTE))
-
-
-def _sending(comm: Communicator, raw: np.ndarray, peer: int, tag: int) -> Steps[None]:
-    yield Requests([comm.mpi.Isend([raw, MPI.BYTE], dest=peer, tag=tag)], peers=[peer])
-
-
-def receive_head(comm: Communicator, buf: torch.Tensor, peer: int, tag: int) -> Handle[int]:
-    """Receives a first part into ``buf`` (uint8, CPU); the handle's result is its length.
-
-    Straight through MPI (a first part is bytes on the host): cheaper than
-    :func:`~mpx.collectives.recv`, which chooses an implementation per call.
+    A first part goes with every message, and a :class:`Handle` built by
+    :meth:`Communicator.run <mpx.collectives.Communicator.run>` costs tens of
+    microseconds (a generator, the lock, the progress thread told): this one
+    costs its MPI call. It is deliberately not set up by ``Handle.__init__``:
+    nothing but the channel polls it (it is never given to the progress thread,
+    so it needs no lock), and it overrides what a Handle's users call --
+    :meth:`done`, :meth:`wait`, ``completed``. A receive's result is the length
+    of the message in bytes (0: the empty message of a drain).
     """
-    steps = _receiving(comm, buf.numpy(), peer, tag)
-    return cast("Handle[int]", comm.run("recv", "mpi", steps, True, None))
+
+    def __init__(
+        self, op: str, request: MPI.Request, raw: np.ndarray, peer: int, timeout: float | None
+    ) -> None:
+        self.op, self.impl = op, "mpi"
+        self.raw = raw  # the buffer MPI reads or writes, as numpy (no conversion per read)
+        self._request, self._status, self._peer = request, MPI.Status(), peer
+        self._timeout = timeout
+        self._finished, self._result, self._error = False, 0, None
+
+    def done(self) -> bool:
+        """Tests the request; True once complete (an MPI error is kept for :meth:`wait`)."""
+        if not self._finished:
+            try:
+                if not self._request.Test(self._status):
+                    return False
+                self._result = self._status.Get_count(MPI.BYTE)
+            except MPI.Exception as error:  # e.g. a receive truncated
+                self._error = error
+            self._finished = True
+        return True
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Polls until complete; the length received. Raises the MPI error, if any.
+
+        Raises:
+            CollectiveTimeout: past ``timeout`` (else the communicator's).
+        """
+        limit = self._timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        backoff = Backoff()
+        while not self.done():
+            if limit is not None and deadline is not None and time.monotonic() > deadline:
+                raise CollectiveTimeout(self.op, self.impl, limit, [self._peer])
+            backoff.pause()
+        return self._result_or_raise()
 
 
-def send_head(comm: Communicator, head: torch.Tensor, peer: int, tag: int) -> Handle[None]:
-    """Sends a first part (uint8, CPU), as :func:`receive_head` receives it."""
-    steps = _sending(comm, head.numpy(), peer, tag)
-    return cast("Handle[None]", comm.run("send", "mpi", steps, True, None))
+def _usable(comm: Communicator, op: str) -> None:
+    """Raises the communicator's own error if it is freed or broken (an MPI call on a
+    freed one fails with MPI's, which names nothing)."""
+    comm.run(op, "mpi", _no_steps(), False, None)
+
+
+def _no_steps() -> Steps[None]:
+    return
+    yield  # a generator of no steps
+
+
+def send_head(comm: Communicator, raw: np.ndarray, peer: int, tag: int) -> HeadRequest:
+    """Sends a first part (``raw``: uint8) straight through MPI; returns at once."""
+    try:
+        request = comm.mpi.Isend([raw, MPI.BYTE], dest=peer, tag=tag)
+    except MPI.Exception:
+        _usable(comm, "send")
+        raise
+    return HeadRequest("send", request, raw, peer, comm.timeout)
+
+
+def receive_head(comm: Communicator, raw: np.ndarray, peer: int, tag: int) -> HeadRequest:
+    """Receives a first part into ``raw`` (uint8, :data:`HEADER_BYTES`); returns at once."""
+    try:
+        request = comm.mpi.Irecv([raw, MPI.BYTE], source=peer, tag=tag)
+    except MPI.Exception:
+        _usable(comm, "recv")
+        raise
+    return HeadRequest("recv", request, raw, peer, comm.timeout)
