@@ -414,7 +414,12 @@ class Pipeline(nn.Module):
 
     # -- inputs ---------------------------------------------------------------
 
-    def _split(self, t: Any, what: str, needed: bool) -> list[Any]:
+    def _split(self, t: Any, what: str, needed: bool, parts: int = 0) -> list[Any]:
+        """``t`` in ``chunks`` equal micro-batches (training), or in ``parts`` (evaluation).
+
+        Evaluation takes any batch size: ``tensor_split`` makes ``parts``
+        micro-batches whose sizes differ by at most one (the last ones shorter).
+        """
         if t is None or not needed:
             if needed:
                 raise PipelineValueError(
@@ -422,7 +427,41 @@ class Pipeline(nn.Module):
                     "on this rank"
                 )
             return []
-        return border.split(t, self.chunks, what)
+        if not parts:
+            # Training keeps equal micro-batches: the loss is their mean.
+            return border.split(t, self.chunks, what)
+        tensors, spec = border.flatten(t, what)
+        cut = [x.tensor_split(parts) for x in tensors]
+        return [border.unflatten(spec, [c[k] for c in cut]) for k in range(parts)]
+
+    def _eval_parts(self, inputs: Any) -> int:
+        """The micro-batches of an evaluation call, from rank 0 (stage 0) to every rank.
+
+        ``chunks``, or the batch size where it is smaller; 0 where rank 0's inputs
+        are bad (rank 0 raises, the others run nothing). Only rank 0 reads the
+        inputs, so the others learn the count from it.
+        """
+        count = torch.zeros(1, dtype=torch.int64)
+        error: Exception | None = None
+        if self.first:
+            try:
+                if inputs is None:
+                    self._split(inputs, "inputs", True)  # its error
+                tensors, _ = border.flatten(inputs, "inputs")
+                sizes = [x.shape[0] if x.dim() else 0 for x in tensors]
+                if sizes and min(sizes) < 1:
+                    raise PipelineValueError(
+                        f"inputs has a tensor of batch size {min(sizes)} (shapes "
+                        f"{[tuple(x.shape) for x in tensors]}); evaluation cuts every tensor "
+                        "along dim 0 into micro-batches: pass tensors of at least one sample"
+                    )
+                count[0] = min([self.chunks, *sizes])
+            except Exception as bad:  # raised after the count, so no rank waits for it
+                error = bad
+        broadcast(count, 0, comm=self.comm)
+        if error is not None:
+            raise error
+        return int(count[0])
 
     # -- public API -------------------------------------------------------------
 
@@ -654,8 +693,10 @@ class Pipeline(nn.Module):
     def forward(self, inputs: Any) -> Any:
         """Forward only, without gradients; the output on the last stage, None elsewhere.
 
-        Micro-batches follow ``chunks`` (the batch must divide). In training
-        mode dropout draws from a stream apart from ``step``'s.
+        Any batch size: ``chunks`` micro-batches, the last ones a sample shorter
+        where ``chunks`` does not divide the batch, one per sample where the batch
+        is smaller than ``chunks`` (``step`` needs a batch that ``chunks`` divides).
+        In training mode dropout draws from a stream apart from ``step``'s.
         """
         self._begin_call("checking the arguments")
         undo = _UndoPoint(self, set_aside_grads=False)
@@ -673,11 +714,13 @@ class Pipeline(nn.Module):
         return out
 
     def _forward_call(self, inputs: Any) -> Any:
-        xs = self._split(inputs, "inputs", self.first)
-        m = self.chunks
         passes = self._passes
         # ``async`` leaves its last sends in flight; their slots are reused here.
         passes.finish_sends()
+        m = self._eval_parts(inputs)
+        if not m:
+            return None  # rank 0's inputs were bad: it raises, the status tells everyone
+        xs = self._split(inputs, "inputs", self.first, parts=m)
         self._ids = list(range(m))
         passes.start_call(self._ids)
         self._eval_calls += 1
@@ -696,7 +739,8 @@ class Pipeline(nn.Module):
         kept, ex.live = ex.live, {}
         try:
             with torch.no_grad():
-                self._run(actions, _EvalHooks(-self._eval_calls * m), xs, [], None)
+                # Numbered by ``chunks`` (>= m): calls of fewer micro-batches never share a seed.
+                self._run(actions, _EvalHooks(-self._eval_calls * self.chunks), xs, [], None)
             passes.finish_sends()
             outs = []
             last = passes.virtual - 1
