@@ -55,6 +55,7 @@ from mpx.collectives.consistency import call_of, calls_differ, encode
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.handle import LOCK, Requests, drive, wait_yielding
 from mpx.collectives.impl_mpi import MPI_OPS
+from mpx.collectives.impl_mpi import mpi_op as op_for
 from mpx.collectives.policy import choose, current
 
 try:
@@ -176,7 +177,9 @@ class _Call:
             self.op, self.impl, self.root = key[3], key[4], -1
             self.start, self.args = comm.mpi.Iallreduce, (_IN_PLACE, message, mpi_op)
         self.queue = comm._queue._handles
-        self.direct = DIRECT and count < 2**31  # MPI's count is a C int
+        # MPI's count is a C int; an op made in Python (floating max/min,
+        # impl_mpi.mpi_op) is called back by mpi4py, so it goes through mpi4py.
+        self.direct = DIRECT and count < 2**31 and (bcast or mpi_op.is_predefined)
         self.yielding = bool(comm.yielding)
         self.address = key[0]
         self.count = count
@@ -269,7 +272,9 @@ def _lookup(
         entry = False
         if taken:
             message = [MPI.buffer.fromaddress(address, nbytes), _MPI_TYPES[dtype]]
-            entry = _Call(comm, key, bcast, message, t.numel(), None if bcast else MPI_OPS[op])
+            entry = _Call(
+                comm, key, bcast, message, t.numel(), None if bcast else op_for(op, dtype)
+            )
         if len(cache.fast) >= _LIMIT:
             cache.fast.clear()
         cache.fast[plan_key] = taken

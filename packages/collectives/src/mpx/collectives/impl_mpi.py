@@ -6,15 +6,19 @@ non-blocking one on another, so sync and async calls must be the same call.
 Tensors go to MPI as numpy views of their memory (no copy). Reductions of
 float16 and bfloat16 run on a float32 copy, rounded back once (MPI has no
 bfloat16, and MPICH's float16 sum is slow and rounds at every step:
-:mod:`mpx.collectives.dtypes`). CUDA tensors are passed to MPI only when
+:mod:`mpx.collectives.dtypes`). Floating ``max`` and ``min`` reduce with
+numpy's NaN-propagating ``np.maximum``/``np.minimum`` (:func:`mpi_op`), not
+MPI's own MAX/MIN. CUDA tensors are passed to MPI only when
 the user declares the MPI CUDA-aware (``MPX_CUDA_AWARE=1``); otherwise the
 ``staged`` implementation carries them through host memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -32,6 +36,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "cuda_aware",
+    "mpi_op",
     "recv",
     "reduce",
     "reduce_scatter",
@@ -39,6 +44,44 @@ __all__ = [
 ]
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+"""MPI's own op of each reduce op (:func:`mpi_op` gives it but for floating max/min)."""
+
+# MPI's own MAX and MIN are C's ``a > b ? a : b``: a NaN wins or loses by its
+# side of the comparison, and MPICH's allreduce combines the operands in a
+# different order on each rank, so a NaN on rank 0 came out NaN on some ranks
+# and a number on others -- replicas that silently diverged. Floating max and
+# min reduce with np.maximum / np.minimum instead, as a user-defined op: NaN
+# wherever any rank has NaN at that element, on every rank, as torch.maximum
+# gives on shm and ring (infinities are ordinary extremes). Integers keep
+# MPI's own ops (no NaN), and so does every other reduce op (IEEE sums and
+# products propagate NaN whatever the order).
+_FLOATING_UFUNCS: dict[str, Callable[..., Any]] = {"max": np.maximum, "min": np.minimum}
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
+_user_ops: dict[tuple[str, torch.dtype], MPI.Op] = {}
+
+
+def _numpy_op(ufunc: Callable[..., Any], kind: type) -> MPI.Op:
+    """An MPI op reducing buffers of numpy ``kind`` with ``ufunc`` (in place into inout)."""
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
+        out: np.ndarray = np.frombuffer(inoutbuf, kind)
+        ufunc(np.frombuffer(inbuf, kind), out, out=out)
+
+    # Commutative: which operand is NaN does not matter, and MPI may then use
+    # its fastest algorithms (reduce-scatter + allgather for large messages).
+    return MPI.Op.Create(reduce, commute=True)
+
+
+def mpi_op(op: str, dtype: torch.dtype) -> MPI.Op:
+    """The MPI op that reduces a buffer of ``dtype`` (as handed to MPI: the 16-bit floats
+    arrive as float32 copies) with ``op``: MPI's own, or for floating max/min a
+    NaN-propagating one (made on first use, once per process)."""
+    if op in _FLOATING_UFUNCS and dtype in _NUMPY_FLOATS:
+        found = _user_ops.get((op, dtype))
+        if found is None:
+            found = _user_ops[(op, dtype)] = _numpy_op(_FLOATING_UFUNCS[op], _NUMPY_FLOATS[dtype])
+        return found
+    return MPI_OPS[op]
 
 
 def cuda_aware() -> bool:
@@ -54,9 +97,15 @@ def _buf(t: torch.Tensor) -> Any:
     return numpy_view(t)
 
 
-def _reducible(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a float32 copy for the 16-bit floats (see ``mpi_reduces``)."""
-    return t if mpi_reduces(t.dtype) else t.to(torch.float32)
+def _reducible(t: torch.Tensor, op: str) -> tuple[torch.Tensor, MPI.Op]:
+    """What MPI reduces for ``t``, and with which op: ``t`` itself, or a float32 copy for
+    the 16-bit floats (see ``mpi_reduces``); a CUDA tensor whose op is numpy's
+    (:func:`mpi_op`) goes as a host copy, since numpy reads host memory only."""
+    work = t if mpi_reduces(t.dtype) else t.to(torch.float32)
+    mpi = mpi_op(op, work.dtype)
+    if work.is_cuda and not mpi.is_predefined:
+        work = work.cpu()
+    return work, mpi
 
 
 def _finish(t: torch.Tensor, work: torch.Tensor, op: str, size: int) -> torch.Tensor:
@@ -68,9 +117,9 @@ def _finish(t: torch.Tensor, work: torch.Tensor, op: str, size: int) -> torch.Te
 
 
 def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
-    work = _reducible(t)
+    work, mpi = _reducible(t, op)
     buf = _buf(work)
-    yield Requests([comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])])
+    yield Requests([comm.mpi.Iallreduce(MPI.IN_PLACE, buf, op=mpi)])
     return _finish(t, work, op, comm.size)
 
 
@@ -81,10 +130,10 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int) -> Steps[torch.Ten
 
 
 def reduce(comm: Communicator, t: torch.Tensor, root: int, op: str) -> Steps[torch.Tensor]:
-    work = _reducible(t)
+    work, mpi = _reducible(t, op)
     buf = _buf(work)
     send, recv = (MPI.IN_PLACE, buf) if comm.rank == root else (buf, None)
-    yield Requests([comm.mpi.Ireduce(send, recv, op=MPI_OPS[op], root=root)])
+    yield Requests([comm.mpi.Ireduce(send, recv, op=mpi, root=root)])
     return _finish(t, work, op, comm.size) if comm.rank == root else t
 
 
@@ -96,13 +145,14 @@ def allgather(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:
 
 
 def reduce_scatter(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
-    work = _reducible(t)
-    out = torch.empty((t.shape[0] // comm.size, *t.shape[1:]), dtype=work.dtype, device=t.device)
+    work, mpi = _reducible(t, op)
+    shape = (t.shape[0] // comm.size, *t.shape[1:])
+    out = torch.empty(shape, dtype=work.dtype, device=work.device)
     send, recv = _buf(work), _buf(out)
-    yield Requests([comm.mpi.Ireduce_scatter_block(send, recv, op=MPI_OPS[op])])
+    yield Requests([comm.mpi.Ireduce_scatter_block(send, recv, op=mpi)])
     if op == "avg":
         out.div_(comm.size)
-    return out.to(t.dtype) if out.dtype != t.dtype else out
+    return out.to(t.device, t.dtype)
 
 
 def alltoall(comm: Communicator, t: torch.Tensor) -> Steps[torch.Tensor]:

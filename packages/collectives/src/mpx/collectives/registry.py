@@ -143,7 +143,9 @@ OP_SPECS: Mapping[str, OpSpec] = {
     Args:
         t: a contiguous tensor, or a Python int or float (TorchMPI's scalar
             allreduce: blocking, the result comes back as the same type).
-        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``.
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``. ``max``
+            and ``min`` give NaN wherever any rank has NaN, on every rank and
+            implementation but torch's own ``impl="gloo"`` and ``"nccl"``.
 
     Returns:
         ``t``, or a :class:`Handle` whose ``wait()`` returns it; for a
