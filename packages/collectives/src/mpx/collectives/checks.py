@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.errors import MPXTypeError, MPXValueError
 
-__all__ = ["check_rank", "check_tensor"]
+__all__ = ["as_limit", "check_rank", "check_tensor", "check_timeout"]
 
 
 def check_tensor(t: object, op: str, name: str = "tensor") -> torch.Tensor:
@@ -47,3 +50,38 @@ def check_rank(value: int, size: int, what: str, op: str) -> int:
     if not isinstance(value, int) or not 0 <= value < size:
         raise MPXValueError(f"{op}: {what} must be a rank in [0, {size}), got {value!r}")
     return value
+
+
+def check_timeout(value: object, where: str) -> float | None:
+    """``value`` as a timeout in seconds: None, a number > 0, or ``math.inf``.
+
+    None defers to the default (the communicator's, ``MPX_TIMEOUT``); inf is
+    "no limit" (as ``MPX_TIMEOUT=inf`` already was), also where a default is
+    set. Checked before anything moves: a timeout of 0 or less used to start
+    the call and expire at once, leaving the communicator broken for every
+    later call, and a NaN one never expired.
+
+    Raises:
+        MPXTypeError: not a number (a bool, a string, a ``timedelta``).
+        MPXValueError: zero, negative or NaN.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real):
+        hint = "timeout=delta.total_seconds()" if hasattr(value, "total_seconds") else "timeout=60"
+        raise MPXTypeError(
+            f"{where}: timeout must be a number of seconds > 0 (or None), got {value!r} of "
+            f"type {type(value).__name__}; pass e.g. {hint}"
+        )
+    seconds = float(value)
+    if not seconds > 0:  # also NaN
+        raise MPXValueError(
+            f"{where}: timeout must be a number of seconds > 0, got {value!r}; pass e.g. "
+            "timeout=60, or None for the communicator's (MPX_TIMEOUT), math.inf for no limit"
+        )
+    return seconds
+
+
+def as_limit(seconds: float | None) -> float | None:
+    """A checked timeout as a deadline's length: None (no deadline) for None or inf."""
+    return None if seconds is None or seconds == math.inf else seconds

@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 from mpx.collectives import progress, settings
 from mpx.collectives.call_board import Arrival, CallBoard
+from mpx.collectives.checks import as_limit, check_timeout
 from mpx.collectives.consistency import (
     CHECKED_OPS,
     CONFIGURATION,
@@ -124,6 +125,7 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm, timeout: float | None = None) -> None:
+        timeout = check_timeout(timeout, "Communicator")
         self.mpi = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
@@ -186,7 +188,13 @@ class Communicator:
 
     @classmethod
     def from_mpi(cls, comm: MPI.Intracomm, timeout: float | None = None) -> Communicator:
-        """Wraps (a duplicate of) an mpi4py communicator. Collective."""
+        """Wraps (a duplicate of) an mpi4py communicator. Collective.
+
+        Args:
+            timeout: default timeout of its operations, seconds > 0 (``math.inf``:
+                none); None: ``MPX_TIMEOUT``.
+        """
+        check_timeout(timeout, "Communicator.from_mpi")  # before the Dup: nothing to free
         if comm == MPI.COMM_NULL:
             raise MPXValueError(
                 "from_mpi got MPI.COMM_NULL; only members of a communicator may wrap it"
@@ -304,6 +312,10 @@ class Communicator:
         self, op: str, impl: str, steps: Steps[T], async_op: bool, timeout: float | None
     ) -> T | Handle[T]:
         """Runs an implementation's steps: returns a Handle, or waits for the result."""
+        if timeout is not None:
+            # Checked here too for the communicator's own collectives (agree,
+            # allgather_object ...): before the call counts or starts.
+            timeout = check_timeout(timeout, op)
         if self._freed:
             steps.close()
             self._check_usable(op)
@@ -314,7 +326,7 @@ class Communicator:
                 "state is unknown; create a new communicator (or restart the job)"
             )
         self._announce()
-        limit = self.timeout if timeout is None else timeout
+        limit = as_limit(self.timeout if timeout is None else timeout)
         if not async_op and limit is None:
             with LOCK:
                 idle = not self._queue

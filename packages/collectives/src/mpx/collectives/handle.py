@@ -58,6 +58,7 @@ from typing import Any, Generic, TypeVar
 
 from mpi4py import MPI
 
+from mpx.collectives.checks import as_limit, check_timeout
 from mpx.collectives.errors import CollectiveTimeout
 
 __all__ = [
@@ -308,13 +309,18 @@ class Handle(Generic[T]):
         """Blocks until complete; returns the result.
 
         Args:
-            timeout: seconds; the communicator's timeout (``MPX_TIMEOUT``)
-                when None, no limit if that is unset too.
+            timeout: seconds (> 0; ``math.inf``: no limit); the
+                communicator's timeout (``MPX_TIMEOUT``) when None, no limit
+                if that is unset too. To look without waiting, call ``done()``.
 
         Raises:
             CollectiveTimeout: not complete in time; names the peers waited for.
+            MPXValueError, MPXTypeError: ``timeout`` is 0 or less, NaN, or
+                not a number (the operation goes on: wait for it again).
         """
-        limit = self._timeout if timeout is None else timeout
+        if timeout is not None:
+            timeout = check_timeout(timeout, f"{self.op}: Handle.wait")
+        limit = as_limit(self._timeout if timeout is None else timeout)
         if limit is None:
             self._wait_unbounded()
             return self._result_or_raise()

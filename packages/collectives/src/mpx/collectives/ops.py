@@ -3,8 +3,9 @@
 Every operation takes ``comm=`` (default :func:`world`), ``impl=`` (default
 ``MPX_COLLECTIVES_IMPL`` or ``"auto"``), ``async_op=`` (return a
 :class:`Handle` instead of the result) and ``timeout=`` seconds (default
-``MPX_TIMEOUT``; a :class:`CollectiveTimeout` instead of a hang). In-place
-operations return their input tensor.
+``MPX_TIMEOUT``; a :class:`CollectiveTimeout` instead of a hang; > 0, or
+``math.inf`` for none: 0, negative or NaN is refused before anything moves).
+In-place operations return their input tensor.
 
 Each operation is written once, in the table of op specs
 (:data:`mpx.collectives.registry.OP_SPECS`): its signature and overloads are
@@ -27,7 +28,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 import torch
 
 from mpx.collectives import fast_path
-from mpx.collectives.checks import check_rank, check_tensor
+from mpx.collectives.checks import check_rank, check_tensor, check_timeout
 from mpx.collectives.communicator import CommLike, as_communicator
 from mpx.collectives.dtypes import check_op_for_dtype
 from mpx.collectives.errors import MPXTypeError, MPXValueError
@@ -193,6 +194,7 @@ def _call(
     """
     spec = plan.spec
     name = spec.name
+    timeout = check_timeout(timeout, name)
     if spec.scalar:
         scalar = _scalar_tensor(t, name, async_op)
         if scalar is not None:
