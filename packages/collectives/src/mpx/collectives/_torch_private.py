@@ -8,6 +8,10 @@ CUDA IPC: torch exports a CUDA allocation as a tuple of handles
 ``UntypedStorage._new_shared_cuda`` (what ``torch.multiprocessing`` does for
 CUDA tensors). Both exist, with these names, from torch 1.x to 2.13.
 
+Version counters: ``torch._C._autograd._unsafe_set_version_counter`` sets
+tensors' version counters (what ``torch.autograd._unsafe_preserve_version_counter``
+does on exit); it takes sequences of tensors and versions from torch 2.3 to 2.13.
+
 DDP's built-in comm hooks: ``DistributedDataParallel._register_builtin_comm_hook``
 is where a DDP hands its group to C++ hooks that read futures as c10 tensor
 lists (:func:`on_builtin_comm_hook` hears of it). Private in torch since 1.8,
@@ -30,6 +34,7 @@ __all__ = [
     "gloo_process_group",
     "on_builtin_comm_hook",
     "open_cuda_storage",
+    "set_versions",
 ]
 
 
@@ -47,6 +52,12 @@ def open_cuda_storage(handle: tuple[Any, ...]) -> torch.UntypedStorage:
     """Maps a peer's exported CUDA storage into this process."""
     storage_class: Any = torch.UntypedStorage
     return storage_class._new_shared_cuda(*handle)  # type: ignore[no-any-return]
+
+
+def set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
+    """Sets each of ``tensors``' version counter (``t._version``) to its entry of ``versions``."""
+    autograd: Any = torch._C._autograd  # not in torch's stubs
+    autograd._unsafe_set_version_counter(tensors, versions)
 
 
 def gloo_process_group(

@@ -27,6 +27,8 @@ round once and agree bitwise).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -68,9 +70,50 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(wire) if wire is not None else t
 
 
+class _Memory:
+    """``t``'s memory as numpy's array interface; the array it makes keeps ``t`` alive.
+
+    ``t.numpy()`` (and ``np.asarray(t)``) marks ``t``'s storage as not
+    resizable for good -- numpy might hold its pointer -- so a user's tensor
+    that went through a collective could no longer be ``resize_``d (DDP's
+    bucket buffers, torch's batched PowerSGD hook); gloo leaves it resizable.
+    Handing numpy the address changes nothing on the tensor.
+    """
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t  # numpy keeps this object as the array's base: t outlives the array
+        size = t.element_size()
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(t.shape),
+            "typestr": _numpy_dtype(t.dtype).str,
+            "data": (t.data_ptr(), False),
+            "strides": tuple(stride * size for stride in t.stride()),
+        }
+
+
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    found = _NUMPY_DTYPES.get(dtype)
+    if found is None:
+        # torch's own mapping, read off a fresh tensor (marking it is harmless).
+        found = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+    return found
+
+
 def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy array sharing ``t``'s memory (CPU tensors; bfloat16 as int16)."""
-    return wire_view(t.detach()).numpy()
+    """A numpy array sharing ``t``'s memory (CPU tensors; bfloat16 as int16).
+
+    Unlike ``t.numpy()`` it leaves ``t`` as it was: its storage stays
+    resizable (see :class:`_Memory`), as gloo leaves the tensors it moves.
+    """
+    if t.device.type != "cpu":
+        raise MPXTypeError(f"numpy_view needs a CPU tensor, got one on {t.device}")
+    return np.asarray(_Memory(wire_view(t.detach())))
 
 
 def mpi_reduces(dtype: torch.dtype) -> bool:

@@ -53,6 +53,7 @@ from mpi4py import MPI
 from mpx.collectives import ops, progress
 from mpx.collectives._torch_private import on_builtin_comm_hook
 from mpx.collectives.communicator import Communicator, world
+from mpx.collectives.dtypes import numpy_view
 from mpx.collectives.errors import CollectiveTimeout, MPXTypeError, MPXValueError
 from mpx.collectives.handle import LOCK, Handle
 from mpx.collectives.torch_forms import (
@@ -61,6 +62,7 @@ from mpx.collectives.torch_forms import (
     bytes_of,
     reduce_form,
     reduce_op,
+    versions_as_gloo,
 )
 from mpx.collectives.torch_futures import COMPLETING, MPXFuture, tensor_list_future
 
@@ -166,8 +168,12 @@ class MPXWork(dist.Work):
         timeout: float | None = None,
         lists_for_cpp: bool = True,
         driven: bool = False,
+        value: list[list[torch.Tensor]] | None = None,
     ) -> None:
         super().__init__()
+        # The Python future's value where it is not ``result``: c10d's allgather of
+        # several inputs gives one list per input, as gloo's future does.
+        self._value = value
         self._lists_for_cpp = lists_for_cpp
         self._handles = list(handles)
         # The handles the progress thread advances itself (mpx handles of a
@@ -217,7 +223,9 @@ class MPXWork(dist.Work):
 
     def _wait_for(self, handle: Handle[Any], expired: bool) -> None:
         try:
-            handle.wait(0.0 if expired else None)
+            # Past the group's deadline: one look, no wait (Handle.wait takes a
+            # timeout > 0 only; a microsecond is as good as none).
+            handle.wait(1e-6 if expired else None)
         except CollectiveTimeout as late:
             raise CollectiveTimeout(
                 late.op,
@@ -231,7 +239,8 @@ class MPXWork(dist.Work):
     def _complete_future(self) -> None:
         assert self._future is not None
         if self._error is None:
-            self._future.set_result(self._result)
+            value: Any = self._result if self._value is None else self._value
+            self._future.set_result(value)
         else:
             self._future.set_exception(_as_exception(self._error))  # type: ignore[arg-type]  # (stub: the value type)
 
@@ -493,8 +502,17 @@ class MPXProcessGroup(dist.ProcessGroup):
         result: list[torch.Tensor],
         then: Callable[[], None] | None = None,
         source: Callable[[], int] | None = None,
+        versions: Callable[[], None] | None = None,
+        value: list[list[torch.Tensor]] | None = None,
     ) -> MPXWork:
-        """A work of this group: it fails at the group's timeout."""
+        """A work of this group: it fails at the group's timeout.
+
+        ``versions`` (:func:`versions_as_gloo`, made as the operation started)
+        runs after ``then``; ``value`` is the future's value where it is not
+        ``result``.
+        """
+        if versions is not None:
+            then = versions if then is None else _in_turn([then, versions])
         return MPXWork(
             handles,
             result,
@@ -503,6 +521,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             self.timeout_s,
             lists_for_cpp=self._cpp_reads_lists,
             driven=self.comm.background_progress,
+            value=value,
         )
 
     def _joined(self, works: Sequence[MPXWork], result: list[torch.Tensor]) -> MPXWork:
@@ -547,6 +566,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         name = self.reduce_op_name(opts, "allreduce")
         if len(tensors) == 1 and tensors[0].is_sparse:
             return self._sparse_allreduce(tensors[0], name)
+        versions = versions_as_gloo(tensors)
         # Several tensors (torch's multi-device form): one value over all of them.
         forms = [reduce_form(t, name, "allreduce") for t in tensors]
         combined = forms[0]
@@ -555,7 +575,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         handle = self._allreduce_form(combined)
         if len(forms) == 1 and combined.tensor is combined.original:
             # DDP's bucket: reduced in its own memory, nothing to write back.
-            return self._work([handle], tensors)
+            return self._work([handle], tensors, versions=versions)
 
         def write_back() -> None:
             for form in forms:
@@ -563,11 +583,12 @@ class MPXProcessGroup(dist.ProcessGroup):
                     form.tensor.copy_(combined.tensor)
                 form.write_back()
 
-        return self._work([handle], tensors, write_back)
+        return self._work([handle], tensors, write_back, versions=versions)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:
         """Each tensor reduced once, from its value before the call (as gloo's flat buffer)."""
         op = self.reduce_op_name(opts, "allreduce_coalesced")
+        versions = versions_as_gloo(tensors, 1)  # gloo copies each out of its flat buffer
         forms = [reduce_form(t, op, "allreduce_coalesced") for t in tensors]
         if _share_memory([form.tensor for form in forms]):
             # One tensor twice in the list, or overlapping views: reduced in place,
@@ -580,12 +601,13 @@ class MPXProcessGroup(dist.ProcessGroup):
             for form in forms:
                 form.write_back()
 
-        return self._work(handles, tensors, write_back)
+        return self._work(handles, tensors, write_back, versions=versions)
 
     def reduce(self, tensors: Any, opts: Any = None) -> MPXWork:  # type: ignore[override]
         tensors = _all_of(tensors)
         op = self.reduce_op_name(opts, "reduce")
         root = self._check_root(opts.rootRank if opts is not None else 0, "reduce")
+        versions = versions_as_gloo(tensors)
         form = reduce_form(tensors[0], op, "reduce")
         if op in BITWISE:  # reduced on every rank, into a scratch copy off the root
             form = ReduceForm(tensors[0], form.tensor.clone(), op)
@@ -599,7 +621,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             if self.comm.rank == root:
                 form.write_back()
 
-        return self._work([handle], tensors, write_back)
+        return self._work([handle], tensors, write_back, versions=versions)
 
     def _reduce_scatter_rows(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str, where: str
@@ -644,11 +666,13 @@ class MPXProcessGroup(dist.ProcessGroup):
         if input_lists and isinstance(input_lists[0], torch.Tensor):
             input_lists = [input_lists]
         op = self.reduce_op_name(opts, "reduce_scatter")
+        versions = versions_as_gloo(outputs, 1)  # gloo copies each out of its buffer
         steps = [
             self._reduce_scatter_rows([out], list(inputs), op, "reduce_scatter")
             for out, inputs in zip(outputs, input_lists, strict=True)
         ]
-        return self._work([h for h, _ in steps], outputs, _in_turn([then for _, then in steps]))
+        then = _in_turn([then for _, then in steps])
+        return self._work([h for h, _ in steps], outputs, then, versions=versions)
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -659,9 +683,10 @@ class MPXProcessGroup(dist.ProcessGroup):
                 f"reduce_scatter_tensor: the input has {input.numel()} elements, not "
                 f"{self.comm.size} x the output's {output.numel()}"
             )
+        versions = versions_as_gloo([output], 1)
         blocks = list(_rows(input.contiguous(), self.comm.size))
         handle, then = self._reduce_scatter_rows([output], blocks, op, "reduce_scatter_tensor")
-        return self._work([handle], [output], then)
+        return self._work([handle], [output], then, versions=versions)
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -716,6 +741,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             root = opts.rootRank if opts is not None else 0
             index = opts.rootTensor if opts is not None else 0
         self._check_root(root, "broadcast")
+        versions = versions_as_gloo(tensors[index : index + 1])  # the others: copied, as gloo
         data, write_back = bytes_of(tensors[index])
         handle = ops.broadcast(data, root, comm=self.comm, async_op=True, timeout=self.timeout_s)
 
@@ -725,7 +751,7 @@ class MPXProcessGroup(dist.ProcessGroup):
                 if i != index:
                     t.copy_(tensors[index])
 
-        return self._work([handle], tensors, then)
+        return self._work([handle], tensors, then, versions=versions)
 
     def allgather(self, output_lists: Any, inputs: Any, opts: Any = None) -> MPXWork:
         """c10d's form: ``k`` inputs per rank, ``k`` output lists of ``size * k`` tensors.
@@ -753,6 +779,8 @@ class MPXProcessGroup(dist.ProcessGroup):
                     f"{size * k} tensors (output[r * {k} + j] receives rank r's input j), "
                     f"got {len(outputs)}"
                 )
+        flat = [t for outs in output_lists for t in outs]
+        versions = versions_as_gloo(flat, 1)  # gloo copies each out of its buffer
         handles = [self._allgather_bytes(t) for t in inputs]
 
         def scatter_rows() -> None:
@@ -761,13 +789,16 @@ class MPXProcessGroup(dist.ProcessGroup):
                 for outputs in output_lists:
                     _copy_rows(gathered, outputs[j::k], "all_gather")
 
-        flat = [t for outs in output_lists for t in outs]
-        return self._work(handles, flat, scatter_rows)
+        # gloo's future: the output list itself for one input, else one list per input.
+        nested = None if k == 1 else [list(outputs) for outputs in output_lists]
+        return self._work(handles, flat, scatter_rows, versions=versions, value=nested)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> MPXWork:
         # torch's order: output_lists[rank][i] receives rank's inputs[i].
+        flat = [t for outs in output_lists for t in outs]
+        versions = versions_as_gloo(flat, 1)  # gloo copies each out of its buffer
         handles = [self._allgather_bytes(t) for t in inputs]
 
         def scatter_rows() -> None:
@@ -776,8 +807,9 @@ class MPXProcessGroup(dist.ProcessGroup):
                     handle.wait(), [outs[i] for outs in output_lists], "all_gather_coalesced"
                 )
 
-        flat = [t for outs in output_lists for t in outs]
-        return self._work(handles, flat, scatter_rows)
+        # gloo's future: one list per rank, as given (the one list itself at one rank).
+        nested = None if len(output_lists) == 1 else [list(outs) for outs in output_lists]
+        return self._work(handles, flat, scatter_rows, versions=versions, value=nested)
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -787,6 +819,8 @@ class MPXProcessGroup(dist.ProcessGroup):
                 f"all_gather_into_tensor: the output has {output.numel()} elements, not "
                 f"{self.comm.size} x the input's {input.numel()}"
             )
+        # gloo copies each rank's block into the output's chunk: one bump per rank
+        versions = versions_as_gloo([output], self.comm.size)
         handle = self._allgather_bytes(input)
         target, write_back = bytes_of(output)
 
@@ -794,7 +828,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             target.copy_(handle.wait().reshape(-1))
             write_back()
 
-        return self._work([handle], [output], then)
+        return self._work([handle], [output], then, versions=versions)
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -809,20 +843,22 @@ class MPXProcessGroup(dist.ProcessGroup):
         root = self._check_root(opts.rootRank if opts is not None else 0, "gather")
         if self.comm.rank == root and (not output_lists or len(output_lists[0]) != self.comm.size):
             raise MPXValueError(f"gather: the root needs a gather_list of {self.comm.size} tensors")
+        outputs = list(output_lists[0]) if output_lists else []
+        versions = versions_as_gloo(outputs, 1)  # gloo copies each out of its buffer
         handle = self._allgather_bytes(inputs[0])
 
         def then() -> None:
             if self.comm.rank == root:
                 _copy_rows(handle.wait(), output_lists[0], "gather")
 
-        outputs = list(output_lists[0]) if output_lists else []
-        return self._work([handle], outputs, then)
+        return self._work([handle], outputs, then, versions=versions)
 
     def scatter(  # type: ignore[override]
         self, outputs: Any, input_lists: Any, opts: Any = None
     ) -> MPXWork:
         outputs = _all_of(outputs)
         root = self._check_root(opts.rootRank if opts is not None else 0, "scatter")
+        versions = versions_as_gloo(outputs)
         target, write_back = bytes_of(outputs[0])
         whole = torch.empty((self.comm.size, target.numel()), dtype=torch.uint8)
         if self.comm.rank == root:
@@ -838,7 +874,7 @@ class MPXProcessGroup(dist.ProcessGroup):
             target.copy_(whole[self.comm.rank])
             write_back()
 
-        return self._work([handle], outputs, then)
+        return self._work([handle], outputs, then, versions=versions)
 
     def alltoall_base(
         self,
@@ -849,6 +885,7 @@ class MPXProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> MPXWork:
         size = self.comm.size
+        versions = versions_as_gloo([output])  # gloo receives into it
         # c10d's contract, as gloo checks it: the input is whole in its memory format
         # (a strided output is accepted, and written through a copy).
         if not _dense(input):
@@ -872,15 +909,21 @@ class MPXProcessGroup(dist.ProcessGroup):
                 target.copy_(handle.wait().reshape(-1))
                 write_back()
 
-            return self._work([handle], [output], even)
+            return self._work([handle], [output], even, versions=versions)
         rows_in = input_split_sizes or [input.shape[0] // size] * size
         rows_out = output_split_sizes or [output.shape[0] // size] * size
         send = list(torch.split(input, rows_in)) if input.dim() else [input]
         receive = list(torch.split(output, rows_out)) if output.dim() else [output]
-        return self.alltoall(receive, send, opts)
+        return self._alltoall(receive, send, versions)
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> MPXWork:
+        # gloo copies each output out of its buffer
+        return self._alltoall(outputs, inputs, versions_as_gloo(outputs, 1))
+
+    def _alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], versions: Callable[[], None]
     ) -> MPXWork:
         size = self.comm.size
         if len(inputs) != size or len(outputs) != size:
@@ -908,7 +951,7 @@ class MPXProcessGroup(dist.ProcessGroup):
                 target.copy_(row[: target.numel()])
                 write_back()
 
-        return self._work([handle], outputs, unpad)
+        return self._work([handle], outputs, unpad, versions=versions)
 
     # -- point to point ------------------------------------------------------------------
 
@@ -918,18 +961,20 @@ class MPXProcessGroup(dist.ProcessGroup):
         return self._work([handle], tensors)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> MPXWork:
+        versions = versions_as_gloo(tensors)
         target, write_back = bytes_of(tensors[0])
         handle = ops.recv(
             target, srcRank, tag, comm=self.comm, async_op=True, timeout=self.timeout_s
         )
-        return self._work([handle], tensors, write_back, source=lambda: srcRank)
+        return self._work([handle], tensors, write_back, lambda: srcRank, versions)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> MPXWork:
+        versions = versions_as_gloo(tensors)
         target, write_back = bytes_of(tensors[0])
         request = _MPIRequest(
-            self.comm.mpi.Irecv(target.numpy(), source=MPI.ANY_SOURCE, tag=tag), self.timeout_s
+            self.comm.mpi.Irecv(numpy_view(target), source=MPI.ANY_SOURCE, tag=tag), self.timeout_s
         )
-        return self._work([request], tensors, write_back, source=request.source)  # type: ignore[list-item]
+        return self._work([request], tensors, write_back, request.source, versions)  # type: ignore[list-item]
 
     def barrier(self, opts: Any = None) -> MPXWork:
         return self._work([ops.barrier(comm=self.comm, async_op=True, timeout=self.timeout_s)], [])

@@ -15,17 +15,21 @@ take any dtype, strided views, and ReduceOps mpx has no kernel for. So::
                                                              order on every rank
 
 Each form is a tensor mpx can take plus what copies its result back into
-the caller's tensor.
+the caller's tensor. Those copies, and mpx's own (an AVG's division, the
+16-bit floats' float32 copy), are torch operations that bump the caller's
+version counter where gloo, writing through raw pointers, bumps none:
+:func:`versions_as_gloo` puts the counters back as gloo leaves them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mpx.collectives._torch_private import set_versions
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.errors import MPXTypeError, MPXValueError
 
@@ -37,6 +41,7 @@ __all__ = [
     "op_label",
     "reduce_form",
     "reduce_op",
+    "versions_as_gloo",
 ]
 
 _OPS = {
@@ -184,3 +189,24 @@ def reduce_form(t: torch.Tensor, op: str, where: str) -> ReduceForm:
             f"{where}: the mpx backend cannot reduce {dtype}; convert with t.to(torch.float32)"
         )
     return ReduceForm(t, t.contiguous(), op)
+
+
+def versions_as_gloo(written: Sequence[torch.Tensor], bumps: int = 0) -> Callable[[], None]:
+    """What sets ``written``'s version counters to their values now plus ``bumps``.
+
+    Called as an operation starts, run when it has written its outputs. gloo
+    writes a collective's results through raw pointers, so autograd sees no
+    in-place change (``t._version`` stays as it was after an all_reduce, a
+    broadcast, a scatter, a recv), except where it copies out of a buffer of
+    its own with torch: one bump per copy (each output of all_gather and
+    reduce_scatter, every tensor of allreduce_coalesced, all_gather_into_tensor's
+    output once per rank). ``bumps`` is that count for the operation.
+    Inference tensors have no version counter, and are left out.
+    """
+    tensors = tuple(t for t in written if not t.is_inference())
+    versions = tuple(t._version + bumps for t in tensors)
+
+    def settle() -> None:
+        set_versions(tensors, versions)
+
+    return settle
