@@ -182,7 +182,8 @@ def first_part(incoming: Incoming, pool: Pool, wait: Callable[[Handle[Any]], Non
     assert incoming.head is not None
     buf, handle = incoming.head
     try:
-        wait(handle)
+        if not handle.done():
+            wait(handle)
         nbytes = handle.wait()
     except MPI.Exception as error:  # longer than any first part: not one
         if error.Get_error_class() != MPI.ERR_TRUNCATE:
@@ -218,6 +219,9 @@ def wait_for(
             ``peer``. Unlike a timed out collective, this leaves the
             communicator usable: drain the channel after it.
     """
+    if handle.done():  # the common case once a message is in: no clock, no backoff
+        handle.wait()
+        return
     start = time.perf_counter()
     limit = comm.timeout if timeout is None else timeout
     deadline = None if limit is None else time.monotonic() + limit

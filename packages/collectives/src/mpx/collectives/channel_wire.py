@@ -293,6 +293,8 @@ class HeadRequest(Handle[int]):
         Raises:
             CollectiveTimeout: past ``timeout`` (else the communicator's).
         """
+        if self.done():
+            return self._result_or_raise()
         limit = self._timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         backoff = Backoff()
