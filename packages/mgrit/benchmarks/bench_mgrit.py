@@ -13,15 +13,19 @@ writes it into BENCHMARKS.md).
    mpx runs its scalar step (one call per point, like PyMGRIT) and its vectorized
    step (one call per relaxation sweep over all C-intervals), the latter also with
    ``float_times`` (Python floats for t, dt in the coarsest level's sequential solve).
-2. ``LayerParallel`` (128 residual steps, width 64, batch 128, 3 levels, cfactor 2,
-   2 forward and 1 adjoint V-cycle) forward + backward beside the serial network
-   (``.serial()``, plain autograd) in the same job, timed on rank 0 alone.
+2. ``LayerParallel`` (256 residual steps, width 128, batch 128, 3 levels, cfactor 4,
+   1 forward and 1 adjoint V-cycle: issue 42's configuration) forward + backward,
+   unbatched and batched, beside the serial network (``.serial()``, plain autograd)
+   in the same job, timed on rank 0 alone; the performance model
+   (:mod:`mpx.mgrit.model`) priced with costs measured in the same job, and its
+   predictions at 16, 64 and 256 ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import platform
 import shutil
@@ -29,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 NT = 2**14
@@ -98,45 +103,45 @@ def solvers(cycles: list[str]) -> None:
             )
 
 
-STEPS, WIDTH, BATCH, LEVELS, FWD_ITERS, BWD_ITERS = 128, 64, 128, 3, 2, 1
+STEPS, WIDTH, BATCH, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS = 256, 128, 128, 3, 4, 1, 1
 RESIDUAL_PLOT = "docs/figures/mgrit_residuals.png"
+KINDS = ("forward", "adjoint", "linearize", "gradient")
 
 
 def layer_parallel() -> None:
     """Inside ``mpxrun -n P``: LayerParallel fwd+bwd on all ranks, serial on rank 0 alone.
 
-    Prints a table row, then (rank 0) ``MODEL`` lines with the measured inputs of the
-    speed-up model: the per-step cost, the work factor and one message's time.
+    Prints a table row, then (rank 0) a ``MODEL`` line (json) with the measured times
+    and the model's measured costs.
     """
     import torch
     from mpi4py import MPI
     from torch import nn
 
     from mpx.collectives import recv, send, world
-    from mpx.mgrit import LayerParallel
+    from mpx.mgrit import LayerParallel, work
 
     comm = world()
     torch.set_num_threads(1)  # one core per rank; the serial network gets one core too
 
-    def make(fwd_iters: int, bwd_iters: int) -> LayerParallel:
+    def make(fwd_iters: int, bwd_iters: int, batched: bool = True) -> LayerParallel:
         torch.manual_seed(0)
         return LayerParallel(
             nn.Linear(64, WIDTH), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()),
-            nn.Linear(WIDTH, 10), num_steps=STEPS, Tf=2.0, levels=LEVELS, cfactor=2,
-            fwd_iters=fwd_iters, bwd_iters=bwd_iters, tol=0.0,
+            nn.Linear(WIDTH, 10), num_steps=STEPS, Tf=2.0, levels=LEVELS, cfactor=CFACTOR,
+            fwd_iters=fwd_iters, bwd_iters=bwd_iters, tol=0.0, batched=batched,
         )  # fmt: skip
 
     net = make(FWD_ITERS, BWD_ITERS)
     serial = net.serial()
     x = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(1))
 
-    def lp_step() -> None:
-        net.zero_grad()
-        torch.autograd.backward(net(x).square().sum())
+    def step_of(model: nn.Module) -> Any:
+        def step() -> None:
+            model.zero_grad()
+            torch.autograd.backward(model(x).square().sum())
 
-    def serial_step() -> None:
-        serial.zero_grad()
-        torch.autograd.backward(serial(x).square().sum())
+        return step
 
     def timed(fn: Any, repeats: int = 7) -> float:
         fn()
@@ -146,28 +151,25 @@ def layer_parallel() -> None:
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
+        timed.last = samples[-1]  # type: ignore[attr-defined]
         return float(comm.mpi.allreduce(statistics.median(samples), op=MPI.MAX))
 
-    t_lp = timed(lp_step)
+    t_lp = timed(step_of(net))
+    # The last run's time inside the stacked steps, and its own duration: the model's costs.
+    seconds, last = dict(net.stepper.seconds), timed.last  # type: ignore[attr-defined]
+    counted = comm.mpi.allgather(work(net))
+    t_unbatched = timed(step_of(make(FWD_ITERS, BWD_ITERS, batched=False)), 3)
     comm.mpi.Barrier()
     t_serial = 0.0
     if comm.rank == 0:
-        serial_step()
+        run = step_of(serial)
+        run()
         samples = []
         for _ in range(7):
             start = time.perf_counter()
-            serial_step()
+            run()
             samples.append(time.perf_counter() - start)
         t_serial = statistics.median(samples)
-    # Convergence factor: a forward solve run to 8 iterations, residual ratios.
-    # (float64: in float32 the residual stalls near 1e-5, at rounding level.)
-    deep = make(8, 8).double()
-    deep.zero_grad()
-    torch.autograd.backward(deep(x.double()).square().sum())
-    fwd, bwd = deep.fwd_stats()["residuals"], deep.bwd_stats()["residuals"]
-    # Ratios above the rounding floor (~1e-13 in float64) only.
-    ratios = [b / a for a, b in itertools.pairwise(fwd) if a > 0 and b > 1e-12]
-    factor = statistics.geometric_mean(ratios) if ratios else float("nan")
     # One activation message (batch x width float32) between neighbours, one way.
     message = 0.0
     if comm.size > 1:
@@ -184,14 +186,23 @@ def layer_parallel() -> None:
                 send(buf, 0, comm=comm)
         message = (time.perf_counter() - start) / (2 * rounds)
         message = float(comm.mpi.bcast(message, root=0))
+    # Convergence factor: a forward solve run to 8 iterations, residual ratios.
+    # (float64: in float32 the residual stalls near 1e-5, at rounding level.)
+    deep = make(8, 8).double()
+    deep.zero_grad()
+    torch.autograd.backward(deep(x.double()).square().sum())
+    fwd, bwd = deep.fwd_stats()["residuals"], deep.bwd_stats()["residuals"]
+    ratios = [b / a for a, b in itertools.pairwise(fwd) if a > 0 and b > 1e-12]
+    factor = statistics.geometric_mean(ratios) if ratios else float("nan")
     comm.mpi.Barrier()
     if comm.rank == 0:
-        print(
-            f"| {comm.size} | {t_lp * 1e3:.1f} | {t_serial * 1e3:.1f} | {t_lp / t_serial:.2f} "
-            f"| {factor:.3f} |",
-            flush=True,
-        )
-        print(f"MODEL {comm.size} {t_lp} {t_serial} {message}", flush=True)
+        busiest = max(counted, key=lambda c: sum(c.values()))
+        record = {
+            "size": comm.size, "t_lp": t_lp, "t_unbatched": t_unbatched, "t_serial": t_serial,
+            "message": message, "seconds": seconds, "last": last, "work": busiest,
+            "factor": factor, "load": os.getloadavg()[0],
+        }  # fmt: skip
+        print("MODEL " + json.dumps(record), flush=True)
         if comm.size == 1:
             _plot_residuals(fwd, bwd)
 
@@ -213,54 +224,76 @@ def _plot_residuals(fwd: list[float], bwd: list[float]) -> None:
     fig.savefig(RESIDUAL_PLOT, dpi=100)
 
 
-def _speedup_model(rows: dict[int, tuple[float, float, float]]) -> None:
-    """Speed-up over the serial network vs ranks, from the measured costs.
+def _table(rows: dict[int, dict[str, Any]]) -> None:
+    """The measured rows beside the model's, and its predictions at 16, 64 and 256 ranks.
 
-    T(P) = (w - s)·T_serial/P + s·T_serial + m·t_msg, with w = T_lp(1) / T_serial (all
-    the work MGRIT does: iterations, nested start, coarse levels), s the part that
-    stays serial (the coarsest grid, solved on one rank after another: STEPS /
-    2^(LEVELS-1) steps per solve, FWD_ITERS + BWD_ITERS + 1 solves), t_msg one measured
-    neighbour message, and m = 2·LEVELS·(FWD_ITERS + BWD_ITERS + 1) messages on the
-    critical path of a forward + backward.
+    The model's costs come from the 1-rank job alone (its last run: time inside the
+    stacked steps per row and per single-row call, the rest per owned step); the
+    2- and 3-rank rows are predictions from them, with the message time measured in
+    their own job and ranks beyond the cores sharing them.
     """
-    if 1 not in rows or 2 not in rows:
-        return
-    t_lp1, t_serial, _ = rows[1]
-    t_msg = rows[2][2]
-    work = t_lp1 / t_serial
-    solves = FWD_ITERS + BWD_ITERS + 1
-    serial_part: float = min(work, solves * (STEPS / 2 ** (LEVELS - 1)) / STEPS)
-    messages = 2 * LEVELS * solves
-    print(
-        f"\nSpeed-up model (not measured beyond 3 ranks): T(P) = (w - s)·T_serial/P + "
-        f"s·T_serial + m·t_msg with w = {work:.1f} (measured T_lp(1) ÷ T_serial), s = "
-        f"{serial_part:.1f} (the coarsest grid, {STEPS // 2 ** (LEVELS - 1)} steps solved "
-        f"serially in each of {solves} solves), t_msg = {t_msg * 1e6:.0f} µs (one "
-        f"{BATCH}×{WIDTH} float32 activation, measured), m = {messages} messages per "
-        "forward + backward.\n"
-    )
-    print("| ranks P | model T(P) (ms) | model speed-up over serial |")
-    print("|---|---|---|")
+    from mpx.mgrit.model import costs_of, count, predict
 
-    def model(p: int) -> float:
-        return (
-            (work - serial_part) * t_serial / p
-            + serial_part * t_serial
-            + (messages * t_msg if p > 1 else 0.0)
+    cores = os.cpu_count() or 1
+    one = rows.get(1)
+    costs = None
+    if one is not None:
+        work1 = count(STEPS, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, 1)
+        costs = costs_of(one["seconds"], work1, one["last"], cores=cores)
+    for p, r in sorted(rows.items()):
+        model, error = "", ""
+        if costs is not None:
+            costs.message = r["message"]
+            t = predict(count(STEPS, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p), costs, p)
+            model, error = f"{t * 1e3:.1f}", f"{(t - r['t_lp']) / r['t_lp']:+.0%}"
+        w = r["work"]
+        print(
+            f"| {p} | {r['t_unbatched'] * 1e3:.1f} | {r['t_lp'] * 1e3:.1f} | "
+            f"{r['t_serial'] * 1e3:.1f} | {r['t_unbatched'] / r['t_serial']:.2f} | "
+            f"**{r['t_lp'] / r['t_serial']:.2f}** | {model} | {error} | {w['forward']}/"
+            f"{w['adjoint']}/{w['linearize']}/{w['gradient']} | {r['factor']:.3f} | "
+            f"{r['load']:.1f} |"
         )
-
-    for p in (1, 2, 4, 8, 16, 32, 64):
-        print(f"| {p} | {model(p) * 1e3:.1f} | {t_serial / model(p):.2f} |")
-    bound = 1.0 / serial_part if serial_part else float("inf")
+    if costs is None or one is None or 2 not in rows:
+        return
+    costs.message = rows[2]["message"]
+    costs.cores = 1 << 30  # a large machine: one core a rank
+    per_step_serial = one["t_serial"] / STEPS
     print(
-        f"\nWith {LEVELS} levels and cfactor 2 the serial coarsest grid bounds the speed-up "
-        f"by 1/s = {bound:.1f}×, whatever the rank count: this configuration (torchbraid's "
-        "training default of few iterations) cannot beat the serial network on a CPU. "
-        "torchbraid reports up to 6.5× for a parallel-in-time GRU (ICLR 2022) and about 10× "
-        "with data parallelism added, on GPUs with deeper hierarchies (cfactor 4, more "
-        "levels), where s is small and a step is expensive; mpx has the same algorithm and "
-        "knobs (`levels`, `cfactor`), but we have not measured such a configuration beyond "
-        "3 CPU ranks.\n"
+        f"\nModel (`mpx.mgrit.model`): T(P) = Σ_kind (batched rows · row cost + single-row "
+        f"calls · call cost) + owned steps · rest + messages · t_msg, on the busiest rank, the "
+        f"coarsest level serial (its steps one call each, rank after rank). Costs from the "
+        f"1-rank job: a batched row {costs.row['forward'] * 1e6:.0f} µs forward, "
+        f"{costs.row['adjoint'] * 1e6:.0f} µs adjoint, {costs.row['linearize'] * 1e6:.0f} µs "
+        f"linearise, {costs.row['gradient'] * 1e6:.0f} µs gradient; a single-row call "
+        f"{costs.single['forward'] * 1e6:.0f} / {costs.single['adjoint'] * 1e6:.0f} µs; the "
+        f"rest {costs.per_step * 1e6:.0f} µs per owned step; t_msg = "
+        f"{rows[2]['message'] * 1e6:.0f} µs (2-rank job). Serial network: "
+        f"{per_step_serial * 1e6:.0f} µs a step (forward + backward). Predictions assume one "
+        "core a rank.\n"
+    )
+    print(
+        "| config | ranks P | model T(P) (ms) | serial (ms) | model speed-up "
+        "| torchbraid (published) |"
+    )
+    print("|---|---|---|---|---|---|")
+    configs: list[tuple[str, Callable[[int], int], int, int, int]] = [
+        (f"{STEPS} steps, 3 levels, cfactor 4, 1+1 V-cycles", lambda p: STEPS, 3, 1, 1),
+        ("1024 steps, 4 levels, cfactor 4, 2+1 V-cycles", lambda p: 1024, 4, 2, 1),
+        ("16·P steps, 3 levels, cfactor 4, 1+1 V-cycles", lambda p: 16 * p, 3, 1, 1),
+    ]
+    ref = "~10× (layer- and data-parallel, GPUs); 6.5× (parallel-in-time GRU)"
+    for name, steps, levels, fi, bi in configs:
+        for p in (16, 64, 256):
+            n = steps(p)
+            t = predict(count(n, levels, CFACTOR, fi, bi, p), costs, p)
+            print(f"| {name} | {p} | {t * 1e3:.1f} | {n * per_step_serial * 1e3:.1f} | "
+                  f"{n * per_step_serial / t:.2f} | {ref if p == 16 else ''} |")  # fmt: skip
+    print(
+        "\nWith cfactor 4 and 3 (4) levels, 256 (1024) steps have 16 coarsest intervals: ranks "
+        "beyond 16 hold nothing, so 64 and 256 ranks cost what 16 do. The coarsest level "
+        "(N/16 steps, run rank after rank as single-row calls) and the messages bound the "
+        "speed-up; with 16 steps a rank (weak scaling) the coarsest level grows with P.\n"
     )
     print(f"![residual histories]({RESIDUAL_PLOT})")
 
@@ -312,17 +345,25 @@ def main() -> None:
         sys.stdout.flush()
         job(1, "solvers")
     print(
-        f"\nLayer-parallel forward + backward ({STEPS} steps of width {WIDTH}, batch {BATCH}, "
-        f"float32, {LEVELS} levels, cfactor 2, {FWD_ITERS} forward / {BWD_ITERS} adjoint "
-        "V-cycles) beside the serial network in the same job (rank 0 alone), one torch thread "
-        "per rank. Time: median of 7, slowest rank. Ratio = mpx ÷ serial (lower is better); "
-        "convergence factor = geometric mean of successive forward residual ratios over 8 "
-        "iterations in float64; 3 ranks on 2 cores are oversubscribed.\n"
+        f"\nLayer-parallel forward + backward ({STEPS} residual steps x + h·tanh(Wx + b) of width "
+        f"{WIDTH}, batch {BATCH}, float32, {LEVELS} levels, cfactor {CFACTOR}, {FWD_ITERS} "
+        f"forward / {BWD_ITERS} adjoint V-cycle) beside the serial network in the same job "
+        "(rank 0 alone), one torch thread per rank. Time: median of 7 (3 unbatched), slowest "
+        "rank. Unbatched = one module call per step (`batched=False`, the code before issue 42); "
+        "batched = stacked weights (the default). ÷ serial: lower is better. Model: "
+        "`mpx.mgrit.model` with the costs measured in the same job. Work: layer evaluations "
+        "(forward/adjoint/linearise/gradient rows) of the busiest rank, `mpx.mgrit.work(net)`. "
+        "Convergence factor: geometric mean of forward residual ratios over 8 iterations in "
+        "float64. Load: 1-minute load average at the end; 3 ranks on 2 cores are "
+        "oversubscribed.\n"
     )
-    print("| ranks | layer-parallel (ms) | serial (ms) | ÷ serial | convergence factor |")
-    print("|---|---|---|---|---|")
+    print(
+        "| ranks | unbatched (ms) | batched (ms) | serial (ms) | unbatched ÷ serial | "
+        "batched ÷ serial | model (ms) | model error | work | convergence factor | load |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     sys.stdout.flush()
-    rows: dict[int, tuple[float, float, float]] = {}
+    rows: dict[int, dict[str, Any]] = {}
     for nprocs in (int(n) for n in args.ranks.split(",")):
         cmd = [mpxrun, "-n", str(nprocs), "--timeout", "600", "--", sys.executable]
         done = subprocess.run(
@@ -331,11 +372,11 @@ def main() -> None:
         )  # fmt: skip
         for line in done.stdout.splitlines():
             if line.startswith("MODEL "):
-                _, p, t_lp, t_serial, t_msg = line.split()
-                rows[int(p)] = (float(t_lp), float(t_serial), float(t_msg))
+                record = json.loads(line[len("MODEL ") :])
+                rows[int(record["size"])] = record
             else:
                 print(line, flush=True)
-    _speedup_model(rows)
+    _table(rows)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ local step, ``grad += (d phi_k / d theta)^T lam_{k+1}``.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -168,6 +169,10 @@ class TimeStepper:
         #: backward: see :data:`WORK_KINDS`
         self.work: dict[str, int] = dict.fromkeys(WORK_KINDS, 0)
         self.stacked: StackedSteps | None = None
+        #: seconds of the last forward and backward inside the stacked steps, per kind,
+        #: batched calls apart from single-row ones (``"forward_single"``...): the costs
+        #: the performance model (:mod:`mpx.mgrit.model`) prices the work with (CPU)
+        self.seconds: dict[str, float] = {}
 
     def use_stacked(self, stacked: StackedSteps) -> None:
         """Runs this rank's steps as ``stacked`` (batched over the C-intervals, see
@@ -189,8 +194,17 @@ class TimeStepper:
             return x.clone()
         assert self.stacked is not None
         self.work["forward"] += x.shape[0]
+        start = time.perf_counter()
         i, stride = self._rows(t)
-        return self.stacked.step(x, i - self.first, stride, dt)
+        out = self.stacked.step(x, i - self.first, stride, dt)
+        self._clock("forward", x.shape[0], start)
+        return out
+
+    def _clock(self, kind: str, rows: int, start: float) -> None:
+        key = f"{kind}_single" if rows == 1 else kind
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+        if rows == 1:
+            self.seconds[f"{key}_calls"] = self.seconds.get(f"{key}_calls", 0.0) + 1
 
     def _adjoint_rows(self, lam: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
         if lam.shape[0] == 0:
@@ -198,9 +212,12 @@ class TimeStepper:
         assert self.stacked is not None
         assert self._forcing is None, "a stacked adjoint has no forcing"
         self.work["adjoint"] += lam.shape[0]
+        start = time.perf_counter()
         j, stride = self._rows(t)
         # Reversed point j steps with layer N-1-j: row j - (N - stop) of the reversed data.
-        return self.stacked.adjoint(lam, j - (self.N - self.stop), stride, dt)
+        out = self.stacked.adjoint(lam, j - (self.N - self.stop), stride, dt)
+        self._clock("adjoint", lam.shape[0], start)
+        return out
 
     def owned_steps(self) -> range:
         """The steps this rank holds (their layers live here)."""
@@ -231,6 +248,7 @@ class TimeStepper:
     def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward MGRIT solve, no autograd: ``x_N`` and this rank's states (for the adjoint)."""
         self.work["forward"] = 0
+        self.seconds = {}
         if self.stacked is not None:
             self.stacked.refresh()
         with torch.no_grad():
@@ -294,12 +312,16 @@ class TimeStepper:
         try:
             with torch.no_grad():
                 if n > 0:
+                    start = time.perf_counter()
                     stacked.linearize(self._states)
+                    self.seconds["linearize"] = time.perf_counter() - start
                     self.work["linearize"] += n
                 self.bwd.solve(gN.detach())
                 if n > 0:
                     assert self.bwd.layout.levels[0].first == self.N - self.stop
+                    start = time.perf_counter()
                     per_step, first = stacked.gradients(self.bwd._u[0], self.h)
+                    self.seconds["gradient"] = time.perf_counter() - start
                     self.work["gradient"] += n
                     for k, got in zip(self.owned_steps(), per_step, strict=True):
                         for i, g in zip(self.uses(k), got, strict=True):
