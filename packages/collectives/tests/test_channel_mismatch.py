@@ -198,6 +198,34 @@ def test_a_mismatch_nobody_received_is_raised_by_drain_on_every_rank() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
+def test_a_message_out_of_step_is_named_even_when_mpi_truncates_it() -> None:
+    comm, right, left = _ring()
+    ch = Channel(comm, timeout=TIMEOUT_S)
+    # Two receives of one tensor each; one message of two: its second tensor (40 kB,
+    # more than any first part) lands in the second receive's first part, which MPI
+    # truncates.
+    first = ch.expect(left, TAG, like=[((4,), F32)])
+    second = ch.expect(left, TAG, like=[((4,), F32)])
+    ch.post(right, TAG, [torch.ones(4), torch.ones(10_000)])
+    raised: list[BaseException | None] = []
+    for incoming in (first, second):
+        try:
+            ch.receive(incoming)
+            raised.append(None)
+        except Exception as error:
+            raised.append(error)
+    ch.drain()
+    assert all(isinstance(error, MPXValueError) for error in raised), raised
+    assert "2 tensors: float32[4], float32[10000]" in str(raised[0])
+    text = str(raised[1])
+    assert f"more than {wire.HEADER_BYTES} bytes" in text, text
+    assert "expects 1 tensor: float32[4]" in text
+    assert "out of step" in text
+    _recovers(ch, right, left)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
 def test_a_marker_where_like_expects_none() -> None:
     comm, right, left = _ring()
     ch = Channel(comm, timeout=TIMEOUT_S)
