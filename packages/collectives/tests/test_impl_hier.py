@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from mpx.collectives import Communicator, allreduce, broadcast
 from mpx.collectives.policy import choose
+from mpx.launch.settings import reload
 from mpx.launch.virtual_cluster import VirtualCluster
 
 JOB = Path(__file__).with_name("hier_job.py")
@@ -28,11 +29,19 @@ JOB = Path(__file__).with_name("hier_job.py")
 
 @pytest.fixture
 def simulated(request: pytest.FixtureRequest) -> Iterator[Communicator]:
+    # reload(): the settings are read once and cached (the root conftest has read them
+    # already under mpxrun); without it no node was simulated and hier never ran here.
     os.environ["MPX_RANKS_PER_NODE"] = str(request.param)
+    reload()
     try:
         comm = Communicator.from_mpi(MPI.COMM_WORLD)
     finally:
         del os.environ["MPX_RANKS_PER_NODE"]
+        reload()
+    # The layout asked for, so that a cached setting cannot pass for it again.
+    assert comm.node_size == min(
+        request.param, comm.size - (comm.rank // request.param) * request.param
+    )
     yield comm
     comm.free()
 
