@@ -6,10 +6,13 @@ parallel with 4-bit compressed gradients. Flags switch the parallelism::
     --mode dp        mpx.dataparallel.DistributedOptimizer, gradients quantized to
                      --bits (4; 0 = full precision) by mpx.quantize      (default)
     --mode ddp       torch DistributedDataParallel on mpx's "mpx" backend
-    --mode pipeline  mpx.pipeline: one stage per rank, --schedule gpipe|1f1b|async
+    --mode pipeline  mpx.pipeline: one stage per rank, --schedule any of
+                     mpx.pipeline.SCHEDULES (default 1f1b; the interleaved and
+                     V-shaped ones put 2 virtual stages on each rank)
     --mode mgrit     mpx.mgrit.LayerParallel: residual layers split across ranks,
                      forward and backward solved with MGRIT
     --mode 2d        pipeline x data parallel: --stages stages, the rest replicas
+                     (>= 2 of each: 4 ranks or more, MPX_DEMO_RANKS=4)
     --mode gpt       the same 2-D layout on a character-level GPT trained on the
                      standard library's source (examples/train_gpt.py; AdamW,
                      --lr not used); "test accuracy" = next-character accuracy
@@ -19,11 +22,32 @@ parallel with 4-bit compressed gradients. Flags switch the parallelism::
 
 Rank 0 prints one line per epoch (loss, test accuracy, seconds), then a
 summary (test accuracy, wall time, bytes communicated), saves the curves to
-``--plot`` (default ``digits_<mode>.png``; ``gpt_stdlib.png`` for ``--mode
-gpt``, which trains on no digits) and the summary as JSON beside it
-(``digits_<mode>.json``, ``gpt_stdlib.json``). Bytes communicated: the tensors
-all ranks handed to mpx's collectives and point-to-point operations (with
-compression, the quantized buffers).
+``--plot`` and the summary as JSON beside it (same name, ``.json``). The
+default name says what ran, so no run overwrites another's (examples/demo_runs.py):
+``digits_dp_4bit``, ``digits_dp_fp32`` (``--bits 0``), ``digits_ddp``,
+``digits_mgrit``, ``digits_pipeline_<schedule>``, ``digits_2d_<schedule>``,
+``gpt_stdlib_<schedule>`` (``--mode gpt`` trains on no digits). Bytes
+communicated: the tensors all ranks handed to mpx's collectives and
+point-to-point operations (with compression, the quantized buffers).
+
+The JSON summary's keys::
+
+    mode                      --mode
+    what                      the run in words (the first line printed)
+    ranks                     the number of ranks
+    epochs                    --epochs
+    first_epoch_run           the first epoch (1-based) this attempt trained: 1, or
+                              the one after the checkpoint it resumed from
+    test_accuracy             the last epoch's test accuracy (0..1)
+    wall_time_s               seconds of this attempt's training (from first_epoch_run)
+    bytes_communicated        bytes all ranks sent in this attempt (see above)
+    loss_spread_across_ranks  max - min over the ranks of the last epoch's loss (0:
+                              the replicas agree)
+    loss                      per epoch, the training loss (resumed epochs included)
+    accuracy                  per epoch, the test accuracy
+    epoch_seconds             per epoch, seconds
+    plot                      the PNG's path
+    plot_labels               the panels' axis labels and titles, the loss axis' scale
 
 ``--checkpoint-dir DIR`` saves the run every ``--checkpoint-every`` epochs
 (``mpx.dataparallel.save_resumable``) and resumes from DIR's newest
@@ -38,17 +62,21 @@ epoch E of the first attempt, to watch it::
 A first attempt that finds checkpoints in DIR (an earlier job's) says so and
 continues that run; when that run had finished (its newest checkpoint is at
 ``--epochs``) there is nothing to train: it says how to start afresh and
-leaves the summary and plot of the earlier run as they are.
+leaves the summary and plot of the earlier run as they are. Checkpoints of
+other flags (another mode, schedule or --bits: ``demo_run.json`` in DIR names
+them) are refused, saying which run wrote them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -64,6 +92,8 @@ from torch import nn
 
 from mpx.collectives import Communicator, allreduce, broadcast, bytes_communicated, world
 from mpx.launch.settings import RESTART_COUNT, declare
+from mpx.pipeline import SCHEDULES
+from mpx.pipeline.schedule import stages_per_rank
 
 MODES = ("dp", "ddp", "pipeline", "mgrit", "2d", "gpt")
 GPT_STEPS_PER_EPOCH = 10
@@ -119,13 +149,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--bits", type=int, default=4, help="dp: gradient bits (0: fp32)")
-    parser.add_argument("--schedule", default="1f1b", help="pipeline/2d: gpipe, 1f1b, async")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                        help="pipeline/2d/gpt: the pipeline's schedule (default 1f1b)")  # fmt: skip
     parser.add_argument("--chunks", type=int, default=4, help="pipeline/2d: micro-batches")
     parser.add_argument("--stages", type=int, default=0, help="2d: stages (default: 2 if even)")
     parser.add_argument("--steps", type=int, default=8, help="mgrit: residual layers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--plot", default=None, help="PNG file (default digits_<mode>.png, gpt_stdlib.png)"
+        "--plot", default=None, help="PNG file (default: named by mode, schedule, bits)"
     )
     parser.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
     parser.add_argument(
@@ -273,7 +304,7 @@ def pipeline(args: argparse.Namespace, data: Data, comm: Communicator) -> Callab
 
     torch.manual_seed(args.seed)
     model = mlp()
-    pipe = Pipeline(model, balance=_balance(len(model), comm.size), comm=comm,
+    pipe = Pipeline(model, balance=_balance(len(model), comm.size, args.schedule), comm=comm,
                     chunks=args.chunks, schedule=args.schedule)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     RESUMABLE.append(Resumable(pipe, opt, sharded=True))
@@ -287,7 +318,7 @@ def two_dimensional(args: argparse.Namespace, data: Data, comm: Communicator) ->
     replicas = comm.size // stages
     torch.manual_seed(args.seed)
     model = mlp()
-    pipe = Pipeline(model, balance=_balance(len(model), stages), comm=stage_comm,
+    pipe = Pipeline(model, balance=_balance(len(model), stages, args.schedule), comm=stage_comm,
                     chunks=args.chunks, schedule=args.schedule,
                     data_parallel_comm=replica_comm)  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
@@ -330,12 +361,35 @@ def _layouts(args: argparse.Namespace, comm: Communicator) -> tuple[int, int, An
     stages = _stages(args, comm)
     if comm.size % stages:
         raise SystemExit(f"--stages {stages} must divide the {comm.size} ranks")
+    refusal = _runs().two_d_refusal(comm.size, stages)
+    if args.mode == "2d" and refusal:
+        stop(refusal, comm)  # every rank computes the same layout
     # rank = replica * stages + stage:   stage comm = same replica, dp comm = same stage
     stage_comm = comm.split(comm.rank // stages)
     replica_comm = comm.split(comm.rank % stages)
     assert stage_comm is not None
     assert replica_comm is not None
     return stages, comm.rank // stages, stage_comm, replica_comm
+
+
+@functools.cache
+def _runs() -> ModuleType:
+    """examples/demo_runs.py: run names, the 2-D layouts refused, checkpoint owners."""
+    return _example("demo_runs")
+
+
+def stop(message: str, comm: Communicator) -> None:
+    """Ends the job, every rank saying why: called by every rank alike."""
+    print(message, file=sys.stderr, flush=True)
+    # All have said it before any exits: mpxrun stops the others at the first exit.
+    allreduce(torch.zeros(1), comm=comm)
+    raise SystemExit(1)
+
+
+def _run_name(args: argparse.Namespace) -> tuple[str, str]:
+    """(the outputs' stem, the flags that make this run)."""
+    return (_runs().run_name(args.mode, args.schedule, args.bits),
+            _runs().run_flags(args.mode, args.schedule, args.bits))  # fmt: skip
 
 
 def _example(name: str) -> ModuleType:
@@ -364,7 +418,8 @@ def gpt_2d(args: argparse.Namespace, comm: Communicator) -> Callable[..., Any]:
     torch.manual_seed(args.seed)
     model = example.gpt(len(example.ALPHABET), width=64, blocks=2, heads=4, context=32)
     async_opts = {"step_every": args.chunks} if args.schedule == "async" else {}
-    pipe = Pipeline(model, balance=example.balance(len(model), stages), comm=stage_comm,
+    virtual = stages * stages_per_rank(args.schedule, None)
+    pipe = Pipeline(model, balance=example.balance(len(model), virtual), comm=stage_comm,
                     chunks=args.chunks, schedule=args.schedule,
                     data_parallel_comm=replica_comm, **async_opts)  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.01)
@@ -436,10 +491,18 @@ def layer_parallel(
     return epoch
 
 
-def _balance(layers: int, stages: int) -> list[int]:
-    """Layers per stage, as even as possible (the first stages take the extra)."""
+def _balance(layers: int, ranks: int, schedule: str) -> list[int]:
+    """Layers per virtual stage, as even as possible (the first stages take the extra).
+
+    The interleaved and V-shaped schedules run 2 virtual stages per rank.
+    """
+    stages = ranks * stages_per_rank(schedule, None)
     if stages > layers:
-        raise SystemExit(f"{stages} pipeline stages but the model has only {layers} layers")
+        raise SystemExit(
+            f"{stages} pipeline stages ({ranks} rank(s) x {stages // ranks} for --schedule "
+            f"{schedule}) but the model has only {layers} layers: use fewer ranks or another "
+            "--schedule"
+        )
     return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
 
 
@@ -455,6 +518,10 @@ def resume(args: argparse.Namespace, comm: Communicator, history: History) -> in
     if args.checkpoint_every < 1:
         raise SystemExit(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     run = RESUMABLE[0]
+    # Another mode's (or schedule's) checkpoints would fail to load with missing keys: say whose.
+    refusal = _runs().check_owner(args.checkpoint_dir, *_run_name(args))
+    if refusal:
+        stop(refusal, comm)  # every rank reads the same file
     point = dp.resume(args.checkpoint_dir, run.model, run.optimizer, comm=comm)
     if point.path is not None:
         for name, values in point.extra["history"].items():
@@ -512,6 +579,8 @@ def checkpoint(args: argparse.Namespace, comm: Communicator, done: int, history:
     run = RESUMABLE[0]
     dp.save_resumable(args.checkpoint_dir, run.model, run.optimizer, epoch=done, batch=0,
                       sharded=run.sharded, comm=comm, history=asdict(history))  # fmt: skip
+    if comm.rank == 0:
+        _runs().record_owner(args.checkpoint_dir, *_run_name(args))
 
 
 def fail_if_asked(epoch: int, comm: Communicator) -> None:
@@ -681,7 +750,7 @@ def main() -> None:
     spread = check.clone()
     allreduce(spread, "max", comm=comm)
     allreduce(check, "min", comm=comm)
-    path = args.plot or ("gpt_stdlib.png" if args.mode == "gpt" else f"digits_{args.mode}.png")
+    path = args.plot or f"{_run_name(args)[0]}.png"
     if comm.rank == 0:
         labels = panel_labels(args.mode)
         plot(history, path, f"mpx: {what}, {comm.size} ranks", labels)

@@ -112,3 +112,25 @@ def test_residual_panel_has_integer_iterations_and_an_epoch_colour_bar(tmp_path:
     first, last = panel.get_lines()[0], panel.get_lines()[-1]
     assert first.get_color() != last.get_color()
     plt.close(fig)
+
+
+def test_every_run_has_files_of_its_own() -> None:
+    """Named by mode, schedule and bits (issue 43): ``--bits 0`` overwrote the 4-bit run's
+    ``digits_dp.*``, and gpipe, 1f1b and async all wrote ``digits_pipeline.*``."""
+    import argparse
+
+    from mpx.pipeline import SCHEDULES
+
+    demo = _demo()
+    names: dict[str, tuple[str, str, int]] = {}
+    for mode in demo.MODES:
+        for schedule in SCHEDULES if mode in ("pipeline", "2d", "gpt") else ("1f1b",):
+            for bits in (4, 2, 0) if mode == "dp" else (4,):
+                args = argparse.Namespace(mode=mode, schedule=schedule, bits=bits)
+                name, flags = demo._run_name(args)
+                assert name not in names, (name, names[name], (mode, schedule, bits))
+                names[name] = (mode, schedule, bits)
+                assert f"--mode {mode}" in flags
+    expected = {"digits_dp_4bit", "digits_dp_fp32", "digits_pipeline_1f1b", "digits_pipeline_zbv",
+                "digits_2d_gpipe", "gpt_stdlib_async", "digits_mgrit", "digits_ddp"}  # fmt: skip
+    assert expected <= set(names)
