@@ -14,13 +14,16 @@ header and posts its tensors' receives once it is in; one that does
 (``like=``, ``into=``) posts them at once, beside the receive of the first
 part, and compares the descriptor that arrives with the one it expects.
 
-Why a descriptor on every message: MPI matches a message to a receive by
-source and tag alone, and its byte counts cannot tell float32 from int32, so
-without one 4 floats land in a receive of 8 (4 never sent, no error), a
-float32 in an int32 receive has its bits reinterpreted, and a header read as
-a tensor (or a tensor as a header) is garbage. The check is a comparison of a
-few dozen bytes with a cached expectation; only a difference is decoded, to
-name both sides in the error.
+Why a descriptor on every message without a header: MPI matches a message to a
+receive by source and tag alone, and its byte counts cannot tell float32 from
+int32, so without one 4 floats land in a receive of 8 (4 never sent, no
+error), a float32 in an int32 receive has its bits reinterpreted, and a header
+read as a tensor (or a tensor as a header) is garbage. The check is a
+comparison of a few dozen bytes with a cached expectation; only a difference
+is decoded, to name both sides in the error. Its cost is one more small
+message (an eager MPI send and receive, polled by the channel without a
+Handle): about 15 us of a 4 KiB message's ~100 us on this project's 2-core
+VMs.
 
 The first part is received into :data:`HEADER_BYTES` (whatever the receiver
 expects), so that a header where a descriptor was expected -- or the reverse,
