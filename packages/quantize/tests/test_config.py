@@ -151,8 +151,8 @@ def test_cgx_communicator_type_maps_to_an_implementation() -> None:
     mpi = CompressionConfig(communicator="MPI")
     assert [mpi.impl(op) for op in ("allreduce", "allgather", "alltoall")] == ["mpi"] * 3
     shm = CompressionConfig(communicator="shm")
-    assert [shm.impl(op) for op in ("allreduce", "allgather", "alltoall")] == ["shm", "shm", None]
-    assert CompressionConfig().impl("allreduce") is None
+    assert [shm.impl(op) for op in ("allreduce", "allgather", "alltoall")] == ["shm", "shm", "auto"]
+    assert CompressionConfig().impl("allreduce") == "auto"  # named: never the env's
     with pytest.raises(
         ValueError, match=r"communicator='NCCL' is not one of \['auto', 'mpi', 'shm'\]"
     ):
@@ -167,13 +167,13 @@ def test_the_communicator_selects_through_the_collectives_registry(
     for name in ("mpi", "shm"):
         config = CompressionConfig(communicator=name)
         for op in ("allreduce", "broadcast", "reduce", "allgather", "alltoall", "send"):
-            expected = name if op in registered[name].provides else None
+            expected = name if op in registered[name].provides else "auto"
             assert config.impl(op) == expected, (name, op)
     # An implementation that provides less: its other ops go to auto.
     narrow = replace(registered["shm"], provides=frozenset({"allreduce"}))
     monkeypatch.setattr(mpx.collectives, "all_implementations", lambda: {"shm": narrow})
     shm = CompressionConfig(communicator="SHM")
-    assert [shm.impl(op) for op in ("allreduce", "allgather")] == ["shm", None]
+    assert [shm.impl(op) for op in ("allreduce", "allgather")] == ["shm", "auto"]
     # One that is not registered: a clear error naming what is.
     monkeypatch.setattr(mpx.collectives, "all_implementations", lambda: {"ring": narrow})
     with pytest.raises(QuantizeValueError, match=r"communicator='mpi'.*it has ring"):

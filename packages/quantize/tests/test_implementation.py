@@ -89,3 +89,48 @@ def test_impl_cgx_refuses_what_it_cannot_reduce(monkeypatch: pytest.MonkeyPatch)
     t = torch.ones(64)
     allreduce(t, timeout=60)  # the ranks are in step after both
     assert torch.equal(t, torch.full((64,), float(world().size)))
+
+
+def _of_rank(n: int, rank: int) -> torch.Tensor:
+    """``_mine(n)`` of ``rank``: every rank can rebuild every rank's data (the exact sum)."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(7 + rank)) * (rank + 1)
+
+
+def test_impl_cgx_by_setting_takes_every_size(
+    nearest_4_bits: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MPX_COLLECTIVES_IMPL=cgx: a 1-element allreduce (a loss) recursed without end.
+
+    The compressed allreduce reduces what it leaves uncompressed (too small,
+    an integer dtype) with mpx.collectives' allreduce; without a name that
+    was MPX_COLLECTIVES_IMPL's choice, cgx itself, again and again.
+    """
+    rank, size = world().rank, world().size
+    monkeypatch.setenv("MPX_COLLECTIVES_IMPL", "cgx")
+    reload_settings()
+    try:
+        loss = torch.tensor([float(rank + 1)])
+        allreduce(loss, "avg", timeout=120)
+        assert loss.item() == (size + 1) / 2  # exact: not compressed
+        counts = torch.arange(10) * (rank + 1)
+        allreduce(counts, timeout=120)
+        assert counts.tolist() == [i * size * (size + 1) // 2 for i in range(10)]
+        small = torch.full((15,), 0.25 * (rank + 1))  # one below the smallest compressed
+        allreduce(small, timeout=120)
+        assert torch.equal(small, torch.full((15,), 0.25 * size * (size + 1) / 2))
+        big = _of_rank(10_000, rank)
+        expected = mq.allreduce(big.clone(), config=mq.CompressionConfig.from_env())
+        allreduce(big, timeout=120)
+        assert torch.equal(big, expected)  # the quantized allreduce ran
+        every = [_of_rank(10_000, r) for r in range(size)]
+        exact = torch.stack(every).sum(0)
+        # Nearest rounding to one of 16 levels: off by at most half a level of each
+        # rank's values (a range <= rank r's whole range), and half a level of the
+        # owner's partial sum (a range <= the sum of those ranges).
+        ranges = sum(float(x.max() - x.min()) for x in every)
+        assert float((big - exact).abs().max()) <= ranges / 15 + 1e-4
+        if size > 1:
+            assert not torch.equal(big, exact)
+    finally:
+        monkeypatch.delenv("MPX_COLLECTIVES_IMPL")
+        reload_settings()

@@ -19,8 +19,10 @@ float32 ring allreduce: about 32/bits times less.
 
 Tensors below ``config.min_compressed`` elements, dtypes other than float32,
 float16 and bfloat16, and ``bits=32`` go through ``mpx.collectives.allreduce``
-unchanged. CUDA tensors are quantized on the GPU; only the compressed bytes
-cross to the host for MPI.
+unchanged, on the implementation ``config.impl`` names (never the one
+``MPX_COLLECTIVES_IMPL`` selects: that may be this allreduce itself). CUDA
+tensors are quantized on the GPU; only the compressed bytes cross to the
+host for MPI.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _check_op(op: str) -> None:
 
 
 def _plain(
-    flat: torch.Tensor, comm: Communicator, op: str, state: QuantizeState, impl: str | None
+    flat: torch.Tensor, comm: Communicator, op: str, state: QuantizeState, impl: str
 ) -> None:
     from mpx.collectives import allreduce as mpx_allreduce
 

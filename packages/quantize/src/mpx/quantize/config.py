@@ -111,20 +111,24 @@ class CompressionConfig:
             )
         object.__setattr__(self, "communicator", self.communicator.lower())
 
-    def impl(self, op: str) -> str | None:
-        """The mpx.collectives implementation of ``op`` under ``communicator`` (None: auto).
+    def impl(self, op: str) -> str:
+        """The mpx.collectives implementation of ``op`` under ``communicator``.
 
         The registry's implementation of that name runs the op where it
         provides it (``Implementation.provides``: SHM's ``shm`` runs
         allreduce, broadcast and allgather); any other op (the alltoall under
-        SHM) takes ``auto``'s choice.
+        SHM) takes ``auto``'s choice. Always a name, never None (which would
+        be ``MPX_COLLECTIVES_IMPL``'s choice): under ``MPX_COLLECTIVES_IMPL=cgx``
+        that is the compressed allreduce itself, and a tensor it leaves
+        uncompressed went back into it without end. ``"auto"`` never picks
+        ``cgx``.
 
         Raises:
             QuantizeValueError: mpx.collectives registers no implementation of
                 that name (the message lists those it has).
         """
         if self.communicator == "auto":
-            return None
+            return "auto"
         # Here, not at the top: torch_cgx imports this module, and must not import MPI.
         from mpx.collectives import all_implementations
 
@@ -135,7 +139,7 @@ class CompressionConfig:
                 f"communicator={self.communicator!r}: mpx.collectives has no implementation of "
                 f"that name (it has {', '.join(implementations)}); use communicator='auto'"
             )
-        return found.name if op in found.provides else None
+        return found.name if op in found.provides else "auto"
 
     @property
     def enabled(self) -> bool:
