@@ -121,6 +121,24 @@ def test_which_tensors_are_compressed() -> None:
         mq.exclude_layer("")
 
 
+def test_torch_cgx_exclude_layer_needs_register_model_first() -> None:
+    """Before register_model it was ignored in silence: every layer quantized (issue 41)."""
+    import torch_cgx
+
+    with pytest.raises(
+        QuantizeValueError,
+        match=r"torch_cgx\.exclude_layer\('bn'\) before torch_cgx\.register_model: no layers "
+        r"are registered.*call torch_cgx\.register_model\(\[\(name, p\.numel\(\)\)",
+    ):
+        torch_cgx.exclude_layer("bn")
+    assert registry.excluded == []
+    torch_cgx.register_model([("fc.weight", 100), ("bn.weight", 10)])
+    torch_cgx.exclude_layer("bn")
+    assert registry.excluded == ["bn"]
+    with pytest.raises(QuantizeValueError, match="non-empty name part"):
+        torch_cgx.exclude_layer("")
+
+
 def test_register_model_records_names() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     mq.register_model(model)

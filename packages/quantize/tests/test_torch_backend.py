@@ -18,6 +18,7 @@ import mpx.quantize as mq
 from mpx.collectives import init_process_group, world
 from mpx.collectives.building_blocks import MPXWork
 from mpx.quantize.config import CompressionConfig, registry
+from mpx.quantize.errors import QuantizeValueError
 from mpx.quantize.torch_backend import CGXProcessGroup
 
 
@@ -178,6 +179,31 @@ def test_ddp_on_cgx_keeps_excluded_layers_exact_and_quantizes_the_rest_within_th
                 assert (got - want).abs().max().item() <= bound, (step, name)
                 if size > 1:
                     assert error > 1e-4, (step, name, error)  # quantized, not exact
+
+
+@pytest.mark.mpi
+def test_cgx_refuses_to_quantize_whole_what_is_to_be_excluded_by_name(
+    groups: dict[str, dist.ProcessGroup],
+    monkeypatch: pytest.MonkeyPatch,
+    clean_registry: None,
+) -> None:
+    """exclude_layer without register_model: every layer was quantized in silence (issue 41)."""
+    cgx = _cgx_group(monkeypatch, "4")
+    mq.exclude_layer("bn")  # mpx.quantize's (torch_cgx's refuses it at once)
+    t = torch.full((4096,), float(world().rank))
+    with pytest.raises(
+        QuantizeValueError,
+        match=r"layers \['bn'\] are to be excluded by name, but no layers are registered, so "
+        r"this tensor of 4096 elements would be quantized whole; call torch_cgx\.register_model",
+    ):
+        dist.all_reduce(t, group=cgx)
+    assert torch.equal(t, torch.full((4096,), float(world().rank)))  # nothing moved
+    small = torch.ones(8)  # below the smallest compressed: exact, nothing to exclude
+    dist.all_reduce(small, group=cgx)
+    assert torch.equal(small, torch.full((8,), float(world().size)))
+    registry.clear()
+    dist.all_reduce(t, group=cgx)  # the group goes on
+    assert torch.allclose(t, torch.full((4096,), sum(range(world().size)) * 1.0))
 
 
 @pytest.mark.mpi

@@ -21,9 +21,32 @@ python train.py`` (or ``mpirun``). MPI starts only when a ``"cgx"`` group is mad
 from __future__ import annotations
 
 from mpx._quantize_autoload import register as _register
-from mpx.quantize.config import exclude_layer, register_model
+from mpx.quantize.config import register_model, registry
+from mpx.quantize.errors import QuantizeValueError
 
 __all__ = ["exclude_layer", "register_model"]
+
+
+def exclude_layer(part: str) -> None:
+    """Keeps the registered layers whose name contains ``part`` exact (``"bn"``, ``"bias"``).
+
+    As in CGX, after :func:`register_model`: the ``"cgx"`` group knows a DDP
+    bucket's layers only by the names and sizes registered, so before that
+    the exclusion would match nothing and every layer would be quantized.
+
+    Raises:
+        QuantizeValueError: no layers are registered yet (the message says
+            what to call first).
+    """
+    if not registry.order:
+        raise QuantizeValueError(
+            f"torch_cgx.exclude_layer({part!r}) before torch_cgx.register_model: no layers "
+            "are registered, so nothing would be excluded and every layer would be quantized; "
+            "call torch_cgx.register_model([(name, p.numel()) for name, p in "
+            "model.named_parameters()]) first"
+        )
+    registry.exclude_layer(part)
+
 
 # Already done by `import torch` through the torch.backends entry point, unless
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0 turned that off: idempotent, starts no MPI.

@@ -35,7 +35,8 @@ from mpx.collectives import Communicator
 from mpx.collectives.building_blocks import MPXProcessGroup, MPXWork
 from mpx.quantize.allreduce import allreduce
 from mpx.quantize.buckets import BucketMatcher, Segments
-from mpx.quantize.config import CompressionConfig
+from mpx.quantize.config import CompressionConfig, registry
+from mpx.quantize.errors import QuantizeValueError
 from mpx.quantize.format import FLOAT_DTYPES
 from mpx.quantize.settings import CONFIG
 
@@ -88,6 +89,7 @@ class CGXProcessGroup(MPXProcessGroup):
         # the group has a C++ reader of lists (``cpp_reads_lists``: a built-in comm
         # hook), not a TorchScript task per DDP bucket always.
         if not self.layers.active():  # no layers registered: the tensor as a whole
+            self._check_no_exclusion(t.numel())
             allreduce(t, self.comm, op=name, config=self.config)
             return self._work([], listed)
         segments = self.layers.segments(t.numel(), self.config)
@@ -98,6 +100,22 @@ class CGXProcessGroup(MPXProcessGroup):
         if not t.is_contiguous():
             t.copy_(flat.view(t.shape))
         return self._work([], listed)
+
+    def _check_no_exclusion(self, numel: int) -> None:
+        """Raises where layers are to be excluded by name but none are registered.
+
+        A bucket is known by its layers' sizes only after ``register_model``;
+        without it an exclusion (``exclude_layer``, ``MPX_QUANTIZE_EXCLUDE``)
+        would be skipped in silence and the excluded layers quantized.
+        """
+        excluded = (*self.config.exclude, *registry.excluded)
+        if excluded:
+            raise QuantizeValueError(
+                f"the cgx group: layers {list(excluded)} are to be excluded by name, but no "
+                f"layers are registered, so this tensor of {numel} elements would be "
+                "quantized whole; call torch_cgx.register_model([(name, p.numel()) for name, "
+                "p in model.named_parameters()]) (or mpx.quantize.register_model(model)) first"
+            )
 
     def _reduce_segments(self, flat: torch.Tensor, segments: Segments, op: str) -> None:
         """Reduces the quantized runs of ``flat`` together, then the exact ones, in place."""
