@@ -108,6 +108,38 @@ RESIDUAL_PLOT = "docs/figures/mgrit_residuals.png"
 KINDS = ("forward", "adjoint", "linearize", "gradient")
 
 
+def _contention(comm: Any, rows: int = 16, repeats: int = 9) -> float:
+    """How much slower a batched step runs with every rank computing than on rank 0
+    alone (measured: other ranks and other jobs share the cores)."""
+    import torch
+    from torch import nn
+
+    from mpx.mgrit.stacked import StackedSteps
+
+    torch.manual_seed(3)
+    stacked = StackedSteps.of([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())] * rows)
+    assert stacked is not None
+    stacked.refresh()
+    x = torch.randn(rows, BATCH, WIDTH)
+
+    def median(everyone: bool) -> float:
+        samples = []
+        for _ in range(repeats):
+            comm.mpi.Barrier()
+            start = time.perf_counter()
+            if everyone or comm.rank == 0:
+                with torch.no_grad():
+                    stacked.step(x, 0, 1, 0.1)
+            samples.append(time.perf_counter() - start)
+            done = comm.mpi.Ibarrier()  # the idle ranks sleep, not poll, meanwhile
+            while not done.Test():
+                time.sleep(0.001)
+        return statistics.median(samples)
+
+    alone, shared = median(False), median(True)
+    return float(comm.mpi.bcast(max(1.0, shared / alone), root=0))
+
+
 def layer_parallel() -> None:
     """Inside ``mpxrun -n P``: LayerParallel fwd+bwd on all ranks, serial on rank 0 alone.
 
@@ -170,6 +202,11 @@ def layer_parallel() -> None:
             run()
             samples.append(time.perf_counter() - start)
         t_serial = statistics.median(samples)
+    # The other ranks wait politely (sleeping, not polling MPI) while rank 0 times the
+    # serial network: a polling rank takes a core from it on a loaded machine.
+    done = comm.mpi.Ibarrier()
+    while not done.Test():
+        time.sleep(0.005)
     # One activation message (batch x width float32) between neighbours, one way.
     message = 0.0
     if comm.size > 1:
@@ -186,6 +223,7 @@ def layer_parallel() -> None:
                 send(buf, 0, comm=comm)
         message = (time.perf_counter() - start) / (2 * rounds)
         message = float(comm.mpi.bcast(message, root=0))
+    contention = _contention(comm)
     # Convergence factor: a forward solve run to 8 iterations, residual ratios.
     # (float64: in float32 the residual stalls near 1e-5, at rounding level.)
     deep = make(8, 8).double()
@@ -200,7 +238,7 @@ def layer_parallel() -> None:
         record = {
             "size": comm.size, "t_lp": t_lp, "t_unbatched": t_unbatched, "t_serial": t_serial,
             "message": message, "seconds": seconds, "last": last, "work": busiest,
-            "factor": factor, "load": os.getloadavg()[0],
+            "factor": factor, "load": os.getloadavg()[0], "contention": contention,
         }  # fmt: skip
         print("MODEL " + json.dumps(record), flush=True)
         if comm.size == 1:
@@ -244,6 +282,8 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
         model, error = "", ""
         if costs is not None:
             costs.message = r["message"]
+            # The compute of this job shares the cores as measured in it (1 rank: none).
+            costs.cores = p / r["contention"] if p > 1 else 1.0
             t = predict(count(STEPS, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p), costs, p)
             model, error = f"{t * 1e3:.1f}", f"{(t - r['t_lp']) / r['t_lp']:+.0%}"
         w = r["work"]
@@ -252,12 +292,12 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
             f"{r['t_serial'] * 1e3:.1f} | {r['t_unbatched'] / r['t_serial']:.2f} | "
             f"**{r['t_lp'] / r['t_serial']:.2f}** | {model} | {error} | {w['forward']}/"
             f"{w['adjoint']}/{w['linearize']}/{w['gradient']} | {r['factor']:.3f} | "
-            f"{r['load']:.1f} |"
+            f"{r['contention']:.2f} | {r['load']:.1f} |"
         )
     if costs is None or one is None or 2 not in rows:
         return
     costs.message = rows[2]["message"]
-    costs.cores = 1 << 30  # a large machine: one core a rank
+    costs.cores = float(1 << 30)  # a large machine: one core a rank
     per_step_serial = one["t_serial"] / STEPS
     print(
         f"\nModel (`mpx.mgrit.model`): T(P) = Σ_kind (batched rows · row cost + single-row "
@@ -354,14 +394,16 @@ def main() -> None:
         "`mpx.mgrit.model` with the costs measured in the same job. Work: layer evaluations "
         "(forward/adjoint/linearise/gradient rows) of the busiest rank, `mpx.mgrit.work(net)`. "
         "Convergence factor: geometric mean of forward residual ratios over 8 iterations in "
-        "float64. Load: 1-minute load average at the end; 3 ranks on 2 cores are "
-        "oversubscribed.\n"
+        "float64. Contention: a batched step's time with every rank computing ÷ rank 0 alone, "
+        "measured in the job (the model's compute at 2 and 3 ranks is scaled by it). Load: "
+        "1-minute load average at the end; 3 ranks on 2 cores are oversubscribed.\n"
     )
     print(
         "| ranks | unbatched (ms) | batched (ms) | serial (ms) | unbatched ÷ serial | "
-        "batched ÷ serial | model (ms) | model error | work | convergence factor | load |"
+        "batched ÷ serial | model (ms) | model error | work | convergence factor | "
+        "contention | load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     sys.stdout.flush()
     rows: dict[int, dict[str, Any]] = {}
     for nprocs in (int(n) for n in args.ranks.split(",")):

@@ -61,7 +61,7 @@ class Costs:
     single: dict[str, float]
     message: float
     per_step: float = 0.0
-    cores: int = 1 << 30
+    cores: float = float(1 << 30)
 
 
 class _Solve:
