@@ -43,6 +43,8 @@ def test_gloo_runs_the_other_collectives_like_mpi() -> None:
         reduce(want, root, "sum", impl="mpi", timeout=60)
         if comm.rank == root:
             assert torch.equal(got, want)
+        else:  # reduce's contract: the other ranks' tensors are unchanged
+            assert torch.equal(got, _mine()), (root, got)
     assert torch.equal(allgather(_mine(), impl="gloo"), allgather(_mine(), impl="mpi"))
     rows = _mine(4 * comm.size).reshape(comm.size, 4)
     assert torch.equal(alltoall(rows.clone(), impl="gloo"), alltoall(rows.clone(), impl="mpi"))

@@ -127,7 +127,10 @@ class C10dImplementation:
         options = dist.ReduceOptions()
         options.rootRank = root
         options.reduceOp = getattr(dist.ReduceOp, _REDUCE_OPS[op])
-        yield WorkStep(self.group(comm).reduce([t], options))
+        # gloo's reduce works in its input on every rank: the other ranks' tensors came
+        # back holding partial sums, where mpx's reduce leaves them unchanged.
+        work = t if comm.rank == root else t.clone()
+        yield WorkStep(self.group(comm).reduce([work], options))
         if op == "avg" and comm.rank == root:
             t.div_(comm.size)
         return t
