@@ -16,6 +16,12 @@ DDP's built-in comm hooks: ``DistributedDataParallel._register_builtin_comm_hook
 is where a DDP hands its group to C++ hooks that read futures as c10 tensor
 lists (:func:`on_builtin_comm_hook` hears of it). Private in torch since 1.8,
 with this name and signature to 2.13.
+
+One private name lives elsewhere, for a reason: torch's rendezvous handler table
+(``torch.distributed.rendezvous._rendezvous_handlers``), whose ``env`` entry
+``mpx._collectives_autoload`` wraps when ``import torch`` loads the backend. That
+module sits outside this package because importing this package starts MPI, which
+``import torch`` must not.
 """
 
 from __future__ import annotations
