@@ -34,8 +34,9 @@ def work(net: Any) -> dict[str, int]:
         counts keyed by :data:`WORK_KINDS`: ``"forward"`` (steps of the forward solve),
         ``"adjoint"`` (vector-Jacobian products of the adjoint solve), ``"linearize"``
         (forward evaluations the backward makes in order to differentiate) and
-        ``"gradient"`` (parameter vector-Jacobian products of the final sweep); summed
-        over the layers and directions of a ParallelGRU.
+        ``"gradient"`` (parameter vector-Jacobian products of the final sweep; 0 for a
+        ParallelGRU, whose parameter sweep is its own and not counted); summed over the
+        layers and directions of a ParallelGRU.
     """
     steppers = getattr(net, "_work_steppers", None)
     if steppers is None:
