@@ -34,7 +34,7 @@ __all__ = [
     "registry",
 ]
 
-# What CompressionConfig.communicator accepts (CGX's COMMUNICATOR_TYPE, any case):
+# What CompressionConfig.communicator accepts (CGX's CGX_INNER_COMMUNICATOR_TYPE, any case):
 # CGX's MPI and SHM communicators are the mpx.collectives implementations of the
 # same names (the MPI library's collectives; the node's shared memory), looked up
 # in mpx.collectives' registry; auto lets the collectives' policy choose.
@@ -107,7 +107,8 @@ class CompressionConfig:
         if not isinstance(self.communicator, str) or self.communicator.lower() not in COMMUNICATORS:
             raise QuantizeValueError(
                 f"communicator={self.communicator!r} is not one of {list(COMMUNICATORS)} "
-                "(CGX's COMMUNICATOR_TYPE: MPI or SHM; auto lets mpx.collectives choose)"
+                "(CGX's CGX_INNER_COMMUNICATOR_TYPE: MPI or SHM; its NCCL has no CPU "
+                "transport here; auto lets mpx.collectives choose)"
             )
         object.__setattr__(self, "communicator", self.communicator.lower())
 
@@ -200,6 +201,8 @@ class CompressionConfig:
                 raise QuantizeValueError(str(error)) from None
             if key == "exclude":
                 value = tuple(p.strip() for p in value.split(",") if p.strip())
+            if key == "bits":
+                value = int(value)  # declared as a choice of texts (mpx.quantize.settings)
             values[key] = value
         if cgx and "bits" not in values:
             # Configured the CGX way: CGX's default, 32 bits, compresses nothing.
