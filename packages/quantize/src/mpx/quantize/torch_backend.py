@@ -35,10 +35,10 @@ from mpx.collectives import Communicator
 from mpx.collectives.building_blocks import MPXProcessGroup, MPXWork
 from mpx.quantize.allreduce import allreduce
 from mpx.quantize.buckets import BucketMatcher, Segments
+from mpx.quantize.cgx_layers import EnvConfig, LayerSpec, layer_table
 from mpx.quantize.config import CompressionConfig, registry
 from mpx.quantize.errors import QuantizeValueError
 from mpx.quantize.format import FLOAT_DTYPES
-from mpx.quantize.settings import CONFIG
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_torch_backend"]
 
@@ -49,20 +49,22 @@ class CGXProcessGroup(MPXProcessGroup):
     """The ``"cgx"`` group: floating all_reduce quantized per the CGX configuration.
 
     Attributes:
-        config: the compression settings, read from the environment when the
-            group is made (``CompressionConfig.from_env()``; 32 bits, i.e. no
-            quantization, when no bits variable is set, as CGX).
+        config: the compression settings, read from the environment as it is
+            at each all_reduce, as CGX (``CompressionConfig.from_env()``; 32
+            bits, i.e. no quantization, when no bits variable is set).
         layers: maps buckets to the layers of ``register_model`` (layer filtering).
     """
 
     def __init__(self, comm: Communicator, timeout: timedelta | None = None) -> None:
         super().__init__(comm, timeout)
-        config = CompressionConfig.from_env()
-        if not CONFIG["bits"].is_set():
-            # CGX's default: CGX_COMPRESSION_QUANTIZATION_BITS=32, no quantization.
-            config = config.with_(bits=32)
-        self.config = config
+        self._env = EnvConfig()
+        self._env.current()  # a bad variable is an error when the group is made
         self.layers = BucketMatcher()
+
+    @property
+    def config(self) -> CompressionConfig:
+        """The configuration the ``CGX_*``/``MPX_QUANTIZE_*`` variables give now."""
+        return self._env.current()
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -75,40 +77,45 @@ class CGXProcessGroup(MPXProcessGroup):
         listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         name = self.reduce_op_name(opts, "allreduce")
         t = listed[0]
-        if not (
-            self.config.enabled
-            and len(listed) == 1
+        config = self.config  # CGX reads its variables at every all_reduce
+        floating = (
+            len(listed) == 1
             and name in ("sum", "avg")
             and t.dtype in FLOAT_DTYPES
             and not t.is_sparse
-            and t.numel() >= self.config.min_compressed
-        ):
+        )
+        if floating and layer_table.active():  # torch_cgx.register_layer: per-layer bits
+            specs = layer_table.next_bucket(t.numel())
+            if specs is not None:
+                self._reduce_layers(t, specs, config, name)
+                return self._work([], listed)
+        if not (floating and config.enabled and t.numel() >= config.min_compressed):
             return super().allreduce(listed, opts)  # exact: mpx's own
         # The work is made by the group (``_work``), as the exact path's: it carries
         # the group's timeout and hands torch's C++ tensor-list futures only where
         # the group has a C++ reader of lists (``cpp_reads_lists``: a built-in comm
         # hook), not a TorchScript task per DDP bucket always.
         if not self.layers.active():  # no layers registered: the tensor as a whole
-            self._check_no_exclusion(t.numel())
-            allreduce(t, self.comm, op=name, config=self.config)
+            self._check_no_exclusion(t.numel(), config)
+            allreduce(t, self.comm, op=name, config=config)
             return self._work([], listed)
-        segments = self.layers.segments(t.numel(), self.config)
+        segments = self.layers.segments(t.numel(), config)
         if not any(quantized for _, quantized in segments):
             return super().allreduce(listed, opts)
         flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
-        self._reduce_segments(flat, segments, name)
+        self._reduce_segments(flat, segments, name, config)
         if not t.is_contiguous():
             t.copy_(flat.view(t.shape))
         return self._work([], listed)
 
-    def _check_no_exclusion(self, numel: int) -> None:
+    def _check_no_exclusion(self, numel: int, config: CompressionConfig) -> None:
         """Raises where layers are to be excluded by name but none are registered.
 
         A bucket is known by its layers' sizes only after ``register_model``;
         without it an exclusion (``exclude_layer``, ``MPX_QUANTIZE_EXCLUDE``)
         would be skipped in silence and the excluded layers quantized.
         """
-        excluded = (*self.config.exclude, *registry.excluded)
+        excluded = (*config.exclude, *registry.excluded)
         if excluded:
             raise QuantizeValueError(
                 f"the cgx group: layers {list(excluded)} are to be excluded by name, but no "
@@ -117,21 +124,48 @@ class CGXProcessGroup(MPXProcessGroup):
                 "p in model.named_parameters()]) (or mpx.quantize.register_model(model)) first"
             )
 
-    def _reduce_segments(self, flat: torch.Tensor, segments: Segments, op: str) -> None:
+    def _reduce_segments(
+        self, flat: torch.Tensor, segments: Segments, op: str, config: CompressionConfig
+    ) -> None:
         """Reduces the quantized runs of ``flat`` together, then the exact ones, in place."""
-        runs: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        exact = config.with_(bits=32)
+        self._reduce_runs(flat, [(n, config if q else exact) for n, q in segments], op)
+
+    def _reduce_layers(
+        self, t: torch.Tensor, specs: list[LayerSpec], config: CompressionConfig, op: str
+    ) -> None:
+        """Reduces a bucket of ``register_layer`` layers, each at its own bits and bucket size.
+
+        As CGX: a layer is quantized when its bits are 1-8 and it has at least
+        the minimal size (never below 16 elements); the others are exact.
+        """
+        runs = []
+        for spec in specs:
+            layer = spec.config(config)
+            runs.append((spec.numel, layer if layer.compresses(spec.numel) else None))
+        flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        exact = config.with_(bits=32)
+        self._reduce_runs(flat, [(n, c if c is not None else exact) for n, c in runs], op)
+        if not t.is_contiguous():
+            t.copy_(flat.view(t.shape))
+
+    def _reduce_runs(
+        self, flat: torch.Tensor, runs: list[tuple[int, CompressionConfig]], op: str
+    ) -> None:
+        """Reduces the runs of ``flat`` that share a configuration together, in place.
+
+        The configurations in a fixed order (quantized by bits and bucket size,
+        then exact): every rank has the same runs, so makes the same calls.
+        """
+        groups: dict[CompressionConfig, list[torch.Tensor]] = {}
         offset = 0
-        for length, quantized in segments:
-            runs[quantized].append(flat[offset : offset + length])
+        for length, run_config in runs:
+            groups.setdefault(run_config, []).append(flat[offset : offset + length])
             offset += length
-        # The same two calls in the same order on every rank (same segments).
-        for quantized in (True, False):
-            views = runs[quantized]
-            if not views:
-                continue
+        for run_config in sorted(groups, key=lambda c: (not c.enabled, c.bits, c.bucket_size)):
+            views = groups[run_config]
             buffer = views[0] if len(views) == 1 else torch.cat(views)
-            config = self.config if quantized else self.config.with_(bits=32)
-            allreduce(buffer, self.comm, op=op, config=config)
+            allreduce(buffer, self.comm, op=op, config=run_config)
             if len(views) > 1:
                 start = 0
                 for view in views:
