@@ -85,26 +85,21 @@ def test_plain_srun_runs_ddp_on_mpx(slurm_env: dict[str, str], tmp_path: Path, r
     _bare.check_views(out, ranks, "mpx")  # type: ignore[attr-defined]
 
 
-def test_mpxrun_launcher_slurm(slurm_env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "start",
+    [
+        pytest.param([MPXRUN, "--launcher", "slurm", "-n", "2"], id="mpxrun-launcher-slurm"),
+        pytest.param(["salloc", "-n", "2", MPXRUN, "-n", "2"], id="salloc-then-mpxrun"),
+    ],
+)
+def test_mpxrun_under_slurm(slurm_env: dict[str, str], tmp_path: Path, start: list[str]) -> None:
+    """srun makes its own allocation, or mpxrun finds salloc's."""
     out = tmp_path / "out.json"
     proc = _run(
-        [MPXRUN, "--launcher", "slurm", "-n", "2", "--timeout", "240", "--",
-         sys.executable, str(JOB), "mpx", str(out)],
+        [*start, "--timeout", "240", "--", sys.executable, str(JOB), "mpx", str(out)],
         slurm_env,
         tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    _bare.check_views(out, 2, "mpx")  # type: ignore[attr-defined]
-
-
-def test_salloc_then_mpxrun_finds_the_allocation(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    out = tmp_path / "out.json"
-    proc = _run(
-        ["salloc", "-n", "2", MPXRUN, "-n", "2", "--timeout", "240", "--",
-         sys.executable, str(JOB), "mpx", str(out)],
-        slurm_env,
-        tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     _bare.check_views(out, 2, "mpx")  # type: ignore[attr-defined]
 
