@@ -34,12 +34,13 @@ from mpx.mgrit.stacked import StackedSteps
 
 __all__ = ["WORK_KINDS", "TimeStepper", "shared_blocks"]
 
-#: What :attr:`TimeStepper.work` counts, in layer evaluations (one step of one state):
-#: "forward" the steps of the forward solve, "adjoint" the vector-Jacobian products
-#: (with respect to the state) of the adjoint solve, "linearize" the forward
-#: evaluations the backward makes to differentiate, "gradient" the vector-Jacobian
-#: products with respect to the parameters of the final sweep.
+# What TimeStepper.work counts, in layer evaluations (one step of one state).
 WORK_KINDS = ("forward", "adjoint", "linearize", "gradient")
+"""The kinds of layer evaluation :func:`mpx.mgrit.work` counts: "forward" the steps of
+the forward solve, "adjoint" the vector-Jacobian products (with respect to the state)
+of the adjoint solve, "linearize" the forward evaluations the backward makes to
+differentiate, "gradient" the vector-Jacobian products with respect to the parameters
+of the final sweep."""
 
 #: ``phi(k, x, dt) -> x``: step k of the network from state x, with step size dt.
 Phi = Callable[[int, torch.Tensor, float], torch.Tensor]
