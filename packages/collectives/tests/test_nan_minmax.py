@@ -29,6 +29,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, allreduce, reduce, reduce_scatter, world
+from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.policy import PolicyError, current
 from mpx.collectives.registry import Implementation, all_implementations
 from mpx.launch.settings import reload
@@ -40,15 +41,8 @@ CPU_IMPLS = sorted(name for name, impl in all_implementations().items() if "cpu"
 CUDA_IMPLS = sorted(name for name, impl in all_implementations().items() if "cuda" in impl.devices)
 # torch's own process groups, to compare with: not held to propagating NaN.
 COMPARE_ONLY = ("gloo", "nccl")
-DTYPES = [
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-]
+# Every dtype the collectives take: the package's own list, not a copy of it.
+DTYPES = list(SUPPORTED_DTYPES)
 REDUCING = ("allreduce", "reduce", "reduce_scatter")
 # Elements in all (divisible by 1, 2 and 3 ranks). Small: MPI's own algorithms
 # and the fast path; large (over MPX_AUTO_SMALL_BYTES but in uint8): auto's
