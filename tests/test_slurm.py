@@ -53,7 +53,7 @@ RESUMABLE: str = _sibling("test_elastic_restart").PROGRAM  # type: ignore[attr-d
 def slurm_env() -> dict[str, str]:
     """The environment of a job submitted to the running cluster (skips without one)."""
     status = subprocess.run(
-        ["bash", str(CLUSTER), "status"], capture_output=True, text=True, timeout=700, check=False
+        ["bash", str(CLUSTER), "status"], capture_output=True, text=True, timeout=260, check=False
     )
     conf = status.stdout.strip().removeprefix("SLURM_CONF=")
     if status.returncode != 0 or not conf:
