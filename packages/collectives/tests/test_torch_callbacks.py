@@ -181,9 +181,9 @@ def test_ddp_without_builtin_hook_gets_no_tensor_list_futures(
         return original(tensors)
 
     monkeypatch.setattr(torch_futures, "tensor_list_future", counted)
-    from mpx.collectives import torch_backend
+    from mpx.collectives import torch_work  # MPXWork's module, which makes them
 
-    monkeypatch.setattr(torch_backend, "tensor_list_future", counted)
+    monkeypatch.setattr(torch_work, "tensor_list_future", counted)
     group = dist.new_group(backend="mpx")
     try:
         _train(group, lambda ddp: None, bucket_cap_mb=0.002)
