@@ -38,14 +38,12 @@ from mpx.collectives.checks import as_limit, check_timeout
 from mpx.collectives.consistency import (
     CHECKED_OPS,
     CONFIGURATION,
-    ROW,
     Call,
     call_of,
-    calls_differ,
+    compare_steps,
     config_hash,
     encode,
-    fields_differ,
-    first_difference,
+    mismatch_steps,
     sequences_differ,
     signature_of,
 )
@@ -57,7 +55,7 @@ from mpx.collectives.errors import (
     RemoteError,
 )
 from mpx.collectives.exchange import gather_bytes, summarize
-from mpx.collectives.handle import LOCK, Handle, Queue, Requests, Steps, drive
+from mpx.collectives.handle import LOCK, Handle, Queue, Steps, drive
 from mpx.collectives.policy import ChoiceCache
 from mpx.collectives.policy import current as current_policy
 from mpx.collectives.registry import OP_SPECS
@@ -418,47 +416,15 @@ class Communicator:
     def _compare(
         self, op: str, row: np.ndarray, call: Callable[[], Call | Mapping[str, Hashable]]
     ) -> Steps[None]:
-        """Steps: every rank's row of this call, compared; a mismatch raises on every rank.
-
-        ``call`` describes this rank's call for the error (a :data:`Call`, or
-        a configuration's fields); it is exchanged only after a mismatch,
-        which every rank has seen in the same rows.
-        """
-        board = self.call_board
-        if board is not None and current_policy().check == "auto":
-            number = board.post(row)  # now: when the call's turn has come, in order
-            if not board.arrived(number):
-                yield Arrival(board, number)
-            if board.same(number):  # in C where fast_path is compiled
-                return
-        else:
-            every = np.empty((self.size, ROW), dtype=np.int64)
-            yield Requests([self.mpi.Iallgather(row, every)])
-            if not calls_differ(every):
-                return
-        yield from self.mismatch_steps(op, call())
+        """Steps: every rank's row of this call, compared (:func:`consistency.compare_steps`)."""
+        return compare_steps(self, op, row, call, Arrival)
 
     def mismatch_steps(self, op: str, call: Call | Mapping[str, Hashable]) -> Steps[None]:
         """Steps after a mismatch that every rank has seen: exchange the calls, raise.
 
-        One more small exchange, which every rank makes because every rank saw
-        the same rows; then each raises the same :class:`MismatchError`.
+        (:func:`mpx.collectives.consistency.mismatch_steps` on this communicator.)
         """
-        data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
-        every = [pickle.loads(part) for part in (yield from gather_bytes(self.mpi, data))]
-        if isinstance(call, Mapping):
-            error = fields_differ(op, every) if all(isinstance(c, Mapping) for c in every) else None
-        else:
-            error = (
-                first_difference(op, every, " (MPX_CHECK)")
-                if all(isinstance(c, tuple) for c in every)
-                else None
-            )
-        raise error or MismatchError(
-            f"{op}: ranks made different calls (MPX_CHECK): "
-            + "; ".join(f"rank {r}: {c!r}" for r, c in enumerate(every[:8]))
-            + "; every rank must make the same collective calls in the same order"
-        )
+        return mismatch_steps(self.mpi, op, call)
 
     def check_same(
         self, what: str, fields: Mapping[str, Hashable], timeout: float | None = None

@@ -40,28 +40,37 @@ first exchange.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+import pickle
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from mpx.collectives.errors import MismatchError
+from mpx.collectives.exchange import gather_bytes
+from mpx.collectives.handle import Pending, Requests, Steps
+from mpx.collectives.policy import current as current_policy
 from mpx.collectives.registry import OP_SPECS
 
 __all__ = [
     "CHECKED_OPS",
     "ROW",
+    "Board",
     "Call",
+    "Peers",
     "Signature",
     "call_of",
     "calls_differ",
+    "compare_steps",
     "config_hash",
     "decode",
     "describe",
     "encode",
     "fields_differ",
     "first_difference",
+    "mismatch_steps",
     "sequences_differ",
     "signature_of",
 ]
@@ -270,3 +279,79 @@ def sequences_differ(what: str, noun: str, every: Sequence[Sequence[str]]) -> Mi
             f"rank {rank} {len(items)}"
         )
     return None
+
+
+# -- the comparison, as steps of the call it checks -------------------------------
+
+
+class Board(Protocol):
+    """The call board as the comparison uses it (:class:`mpx.collectives.call_board.CallBoard`)."""
+
+    def post(self, row: np.ndarray) -> int: ...
+    def arrived(self, number: int) -> bool: ...
+    def same(self, number: int) -> bool: ...
+
+
+class Peers(Protocol):
+    """What the comparison needs of a communicator (:class:`mpx.collectives.Communicator`)."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def mpi(self) -> MPI.Intracomm: ...
+    @property
+    def call_board(self) -> Any: ...  # a Board, or None where the ranks share no memory
+
+
+def compare_steps(
+    comm: Peers,
+    op: str,
+    row: np.ndarray,
+    call: Callable[[], Call | Mapping[str, Hashable]],
+    arrival: Callable[[Any, int], Pending],
+) -> Steps[None]:
+    """Steps: every rank's row of this call, compared; a mismatch raises on every rank.
+
+    ``call`` describes this rank's call for the error (a :data:`Call`, or
+    a configuration's fields); it is exchanged only after a mismatch,
+    which every rank has seen in the same rows. ``arrival(board, number)``
+    is the step that waits for every rank's row on the board
+    (:class:`mpx.collectives.call_board.Arrival`: the caller passes it, as
+    call_board imports this module).
+    """
+    board: Board | None = comm.call_board
+    if board is not None and current_policy().check == "auto":
+        number = board.post(row)  # now: when the call's turn has come, in order
+        if not board.arrived(number):
+            yield arrival(board, number)
+        if board.same(number):  # in C where fast_path is compiled
+            return
+    else:
+        every = np.empty((comm.size, ROW), dtype=np.int64)
+        yield Requests([comm.mpi.Iallgather(row, every)])
+        if not calls_differ(every):
+            return
+    yield from mismatch_steps(comm.mpi, op, call())
+
+
+def mismatch_steps(mpi: MPI.Intracomm, op: str, call: Call | Mapping[str, Hashable]) -> Steps[None]:
+    """Steps after a mismatch that every rank has seen: exchange the calls, raise.
+
+    One more small exchange, which every rank makes because every rank saw
+    the same rows; then each raises the same :class:`MismatchError`.
+    """
+    data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+    every = [pickle.loads(part) for part in (yield from gather_bytes(mpi, data))]
+    if isinstance(call, Mapping):
+        error = fields_differ(op, every) if all(isinstance(c, Mapping) for c in every) else None
+    else:
+        error = (
+            first_difference(op, every, " (MPX_CHECK)")
+            if all(isinstance(c, tuple) for c in every)
+            else None
+        )
+    raise error or MismatchError(
+        f"{op}: ranks made different calls (MPX_CHECK): "
+        + "; ".join(f"rank {r}: {c!r}" for r, c in enumerate(every[:8]))
+        + "; every rank must make the same collective calls in the same order"
+    )
