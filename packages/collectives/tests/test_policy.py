@@ -261,6 +261,44 @@ def test_cuda_calls_take_ipc_from_its_threshold_where_every_rank_sees_the_same_g
     assert choose("allreduce", True, 1 << 28, _one_node(1, gpus_shared=True)) == "staged"
 
 
+def test_auto_takes_only_what_the_registry_marks_automatic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The registry's ``automatic`` is what ``auto`` reads: unmarked, a listed entry is skipped."""
+    from mpx.collectives import registry
+
+    shared = _one_node(2, gpus_shared=True)
+    assert choose("allreduce", False, 1 << 28, shared) == "shm"
+    assert choose("allreduce", True, 1 << 28, shared) == "ipc"
+    for name in ("shm", "ipc"):
+        unmarked = dataclasses.replace(registry.get(name), automatic=False)
+        monkeypatch.setitem(registry._registry, name, unmarked)
+    assert choose("allreduce", False, 1 << 28, _one_node(2, gpus_shared=True)) == "mpi"
+    assert choose("allreduce", True, 1 << 28, _one_node(2, gpus_shared=True)) == "staged"
+    # Named, an implementation that auto may not take still runs.
+    assert choose("allreduce", False, 1 << 28, _one_node(2, gpus_shared=True), "shm") == "shm"
+
+
+def test_every_listed_implementation_is_automatic_and_no_other() -> None:
+    """The lists and the registry say the same: what auto may take is marked ``automatic``."""
+    from mpx.collectives import registry
+
+    listed = {entry.impl for entries in ORDER.values() for entry in entries}
+    automatic = {impl.name for impl in registry.BUILT_IN if impl.automatic}
+    assert listed == automatic, f"listed {sorted(listed)}, automatic {sorted(automatic)}"
+
+
+def test_readme_shows_the_lists_the_policy_walks() -> None:
+    """The collectives README's block of ordered lists is ``policy.order_table()``."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### How `auto` decides", 1)[1]
+    block = section.split("```\n", 2)[1]
+    assert block.rstrip("\n") == policy.order_table(), (
+        "the README's lists differ from mpx.collectives.policy.ORDER; paste "
+        "python -c 'from mpx.collectives import policy; print(policy.order_table())'"
+    )
+
+
 def test_ipc_threshold_zero_turns_auto_ipc_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPX_AUTO_IPC_BYTES", "0")
     reload_settings()

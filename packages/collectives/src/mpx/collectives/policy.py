@@ -9,12 +9,12 @@ provides the op and accepts the call -- its dtype, reduce op and size, as the
 implementation declares them (:class:`mpx.collectives.registry.Implementation`)
 -- wins::
 
-    op                 ordered implementations (first enabled wins)
+    op                 ordered implementations (first enabled wins; :func:`order_table`)
     -----------------  -------------------------------------------------------
-    allreduce          mpi<small  shm  hier  ring  ipc>=large  mpi(cuda-aware)  staged  mpi
-    broadcast          mpi<small  shm  hier  ring  ipc>=large  mpi(cuda-aware)  staged  mpi
-    allgather          mpi<small  shm  ring  mpi(cuda-aware)  staged  mpi
-    reduce_scatter     mpi<small  ring  mpi(cuda-aware)  staged  mpi
+    allreduce          mpi<small  shm  hier  ring  ring(tuned)  ipc>=large
+    broadcast            mpi(cuda-aware)  staged  mpi
+    allgather          mpi<small  shm  ring  ring(tuned)  mpi(cuda-aware)  staged  mpi
+    reduce_scatter     mpi<small  ring  ring(tuned)  mpi(cuda-aware)  staged  mpi
     reduce, alltoall,  mpi(cuda-aware)  staged  mpi
     send, recv
     barrier            mpi
@@ -24,12 +24,20 @@ implementation declares them (:class:`mpx.collectives.registry.Implementation`)
     shm              CPU, every rank on one node
     hier             CPU, several nodes, more than one rank on some node
     ring             CPU, several nodes
+    ring(tuned)      CPU, where a tuned policy measured ring fastest (on one node too)
     ipc>=large       CUDA tensor of at least the policy's ipc threshold
                      (MPX_AUTO_IPC_BYTES), every rank on one node seeing the
                      same GPUs (the same CUDA_VISIBLE_DEVICES)
     mpi(cuda-aware)  CUDA tensor and MPX_CUDA_AWARE=1
     staged           CUDA tensor
     mpi              the fallback for CPU tensors
+
+An entry is taken only where its implementation says ``auto`` may take the
+call (:meth:`mpx.collectives.registry.Implementation.auto_takes`: it is
+``automatic``, provides the op and accepts the device, layout, dtype, reduce
+op and size): the registry is the one authority on what an implementation
+takes, the lists on the order. The collectives README shows the lists as
+:func:`order_table` prints them (a test compares the two).
 
 ``ipc`` (CUDA IPC within a node) needs every rank to see its peers' GPUs:
 ``auto`` takes it only where the ranks were started with the same visible
@@ -81,6 +89,7 @@ __all__ = [
     "current",
     "default_policy_file",
     "layout_key",
+    "order_table",
     "small_bytes",
 ]
 
@@ -217,6 +226,26 @@ ORDER: dict[str, tuple[Entry, ...]] = {
     "recv": _P2P,
     "barrier": (_MPI,),
 }
+
+
+def order_table() -> str:
+    """The ordered lists as text: one line per group of ops with the same list.
+
+    The collectives README shows this (``tests/test_policy.py`` checks it)::
+
+        allreduce, broadcast          mpi<small  shm  hier  ring  ...  staged  mpi
+        ...
+        barrier                       mpi
+    """
+    groups: dict[tuple[Entry, ...], list[str]] = {}
+    for op, entries in ORDER.items():
+        groups.setdefault(entries, []).append(op)
+    rows = [
+        (", ".join(ops), "  ".join(entry.label or entry.impl for entry in entries))
+        for entries, ops in groups.items()
+    ]
+    width = max(len(ops) for ops, _ in rows)
+    return "\n".join(f"{ops:<{width}}  {entries}" for ops, entries in rows)
 
 
 def layout_key(comm: Layout) -> str:
@@ -391,12 +420,17 @@ COMPARE_ONLY = frozenset(i.name for i in BUILT_IN if not i.automatic and "cpu" i
 
 
 def _walk(call: Call, policy: Policy) -> str:
-    """The first entry of the op's list that is enabled, provides the op and accepts the call."""
+    """The first entry of the op's list that is enabled and whose implementation ``auto``
+    may give the call, as the registry declares it (``Implementation.auto_takes``)."""
     for entry in ORDER[call.op]:
-        if (
-            entry.enabled(call, policy)
-            and call.op in implementation(entry.impl).provides
-            and call.declined_by(entry.impl) is None
+        if entry.enabled(call, policy) and implementation(entry.impl).auto_takes(
+            call.op,
+            call.cuda,
+            call.comm,
+            policy.cuda_aware,
+            call.dtype,
+            call.reduce_op,
+            call.nbytes,
         ):
             return entry.impl
     raise PolicyError(  # unreachable with the built-in lists: each ends in mpi, which takes all

@@ -9,10 +9,12 @@ decides among the implementations that accept a call; the operations
 
     ops.allreduce(t)                  validation, autograd, the check: once
       policy.choose(op, cuda, bytes,  the op's ordered list; each entry names an
-        dtype, reduce_op)             implementation: enabled, provides the op,
-        registry.get(name)            accepts the device and layout (.refusal)
-          .refusal(...), .declines()  and the dtype, reduce op and size (.declines)?
-      ops: t.data, or t itself        as its requires_grad says (.takes_autograd)
+        dtype, reduce_op)             implementation: is the entry enabled, and
+        registry.get(name)            may auto give it the call (.auto_takes:
+          .auto_takes(...)            automatic, provides the op, accepts the
+                                      device and layout (.refusal) and the
+                                      dtype, reduce op and size (.declines))?
+      dispatch: t.data, or t itself   as its requires_grad says (.takes_autograd)
       registry.get(chosen)
         .function("allreduce")        the module's op function: a generator of steps
 
@@ -271,8 +273,11 @@ class Implementation:
             only when the MPI is CUDA-aware (``MPX_CUDA_AWARE=1``).
         layout: ``"any"``, ``"one node"`` (every rank shares memory) or
             ``"several nodes"`` (more than one rank on some node).
-        automatic: ``auto`` (and the tuner) may pick it; False for the ones to
-            compare with (torch's gloo and nccl) and the lossy ones (cgx).
+        automatic: ``auto`` may pick it (and the tuner time it), for the calls
+            the rest of its declarations accept (:meth:`auto_takes`: what
+            :func:`mpx.collectives.policy.choose` asks of every entry of an
+            op's list); False for the ones to compare with (torch's gloo and
+            nccl) and the lossy ones (cgx), which run only where named.
         attribute: the object of ``module`` whose methods are the op functions
             (``""``: the module's own functions).
         summary: one line for docs and ``--check``.
@@ -402,6 +407,31 @@ class Implementation:
             )
         return None
 
+    def auto_takes(
+        self,
+        op: str,
+        cuda: bool,
+        comm: Placement,
+        cuda_aware: bool,
+        dtype: torch.dtype | None,
+        reduce_op: str,
+        nbytes: int,
+    ) -> bool:
+        """Whether ``auto`` may give it this call: what its declarations say, and only that.
+
+        It is ``automatic``, provides ``op``, takes the device and the
+        communicator's layout (:meth:`refusal`) and the dtype, reduce op and
+        size (:meth:`declines`). The policy's lists say in which order the
+        implementations are asked, and its thresholds and tuned bands when
+        an entry is worth asking (:mod:`mpx.collectives.policy`).
+        """
+        return (
+            self.automatic
+            and op in self.provides
+            and self.refusal(op, cuda, comm, cuda_aware) is None
+            and self.declines(dtype, reduce_op, nbytes) is None
+        )
+
     @property
     def takes_autograd(self) -> bool:
         """Whether its op functions get a tensor that requires grad as is (not ``t.data``)."""
@@ -499,7 +529,10 @@ BUILT_IN: tuple[Implementation, ...] = (
         frozenset({"allreduce", "broadcast"}),
         frozenset({"cuda"}),
         layout="one node",
-        automatic=False,  # needs every rank to see its peers' GPUs, which only the user knows
+        # auto takes it (policy's ipc>=large) for CUDA tensors of at least
+        # MPX_AUTO_IPC_BYTES where every rank sees the same GPUs
+        # (Communicator.gpus_shared): with one GPU bound to each rank a peer's
+        # memory cannot be mapped, and only a user who made them visible names it.
         summary="CUDA IPC handles within a node, reduced on the GPU",
     ),
     Implementation(
