@@ -19,7 +19,8 @@ from torch import nn
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline
-from mpx.pipeline.deferred import Records, capturing, deferrable, held_bytes, weight_grads
+from mpx.pipeline.capture import capturing
+from mpx.pipeline.deferred import Records, held_bytes, weight_grads
 
 pytestmark = pytest.mark.mpi
 
@@ -132,8 +133,7 @@ def test_split_backward_gradients_equal_the_full_backward() -> None:
 
 def recorded(layers: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[Records, torch.Tensor]:
     records = Records()
-    linears = [m for m in layers.modules() if isinstance(m, nn.Linear)]
-    with capturing(linears, records):
+    with capturing(layers.parameters(), records):
         out = run()
     return records, out
 
@@ -197,16 +197,38 @@ class OwnLinearForward(nn.Linear):
         return super().forward(x) * 2
 
 
-def test_chunks_with_other_weights_keep_their_graph_for_w() -> None:
-    # W from records covers Linear layers; norms and embeddings are cheap in I;
-    # any other weight would put its whole gradient in I, so its chunk keeps
-    # the graph for W instead (mpx.pipeline.retained).
-    assert deferrable([block(), nn.Embedding(3, 4), nn.Sequential(nn.ReLU())])
-    assert deferrable([OwnParameter().requires_grad_(False)])  # frozen: nothing to defer
-    assert not deferrable([block(), OwnParameter()])
-    assert not deferrable([nn.Conv1d(2, 2, 3)])
-    assert not deferrable([OwnLinearForward(4, 4)])
-    assert not deferrable([nn.MultiheadAttention(4, 2)])
+def test_weights_of_any_kind_are_found_from_the_calls_that_take_them() -> None:
+    # Before, only nn.Linear layers recorded; a chunk with any other weight
+    # kept its whole graph for W (mpx.pipeline.retained). Now every call taking
+    # a weight of 2+ dimensions records: products as (input, grad) pairs, the
+    # rest as their own small graphs; 1-D weights (a scale, a norm) stay in I.
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+
+    def kinds(layer: nn.Module, inp: torch.Tensor = x) -> tuple[int, int]:
+        layer = layer.double()
+        records, out = recorded(layer, lambda: layer(inp).sum())
+        out.backward()
+        found = (len(records), len(records.ops))
+        weight_grads(records)
+        return found
+
+    assert kinds(OwnLinearForward(4, 4)) == (1, 0)
+    assert kinds(nn.Conv1d(3, 2, 3)) == (0, 1)
+    assert kinds(OwnParameter()) == (0, 0)  # 1-D: its gradient in I
+    assert kinds(OwnParameter().requires_grad_(False)) == (0, 0)
+    assert kinds(nn.Embedding(3, 4), torch.tensor([0, 2])) == (0, 0)  # a lookup: in I
+    attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    assert kinds(MultiheadSelf(attention)) == (0, 1)
+
+
+class MultiheadSelf(nn.Module):
+    def __init__(self, attention: nn.MultiheadAttention) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.attention(x, x, x, need_weights=False)[0]
+        return out
 
 
 def test_a_full_backward_in_a_split_call_does_not_record() -> None:

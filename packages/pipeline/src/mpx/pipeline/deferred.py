@@ -1,4 +1,4 @@
-"""The weight gradients of a chunk's Linear layers, deferred from ``I`` to ``W``.
+"""The weight gradients of a chunk, deferred from ``I`` to ``W`` as small records.
 
 A zero-bubble schedule splits a backward into ``I`` (the gradient of the
 chunk's input, on the critical path) and ``W`` (the weights' gradients, run
@@ -6,52 +6,70 @@ later to fill what would be idle time). If ``W`` differentiated the autograd
 graph again, ``I`` would have to keep the whole graph of the micro-batch
 alive until ``W`` runs (every attention score, every activation saved for
 backward): far more memory than 1F1B holds. As in the Zero Bubble paper, a
-Linear's weight gradient needs only two tensors::
+weight's gradient needs only the inputs of the operations that use it and
+the gradients of their outputs. For a matrix product::
 
     grad_weight = grad_output^T @ input        grad_bias = grad_output.sum(0)
 
-So, while a chunk whose backward will be split runs its forward,
-:func:`capturing` routes each of its ``nn.Linear`` layers (not subclasses
-with a forward of their own) through :class:`_DeferredLinear`: a linear map
-whose backward computes only the input's gradient and appends
-``(input, grad_output, weight, bias)`` to the micro-batch's record list.
-``I`` is then an ordinary ``torch.autograd.backward`` without
-``retain_graph``: the graph is freed as it runs, and every other weight
-(LayerNorm, embeddings, a Linear's weight tied to another layer, anything
-not a Linear) gets its gradient there, exactly as autograd computes it.
-``W`` is :func:`weight_grads`: two matrix products per record, accumulated
-into the weights' ``.grad`` (a weight used twice gets both records). A chunk
-with weights of other kinds (:func:`deferrable` says which) keeps its graph
-for ``W`` instead (:mod:`mpx.pipeline.retained`).
+:mod:`mpx.pipeline.capture` finds, while a chunk whose backward will be split
+runs its forward, every operation that takes one of its weights, and leaves
+in this module's :class:`Records`, per operation, what ``W`` needs:
 
-Only leaf weights requiring a gradient are deferred (what autograd would
-accumulate into ``.grad``); a computed weight (a parametrization, a view)
-runs the plain layer, its gradient in ``I``.
+- a matrix product with a weight (``F.linear``, ``torch.addmm`` as in GPT-2's
+  ``Conv1D``, ``x @ W``): a :data:`Record` ``(input, grad_output, weight,
+  bias, transposed)``, and ``W`` is one matrix product per record
+  (:class:`Product` is the operation whose backward leaves it);
+- any other operation with a weight of two or more dimensions (a
+  convolution, ``nn.MultiheadAttention``'s forward, an LSTM): a :class:`Local`,
+  the operation's own small graph (run on detached copies of its inputs, so it
+  keeps only what that operation saved) with the gradients of its outputs,
+  and ``W`` differentiates it.
+
+``I`` is then an ordinary ``torch.autograd.backward`` without
+``retain_graph``: the chunk's graph is freed as it runs, and every weight
+left out (norms' scales, biases used on their own, embeddings, computed
+weights) gets its gradient there, exactly as autograd computes it. ``W`` is
+:func:`weight_grads`: the records' gradients, accumulated into the weights'
+``.grad`` (a weight used twice gets both).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 __all__ = [
     "Held",
+    "Local",
+    "Product",
     "Record",
     "Records",
-    "capturing",
-    "deferrable",
     "held_bytes",
-    "linear_layers",
     "weight_grads",
 ]
 
-Record = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-"""``(input, grad_output, weight, bias)`` of one Linear call, kept by ``I`` for ``W``."""
+Record = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]
+"""``(input, grad_output, weight, bias, transposed)`` of one matrix product, kept by ``I``
+for ``W``: ``output = input @ weight^T + bias`` (``F.linear``), or with ``transposed``
+``output = input @ weight + bias`` (``torch.addmm``, ``x @ W``)."""
+
+
+@dataclass
+class Local:
+    """One operation's own graph, kept by ``I`` for ``W``: its outputs' gradient edges and
+    gradients, the detached copies of the weights it ran on and the weights themselves.
+
+    ``saved`` holds the tensors the operation saved for its backward (the weights
+    left out): what it keeps alive, counted in :class:`Held`."""
+
+    edges: list[Any]
+    grads: list[torch.Tensor]
+    copies: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    saved: list[torch.Tensor] = field(default_factory=list)
 
 
 class Held:
@@ -63,16 +81,27 @@ class Held:
 
 
 class Records(list[Record]):
-    """One micro-batch's records, counted in a :class:`Held`."""
+    """One micro-batch's records (and, in :attr:`ops`, its :class:`Local` ones), counted
+    in a :class:`Held`."""
 
     def __init__(self, held: Held | None = None) -> None:
         super().__init__()
         self.held = held if held is not None else Held()
+        self.ops: list[Local] = []
         self.bytes = 0  # what these records add to ``held``
+
+    def __bool__(self) -> bool:
+        return len(self) > 0 or len(self.ops) > 0
 
     def add(self, record: Record) -> None:
         self.append(record)
-        n = record[0].nbytes + record[1].nbytes
+        self._count(record[0].nbytes + record[1].nbytes)
+
+    def add_op(self, op: Local) -> None:
+        self.ops.append(op)
+        self._count(_nbytes([*op.saved, *op.grads]))
+
+    def _count(self, n: int) -> None:
         self.bytes += n
         self.held.bytes += n
 
@@ -80,11 +109,18 @@ class Records(list[Record]):
         """Forgets the records (after ``W``, or a failed call) and their bytes."""
         self.held.bytes -= self.bytes
         self.bytes = 0
+        self.ops.clear()
         super().clear()
 
 
-class _DeferredLinear(torch.autograd.Function):
-    """``F.linear`` whose backward gives the input's gradient only and records the rest."""
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of ``tensors``, a tensor (or an equal view of it) once."""
+    return sum(n for _, n in {(t.data_ptr(), t.nbytes) for t in tensors})
+
+
+class Product(torch.autograd.Function):
+    """A matrix product with a weight whose backward gives the input's gradient only and
+    records the rest (:data:`Record`)."""
 
     @staticmethod
     def forward(
@@ -92,116 +128,79 @@ class _DeferredLinear(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        transposed: bool,
         records: Records,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.records = bias, records
-        return F.linear(x, weight, bias)
+        ctx.bias, ctx.transposed, ctx.records = bias, transposed, records
+        if not transposed:
+            return F.linear(x, weight, bias)
+        if bias is not None and x.dim() == 2:
+            return torch.addmm(bias, x, weight)
+        out = x @ weight
+        return out if bias is None else out.add_(bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
         x, weight = ctx.saved_tensors
-        ctx.records.add((x, grad, weight, ctx.bias))
-        gx = grad @ weight if ctx.needs_input_grad[0] else None
-        return gx, None, None, None
-
-
-def _deferrable(t: torch.Tensor | None) -> bool:
-    return t is None or (t.requires_grad and t.grad_fn is None)
-
-
-def _forward(layer: nn.Linear, records: Records, x: torch.Tensor) -> torch.Tensor:
-    w, b = layer.weight, layer.bias  # the tensors functional_call swapped in, if any
-    if w.requires_grad and _deferrable(w) and _deferrable(b) and torch.is_grad_enabled():
-        out: torch.Tensor = _DeferredLinear.apply(x, w, b, records)  # type: ignore[no-untyped-call]
-        return out
-    return F.linear(x, w, b)
-
-
-def linear_layers(module: nn.Module) -> list[nn.Linear]:
-    """The layers :func:`capturing` defers: ``nn.Linear`` and subclasses keeping its forward."""
-    return [
-        m
-        for m in module.modules()
-        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
-    ]
-
-
-# Modules whose weight gradients are about as cheap as an elementwise pass over
-# their output (a scale and shift, a scatter of rows): ``I`` computes them.
-_CHEAP: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.modules.batchnorm._NormBase,
-    nn.Embedding,
-    nn.EmbeddingBag,
-    nn.PReLU,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
-
-
-def deferrable(layers: Sequence[nn.Module]) -> bool:
-    """Whether the split backward of these layers can run as records (this module):
-    every module holding a parameter that needs a gradient is a deferred Linear
-    (:func:`linear_layers`) or cheap to differentiate in ``I`` (norms, embeddings).
-    Any other (a convolution, a module's own ``nn.Parameter``) keeps the graph
-    to ``W`` instead: its weight work would otherwise all land in ``I``."""
-    for layer in layers:
-        linears = set(map(id, linear_layers(layer)))
-        for m in layer.modules():
-            own = [q for q in m._parameters.values() if q is not None and q.requires_grad]
-            if own and id(m) not in linears and not isinstance(m, _CHEAP):
-                return False
-    return True
-
-
-@contextlib.contextmanager
-def capturing(layers: Sequence[nn.Linear], records: Records) -> Iterator[None]:
-    """Within the block, ``layers`` run as :class:`_DeferredLinear` recording into ``records``.
-
-    The layers' own ``forward`` is shadowed by an instance attribute for the
-    block only (module hooks still run: ``__call__`` is untouched).
-    """
-    for layer in layers:
-        layer.__dict__["forward"] = _bound(layer, records)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
-
-
-def _bound(layer: nn.Linear, records: Records) -> Any:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return _forward(layer, records, x)
-
-    return forward
+        ctx.records.add((x, grad, weight, ctx.bias, ctx.transposed))
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        gx = grad @ weight.t() if ctx.transposed else grad @ weight
+        return gx, None, None, None, None
 
 
 def _accumulate(t: torch.Tensor, g: torch.Tensor) -> None:
     if t.grad is None:
-        t.grad = g
+        # What AccumulateGrad would store: the parameter's own layout, not a view.
+        t.grad = g if g.is_contiguous() else g.contiguous()
     else:
         t.grad.add_(g)
 
 
+def _products(records: list[Record]) -> None:
+    for x, grad, weight, bias, transposed in records:
+        g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        a, b = (x2.t(), g2) if transposed else (g2.t(), x2)
+        if weight.grad is None:
+            weight.grad = a @ b
+        else:
+            weight.grad.addmm_(a, b)  # no temporary, one pass over .grad
+        if bias is not None and bias.requires_grad:
+            _accumulate(bias, g2.sum(0))
+
+
+def _locals(ops: list[Local]) -> None:
+    """One autograd call for every operation's graph (they are disjoint): each weight
+    copy's gradient, accumulated into the weight it was copied from."""
+    edges = [e for op in ops for e in op.edges]
+    copies = [c for op in ops for c in op.copies]
+    if not edges or not copies:
+        return
+    with torch.enable_grad():  # W may run inside a caller's no_grad
+        got = torch.autograd.grad(
+            edges, copies, [g for op in ops for g in op.grads], allow_unused=True
+        )
+    weights = [w for op in ops for w in op.weights]
+    for w, g in zip(weights, got, strict=True):
+        if g is not None:
+            _accumulate(w, g)
+
+
 def weight_grads(records: Records) -> None:
     """``W``: each record's weight (and bias) gradient, accumulated into ``.grad``; empties it."""
+    if records.ops:
+        _locals(records.ops)
     with torch.no_grad():
-        for x, grad, weight, bias in records:
-            g2 = grad.reshape(-1, grad.shape[-1])
-            x2 = x.reshape(-1, x.shape[-1])
-            if weight.grad is None:
-                weight.grad = g2.t() @ x2
-            else:
-                weight.grad.addmm_(g2.t(), x2)  # no temporary, one pass over .grad
-            if bias is not None and bias.requires_grad:
-                _accumulate(bias, g2.sum(0))
+        _products(records)
     records.clear()
 
 
-def held_bytes(records: list[Record]) -> int:
+def held_bytes(records: Records) -> int:
     """Bytes of the inputs and output gradients ``records`` keep (a tensor in two records
     once; a view counts its own elements, not its whole storage)."""
-    seen = {(t.data_ptr(), t.nbytes) for x, grad, _, _ in records for t in (x, grad)}
-    return sum(n for _, n in seen)
+    tensors = [t for x, grad, *_ in records for t in (x, grad)]
+    return _nbytes(tensors + [t for op in records.ops for t in (*op.saved, *op.grads)])

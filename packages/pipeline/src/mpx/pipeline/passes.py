@@ -18,12 +18,15 @@ The backward can be split (``I`` then ``W``, :meth:`StagePasses.input_grad`,
 :meth:`StagePasses.weight_grad`). ``W`` must neither walk the chunk's graph
 again nor make ``I`` keep it (the whole graph of every micro-batch between
 its ``I`` and ``W`` would stay alive: many times 1F1B's memory). So a forward
-whose backward will be split runs the chunk's Linear layers through
-:func:`mpx.pipeline.deferred.capturing`: ``I`` is a plain backward that frees
-the graph and leaves, per Linear call, its input and its output's gradient;
-``W`` multiplies them (:mod:`mpx.pipeline.deferred`). Every other weight gets
-its gradient in ``I``. A chunk with weights of another kind (a convolution, a
-module's own ``nn.Parameter``) keeps its graph from ``I`` to ``W`` instead
+whose backward will be split runs under :func:`mpx.pipeline.capture.capturing`,
+which finds every call that takes one of the chunk's weights (a Linear, a
+Conv1D's ``addmm``, a convolution, an attention's projections, a bare
+``nn.Parameter``): ``I`` is a plain backward that frees the graph and leaves,
+per such call, what its weights' gradients need (a product's input and its
+output's gradient, or the call's own small graph); ``W`` computes them
+(:mod:`mpx.pipeline.deferred`). Cheap weights (norms, 1-D scales,
+embeddings) get their gradient in ``I``. A forward that ran without capturing
+and is then split keeps its graph from ``I`` to ``W`` instead
 (:mod:`mpx.pipeline.retained`).
 """
 
@@ -41,14 +44,8 @@ import torch
 from mpx.collectives import CollectiveTimeout, Communicator, Handle
 from mpx.pipeline import retained
 from mpx.pipeline.border import carries_grad, flatten, unflatten
-from mpx.pipeline.deferred import (
-    Held,
-    Records,
-    capturing,
-    deferrable,
-    linear_layers,
-    weight_grads,
-)
+from mpx.pipeline.capture import capturing
+from mpx.pipeline.deferred import Held, Records, weight_grads
 from mpx.pipeline.schedule import local_stages, rank_of
 from mpx.pipeline.stage import Stage
 from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
@@ -87,7 +84,7 @@ class Micro:
     recompute: bool = False
     stage: int = 0  # the virtual stage
     extra: dict[str, Any] = field(default_factory=dict)  # hooks' state (async: weights used)
-    capture: bool = False  # the backward will be split: Linear layers record for W
+    capture: bool = False  # the backward will be split: weight calls record for W
     records: Records = field(default_factory=Records)  # W's work, left by I (deferred.py)
     kept: retained.Kept | None = None  # W's work on a chunk that keeps its graph
 
@@ -151,13 +148,6 @@ class StagePasses:
         # The V's turn: a chunk handing to the next chunk on this rank.
         self._handed: dict[tuple[int, int], tuple[Any, list[bool], list[_Pin]]] = {}
         self._handed_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        # Per chunk, whether W can run from records (deferred.py) and the Linear
-        # layers whose weight gradients W computes then.
-        self._deferrable = [deferrable(stage.part_modules(k)) for k in range(len(self.stages))]
-        self._linears = [
-            [m for layer in stage.part_modules(k) for m in linear_layers(layer)]
-            for k in range(len(self.stages))
-        ]
         self.held = Held()  # bytes the records of every micro-batch keep for W
         self.busy_seconds = 0.0
         self.doing = "nothing yet"  # the pass under way, for the message if it fails
@@ -292,7 +282,12 @@ class StagePasses:
         part = self.part[mb.stage]
         if not mb.capture:
             return self.stage.run(mb.feed, g, weights, part)
-        with capturing(self._linears[part], mb.records):
+        # The weights the calls are matched against: the chunk's parameters, and
+        # the tensors a stale schedule runs instead of them (functional_call).
+        used = [p for layer in self.stage.part_modules(part) for p in layer.parameters()]
+        if weights is not None:
+            used += [t for d in weights.values() for t in d.values()]
+        with capturing(used, mb.records):
             return self.stage.run(mb.feed, g, weights, part)
 
     def _remote_next(self, s: int) -> bool:
@@ -306,7 +301,6 @@ class StagePasses:
         over on this rank, or the output kept for :meth:`send_activation`."""
         self.doing = f"forward of micro-batch {j}"
         s = mb.stage
-        mb.capture = mb.capture and self._deferrable[self.part[s]]
         with torch.set_grad_enabled(not mb.recompute):
             y = self._run(mb, g, mb.extra.get("weights"))
             if s == self.virtual - 1:
@@ -414,7 +408,7 @@ class StagePasses:
         self.grad_out[q].send_tensors(self.key(mb.stage - 1, j), mb.extra.pop("grads_out"))
         if not mb.records and mb.kept is None:
             # After ``I`` a record or the kept graph may hold the input (a first
-            # Linear's input is the receive buffer): then ``W`` lets go of them.
+            # product's input is the receive buffer): then ``W`` lets go of them.
             self.release_input(mb)
 
     def backward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float) -> None:
@@ -431,7 +425,7 @@ class StagePasses:
             self._recompute(mb, g, loss_fn)
         pairs = self._output_grads(j, mb, scale)
         if pairs:
-            # Frees the graph as it goes; captured Linears leave records for W.
+            # Frees the graph as it goes; captured weight calls leave records for W.
             torch.autograd.backward([t for t, _ in pairs], [gr for _, gr in pairs])
         if mb.stage > 0:  # stage 0's inputs are the user's: autograd filled their .grad
             self._input_grads(j, mb, [t.grad for t in mb.leaves])
@@ -446,9 +440,9 @@ class StagePasses:
         scale: float,
         weights: list[torch.Tensor] | None = None,
     ) -> None:
-        """``I``: the backward of the chunk less its captured Linears' weight gradients,
-        whose inputs and output gradients stay in ``mb.records`` for :meth:`weight_grad`
-        (the graph itself is freed; see :mod:`mpx.pipeline.deferred`). A forward that
+        """``I``: the backward of the chunk less its captured weights' gradients, whose
+        work stays in ``mb.records`` for :meth:`weight_grad` (the graph itself is
+        freed; see :mod:`mpx.pipeline.capture`). A forward that
         did not capture keeps its graph for ``W`` instead (``weights``: the tensors ``W``
         differentiates then; see :mod:`mpx.pipeline.retained`)."""
         self.doing = f"input gradient of micro-batch {j}"
@@ -462,14 +456,14 @@ class StagePasses:
         self._input_grads(j, mb, grads)
 
     def weight_grad(self, j: int, mb: Micro, weights: list[torch.Tensor] | None = None) -> None:
-        """``W``: the recorded Linears' weight gradients (or, on a chunk that kept its
+        """``W``: the recorded weight gradients (or, on a chunk that kept its
         graph, those of ``weights``), accumulated into their ``.grad``."""
         self.doing = f"weight gradient of micro-batch {j}"
         weight_grads(mb.records)
         if mb.kept is not None:
             mb.kept.weight_grad(weights or [])
             mb.kept = None
-        # A record may hold the received gradient (the chunk's last Linear's output
+        # A record may hold the received gradient (the chunk's last product's output
         # gradient) and the received input: their buffers go back only now.
         self._release_grads(j, mb)
         self.release_input(mb)

@@ -1,12 +1,12 @@
-"""The split backward of a chunk whose weights are not all deferrable: the graph is kept.
+"""The split backward of a forward that did not capture its weight calls: the graph is kept.
 
-:mod:`mpx.pipeline.deferred` defers the weight gradients of Linear layers
-and computes every cheap one (norms, embeddings) in ``I``. A chunk with
-parameters of any other kind (a convolution, a module's own
-``nn.Parameter``, ``nn.MultiheadAttention``'s packed projection) cannot hand
-its weight work to ``W`` that way, so ``I`` keeps its graph and ``W``
-differentiates it (:func:`input_grad`, :meth:`Kept.weight_grad`), at the
-memory cost of the whole graph until ``W`` runs.
+A forward whose backward will be split runs under
+:func:`mpx.pipeline.capture.capturing`, which leaves ``W``'s work as small
+records (:mod:`mpx.pipeline.deferred`) for weights of any kind. A forward
+that ran without it and is split all the same keeps its graph from ``I``
+to ``W``, and ``W`` differentiates it (:func:`input_grad`,
+:meth:`Kept.weight_grad`), at the memory cost of the whole graph until ``W``
+runs.
 
 ``W`` must not walk the input-gradient chain again (in a chunk of several
 layers that would be most of ``I`` over again). So ``I`` first finds, in the
