@@ -25,17 +25,30 @@ others.
 What is compared is what decides which messages move and which layers run
 where; what stays a rank's own business (``checkpoint``: recomputing inside a
 stage; ``seed``; ``sample``, read on the first stage only) is not.
+
+With ``data_parallel_comm`` (2-D) the replicas of a stage must agree too: on
+``compression`` (a replica quantizing while another does not would exchange
+buffers of different layouts) and on which stage they hold. The pipelines are
+the rows of a grid, the replicas its columns; each check raises on its own
+row or column only, so two more small collectives tell every rank::
+
+    row check  ->  column check  ->  row: any failure?  ->  column: any failure?
+
+after which every rank of the grid raises the same PipelineMismatchError
+(every column crosses every row).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 from torch import nn
 
 from mpx.collectives import Communicator, MismatchError
+from mpx.collectives.building_blocks import checks_enabled
 from mpx.pipeline.errors import PipelineMismatchError, PipelineValueError
 from mpx.pipeline.schedule import canonical, stages_per_rank
 
@@ -70,6 +83,7 @@ def build_fields(
     pass_costs: Any,
     data_parallel_size: int,
     async_options: Mapping[str, Any],
+    compression: Any = None,
 ) -> dict[str, Hashable]:
     """What every rank must pass alike, as compared (and shown in the error).
 
@@ -94,19 +108,56 @@ def build_fields(
         "layer types": tuple(type(layer).__name__ for layer in layers),
         "data_parallel_comm size": data_parallel_size,
         **{name: _frozen(value) for name, value in async_options.items()},
+        "compression": _compression(compression),
     }
 
 
-def agree_on_build(comm: Communicator, fields: Mapping[str, Hashable]) -> None:
+def _compression(value: Any) -> Hashable:
+    """``compression=`` as compared: an ``mpx.quantize.CompressionConfig`` by its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _frozen({"type": type(value).__name__, **dataclasses.asdict(value)})
+    return _frozen(value)
+
+
+def agree_on_build(
+    comm: Communicator,
+    fields: Mapping[str, Hashable],
+    replicas: Communicator | None = None,
+) -> None:
     """Raises :class:`PipelineMismatchError` on every rank if the ranks' ``fields`` differ.
 
     Collective over the pipeline's ranks (one small collective; nothing under
-    ``MPX_CHECK=0``).
+    ``MPX_CHECK=0``) and, with ``replicas`` of more than one rank, over the
+    replicas too (three more; see the module's doc): the replicas compare
+    ``compression`` and the stage they hold.
     """
+    if replicas is None or replicas.size == 1:
+        try:
+            comm.check_same("Pipeline", fields)
+        except MismatchError as error:
+            raise _mismatch(error) from None
+        return
+    if not checks_enabled():
+        return
+    found: str | None = None
     try:
         comm.check_same("Pipeline", fields)
     except MismatchError as error:
-        raise PipelineMismatchError(
-            f"{error} (and the arguments of Pipeline(...) that decide which messages "
-            "move and where each layer runs: build the pipeline alike on every rank)"
-        ) from None
+        found = str(_mismatch(error))
+    mine = {"stage": comm.rank, "stages": comm.size, "compression": fields.get("compression")}
+    try:
+        replicas.check_same("Pipeline replicas (data_parallel_comm)", mine)
+    except MismatchError as error:
+        found = found or str(_mismatch(error))
+    # A row or a column that failed tells its row, then every column (each crosses it).
+    for group in (comm, replicas):
+        found = next((m for m in group.allgather_object(found) if m is not None), None)
+    if found is not None:
+        raise PipelineMismatchError(found)
+
+
+def _mismatch(error: MismatchError) -> PipelineMismatchError:
+    return PipelineMismatchError(
+        f"{error} (and the arguments of Pipeline(...) that decide which messages "
+        "move and where each layer runs: build the pipeline alike on every rank)"
+    )

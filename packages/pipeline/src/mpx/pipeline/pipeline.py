@@ -47,6 +47,7 @@ from mpx.pipeline.partition import (
     tied_groups,
 )
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
+from mpx.pipeline.replicas import ReplicaGradients, compression_config, model_names
 from mpx.pipeline.schedule import (
     COMPUTE,
     TIMED,
@@ -157,6 +158,8 @@ class Pipeline(nn.Module):
         seed: base of the per-layer dropout seeds (see :mod:`mpx.pipeline.stage`).
         data_parallel_comm: replicas of this stage in other pipelines; gradients
             are averaged over it before each optimizer step.
+        compression: None (exact), or an ``mpx.quantize.CompressionConfig`` (or
+            its bits): the replicas' average is quantized (:mod:`mpx.pipeline.replicas`).
         sample: a micro-batch sized input for ``balance=None``.
         weight_stashing, weight_prediction, gap_aware, step_every, recompute, split_backward:
             options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`);
@@ -201,6 +204,7 @@ class Pipeline(nn.Module):
         stages_per_rank: int | None = None,
         split_backward: bool = False,
         pass_costs: PassCosts | str = "measured",
+        compression: Any = None,
     ) -> None:
         super().__init__()
         base = as_communicator(comm)
@@ -227,7 +231,9 @@ class Pipeline(nn.Module):
                 pass_costs,
                 0 if dp_comm is None else dp_comm.size,
                 async_options,
+                compression,
             ),
+            dp_comm,
         )
         if not isinstance(module, nn.Sequential):
             raise PipelineTypeError(
@@ -247,6 +253,7 @@ class Pipeline(nn.Module):
         # polling the same handles would only take time from the compute.
         self.comm.background_progress = False
         self.dp_comm = dp_comm
+        config = compression_config(compression, dp_comm)
         self.num_stages, self.stage_id = self.comm.size, self.comm.rank
         self.chunks, self.schedule, self.checkpoint = chunks, schedule, checkpoint
         self.stages_per_rank, self._style = v, placement(schedule)
@@ -262,6 +269,8 @@ class Pipeline(nn.Module):
         self.first, self.last = self._passes.first, self._passes.last
         self._tied = self._tie(module)
         self._executor = Executor(self._passes)
+        named = model_names(self.stage.layer_modules(), list(self.named_parameters()))
+        self._replicas = ReplicaGradients(dp_comm, config, named)
         if isinstance(pass_costs, str) and pass_costs not in ("measured", "unit"):
             raise PipelineValueError(
                 f"pass_costs={pass_costs!r} is not 'measured', 'unit' or a mapping of "
@@ -676,19 +685,10 @@ class Pipeline(nn.Module):
         self._average_replica_grads()
 
     def _average_replica_grads(self) -> None:
-        if self.dp_comm is None or self.dp_comm.size == 1:
-            return
-        for p in self.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            allreduce(p.grad, "avg", comm=self.dp_comm)
+        self._replicas.average()
 
     def _average_replica_loss(self, loss: float) -> float:
-        if self.dp_comm is None or self.dp_comm.size == 1:
-            return loss
-        value = torch.tensor([loss], dtype=torch.float64)
-        allreduce(value, "avg", comm=self.dp_comm)
-        return float(value)
+        return self._replicas.average_loss(loss)
 
     def forward(self, inputs: Any) -> Any:
         """Forward only, without gradients; the output on the last stage, None elsewhere.
