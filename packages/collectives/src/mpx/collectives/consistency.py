@@ -123,6 +123,7 @@ def _name(table: int, code: int) -> str:
 
 
 def signature_of(op: str, tensor: torch.Tensor | None, reduce_op: str, root: int) -> Signature:
+    """The call as the check compares it: what MPI matches on (:data:`Signature`)."""
     if tensor is None:
         return (op, "", 0, reduce_op, root)
     return (op, str(tensor.dtype).replace("torch.", ""), tensor.numel(), reduce_op, root)
