@@ -31,6 +31,7 @@ from mpx.collectives.torch_work import AnySourceReceive, Deferred, MPXWork, in_t
 __all__ = ["BACKEND_NAME", "GroupBase", "note_builtin_hooks"]
 
 BACKEND_NAME = "mpx"
+"""The name torch.distributed knows the backend by: ``dist.init_process_group("mpx")``."""
 
 
 @run_eagerly
