@@ -417,14 +417,9 @@ class Implementation:
         reduce_op: str,
         nbytes: int,
     ) -> bool:
-        """Whether ``auto`` may give it this call: what its declarations say, and only that.
-
-        It is ``automatic``, provides ``op``, takes the device and the
-        communicator's layout (:meth:`refusal`) and the dtype, reduce op and
-        size (:meth:`declines`). The policy's lists say in which order the
-        implementations are asked, and its thresholds and tuned bands when
-        an entry is worth asking (:mod:`mpx.collectives.policy`).
-        """
+        """Whether ``auto`` may give it this call: ``automatic``, provides ``op``, takes
+        the device and layout (:meth:`refusal`) and the dtype, reduce op and size
+        (:meth:`declines`). The policy orders the asking (:mod:`mpx.collectives.policy`)."""
         return (
             self.automatic
             and op in self.provides
@@ -529,10 +524,8 @@ BUILT_IN: tuple[Implementation, ...] = (
         frozenset({"allreduce", "broadcast"}),
         frozenset({"cuda"}),
         layout="one node",
-        # auto takes it (policy's ipc>=large) for CUDA tensors of at least
-        # MPX_AUTO_IPC_BYTES where every rank sees the same GPUs
-        # (Communicator.gpus_shared): with one GPU bound to each rank a peer's
-        # memory cannot be mapped, and only a user who made them visible names it.
+        # auto takes it (policy's ipc>=large) where every rank sees the same GPUs
+        # (gpus_shared): else a peer's memory cannot be mapped; name it then.
         summary="CUDA IPC handles within a node, reduced on the GPU",
     ),
     Implementation(
