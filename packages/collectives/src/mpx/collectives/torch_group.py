@@ -21,9 +21,10 @@ from mpi4py import MPI
 from mpx.collectives import ops
 from mpx.collectives._torch_private import on_builtin_comm_hook
 from mpx.collectives.communicator import Communicator
-from mpx.collectives.dtypes import numpy_view
 from mpx.collectives.errors import MPXTypeError, MPXValueError
 from mpx.collectives.handle import Handle
+from mpx.collectives.policy import choose
+from mpx.collectives.registry import get as implementation
 from mpx.collectives.torch_eager import make_eager, run_eagerly
 from mpx.collectives.torch_forms import BITWISE, ReduceForm, bytes_of, reduce_op, versions_as_gloo
 from mpx.collectives.torch_work import AnySourceReceive, Deferred, MPXWork, in_turn
@@ -197,10 +198,15 @@ class GroupBase(dist.ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> MPXWork:
         versions = versions_as_gloo(tensors)
         target, write_back = bytes_of(tensors[0])
-        request = AnySourceReceive(
-            self.comm.mpi.Irecv(numpy_view(target), source=MPI.ANY_SOURCE, tag=tag), self.timeout_s
+        # The implementation the policy chooses for recv, from the registry, as
+        # for every receive: only its source is MPI's any.
+        nbytes = target.numel() * target.element_size()
+        name = choose("recv", target.is_cuda, nbytes, self.comm, None, target.dtype)
+        receive = AnySourceReceive(
+            implementation(name).function("recv")(self.comm, target, MPI.ANY_SOURCE, tag)
         )
-        return self._work([request], tensors, write_back, request.source, versions)  # type: ignore[list-item]
+        handle = self.comm.run("recv", name, receive.steps, True, self.timeout_s)
+        return self._work([handle], tensors, write_back, receive.source, versions)
 
     def barrier(self, opts: Any = None) -> MPXWork:
         return self._work([ops.barrier(comm=self.comm, async_op=True, timeout=self.timeout_s)], [])

@@ -2,10 +2,10 @@
 
 :class:`MPXWork` is what every operation of the ``"mpx"`` process group
 returns (:mod:`mpx.collectives.torch_backend`); its futures are those of
-:mod:`mpx.collectives.torch_futures`. Beside it, the handle-like steps the
-group's operations wait on besides mpx's own :class:`Handle`: a receive from
-any source (:class:`AnySourceReceive`) and a result computed when waited for
-(:class:`Deferred`).
+:mod:`mpx.collectives.torch_futures`. Beside it, a result computed when
+waited for (:class:`Deferred`), and a receive from any source run by the
+registry's ``recv`` that names the rank its message came from
+(:class:`AnySourceReceive`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from mpx.collectives import progress
 from mpx.collectives.errors import CollectiveTimeout, MPXValueError
-from mpx.collectives.handle import LOCK, Handle
+from mpx.collectives.handle import Backoff, Handle, Pending, Requests, Steps
 from mpx.collectives.torch_eager import called_from_cpp, run_eagerly
 from mpx.collectives.torch_futures import COMPLETING, MPXFuture, tensor_list_future
 
@@ -257,39 +257,69 @@ def _as_exception(error: BaseException) -> Exception:
 
 
 class AnySourceReceive:
-    """A receive from any source, posted on mpx's private communicator.
+    """A receive from any source, run by the registry's ``recv`` as every receive is.
 
-    mpx's ``recv`` names its source; torch's ``recv(src=None)`` does not, so
-    this one request is posted here, beside mpx's sends (which travel on the
-    same communicator, ``comm.mpi``, with the caller's tag).
+    mpx's ``recv`` names its source; torch's ``recv(src=None)`` does not. The
+    implementation the policy chooses for ``recv`` (``mpi``, or ``staged``
+    through pinned memory for a CUDA tensor) posts it with ``MPI.ANY_SOURCE``,
+    beside mpx's sends on the same communicator, and :attr:`steps` run it
+    (``Communicator.run``: the group's timeout, the progress thread). Its MPI
+    receive is looked at with a status first (``MPI_Request_get_status``,
+    which leaves the request to its step), so :meth:`source` can name the rank
+    the message came from.
     """
 
-    def __init__(self, request: MPI.Request, timeout: float | None) -> None:
-        self._request = request
-        self._timeout = timeout
+    def __init__(self, steps: Steps[Any]) -> None:
         self._status = MPI.Status()
-        self._done = False
+        self._receive: _Sourced | None = None
+        self.steps: Steps[Any] = self._sourced(steps)
 
-    def wait(self, timeout: float | None = None) -> None:
-        limit = self._timeout if timeout is None else timeout
-        deadline = None if limit is None else time.monotonic() + limit
-        # Polled, not MPI_Wait: the progress thread may test the same request,
-        # and MPI forbids completing one request from two threads at once.
-        while not self.done():
-            if deadline is not None and time.monotonic() > deadline:
-                assert limit is not None
-                raise CollectiveTimeout("recv", "mpi", limit, [])
-            time.sleep(1e-4)
-
-    def done(self) -> bool:
-        if not self._done:
-            with LOCK:
-                self._done = self._done or bool(self._request.Test(self._status))
-        return self._done
+    def _sourced(self, steps: Steps[Any]) -> Steps[Any]:
+        try:
+            step = next(steps)
+            while True:
+                # The receive: the first step of one MPI request.
+                if isinstance(step, Requests) and len(step.requests) == 1 and not self._receive:
+                    self._receive = step = _Sourced(step, self._status)
+                yield step
+                step = next(steps)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            steps.close()
 
     def source(self) -> int:
-        self.wait()
+        """The rank whose message was received (once the steps have run)."""
+        if self._receive is None:
+            raise MPXValueError(
+                "recv from any source: the recv implementation posted no MPI receive, so "
+                "its source is unknown; run it with the 'mpi' or 'staged' implementation"
+            )
         return int(self._status.Get_source())
+
+
+class _Sourced(Pending):
+    """A one-request step whose completion also fills ``status`` (the message's source)."""
+
+    __slots__ = ("_request", "_status", "_step")
+
+    def __init__(self, step: Requests, status: MPI.Status) -> None:
+        self._step, self._request, self._status = step, step.requests[0], status
+        # No peer to name at a timeout (the step's is MPI.ANY_SOURCE, no rank).
+        self.peers = ()
+
+    def test(self) -> bool:
+        # The status first, without completing the request; the step's own test
+        # then completes it (and turns a truncation into mpx's error).
+        if not self._request.Get_status(self._status):
+            return False
+        return self._step.test()
+
+    def wait(self) -> None:
+        # Polled, not MPI_Wait: MPI_Wait would free the request before its status is read.
+        backoff = Backoff()
+        while not self.test():
+            backoff.pause()
 
 
 class Deferred:
