@@ -245,7 +245,10 @@ def test_gpt_mode_learns(tmp_path: Path, user_environment: dict[str, str]) -> No
 @pytest.mark.parametrize(
     "args",
     [
-        pytest.param([], id="dp-4bit"),
+        # CI's budget: the README restart example (below) kills and restarts this
+        # demo in the default run, and tests/test_elastic_restart.py pins the bitwise
+        # resume; this equality of every epoch's figures runs in tests-extended.
+        pytest.param([], id="dp-4bit", marks=pytest.mark.extended),
         pytest.param(
             ["--mode", "gpt", "--schedule", "async"], id="gpt-async", marks=pytest.mark.extended
         ),
