@@ -524,7 +524,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise DataParallelError(
                 f"DistributedOptimizer: the gradient of {self._names[id(p)]!r} arrived twice "
                 "before step(); run the accumulation's earlier backwards inside opt.no_sync(), "
-                "or call opt.zero_grad() to start over"
+                "or call opt.zero_grad() to start over (an mpx.pipeline.Pipeline runs one backward "
+                "a micro-batch: give it data_parallel_comm= and compression= instead)"
             )
         bucket.arrived += 1
         if self.overlap:
