@@ -220,3 +220,39 @@ def test_a_conv1d_chunk_keeps_its_products_inputs_and_output_gradients_for_w() -
         assert counted == needed
         assert not kept
     assert pipe.deferred_bytes == 0
+
+
+def test_a_compiled_chunk_splits_from_records_too() -> None:
+    # torch.compile'd blocks: under the split's capture dynamo hands the calls
+    # to its handler (graph breaks), which records as in eager mode; before,
+    # the Conv1D chunk kept its graph.
+    comm = world()
+    solo = comm.split(comm.rank)
+    assert solo is not None
+    torch.manual_seed(0)
+    blocks = [GPT2Block().double() for _ in range(2)]
+    ref = nn.Sequential(*[GPT2Block().double() for _ in range(2)])
+    ref.load_state_dict(nn.Sequential(*blocks).state_dict())
+    compiled = nn.Sequential(*[torch.compile(b, backend="aot_eager") for b in blocks])
+    pipe = Pipeline(
+        compiled, [1, 1], comm=solo, chunks=2, schedule="interleaved_zb", stages_per_rank=2
+    )
+    seen: list[tuple[bool, bool]] = []
+    passes = pipe._passes
+    weight_grad = passes.weight_grad
+
+    def watched(j: int, mb: Any, *rest: Any) -> None:
+        seen.append((bool(mb.records), mb.kept is not None))
+        weight_grad(j, mb, *rest)
+
+    setattr(passes, "weight_grad", watched)  # noqa: B010
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, LENGTH, WIDTH, dtype=torch.float64, generator=g)
+    y = torch.randn(4, LENGTH, WIDTH, dtype=torch.float64, generator=g)
+    pipe.step(x, y, F.mse_loss)
+    F.mse_loss(ref(x), y).backward()
+    for mine, theirs in zip(blocks, ref, strict=True):
+        for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
+            assert p.grad is not None
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL)
+    assert seen == [(True, False)] * 4

@@ -33,6 +33,11 @@ that takes it runs as usual), in-place calls and ``out=`` ones (the tensor
 written must keep its own history), computed weights (parametrizations),
 and anything under ``no_grad``. ``I`` is then a plain backward that frees
 the chunk's graph as it goes.
+
+A ``torch.compile``'d chunk: dynamo hands each call to the handler
+(:meth:`_Capture._untraced`, which it does not trace: a graph break per
+call), so the split records as in eager mode; its forward runs about as
+eager code does.
 """
 
 from __future__ import annotations
@@ -141,7 +146,8 @@ class _Local(torch.autograd.Function):
             return t
 
         with torch.enable_grad(), saved_tensors_hooks(pack, _same):
-            out = call.func(*_fill(call.args, local), **_fill(call.kwargs, local))
+            kwargs = {k: _fill(v, local) for k, v in call.kwargs.items()}
+            out = call.func(*_fill(call.args, local), **kwargs)
         call.list_out = isinstance(out, list)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         given: list[Any] = []
@@ -225,6 +231,19 @@ def _product(
     return x, w, b, transposed
 
 
+def _holds(values: Iterable[Any], ids: set[int]) -> bool:
+    """Whether ``values`` (or a list or tuple among them) hold a tensor whose id is in ``ids``."""
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            if id(a) in ids:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor) and id(b) in ids:
+                    return True
+    return False
+
+
 class _Capture(TorchFunctionMode):
     """Routes the calls that take a weight (see the module docstring)."""
 
@@ -234,27 +253,31 @@ class _Capture(TorchFunctionMode):
         self.ids = {id(w) for w in weights}
         self.records = records
 
-    def _takes_weight(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        ids = self.ids
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                if id(a) in ids:
-                    return True
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor) and id(b) in ids:
-                        return True
-        return False
+    def _takes_weight(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+        return _holds(args, self.ids) or (bool(kwargs) and _holds(kwargs.values(), self.ids))  # type: ignore[union-attr]
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        kwargs = kwargs or {}
-        if (
-            not self._takes_weight(args, kwargs)
-            or not torch.is_grad_enabled()
-            or _writes(func, kwargs)
-        ):
+        # Every torch call of the chunk comes here: the common case (no weight)
+        # returns after one pass over the arguments. Under torch.compile the
+        # calls go to a handler dynamo does not trace (it would guard on the
+        # weights' ids, and recompile for every micro-batch).
+        if torch.compiler.is_compiling():
+            return self._untraced(func, args, kwargs or {})
+        if not self._takes_weight(args, kwargs):
+            return func(*args, **(kwargs or {}))
+        return self._weighted(func, args, kwargs or {})
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _untraced(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self._takes_weight(args, kwargs):
+            return func(*args, **kwargs)
+        return self._weighted(func, args, kwargs)
+
+    def _weighted(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that takes a weight: a recorded product, a :class:`_Local`, or as it is."""
+        if not torch.is_grad_enabled() or _writes(func, kwargs):
             return func(*args, **kwargs)
         product = _product(func, args, kwargs, self.ids)
         if product is not None:

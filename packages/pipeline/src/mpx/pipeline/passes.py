@@ -149,6 +149,13 @@ class StagePasses:
         self._handed: dict[tuple[int, int], tuple[Any, list[bool], list[_Pin]]] = {}
         self._handed_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.held = Held()  # bytes the records of every micro-batch keep for W
+        # Per chunk, its parameters: what a split forward's calls are matched
+        # against (mpx.pipeline.capture), listed once (a walk over the modules
+        # per forward cost 0.1 ms on a GPT-2 block).
+        self._params = [
+            [p for layer in stage.part_modules(k) for p in layer.parameters()]
+            for k in range(len(self.stages))
+        ]
         self.busy_seconds = 0.0
         self.doing = "nothing yet"  # the pass under way, for the message if it fails
 
@@ -284,9 +291,9 @@ class StagePasses:
             return self.stage.run(mb.feed, g, weights, part)
         # The weights the calls are matched against: the chunk's parameters, and
         # the tensors a stale schedule runs instead of them (functional_call).
-        used = [p for layer in self.stage.part_modules(part) for p in layer.parameters()]
+        used = self._params[part]
         if weights is not None:
-            used += [t for d in weights.values() for t in d.values()]
+            used = [*used, *(t for d in weights.values() for t in d.values())]
         with capturing(used, mb.records):
             return self.stage.run(mb.feed, g, weights, part)
 
