@@ -13,7 +13,7 @@ products' inputs and output gradients, byte for byte.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -233,7 +233,9 @@ def test_a_compiled_chunk_splits_from_records_too() -> None:
     blocks = [GPT2Block().double() for _ in range(2)]
     ref = nn.Sequential(*[GPT2Block().double() for _ in range(2)])
     ref.load_state_dict(nn.Sequential(*blocks).state_dict())
-    compiled = nn.Sequential(*[torch.compile(b, backend="aot_eager") for b in blocks])
+    compiled = nn.Sequential(
+        *[cast(nn.Module, torch.compile(b, backend="aot_eager")) for b in blocks]
+    )
     pipe = Pipeline(
         compiled, [1, 1], comm=solo, chunks=2, schedule="interleaved_zb", stages_per_rank=2
     )
