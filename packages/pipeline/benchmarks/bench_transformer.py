@@ -100,9 +100,8 @@ def build() -> nn.Sequential:
         def __init__(self) -> None:
             super().__init__()
             self.token = nn.Embedding(VOCAB, WIDTH)
-            # An nn.Embedding, not a bare nn.Parameter: the split backward defers
-            # the weight gradients of chunks whose parameters it knows
-            # (mpx.pipeline.deferred.deferrable); a bare one keeps the chunk's graph.
+            # An nn.Embedding (a bare nn.Parameter sliced the same way would do
+            # as well: the split backward leaves either's gradient to I).
             self.position = nn.Embedding(SEQUENCE, WIDTH)
             nn.init.normal_(self.position.weight, std=0.02)
 
