@@ -204,7 +204,8 @@ def measure() -> None:
             for s in (s for s in range(n) if owner[s] == rank):
                 lo = sum(balance[:s])
                 sub = nn.Sequential(*whole[lo : lo + balance[s]])
-                params += list(sub.parameters())
+                # A V's rank holds the embedding and the tied output layer: once.
+                params += [q for q in sub.parameters() if all(q is not r for r in params)]
                 stages.append(pipelining.PipelineStage(sub, s, n, torch.device("cpu")))
             cls = getattr(pipelining.schedules, name)
             sched = cls(stages[0] if v == 1 else stages, n_microbatches=CHUNKS, loss_fn=loss_fn)

@@ -218,7 +218,7 @@ def test_weights_of_any_kind_are_found_from_the_calls_that_take_them() -> None:
     assert kinds(OwnParameter().requires_grad_(False)) == (0, 0)
     assert kinds(nn.Embedding(3, 4), torch.tensor([0, 2])) == (0, 0)  # a lookup: in I
     attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
-    assert kinds(MultiheadSelf(attention)) == (0, 1)
+    assert kinds(MultiheadSelf(attention)) == (2, 0)  # its two projections
 
 
 class MultiheadSelf(nn.Module):

@@ -95,7 +95,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        out: torch.Tensor = x + self.attention(h, h, h, need_weights=False)[0]
+        keep = torch.zeros(x.shape[:2], dtype=torch.bool)  # a padding mask, by keyword
+        out: torch.Tensor = (
+            x + self.attention(h, h, h, key_padding_mask=keep, need_weights=False)[0]
+        )
         return out
 
 

@@ -13,23 +13,28 @@ need in :class:`mpx.pipeline.deferred.Records`:
   as in GPT-2's ``Conv1D``, ``x @ W``; floating point, autocast off) runs as
   :class:`mpx.pipeline.deferred.Product`: the record is its input and its
   output's gradient, ``W`` one product, as in the Zero Bubble paper.
+- A Python function of ``torch.nn.functional`` taking a weight
+  (``nn.MultiheadAttention``'s ``F.multi_head_attention_forward``) runs its
+  body with the mode on (its own ``__torch_function__`` check off:
+  :func:`mpx.pipeline._torch_private.functional_checks_off`), so that the
+  calls inside are found one by one (the attention's projections are
+  products).
 - Any other call with a weight of two or more dimensions (a convolution, an
-  LSTM, ``nn.MultiheadAttention``'s ``F.multi_head_attention_forward``) runs
-  on detached copies of its tensors under ``enable_grad``, as a small
-  autograd function (:class:`_Local`) around that call's own graph: ``I``
-  differentiates that graph for the inputs (``retain_graph``) and records it
-  with its outputs' gradients; ``W`` differentiates it for the weight copies
-  and adds the result to the weights' ``.grad``. The graph keeps what that
-  call saved for its backward (its inputs, mostly) and nothing of the rest of
-  the chunk. A Python-level function (the attention's) is one call: the
-  whole of its graph is kept.
+  LSTM) runs on detached copies of its tensors under ``enable_grad``, as a
+  small autograd function (:class:`_Local`) around that call's own graph:
+  ``I`` differentiates that graph for the inputs (``retain_graph``) and
+  records it with its outputs' gradients; ``W`` differentiates it for the
+  weight copies and adds the result to the weights' ``.grad``. The graph
+  keeps what that call saved for its backward (its inputs, mostly) and
+  nothing of the rest of the chunk.
 
 Left to ``I``, exactly as autograd computes them: weights of fewer than two
 dimensions (a norm's scale, a bias on its own, a bare scale: a gradient as
 cheap as one pass over the output), calls whose other tensors are not
 floating point (an embedding's lookup), calls on weights alone (``W.t()``,
-a slice of a position table: what they compute is not a leaf, so the call
-that takes it runs as usual), in-place calls and ``out=`` ones (the tensor
+a slice of a position table, the attention's ``chunk`` of its packed
+projection when query and key differ: what they compute is not a leaf, so
+the call that takes it runs as usual), in-place calls and ``out=`` ones (the tensor
 written must keep its own history), computed weights (parametrizations),
 and anything under ``no_grad``. ``I`` is then a plain backward that frees
 the chunk's graph as it goes.
@@ -43,6 +48,7 @@ eager code does.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -51,6 +57,7 @@ from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from mpx.pipeline._torch_private import functional_checks_off
 from mpx.pipeline.deferred import Local, Product, Records
 
 __all__ = ["capturing"]
@@ -292,6 +299,12 @@ class _Capture(TorchFunctionMode):
             for t, w in zip(flat, is_weight, strict=True)
         ):
             return func(*args, **kwargs)  # cheap, or on weights alone: in I
+        if isinstance(func, types.FunctionType) and func.__module__ == F.__name__:
+            # A Python function of torch.nn.functional (the attention's): its body
+            # runs with this mode on, so that its products record as products
+            # and W does not run the attention's backward again.
+            with functional_checks_off(), self:
+                return func(*args, **kwargs)
         call = _Call(func, cut_args, cut_kwargs, is_weight, weights, self.records)
         out = _Local.apply(call, *flat)  # type: ignore[no-untyped-call]
         return list(out) if call.list_out else out
