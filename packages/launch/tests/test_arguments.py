@@ -152,6 +152,20 @@ def test_more_virtual_nodes_than_ranks_is_refused_and_nothing_starts(tmp_path: P
     assert _ran(tmp_path) == []
 
 
+def test_a_restart_delay_without_restarts_is_refused_and_nothing_starts(tmp_path: Path) -> None:
+    """It was ignored: the user believed restarts were on."""
+    proc = _mpxrun(tmp_path, "-n", "1", "--restart-delay", "5", "--timeout", "60")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(
+        "mpxrun: --restart-delay 5 waits before a restart, but --max-restarts is 0"
+    ), proc.stderr
+    assert "add --max-restarts N (N >= 1) or drop --restart-delay" in proc.stderr
+    assert _ran(tmp_path) == []
+    proc = _mpxrun(tmp_path, "-n", "1", "--restart-delay", "5", "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert len(_ran(tmp_path)) == 1
+
+
 def test_every_numeric_or_enumerated_flag_names_itself_in_its_error(tmp_path: Path) -> None:
     # One test over every such flag of mpxrun's parser: each error names its
     # own flag and the value given, says what is accepted, and comes before

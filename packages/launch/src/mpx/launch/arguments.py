@@ -30,6 +30,7 @@ __all__ = [
     "Cores",
     "check_combinations",
     "check_rank_count",
+    "check_restart_flags",
     "job_cores",
     "read_hostfile",
     "seconds",
@@ -116,6 +117,19 @@ def check_combinations(nprocs: int, virtual_nodes: int | None, hostfile: str | N
             f"--virtual-nodes {virtual_nodes} is more nodes than the {nprocs} rank(s) of "
             f"-n {nprocs}: every node needs a rank; pass --virtual-nodes {nprocs} or fewer, "
             f"or -n {virtual_nodes} or more"
+        )
+
+
+def check_restart_flags(max_restarts: int, restart_delay: float) -> None:
+    """Refuses ``--restart-delay`` without restarts: it would be ignored without a word.
+
+    Raises:
+        UsageError: a delay given with ``--max-restarts 0`` (the default).
+    """
+    if restart_delay and not max_restarts:
+        raise UsageError(
+            f"--restart-delay {restart_delay:g} waits before a restart, but --max-restarts is 0: "
+            "no restart will happen; add --max-restarts N (N >= 1) or drop --restart-delay"
         )
 
 

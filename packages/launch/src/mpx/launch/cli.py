@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         try:
             arguments.check_combinations(args.nprocs, args.virtual_nodes, args.hostfile)
+            arguments.check_restart_flags(args.max_restarts, args.restart_delay)
             program = resolve_program(args.program)
             launcher = find_launcher(args.launcher)
             cores = arguments.job_cores(
