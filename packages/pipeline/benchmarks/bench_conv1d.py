@@ -200,7 +200,8 @@ def measure() -> None:
             balance = cut(v, placement(schedule))
             owner = owners(v, placement(schedule))
             whole = list(build())
-            stages, params = [], []
+            stages: list[Any] = []
+            params: list[torch.Tensor] = []
             for s in (s for s in range(n) if owner[s] == rank):
                 lo = sum(balance[:s])
                 sub = nn.Sequential(*whole[lo : lo + balance[s]])
