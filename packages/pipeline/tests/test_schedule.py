@@ -7,7 +7,7 @@ import re
 import pytest
 
 import mpx.pipeline.schedule as schedule_module
-from mpx.pipeline import PipelineError, PipelineValueError
+from mpx.pipeline import PipelineError, PipelineValueError, zero_bubble
 from mpx.pipeline.schedule import (
     SCHEDULES,
     SPLIT,
@@ -268,7 +268,7 @@ def test_zero_bubble_past_the_cap_only_where_it_would_deadlock() -> None:
     the deepest ready forward then goes past the cap, and the layout finishes."""
     p, m, n = 4, 16, 8
     costs = _uniform(n, 7.5, 7.5, 5)
-    lists = schedule_module._zero_bubble(p, m, 2, "loop", [11, 9, 7, 5], costs)
+    lists = zero_bubble.zero_bubble(p, m, 2, "loop", [11, 9, 7, 5], costs)
     simulate(lists)
     assert sorted(a.kind for a in lists[3]) == sorted("FIW" * m * 2)
     alive = peak = 0

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from mpx.pipeline.actions import COMPUTE, Action
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
-from mpx.pipeline.schedule import COMPUTE, Action
 
 __all__ = ["Executor", "Hooks", "SyncHooks", "measured_bubble"]
 

@@ -1,4 +1,15 @@
-"""Schedules as data: per rank, the list of actions one executor runs.
+"""Schedules as data: one table, and per rank the list of actions one executor runs.
+
+Each schedule is declared once, in :data:`TABLE`: its name, torch's name,
+where its chunks sit (a loop or a V), how many chunks per rank it runs,
+whether it splits the backward, whether a list scheduler lays it out by the
+passes' times, whether it is the asynchronous stream, and its generator.
+Everything else asks the table (:func:`spec`). The parts, one job each:
+:mod:`~mpx.pipeline.actions` (actions that print and parse back, ``2F0``),
+:mod:`~mpx.pipeline.orders` (the generators),
+:mod:`~mpx.pipeline.zero_bubble` (the zero-bubble list scheduler),
+:mod:`~mpx.pipeline.async_layout` (the asynchronous stream) and
+:mod:`~mpx.pipeline.timing` (timing the lists, drawing grids).
 
 An :class:`Action` names a pass, its micro-batch and its (virtual) stage:
 ``F`` forward, ``B`` full backward, ``I`` input gradient and ``W`` weight
@@ -110,23 +121,44 @@ with expert-parallel communication; here they run one after the other)::
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpx.pipeline.errors import PipelineError, PipelineValueError
+from mpx.pipeline import orders
+from mpx.pipeline.actions import (
+    COMPUTE,
+    Action,
+    Op,
+    PassCosts,
+    format_actions,
+    local_stages,
+    parse_actions,
+    rank_of,
+)
+from mpx.pipeline.async_layout import (
+    AsyncLayout,
+    async_actions,
+    async_flush_actions,
+    async_ops,
+    flush_ops,
+)
+from mpx.pipeline.errors import PipelineValueError
+from mpx.pipeline.orders import Shape
+from mpx.pipeline.timing import draw, max_alive, simulate, timeline
 
 __all__ = [
     "ALIASES",
     "COMPUTE",
     "SCHEDULES",
     "SPLIT",
+    "TABLE",
     "TIMED",
     "Action",
     "AsyncLayout",
+    "Chunks",
     "Op",
     "PassCosts",
+    "Schedule",
     "async_actions",
     "async_flush_actions",
     "async_ops",
@@ -134,76 +166,133 @@ __all__ = [
     "canonical",
     "compute_actions",
     "flush_ops",
+    "format_actions",
     "grid",
     "local_stages",
     "max_alive",
+    "parse_actions",
     "placement",
     "rank_actions",
     "rank_of",
     "simulate",
+    "spec",
     "stage_ops",
     "stages_per_rank",
     "timeline",
 ]
 
-PassCosts = Mapping[str, Sequence[float]]
-"""The time of each virtual stage's passes: ``{"F": [...], "I": [...], "W": [...]}``, one
-entry per virtual stage, in any unit (see :func:`compute_actions`)."""
 
-Op = tuple[str, int]
-"""``("F", j)`` or ``("B", j)``: a forward or backward pass of micro-batch ``j``."""
+@dataclass(frozen=True)
+class Chunks:
+    """How many chunks (virtual stages) per rank a schedule runs: ``default`` when
+    ``stages_per_rank`` is left out, at least ``least``, at most ``most`` (None: no bound)."""
 
-SCHEDULES = (
-    "sequential",
-    "gpipe",
-    "1f1b",
-    "async",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zb",
-    "zbv",
-    "dualpipev",
-)
-"""The values of ``Pipeline(schedule=...)``."""
+    default: int
+    least: int
+    most: int | None
 
-ALIASES = {
-    "GPipe": "gpipe",
-    "1F1B": "1f1b",
-    "Interleaved1F1B": "interleaved_1f1b",
-    "LoopedBFS": "looped_bfs",
-    "InterleavedZeroBubble": "interleaved_zb",
-    "ZBVZeroBubble": "zbv",
-    "DualPipeV": "dualpipev",
-}
-"""torch.distributed.pipelining's schedule names (without ``Schedule``), accepted too."""
 
-COMPUTE = ("F", "B", "I", "W")
-"""The compute actions: forward, full backward, input gradient, weight gradient."""
-
-SPLIT = ("interleaved_zb", "zbv", "dualpipev")
-"""Schedules that split backwards into ``I`` and ``W``."""
-
-TIMED = ("interleaved_zb", "zbv")
-"""Schedules whose lists a list scheduler lays out by the passes' times (``costs``)."""
-
-_VIRTUAL = ("interleaved_1f1b", "looped_bfs", "interleaved_zb")  # v >= 2 chunks, in a loop
-_V_SHAPED = ("zbv", "dualpipev")  # exactly 2 chunks, in a V
-_COSTS = {"F": 1, "I": 1, "W": 1, "B": 2}
+ONE = Chunks(1, 1, 1)
+"""One stage per rank."""
 
 
 @dataclass(frozen=True)
-class Action:
-    """One entry of a rank's list: ``kind`` of micro-batch ``mb`` on virtual stage ``stage``.
+class Schedule:
+    """One schedule, declared once.
 
-    ``STEP`` has ``mb`` = the backwards done when it runs and ``stage`` = -1.
+    Attributes:
+        name: mpx's name, the value of ``Pipeline(schedule=...)``.
+        torch_name: torch.distributed.pipelining's (without ``Schedule``), or None.
+        placement: ``"loop"`` (virtual stage ``s`` on rank ``s mod p``) or ``"v"``.
+        chunks: the chunks per rank it runs.
+        split: it splits every backward into ``I`` and ``W``.
+        timed: a list scheduler lays its ``W`` out by the passes' times (``pass_costs``).
+        stream: the asynchronous stream (no flush; its options are ``Pipeline``'s
+            async-only ones).
+        generate: a rank's compute actions for one call (:mod:`mpx.pipeline.orders`).
     """
 
-    kind: str
-    mb: int
-    stage: int
+    name: str
+    torch_name: str | None
+    placement: str
+    chunks: Chunks
+    split: bool
+    timed: bool
+    stream: bool
+    generate: Callable[[Shape], list[Action]]
 
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.mb}"
+
+TABLE = (
+    Schedule("sequential", None, "loop", ONE, False, False, False, orders.sequential),
+    Schedule("gpipe", "GPipe", "loop", ONE, False, False, False, orders.gpipe),
+    Schedule("1f1b", "1F1B", "loop", ONE, False, False, False, orders.one_f_one_b),
+    # Any chunks per rank: with two or more, each chunk is a stage of the stream.
+    Schedule("async", None, "loop", Chunks(1, 1, None), False, False, True, orders.async_stream),
+    Schedule(
+        "interleaved_1f1b",
+        "Interleaved1F1B",
+        "loop",
+        Chunks(2, 2, None),
+        False,
+        False,
+        False,
+        orders.interleaved_1f1b,
+    ),
+    Schedule(
+        "looped_bfs",
+        "LoopedBFS",
+        "loop",
+        Chunks(2, 2, None),
+        False,
+        False,
+        False,
+        orders.looped_bfs,
+    ),
+    Schedule(
+        "interleaved_zb",
+        "InterleavedZeroBubble",
+        "loop",
+        Chunks(2, 2, None),
+        True,
+        True,
+        False,
+        orders.interleaved_zb,
+    ),
+    Schedule("zbv", "ZBVZeroBubble", "v", Chunks(2, 2, 2), True, True, False, orders.zbv),
+    Schedule("dualpipev", "DualPipeV", "v", Chunks(2, 2, 2), True, False, False, orders.dualpipev),
+)
+"""Every schedule, in the order of :data:`SCHEDULES`."""
+
+_BY_NAME = {s.name: s for s in TABLE}
+
+SCHEDULES = tuple(s.name for s in TABLE)
+"""The values of ``Pipeline(schedule=...)``."""
+
+ALIASES = {s.torch_name: s.name for s in TABLE if s.torch_name is not None}
+"""torch.distributed.pipelining's schedule names (without ``Schedule``), accepted too."""
+
+SPLIT = tuple(s.name for s in TABLE if s.split)
+"""Schedules that split backwards into ``I`` and ``W``."""
+
+TIMED = tuple(s.name for s in TABLE if s.timed)
+"""Schedules whose lists a list scheduler lays out by the passes' times (``costs``)."""
+
+_COSTS = {"F": 1, "I": 1, "W": 1, "B": 2}
+
+
+def spec(schedule: str) -> Schedule:
+    """The table's entry for ``schedule`` (torch's names accepted).
+
+    Raises:
+        PipelineValueError: an unknown name.
+    """
+    found = _BY_NAME.get(ALIASES.get(schedule, schedule))
+    if found is None:
+        raise PipelineValueError(
+            f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)} "
+            f"(or torch's {', '.join(ALIASES)})"
+        )
+    return found
 
 
 def canonical(schedule: str) -> str:
@@ -212,18 +301,12 @@ def canonical(schedule: str) -> str:
     Raises:
         PipelineValueError: an unknown name.
     """
-    name = ALIASES.get(schedule, schedule)
-    if name not in SCHEDULES:
-        raise PipelineValueError(
-            f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)} "
-            f"(or torch's {', '.join(ALIASES)})"
-        )
-    return name
+    return spec(schedule).name
 
 
 def placement(schedule: str) -> str:
     """``"v"`` for the V-shaped schedules, else ``"loop"``."""
-    return "v" if canonical(schedule) in _V_SHAPED else "loop"
+    return spec(schedule).placement
 
 
 def stages_per_rank(schedule: str, requested: int | None) -> int:
@@ -232,56 +315,39 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
     Raises:
         PipelineValueError: a count the schedule cannot run.
     """
-    name = canonical(schedule)
+    entry = spec(schedule)
+    name, rule = entry.name, entry.chunks
     if requested is not None and (not isinstance(requested, int) or requested < 1):
         raise PipelineValueError(f"stages_per_rank={requested!r} must be a positive int")
-    if name in _V_SHAPED:
-        if requested not in (None, 2):
-            raise PipelineValueError(
-                f"schedule={name!r} places exactly 2 chunks per rank in a V; "
-                f"stages_per_rank={requested} cannot run: pass 2 (or leave it out)"
-            )
-        return 2
-    if name in _VIRTUAL:
-        v = 2 if requested is None else requested
-        if v < 2:
-            raise PipelineValueError(
-                f"schedule={name!r} interleaves chunks: stages_per_rank={v} must be >= 2 "
-                "(stages_per_rank=1 is schedule='1f1b' or 'gpipe')"
-            )
-        return v
-    if name == "async":
-        return 1 if requested is None else requested  # a loop of chunks when >= 2
-    if requested not in (None, 1):
+    if rule.most == 1 and requested not in (None, 1):
+        several = ", ".join(s.name for s in TABLE if s.chunks.least > 1)
         raise PipelineValueError(
             f"schedule={name!r} runs one stage per rank; stages_per_rank={requested} needs "
-            f"one of {', '.join(_VIRTUAL + _V_SHAPED)}"
+            f"one of {several}"
         )
-    return 1
+    if rule.most == rule.least and requested not in (None, rule.least):
+        raise PipelineValueError(
+            f"schedule={name!r} places exactly {rule.least} chunks per rank in a V; "
+            f"stages_per_rank={requested} cannot run: pass {rule.least} (or leave it out)"
+        )
+    if rule.most == rule.least:
+        return rule.least
+    v = rule.default if requested is None else requested
+    if v < rule.least:
+        raise PipelineValueError(
+            f"schedule={name!r} interleaves chunks: stages_per_rank={v} must be >= "
+            f"{rule.least} (stages_per_rank=1 is schedule='1f1b' or 'gpipe')"
+        )
+    return v
 
 
-def rank_of(stage: int, ranks: int, style: str) -> int:
-    """The rank that runs virtual ``stage``."""
-    if style == "v":
-        return stage if stage < ranks else 2 * ranks - 1 - stage
-    return stage % ranks
-
-
-def local_stages(rank: int, ranks: int, v: int, style: str) -> list[int]:
-    """The virtual stages of ``rank``, in the order of its chunks."""
-    return [s for s in range(ranks * v) if rank_of(s, ranks, style) == rank]
-
-
-def _check(schedule: str, stage: int, num_stages: int, chunks: int) -> str:
-    name = canonical(schedule)
+def _check(schedule: str, stage: int, num_stages: int, chunks: int) -> Schedule:
+    entry = spec(schedule)
     if num_stages < 1 or not 0 <= stage < num_stages:
         raise PipelineValueError(f"stage={stage} is not in [0, {num_stages}) stages")
     if chunks < 1:
         raise PipelineValueError(f"chunks={chunks} must be >= 1")
-    return name
-
-
-# -- the schedules ---------------------------------------------------------------
+    return entry
 
 
 def compute_actions(
@@ -303,516 +369,19 @@ def compute_actions(
             costs. The other schedules' lists do not depend on times.
 
     For ``async`` this is the first call of a fresh pipeline (see
-    :func:`async_actions`, and :func:`async_stream` for ``v >= 2``).
+    :func:`async_actions`, and :class:`AsyncLayout` for ``v >= 2``).
 
     Raises:
         PipelineValueError: a schedule that cannot run these sizes (named with the fix).
     """
-    name = _check(schedule, rank, ranks, chunks)
-    v = stages_per_rank(name, None if v == 1 else v)
-    m, r, p = chunks, rank, ranks
-    if name == "sequential":
-        return [Action(k, j, r) for j in range(m) for k in ("F", "B")]
-    if name == "gpipe":
-        return [Action("F", j, r) for j in range(m)] + [
-            Action("B", j, r) for j in reversed(range(m))
-        ]
-    if name == "1f1b":
-        return _one_f_one_b(r, p, m)
-    if name == "async":
-        if v > 1 or split:
-            return AsyncLayout(p, v, split=split).call(m)[r]
-        return async_actions(p - r - 1, 0, 0, m, r)
-    if name == "looped_bfs":
-        mine = local_stages(r, p, v, "loop")
-        fwd = [Action("F", j, s) for s in mine for j in range(m)]
-        return fwd + [Action("B", j, s) for s in reversed(mine) for j in reversed(range(m))]
-    if name == "interleaved_1f1b":
-        return _interleaved(r, p, m, v)
-    if name == "interleaved_zb":
-        return _best_zero_bubble(p, m, v, "loop", _interleaved_limits(p, m, v), costs)[r]
-    if name == "zbv":
-        return _best_zero_bubble(p, m, 2, "v", [2 * p] * p, costs)[r]
-    return _dualpipev(r, p, m)
-
-
-def _one_f_one_b(r: int, p: int, m: int) -> list[Action]:
-    warmup = min(p - r - 1, m)
-    ops = [Action("F", j, r) for j in range(warmup)]
-    for i in range(m - warmup):
-        ops += [Action("F", warmup + i, r), Action("B", i, r)]
-    return ops + [Action("B", j, r) for j in range(m - warmup, m)]
-
-
-def _interleaved_warmup(r: int, p: int, m: int, v: int) -> int:
-    return min((p - r - 1) * 2 + (v - 1) * p, m * v)
-
-
-def _interleaved(r: int, p: int, m: int, v: int) -> list[Action]:
-    if m % p:
-        raise PipelineValueError(
-            f"schedule='interleaved_1f1b' runs micro-batches in rounds of one per rank: "
-            f"chunks={m} must be a multiple of the {p} ranks"
-        )
-
-    def nth(k: int, backward: bool) -> tuple[int, int]:
-        group, within = divmod(k, p * v)
-        chunk = within // p
-        if backward:
-            chunk = v - 1 - chunk
-        return chunk * p + r, group * p + within % p
-
-    total = m * v
-    warmup = _interleaved_warmup(r, p, m, v)
-    ops = []
-    for k in range(warmup):
-        s, j = nth(k, False)
-        ops.append(Action("F", j, s))
-    for k in range(total - warmup):
-        s, j = nth(warmup + k, False)
-        sb, jb = nth(k, True)
-        ops += [Action("F", j, s), Action("B", jb, sb)]
-    for k in range(total - warmup, total):
-        sb, jb = nth(k, True)
-        ops.append(Action("B", jb, sb))
-    return ops
-
-
-def _interleaved_limits(p: int, m: int, v: int) -> list[int]:
-    """Micro-batch chunks alive per rank in interleaved 1F1B (warm-up + 1): ZB's memory."""
-    return [min(_interleaved_warmup(r, p, m, v) + 1, m * v) for r in range(p)]
-
-
-def _stage_costs(costs: PassCosts | None, n: int) -> dict[str, list[float]]:
-    """``costs`` checked, per kind a list over the ``n`` virtual stages (unit costs for None)."""
-    if costs is None:
-        return {k: [1.0] * n for k in ("F", "I", "W")}
-    out = {}
-    for kind in ("F", "I", "W"):
-        times = list(costs.get(kind, ()))
-        if len(times) != n or not all(
-            isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in times
-        ):
-            raise PipelineValueError(
-                f"costs[{kind!r}]={times!r} must hold one positive, finite time per virtual "
-                f"stage ({n} of them); pass None for the paper's unit costs"
-            )
-        out[kind] = [float(c) for c in times]
-    return out
-
-
-def _best_zero_bubble(
-    p: int, m: int, v: int, style: str, limits: list[int], costs: PassCosts | None
-) -> list[list[Action]]:
-    """The zero-bubble layout by ``costs`` or by unit costs, whichever ends sooner
-    when timed with ``costs`` (a greedy rule is not always better for knowing the
-    times: on random costs the unit layout wins about one case in twelve)."""
-    unit = _zero_bubble(p, m, v, style, limits)
-    if costs is None:
-        return unit
-    checked = _stage_costs(costs, p * v)
-    timed = _zero_bubble(p, m, v, style, limits, checked)
-
-    def span(lists: list[list[Action]]) -> float:
-        return max(end for row in timeline(lists, checked) for _, end, _ in row)
-
-    return timed if span(timed) <= span(unit) else unit
-
-
-def _zero_bubble(
-    p: int, m: int, v: int, style: str, limits: list[int], costs: PassCosts | None = None
-) -> list[list[Action]]:
-    """A zero-bubble list per rank, laid out by a list scheduler over ``costs``.
-
-    Whenever a rank is free it runs, in this order of preference: the
-    input gradient ``I`` of its ready backward (the critical path; the
-    deepest stage and oldest micro-batch first), a ready forward unless it
-    already holds ``limits[rank]`` micro-batch chunks (forwarded, ``W`` not
-    done; the deepest stage first, so micro-batches reach the loss early), or
-    the oldest deferred ``W``. That is the Zero Bubble paper's rule (B first,
-    W fills the bubbles, memory capped at 1F1B's), run once, here; the
-    executor then follows the lists it produced.
-
-    The times are each stage's ``F``, ``I`` and ``W`` (``costs``; the
-    paper's unit costs for None). They matter: laid out with unit costs, a
-    model whose ``W`` takes two thirds of an ``I`` (a transformer's, on CPU)
-    idles 12-16 % of a 2-rank step where laid out with its own times it
-    idles 5 % (``tests/test_schedule.py``). Every stage still runs its
-    forwards, ``I`` and ``W`` in micro-batch order, so the costs change when
-    things run, never what they compute. Where the cap holds every rank
-    back and nothing is under way (uneven costs can fill a rank with its
-    shallower chunk's forwards), the deepest ready forward goes past it.
-    """
-    n = p * v
-    cost = _stage_costs(costs, n)
-    owner = [rank_of(s, p, style) for s in range(n)]
-    mine = [sorted((s for s in range(n) if owner[s] == r), reverse=True) for r in range(p)]
-    never = math.inf
-    done: dict[tuple[str, int, int], float] = {}  # ("F"|"I", stage, j) -> end time
-    next_f = [0] * n
-    next_i = [0] * n
-    pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    alive = [0] * p
-    lists: list[list[Action]] = [[] for _ in range(p)]
-    free = [0.0] * p
-    events: list[float] = []  # end times still ahead of t (a heap)
-    t = 0.0
-    left = n * m * 3
-
-    def choose(r: int, capped: bool) -> Action | None:
-        for s in mine[r]:
-            j = next_i[s]
-            ready = j < m and done.get(("F", s, j), never) <= t
-            if ready and (s == n - 1 or done.get(("I", s + 1, j), never) <= t):
-                return Action("I", j, s)
-        if not capped or alive[r] < limits[r]:
-            for s in mine[r]:
-                j = next_f[s]
-                if j < m and (s == 0 or done.get(("F", s - 1, j), never) <= t):
-                    return Action("F", j, s)
-        if capped and pending[r]:
-            s, j = pending[r].pop(0)
-            return Action("W", j, s)
-        return None
-
-    def place(r: int, act: Action) -> None:
-        nonlocal left
-        lists[r].append(act)
-        end = t + cost[act.kind][act.stage]
-        free[r] = end
-        heapq.heappush(events, end)
-        left -= 1
-        if act.kind == "F":
-            next_f[act.stage] += 1
-            alive[r] += 1
-            done[("F", act.stage, act.mb)] = end
-        elif act.kind == "I":
-            next_i[act.stage] += 1
-            pending[r].append((act.stage, act.mb))
-            done[("I", act.stage, act.mb)] = end
-        else:
-            alive[r] -= 1
-
-    while left:
-        for r in range(p):
-            if free[r] <= t and (act := choose(r, capped=True)) is not None:
-                place(r, act)
-        while events and events[0] <= t:
-            heapq.heappop(events)
-        if events:  # (anything placed just now ends after t: it is among them)
-            t = events[0]
-            continue
-        # Nothing under way and nothing placed: only the cap holds, so the deepest
-        # ready forward goes past it.
-        uncapped = [(a.stage, r, a) for r in range(p) if (a := choose(r, capped=False))]
-        if not uncapped:
-            raise PipelineError("internal: the zero-bubble layout deadlocked")
-        _, r, act = max(uncapped, key=lambda found: found[:2])
-        place(r, act)
-    return lists
-
-
-def _dualpipev(r: int, p: int, m: int) -> list[Action]:
-    """DualPipeV's eight phases (DeepSeek's DualPipe README; torch's ScheduleDualPipeV)."""
-    if m < 2 * p:
-        raise PipelineValueError(
-            f"schedule='dualpipev' needs at least 2 micro-batches per rank: chunks={m} < "
-            f"2 x {p} ranks; raise chunks to {2 * p} or more"
-        )
-    s0, s1 = r, 2 * p - 1 - r
-    ops: list[Action] = []
-    nf = {s0: 0, s1: 0}
-    nb = {s0: 0, s1: 0}
-    deferred: list[tuple[int, int]] = []
-
-    def fwd(s: int) -> None:
-        ops.append(Action("F", nf[s], s))
-        nf[s] += 1
-
-    def bwd(s: int, split: bool) -> None:
-        if split:
-            ops.append(Action("I", nb[s], s))
-            deferred.append((s, nb[s]))
-        else:
-            ops.append(Action("B", nb[s], s))
-        nb[s] += 1
-
-    def weight() -> None:
-        if deferred:
-            s, j = deferred.pop(0)
-            ops.append(Action("W", j, s))
-
-    for _ in range((p - r - 1) * 2):  # 1: forwards of the first chunk
-        fwd(s0)
-    for _ in range(r + 1):  # 2: both chunks' forwards
-        fwd(s0)
-        fwd(s1)
-    for _ in range(p - r - 1):  # 3: I, W, F of the second chunk
-        bwd(s1, True)
-        weight()
-        fwd(s1)
-    for _ in range(m - 2 * p + r + 1):  # 4: F0 B1, F1 B0 (pairs)
-        fwd(s0)
-        bwd(s1, False)
-        fwd(s1)
-        bwd(s0, False)
-    for _ in range(p - r - 1):  # 5: B1, F1 B0
-        bwd(s1, False)
-        fwd(s1)
-        bwd(s0, False)
-    split = False
-    for i in range(r + 1):  # 6: B1 B0, the later half split
-        if i == (r + 1) // 2 and r % 2 == 1:
-            split = True
-        bwd(s1, split)
-        if i == (r + 1) // 2 and r % 2 == 0:
-            split = True
-        bwd(s0, split)
-    for _ in range(p - r - 1):  # 7: W, B0
-        weight()
-        bwd(s0, split)
-    for _ in range(r + 1):  # 8: the W still deferred
-        weight()
-    while deferred:
-        weight()
-    return ops
-
-
-# -- the asynchronous stream --------------------------------------------------------
-
-
-def async_ops(depth: int, done_fwds: int, done_bwds: int, total: int) -> list[Op]:
-    """One call of the asynchronous schedule.
-
-    Args:
-        depth: number of stages after this one.
-        done_fwds, done_bwds: passes this stage has run so far.
-        total: micro-batches enqueued so far, this call's included.
-
-    Returns:
-        Forward iff ``done_fwds - done_bwds <= depth`` (while forwards are
-        left), else backward; after the last forward, backwards until the rule
-        would allow a forward again.
-    """
-    ops: list[Op] = []
-    f, b = done_fwds, done_bwds
-    while True:
-        if f - b <= depth:
-            if f == total:
-                return ops
-            ops.append(("F", f))
-            f += 1
-        else:
-            ops.append(("B", b))
-            b += 1
-
-
-def async_actions(
-    depth: int,
-    done_fwds: int,
-    done_bwds: int,
-    total: int,
-    stage: int,
-    step_every: int = 0,
-    split: bool = False,
-) -> list[Action]:
-    """:func:`async_ops` as actions of ``stage``, with a ``STEP`` after every
-    ``step_every``-th backward (none for ``step_every=0``); with ``split`` each
-    backward is ``I`` (its gradient goes upstream at once) then ``W``."""
-    return _async_backwards(
-        [(k, j) for k, j in async_ops(depth, done_fwds, done_bwds, total)],
-        stage,
-        step_every,
-        split,
-    )
-
-
-def _async_backwards(ops: list[Op], stage: int, step_every: int, split: bool) -> list[Action]:
-    out = []
-    for kind, j in ops:
-        if kind == "B" and split:
-            out += [Action("I", j, stage), Action("W", j, stage)]
-        else:
-            out.append(Action(kind, j, stage))
-        if kind == "B" and step_every and (j + 1) % step_every == 0:
-            out.append(Action("STEP", j + 1, -1))
-    return out
-
-
-def async_flush_actions(
-    done_fwds: int, done_bwds: int, stage: int, step_every: int = 0, split: bool = False
-) -> list[Action]:
-    """The backwards still owed (:func:`flush_ops`) as actions, with their steps and a
-    last ``STEP`` for a partial accumulation."""
-    out = _async_backwards(flush_ops(done_fwds, done_bwds), stage, step_every, split)
-    if step_every and done_fwds % step_every:
-        out.append(Action("STEP", done_fwds, -1))
-    return out
-
-
-class AsyncLayout:
-    """The asynchronous stream over ``v`` chunks per rank (in a loop), laid out call by call.
-
-    Every virtual stage ``s`` of the ``n = ranks·v`` is a PipeDream stage of
-    its own (``depth = n − 1 − s``): it forwards micro-batch ``f`` only while
-    ``f − b <= depth`` (``b`` backwards started), and its optimizer step (its
-    chunk's parameters only) follows every ``step_every``-th of its
-    backwards. A unit-time list scheduler over all ranks, run alike on every
-    rank and continued from call to call (a rank starts its next call when it
-    is done with this one, not when the slowest is), orders each rank's
-    chunks: ``I`` (or ``B``) first whenever ready (deepest chunk first: the
-    critical path), then a forward (deepest chunk first), then the oldest
-    deferred ``W``, which thus fills what would be idle time. A chunk's ``W``
-    runs before that chunk's next ``I``, so a backward always meets the steps
-    of every earlier backward of its chunk (weight prediction counts them
-    exactly), and a ``W`` that completes a step runs before the chunk's next
-    forward (deferring it would only feed that forward older weights; a ``W``
-    that only accumulates can wait). A chunk stops, as the one-chunk stream does, once its forwards
-    are done and the rule would allow a forward again; the rank's deferred
-    ``W`` close its call.
-
-    Args:
-        ranks, v: ranks and chunks per rank.
-        split: ``I`` then ``W`` for each backward, else ``B``.
-
-    Example::
-
-        layout = AsyncLayout(2, 2, split=True)
-        first = layout.call(4, step_every=1)  # per rank, its compute actions of call 1
-        second = layout.call(8, step_every=1)  # micro-batches 4..7 enqueued
-        rest = layout.call(8, step_every=1, flush=True)
-    """
-
-    def __init__(self, ranks: int, v: int, split: bool = False) -> None:
-        self.p, self.v, self.n = ranks, v, ranks * v
-        self.split = split
-        self.f = [0] * self.n  # forwards done, per virtual stage
-        self.b = [0] * self.n  # backwards (B or I) done
-        self.depth = [self.n - 1 - s for s in range(self.n)]
-        self.mine = [sorted(range(r, self.n, ranks), reverse=True) for r in range(ranks)]
-        self.done: dict[tuple[str, int, int], int] = {}  # ("F"|"B", s, j) -> end time
-        self.busy = [0] * ranks
-
-    def counts(self) -> list[tuple[int, int]]:
-        """Per virtual stage, ``(forwards, backwards)`` done."""
-        return list(zip(self.f, self.b, strict=True))
-
-    def _ready(self, kind: str, s: int, j: int, t: int) -> bool:
-        count = self.f[s] if kind == "F" else self.b[s]
-        return j < count and self.done.get((kind, s, j), 0) <= t
-
-    def _finished(self, s: int, total: int, flush: bool) -> bool:
-        f, b = self.f[s], self.b[s]
-        return b == f if flush else f == total and f - b <= self.depth[s]
-
-    def call(self, total: int, step_every: int = 0, flush: bool = False) -> list[list[Action]]:
-        """Per rank, its compute actions of the call that brings ``total`` micro-batches
-        enqueued (``flush``: only the backwards still owed, and a last partial step).
-
-        Args:
-            step_every: a ``STEP`` (``stage`` = the chunk's virtual stage, ``mb``
-                = its backwards done) after every ``step_every``-th backward of
-                a chunk; 0: none.
-
-        Raises:
-            PipelineError: internal: the layout did not finish.
-        """
-        p, n, f, b = self.p, self.n, self.f, self.b
-        pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-        lists: list[list[Action]] = [[] for _ in range(p)]
-        over = [False] * p
-        t = min(self.busy)
-        limit = t + 4 * n * (total + 1) + 8
-        while not all(over):
-            for r in range(p):
-                if over[r] or self.busy[r] > t:
-                    continue
-                act = self._choose(r, t, total, flush, pending[r], step_every)
-                if act is None:
-                    if not pending[r] and all(
-                        self._finished(s, total, flush) for s in self.mine[r]
-                    ):
-                        over[r] = True
-                    continue
-                lists[r].append(act)
-                self.busy[r] = t + 1
-                if act.kind == "F":
-                    f[act.stage] += 1
-                    self.done[("F", act.stage, act.mb)] = t + 1
-                elif act.kind in ("I", "B"):
-                    b[act.stage] += 1
-                    self.done[("B", act.stage, act.mb)] = t + 1
-                    if act.kind == "I":
-                        pending[r].append((act.stage, act.mb))
-                every = step_every
-                if act.kind in ("B", "W") and every and (act.mb + 1) % every == 0:
-                    lists[r].append(Action("STEP", act.mb + 1, act.stage))
-            t += 1
-            if t > limit:
-                raise PipelineError(f"internal: the asynchronous layout stopped at {self.counts()}")
-        if flush and step_every:
-            for r in range(p):  # a last partial accumulation
-                for s in reversed(self.mine[r]):
-                    if f[s] % step_every:
-                        lists[r].append(Action("STEP", f[s], s))
-        # What later calls still read: backwards from the oldest one owed on.
-        oldest = min(b)
-        self.done = {k: e for k, e in self.done.items() if k[2] >= oldest}
-        return lists
-
-    def _choose(
-        self,
-        r: int,
-        t: int,
-        total: int,
-        flush: bool,
-        pending: list[tuple[int, int]],
-        step_every: int,
-    ) -> Action | None:
-        n, f, b = self.n, self.f, self.b
-        for s in self.mine[r]:
-            j = b[s]
-            if self._finished(s, total, flush) or j >= f[s] or not self._ready("F", s, j, t):
-                continue
-            if s < n - 1 and not self._ready("B", s + 1, j, t):
-                continue
-            owed = [w for w in pending if w[0] == s]
-            if owed:  # this chunk's last W first: its step comes before this backward
-                pending.remove(owed[0])
-                return Action("W", owed[0][1], s)
-            return Action("I" if self.split else "B", j, s)
-        if not flush:
-            for s in self.mine[r]:
-                j = f[s]
-                if (
-                    j < total
-                    and j - b[s] <= self.depth[s]
-                    and (s == 0 or self._ready("F", s - 1, j, t))
-                ):
-                    # A W that completes a step goes before the chunk's next
-                    # forward: deferring it would feed that forward older weights.
-                    owed = [w for w in pending if w[0] == s]
-                    if owed and step_every and (owed[0][1] + 1) % step_every == 0:
-                        pending.remove(owed[0])
-                        return Action("W", owed[0][1], s)
-                    return Action("F", j, s)
-        if pending:
-            s, j = pending.pop(0)
-            return Action("W", j, s)
-        return None
-
-
-def flush_ops(done_fwds: int, done_bwds: int) -> list[Op]:
-    """The backwards an asynchronous stage still owes."""
-    return [("B", j) for j in range(done_bwds, done_fwds)]
+    entry = _check(schedule, rank, ranks, chunks)
+    v = stages_per_rank(entry.name, None if v == 1 else v)
+    return entry.generate(Shape(rank, ranks, chunks, v, split, costs))
 
 
 def stage_ops(schedule: str, stage: int, num_stages: int, chunks: int) -> list[Op]:
     """The ``(kind, micro-batch)`` ops of ``stage`` (one stage per rank) for one mini-batch."""
     return [(a.kind, a.mb) for a in compute_actions(schedule, stage, num_stages, chunks)]
-
-
-# -- sends and receives ---------------------------------------------------------------
 
 
 def rank_actions(
@@ -856,90 +425,6 @@ def rank_actions(
     return out
 
 
-# -- timing the lists ------------------------------------------------------------------
-
-
-def timeline(
-    lists: Sequence[Sequence[Action | Op]],
-    costs: Mapping[str, float | Sequence[float]] | None = None,
-) -> list[list[tuple[float, float, Action]]]:
-    """Runs per-rank lists against the dependencies; per rank, ``(start, end, action)``.
-
-    Lists of ``(kind, j)`` ops (one stage per rank) are taken as actions of
-    stage = rank. Sends, receives and steps take no time; a compute action
-    takes ``costs[kind]``, or ``costs[kind][stage]`` where that is a
-    sequence (one time unit each for None).
-
-    Raises:
-        PipelineError: the lists deadlock (no rank can make progress).
-    """
-    costs = costs or {k: 1 for k in COMPUTE}
-
-    def cost(a: Action) -> float:
-        c = costs[a.kind]
-        return c if isinstance(c, (int, float)) else c[a.stage]
-
-    rows = [
-        [a if isinstance(a, Action) else Action(a[0], a[1], r) for a in lst]
-        for r, lst in enumerate(lists)
-    ]
-    rows = [[a for a in row if a.kind in COMPUTE] for row in rows]
-    n = 1 + max((a.stage for row in rows for a in row), default=0)
-    ready: dict[tuple[str, int, int], float] = {}  # ("F"|"G"|"I", stage, j) -> end time
-    pos = [0] * len(rows)
-    free = [0.0] * len(rows)
-    out: list[list[tuple[float, float, Action]]] = [[] for _ in rows]
-    while any(pos[r] < len(rows[r]) for r in range(len(rows))):
-        progressed = False
-        # The earliest rank that can start next goes first (an event simulation).
-        best: tuple[float, int] | None = None
-        for r, row in enumerate(rows):
-            if pos[r] == len(row):
-                continue
-            a = row[pos[r]]
-            need: list[tuple[str, int, int]] = []
-            if a.kind == "F":
-                need = [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
-            elif a.kind in ("B", "I"):
-                need = [("F", a.stage, a.mb)]
-                need += [("G", a.stage + 1, a.mb)] if a.stage < n - 1 else []
-            else:
-                need = [("I", a.stage, a.mb)]
-            if all(d in ready for d in need):
-                start = max([free[r], *(ready[d] for d in need)])
-                if best is None or start < best[0]:
-                    best = (start, r)
-        if best is not None:
-            start, r = best
-            a = rows[r][pos[r]]
-            end = start + cost(a)
-            out[r].append((start, end, a))
-            free[r] = end
-            pos[r] += 1
-            ready[(a.kind if a.kind != "B" else "G", a.stage, a.mb)] = end
-            if a.kind in ("B", "I"):
-                ready[("G", a.stage, a.mb)] = end
-            progressed = True
-        if not progressed:
-            raise PipelineError(f"schedule deadlocks: positions {pos}")
-    return out
-
-
-def simulate(lists: Sequence[Sequence[Action | Op]]) -> list[list[Action | None]]:
-    """One time unit per action: ``rows[rank][t]``, the action at time ``t`` or None (idle).
-
-    Raises:
-        PipelineError: the lists deadlock (no rank can make progress).
-    """
-    timed = timeline(lists)
-    width = int(max((end for row in timed for _, end, _ in row), default=0))
-    rows: list[list[Action | None]] = [[None] * width for _ in timed]
-    for r, row in enumerate(timed):
-        for start, _, a in row:
-            rows[r][int(start)] = a
-    return rows
-
-
 def _lists(
     schedule: str, ranks: int, chunks: int, v: int | None, split: bool = False
 ) -> tuple[list[list[Action]], int]:
@@ -958,24 +443,7 @@ def grid(
     """The rank × time grid of ``schedule`` (see the module docstring);
     ``split``: ``async``'s backwards as ``I`` then ``W``."""
     lists, v = _lists(schedule, num_stages, chunks, stages_per_rank, split)
-    rows = simulate(lists)
-    style = placement(schedule)
-
-    def label(a: Action) -> str:
-        if v == 1:
-            return f"{a.kind}{a.mb}"
-        chunk = local_stages(rank_of(a.stage, num_stages, style), num_stages, v, style)
-        k = chunk.index(a.stage)
-        if v == 2:  # the second chunk in lower case
-            return f"{a.kind if k == 0 else a.kind.lower()}{a.mb}"
-        return f"{a.kind}{a.mb}{'abcdefgh'[k]}"
-
-    cell = max(len(f"F{chunks - 1}") + (v > 2), 2)
-    lines = []
-    for r, row in enumerate(rows):
-        cells = [(label(a) if a else ".").ljust(cell) for a in row]
-        lines.append(f"{'stage' if v == 1 else 'rank'} {r} | " + " ".join(cells).rstrip())
-    return "\n".join(lines)
+    return "\n".join(draw(simulate(lists), num_stages, v, placement(schedule), chunks))
 
 
 def bubble_fraction(
@@ -991,12 +459,3 @@ def bubble_fraction(
     span = max(end for row in timed for _, end, _ in row)
     busy = sum(end - start for row in timed for start, end, _ in row)
     return 1 - busy / (num_stages * span)
-
-
-def max_alive(ops: Sequence[Op]) -> int:
-    """The most micro-batches forwarded but not yet backwarded at any time."""
-    alive = peak = 0
-    for kind, _ in ops:
-        alive += 1 if kind == "F" else -1
-        peak = max(peak, alive)
-    return peak
