@@ -1,4 +1,5 @@
-"""Fixtures shared by the collectives tests that run torch on the ``mpx`` backend."""
+"""Fixtures shared by the collectives tests: torch on the ``mpx`` backend, and the
+ring neighbours and one-rank communicator of the Channel tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,29 @@ import pytest
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["groups"]
+    from mpx.collectives import Communicator
+
+__all__ = ["groups", "ring", "self_comm"]
+
+
+@pytest.fixture
+def ring() -> tuple[Communicator, int, int]:
+    """The world and this rank's neighbours (right = rank + 1, left = rank - 1, modulo
+    the size): on 1 rank both are the rank itself, so a test runs alike at any size."""
+    from mpx.collectives import world  # imported by the tests that use it, as groups does
+
+    comm = world()
+    return comm, (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+
+@pytest.fixture
+def self_comm() -> Communicator:
+    """A communicator of this rank alone (a split of the world by rank)."""
+    from mpx.collectives import world
+
+    comm = world().split(world().rank)
+    assert comm is not None
+    return comm
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,6 @@ from mpx.collectives import channel as channel_module
 TIMEOUT_S = 60.0
 
 
-def _ring() -> tuple[Communicator, int, int]:
-    comm = world()
-    return comm, (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-
-
-def _self_comm() -> Communicator:
-    comm = world().split(world().rank)
-    assert comm is not None
-    return comm
-
-
 def _shape(rank: int, step: int) -> tuple[int, int]:
     """A shape that changes every other step and differs between senders."""
     return (2 + rank, 3 + step // 2)
@@ -75,8 +64,8 @@ def test_encode_refuses_what_does_not_fit() -> None:
         channel_module.encode([torch.zeros(1, dtype=torch.complex64)], b"")
 
 
-def test_bad_arguments_name_the_value_and_send_nothing() -> None:
-    ch = Channel(_self_comm(), timeout=TIMEOUT_S)
+def test_bad_arguments_name_the_value_and_send_nothing(self_comm: Communicator) -> None:
+    ch = Channel(self_comm, timeout=TIMEOUT_S)
     with pytest.raises(MPXValueError, match="peer"):
         ch.post(5, 0, torch.zeros(1))
     with pytest.raises(MPXValueError, match="tag must be an int"):
@@ -90,12 +79,12 @@ def test_bad_arguments_name_the_value_and_send_nothing() -> None:
     with pytest.raises(MPXValueError, match="like= or into="):
         ch.expect(0, 0, like=[((1,), torch.float32)], into=[torch.zeros(1)])
     with pytest.raises(MPXValueError, match="timeout"):
-        Channel(_self_comm(), timeout=0)
+        Channel(self_comm, timeout=0)
     assert ch.ledger() == {"sent": {}, "posted": {}}  # nothing left half sent
 
 
-def test_receive_buffers_are_reused() -> None:
-    ch = Channel(_self_comm(), timeout=TIMEOUT_S)
+def test_receive_buffers_are_reused(self_comm: Communicator) -> None:
+    ch = Channel(self_comm, timeout=TIMEOUT_S)
     for _ in range(3):
         incoming = ch.expect(0, 1)
         ch.post(0, 1, torch.ones(4, 5), header=True)
@@ -108,8 +97,8 @@ def test_receive_buffers_are_reused() -> None:
         ch.receive(incoming)
 
 
-def test_a_dropped_channel_keeps_its_messages_in_flight_alive() -> None:
-    comm = _self_comm()
+def test_a_dropped_channel_keeps_its_messages_in_flight_alive(self_comm: Communicator) -> None:
+    comm = self_comm
     sent = torch.randn(1 << 18)  # 1 MiB: MPI waits for the receiver (rendezvous)
     ch = Channel(comm, timeout=TIMEOUT_S)
     ch.post(0, 3, sent.clone())
@@ -141,8 +130,10 @@ def test_a_dropped_channel_keeps_its_messages_in_flight_alive() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_changing_shapes_renegotiate_headers_only_on_change() -> None:
-    comm, right, left = _ring()
+def test_changing_shapes_renegotiate_headers_only_on_change(
+    ring: tuple[Communicator, int, int],
+) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     steps = 6
     # Every receive posted ahead, before any peer sends.
@@ -177,8 +168,10 @@ def test_changing_shapes_renegotiate_headers_only_on_change() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_a_receive_posted_ahead_arrives_while_the_rank_computes() -> None:
-    comm, right, left = _ring()
+def test_a_receive_posted_ahead_arrives_while_the_rank_computes(
+    ring: tuple[Communicator, int, int],
+) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     incoming = ch.expect(left, 7)  # header first: the shapes are not known here
     ch.post(right, 7, torch.arange(comm.rank + 4.0), header=True)
@@ -205,8 +198,10 @@ def test_a_receive_posted_ahead_arrives_while_the_rank_computes() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_an_error_on_one_rank_raises_on_every_rank_and_the_channel_starts_clean() -> None:
-    comm, right, left = _ring()
+def test_an_error_on_one_rank_raises_on_every_rank_and_the_channel_starts_clean(
+    ring: tuple[Communicator, int, int],
+) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     # Left in every state a failure can leave: a header expected and never sent, a
     # message sent and never expected, a large one in flight (rendezvous).
@@ -227,8 +222,10 @@ def test_an_error_on_one_rank_raises_on_every_rank_and_the_channel_starts_clean(
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_a_wait_times_out_naming_the_peer_and_drain_settles_it() -> None:
-    comm, right, left = _ring()
+def test_a_wait_times_out_naming_the_peer_and_drain_settles_it(
+    ring: tuple[Communicator, int, int],
+) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=0.5)
     incoming = ch.expect(left, 4)  # nobody sends it
     with pytest.raises(CollectiveTimeout, match=f"rank.*{left}"):
@@ -242,8 +239,8 @@ def test_a_wait_times_out_naming_the_peer_and_drain_settles_it() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_an_interrupt_ends_a_wait() -> None:
-    comm, _, left = _ring()
+def test_an_interrupt_ends_a_wait(ring: tuple[Communicator, int, int]) -> None:
+    comm, _, left = ring
 
     class Stop(Exception):
         pass
@@ -262,8 +259,8 @@ def test_an_interrupt_ends_a_wait() -> None:
 @pytest.mark.mpi
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
-def test_cuda_tensors_of_changing_shapes() -> None:
-    comm, right, left = _ring()
+def test_cuda_tensors_of_changing_shapes(ring: tuple[Communicator, int, int]) -> None:
+    comm, right, left = ring
     device = torch.device("cuda", world().node_rank % torch.cuda.device_count())
     ch = Channel(comm, timeout=TIMEOUT_S)
     incoming = [ch.expect(left, 300 + k, stream=0, device=device) for k in range(4)]

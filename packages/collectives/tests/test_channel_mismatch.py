@@ -23,23 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpx.collectives import Channel, Communicator, MPXValueError, RemoteError, world
+from mpx.collectives import Channel, Communicator, MPXValueError, RemoteError
 from mpx.collectives import channel_wire as wire
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
 
 TIMEOUT_S = 30.0
 TAG = 11
-
-
-def _ring() -> tuple[Communicator, int, int]:
-    comm = world()
-    return comm, (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-
-
-def _self_comm() -> Communicator:
-    comm = world().split(world().rank)
-    assert comm is not None
-    return comm
 
 
 @dataclass
@@ -133,9 +122,11 @@ def _recovers(ch: Channel, right: int, left: int) -> None:
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_mismatch_raises_in_receive_naming_both_sides(name: str) -> None:
+def test_a_mismatch_raises_in_receive_naming_both_sides(
+    name: str, ring: tuple[Communicator, int, int]
+) -> None:
     case = CASES[name]
-    comm, right, left = _ring()
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     incoming = ch.expect(left, TAG, **case.expect())
     ch.post(right, TAG, case.tensors(), header=case.header, **case.post)
@@ -155,8 +146,8 @@ def test_a_mismatch_raises_in_receive_naming_both_sides(name: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
-def test_ready_is_true_once_a_mismatch_is_known() -> None:
-    comm, right, left = _ring()
+def test_ready_is_true_once_a_mismatch_is_known(ring: tuple[Communicator, int, int]) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     # Fewer tensors than expected: the second data receive would never complete.
     incoming = ch.expect(left, TAG, like=[((4,), F32), ((2,), F32)])
@@ -178,8 +169,10 @@ def test_ready_is_true_once_a_mismatch_is_known() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
-def test_a_mismatch_nobody_received_is_raised_by_drain_on_every_rank() -> None:
-    comm, right, left = _ring()
+def test_a_mismatch_nobody_received_is_raised_by_drain_on_every_rank(
+    ring: tuple[Communicator, int, int],
+) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     # Only the last rank sends the wrong message (to rank 0); nobody calls receive.
     last = comm.size - 1
@@ -198,8 +191,10 @@ def test_a_mismatch_nobody_received_is_raised_by_drain_on_every_rank() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
-def test_a_message_out_of_step_is_named_even_when_mpi_truncates_it() -> None:
-    comm, right, left = _ring()
+def test_a_message_out_of_step_is_named_even_when_mpi_truncates_it(
+    ring: tuple[Communicator, int, int],
+) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     # Two receives of one tensor each; one message of two: its second tensor (40 kB,
     # more than any first part) lands in the second receive's first part, which MPI
@@ -226,8 +221,8 @@ def test_a_message_out_of_step_is_named_even_when_mpi_truncates_it() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
-def test_a_marker_where_like_expects_none() -> None:
-    comm, right, left = _ring()
+def test_a_marker_where_like_expects_none(ring: tuple[Communicator, int, int]) -> None:
+    comm, right, left = ring
     ch = Channel(comm, timeout=TIMEOUT_S)
     # A stream may span tags; one tag per message, as a header's data receives are
     # posted only once it is in (a receive posted meanwhile on its tag would come first).
@@ -284,8 +279,8 @@ def test_decode_header_refuses_what_is_no_header() -> None:
         wire.decode(torch.randn(64).view(torch.uint8))
 
 
-def test_post_and_expect_refuse_before_anything_moves() -> None:
-    ch = Channel(_self_comm(), timeout=TIMEOUT_S)
+def test_post_and_expect_refuse_before_anything_moves(self_comm: Communicator) -> None:
+    ch = Channel(self_comm, timeout=TIMEOUT_S)
     with pytest.raises(MPXValueError, match="more than 8 dimensions"):
         ch.post(0, TAG, torch.zeros((1,) * 9))
     with pytest.raises(MPXValueError, match="more than 255"):
