@@ -70,6 +70,7 @@ from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.job import EXIT_TIMEOUT, Job, RankFailure, run_attempts
 from mpx.launch.launchers import Launcher, find_launcher
 from mpx.launch.rank import usable_cores
+from mpx.launch.replica_groups import run_replica_groups
 from mpx.launch.status import new_key
 from mpx.launch.virtual_cluster import VirtualCluster
 
@@ -183,15 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mpxrun: {exc}", file=sys.stderr)
             return EXIT_USAGE
 
-        def new_job(attempt: int) -> Job:
+        def new_job(attempt: int, base: dict[str, str] = env) -> Job:
             # Both names: mpx programs read MPX_RESTART_COUNT, torchrun-style
             # ones TORCHELASTIC_RESTART_COUNT; launchers forward MPX_* only.
             count = str(attempt)
-            attempt_env = dict(env, MPX_RESTART_COUNT=count, TORCHELASTIC_RESTART_COUNT=count)
+            attempt_env = dict(base, MPX_RESTART_COUNT=count, TORCHELASTIC_RESTART_COUNT=count)
             return Job(
                 command,
                 env=attempt_env,
-                status_key=env["MPX_STATUS_KEY"],
+                status_key=base["MPX_STATUS_KEY"],
                 nprocs=args.nprocs,
                 local=local,
                 launcher_lingers=launcher.forker,
@@ -200,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 end_grace=settings.END_GRACE.get(),
             )
 
+        if args.replica_groups is not None:
+            return run_replica_groups(env, args.replica_groups, new_job, args)
         return run_attempts(new_job, args.timeout, args.max_restarts, args.restart_delay)
 
 

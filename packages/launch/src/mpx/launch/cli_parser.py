@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait before each restart (default 0)",
     )
     parser.add_argument(
+        "--replica-groups",
+        type=arguments.whole_number("--replica-groups", 1),
+        default=None,
+        metavar="R",
+        help="start R replica groups of -n ranks each, each its own MPI world that fails and "
+        "restarts alone (--max-restarts per group), and a lighthouse that keeps their "
+        "membership (mpx.dataparallel.FaultTolerantOptimizer; see docs/live-recovery.md)",
+    )
+    parser.add_argument(
         "--tag-output", action="store_true", help="prefix output lines with the rank"
     )
     parser.add_argument(

@@ -159,6 +159,8 @@ class Job:
     ended: dict[int, int] = field(default_factory=dict)
     stacks: dict[int, list[str]] = field(default_factory=dict)
     timed_out: bool = False
+    # Set from another thread to stop the job (mpxrun --replica-groups stops every group's).
+    cancel: threading.Event = field(default_factory=threading.Event)
     _failed: threading.Event = field(default_factory=threading.Event)
     _left: dict[int, tuple[float, list[str]]] = field(default_factory=dict)
     _first_end: float | None = None
@@ -425,6 +427,9 @@ class Job:
                 if timeout is not None and now - start > timeout:
                     self.timed_out = True
                     self._collect_stacks(proc)
+                    self._stop(proc)
+                    break
+                if self.cancel.is_set():
                     self._stop(proc)
                     break
                 if self._failed.is_set():

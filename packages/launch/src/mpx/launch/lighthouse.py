@@ -1,0 +1,250 @@
+"""The lighthouse: a small TCP server in ``mpxrun`` that keeps the replica groups' membership.
+
+``mpxrun --replica-groups R`` runs one in a thread and tells every rank its
+address (``MPX_LIGHTHOUSE``). The rules it keeps are :mod:`mpx.launch.membership`'s;
+this module is the wire: one JSON object a line each way, one request at a
+time per connection. Each rank of each group holds a connection on which it
+says ``hello`` and then beats (a heartbeat thread); its group's rank 0 holds a
+second one for the requests that wait (``quorum``, ``vote``). A connection
+that closes without ``leave`` kills its group at once: a SIGKILLed process's
+sockets are closed by its kernel, so a death is seen in milliseconds, and a
+hung one in ``heartbeat_timeout`` seconds.
+
+Requests and replies::
+
+    {"op": "hello", "group": g, "rank": r, "size": n, "incarnation": id,
+     "address": [host, port]}                 -> {"ok": true, "heartbeat_interval": s}
+    {"op": "beat"}                            -> {"member": bool, "alive": {g: id},
+                                                  "last_aborted": quorum}
+    {"op": "quorum", "step": s}               -> {"quorum": {...Quorum.view...}}
+                                                 or {"member": false} (counted out)
+                                                 or {"finished": step} (the others
+                                                 ended training and left)
+    {"op": "vote", "quorum": q, "ok": bool}   -> {"outcome": bool}
+    {"op": "leave", "step": s}                -> {"ok": true}
+
+Nothing here imports torch: the lighthouse runs in ``mpxrun``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import socketserver
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpx.launch.membership import Membership
+
+__all__ = ["Lighthouse", "print_event"]
+
+# How often a member beats, as a fraction of the timeout: several beats are
+# missed before a group is declared dead, so one slow beat is no death.
+BEATS_PER_TIMEOUT = 5
+MAX_BEAT_INTERVAL_S = 0.1
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        lighthouse = self.server.lighthouse
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        identity: tuple[int, int, str] | None = None
+        left = False
+        try:
+            for raw in self.rfile:
+                message = json.loads(raw)
+                op = message.get("op")
+                if op == "hello":
+                    identity = (int(message["group"]), int(message["rank"]), message["incarnation"])
+                    reply = lighthouse.hello(identity, int(message["size"]), message["address"])
+                elif identity is None:
+                    reply = {"error": f"{op!r} before hello"}
+                elif op == "beat":
+                    reply = lighthouse.beat(identity)
+                elif op == "quorum":
+                    reply = lighthouse.quorum(identity, int(message["step"]))
+                elif op == "vote":
+                    reply = lighthouse.vote(identity, int(message["quorum"]), bool(message["ok"]))
+                elif op == "leave":
+                    left = True
+                    reply = lighthouse.leave(identity, int(message["step"]))
+                else:
+                    reply = {"error": f"unknown op {op!r}"}
+                self.wfile.write(json.dumps(reply).encode() + b"\n")
+                self.wfile.flush()
+        except (OSError, ValueError, KeyError):
+            pass  # a peer gone mid-message is a peer gone
+        finally:
+            if identity is not None and not left:
+                lighthouse.lost(identity)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    lighthouse: Lighthouse
+
+
+class Lighthouse:
+    """The membership server; ``with Lighthouse(expected=R) as lh: lh.address``.
+
+    Args:
+        expected: the number of replica groups the first quorum waits for.
+        heartbeat_timeout: seconds a rank may stay silent before its group is dead.
+        join_timeout: how long the first quorum waits for ``expected`` groups.
+        host: the address to listen on (port chosen by the system).
+        log: where membership events are written (None: nowhere).
+    """
+
+    def __init__(
+        self,
+        expected: int,
+        heartbeat_timeout: float = 0.5,
+        join_timeout: float = 120.0,
+        host: str = "127.0.0.1",
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.membership = Membership(expected, join_timeout, heartbeat_timeout, time.monotonic())
+        self.heartbeat_timeout = heartbeat_timeout
+        # The members' view of who is alive comes with the beats' replies: kept
+        # fresh even when a long timeout is allowed.
+        self.heartbeat_interval = min(heartbeat_timeout / BEATS_PER_TIMEOUT, MAX_BEAT_INTERVAL_S)
+        self._changed = threading.Condition()
+        self._log = log
+        self._server = _Server((host, 0), _Handler)
+        self._server.lighthouse = self
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def address(self) -> str:
+        host, port = self._server.socket.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def __enter__(self) -> Lighthouse:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        for target in (self._server.serve_forever, self._watch):
+            thread = threading.Thread(target=target, daemon=True, name="mpx-lighthouse")
+            thread.start()
+            self._threads.append(thread)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._server.shutdown()
+        self._server.server_close()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _say(self, text: str) -> None:
+        if self._log is not None:
+            self._log(text)
+
+    def _watch(self) -> None:
+        """Expires silent groups and forms quorums whose wait a death ended."""
+        while not self._closed.wait(self.heartbeat_interval):
+            with self._changed:
+                for group in self.membership.expire(time.monotonic()):
+                    self._say(f"group {group} missed its heartbeats: out of the membership")
+                self._form()
+                self._changed.notify_all()
+
+    def _form(self) -> None:
+        before = self.membership.last
+        quorum = self.membership.form(time.monotonic())
+        if quorum is not None and (before is None or before.members != quorum.members):
+            joined = f" ({', '.join(map(str, sorted(quorum.donors)))} rejoining)" * bool(
+                quorum.donors
+            )
+            self._say(f"step {quorum.step}: members {quorum.members}{joined}")
+
+    # -- requests (each from its connection's thread) --
+
+    def hello(
+        self, identity: tuple[int, int, str], size: int, address: list[Any]
+    ) -> dict[str, Any]:
+        group, rank, incarnation = identity
+        with self._changed:
+            self.membership.hello(group, rank, size, incarnation, address, time.monotonic())
+            self._changed.notify_all()
+        return {"ok": True, "heartbeat_interval": self.heartbeat_interval}
+
+    def beat(self, identity: tuple[int, int, str]) -> dict[str, Any]:
+        group, rank, incarnation = identity
+        with self._changed:
+            member = self.membership.beat(group, rank, incarnation, time.monotonic())
+            return {
+                "member": member,
+                "alive": {str(g): i for g, i in self.membership.alive().items()},
+                "last_aborted": self.membership.last_aborted,
+            }
+
+    def lost(self, identity: tuple[int, int, str]) -> None:
+        group, rank, incarnation = identity
+        with self._changed:
+            if (
+                self.membership.groups.get(group)
+                and self.membership.alive().get(group) == incarnation
+            ):
+                self._say(f"group {group} lost (rank {rank}'s connection closed)")
+            self.membership.lost(group, incarnation)
+            self._form()
+            self._changed.notify_all()
+
+    def quorum(self, identity: tuple[int, int, str], step: int) -> dict[str, Any]:
+        group, _, incarnation = identity
+        with self._changed:
+            ended = self.membership.finished(group, step)
+            if ended is not None:
+                return {"finished": ended}
+            if not self.membership.request(group, incarnation, step):
+                return {"member": False}
+            self._form()
+            self._changed.notify_all()
+            while not self._closed.is_set():
+                assigned = self.membership.assigned.get(group)
+                if assigned is not None and self.membership.alive().get(group) == incarnation:
+                    return {"quorum": self.membership.quorums[assigned].view(group)}
+                if self.membership.alive().get(group) != incarnation:
+                    return {"member": False}
+                # The wait ends on any change; the timeout lets a first quorum's join_timeout pass.
+                self._changed.wait(self.heartbeat_timeout)
+                self._form()
+            return {"member": False}
+
+    def vote(self, identity: tuple[int, int, str], quorum_id: int, ok: bool) -> dict[str, Any]:
+        group, _, incarnation = identity
+        with self._changed:
+            outcome = self.membership.vote(group, incarnation, quorum_id, ok)
+            self._changed.notify_all()
+            while outcome is None and not self._closed.is_set():
+                self._changed.wait(self.heartbeat_timeout)
+                outcome = self.membership.outcome(quorum_id)
+            if outcome is False and ok:
+                self._say(f"step of quorum {quorum_id} discarded (a member failed or left)")
+            return {"outcome": bool(outcome)}
+
+    def leave(self, identity: tuple[int, int, str], step: int) -> dict[str, Any]:
+        group, _, incarnation = identity
+        with self._changed:
+            self.membership.leave(group, incarnation, step)
+            self._form()
+            self._changed.notify_all()
+        return {"ok": True}
+
+
+def print_event(text: str) -> None:
+    """Writes a membership event to stderr, as ``mpxrun``'s lines are."""
+    with contextlib.suppress(OSError):
+        print(f"mpxrun: lighthouse: {text}", file=sys.stderr, flush=True)

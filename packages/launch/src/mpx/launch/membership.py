@@ -1,0 +1,268 @@
+"""Who trains the next step: the lighthouse's membership and commit rules (pure Python).
+
+Replica groups (``mpxrun --replica-groups R``) train one model in data
+parallel across groups over TCP; :class:`Membership` decides, step by step,
+which groups take part (a *quorum*) and whether a step they took part in is
+applied (*committed*). The server around it is :mod:`mpx.launch.lighthouse`;
+the trainers' side is ``mpx.dataparallel.FaultTolerantOptimizer``.
+
+The rules, so that no step is ever applied by some replicas and not others:
+
+- A group is alive from its first ``hello`` until one of its ranks' connections
+  closes, a rank misses heartbeats for ``heartbeat_timeout`` seconds, or it
+  leaves at its end. A group that comes back (a restart) is a new
+  *incarnation*: the old one is dead from then on.
+- Before each step every group's rank 0 asks for a quorum, saying its step.
+  The first quorum waits for ``expected`` groups (or ``join_timeout``); each
+  later one forms once every live member of the previous quorum has asked,
+  and takes in every group that has asked by then (a newcomer is admitted at
+  a step boundary, never in the middle of a step).
+- The quorum's step is its members' largest; a member behind it (a newcomer)
+  is told a *donor*, a member at that step, whose state it loads first. At
+  the first quorum every member but the lowest loads the lowest's state.
+- After its step's reduction each member votes ok or not. The step commits iff
+  every member votes ok; it aborts as soon as one votes not ok or dies before
+  voting. Every member gets the same outcome, so a step is applied by all
+  the quorum's members or by none (a member dead after voting ok does not
+  undo a commit: its replacement recovers from a peer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Membership", "Quorum"]
+
+
+@dataclass
+class Quorum:
+    """One step's membership and its outcome.
+
+    Attributes:
+        id: increasing from 1.
+        step: the step every member takes (the largest any member asked with).
+        members: the groups, sorted.
+        incarnations: each member's incarnation.
+        addresses: each member's ranks' peer addresses (``[host, port]`` per rank).
+        donors: member behind ``step`` -> the member it loads its state from.
+        votes: the members that voted, and how.
+        outcome: None while undecided, True committed, False aborted.
+    """
+
+    id: int
+    step: int
+    members: list[int]
+    incarnations: dict[int, str]
+    addresses: dict[int, list[list[object]]]
+    donors: dict[int, int]
+    votes: dict[int, bool] = field(default_factory=dict)
+    outcome: bool | None = None
+
+    def view(self, group: int) -> dict[str, object]:
+        """What ``group`` is told of this quorum (JSON-ready)."""
+        return {
+            "quorum": self.id,
+            "step": self.step,
+            "members": self.members,
+            "incarnations": {str(g): i for g, i in self.incarnations.items()},
+            "addresses": {str(g): a for g, a in self.addresses.items()},
+            "donor": self.donors.get(group),
+            "recipients": sorted(g for g, d in self.donors.items() if d == group),
+        }
+
+
+@dataclass
+class _Group:
+    incarnation: str
+    size: int
+    addresses: dict[int, list[object]] = field(default_factory=dict)
+    beats: dict[int, float] = field(default_factory=dict)
+    alive: bool = True
+    finished_step: int | None = None
+
+
+class Membership:
+    """The lighthouse's state: live groups, the quorums, the votes.
+
+    Not thread-safe: :mod:`mpx.launch.lighthouse` calls it under one lock.
+    Every method takes the time as an argument (tests drive the clock).
+
+    Example::
+
+        m = Membership(expected=2, join_timeout=30.0, heartbeat_timeout=0.5, now=0.0)
+        m.hello(0, 0, 1, "a", ["127.0.0.1", 5000], now=0.0)
+        m.hello(1, 0, 1, "b", ["127.0.0.1", 5001], now=0.0)
+        m.request(0, "a", 0); m.request(1, "b", 0)
+        q = m.form(now=0.1)          # members [0, 1], step 0
+        m.vote(0, "a", q.id, True); m.vote(1, "b", q.id, True)
+        assert q.outcome is True
+    """
+
+    def __init__(
+        self, expected: int, join_timeout: float, heartbeat_timeout: float, now: float
+    ) -> None:
+        self.expected = expected
+        self.join_timeout = join_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.started = now
+        self.groups: dict[int, _Group] = {}
+        self.pending: dict[int, int] = {}
+        self.assigned: dict[int, int] = {}
+        self.quorums: dict[int, Quorum] = {}
+        self.last: Quorum | None = None
+        self.last_aborted = 0
+        # (quorum id, step, members, outcome) of every quorum formed, for logs and tests.
+        self.history: list[tuple[int, int, list[int], bool | None]] = []
+
+    # -- liveness --
+
+    def _current(self, group: int, incarnation: str) -> _Group | None:
+        found = self.groups.get(group)
+        if found is None or found.incarnation != incarnation or not found.alive:
+            return None
+        return found
+
+    def hello(
+        self, group: int, rank: int, size: int, incarnation: str, address: list[object], now: float
+    ) -> None:
+        """Rank ``rank`` of ``size`` of ``group`` (this incarnation) is up at ``address``."""
+        found = self.groups.get(group)
+        if found is None or found.incarnation != incarnation:
+            if found is not None and found.alive:
+                self._kill(group)  # restarted while its old self was thought alive
+            found = self.groups[group] = _Group(incarnation, size)
+        found.addresses[rank] = address
+        found.beats[rank] = now
+
+    def beat(self, group: int, rank: int, incarnation: str, now: float) -> bool:
+        """A heartbeat; False if this incarnation is no longer a member (dead or replaced)."""
+        found = self._current(group, incarnation)
+        if found is None:
+            return False
+        found.beats[rank] = now
+        return True
+
+    def lost(self, group: int, incarnation: str) -> None:
+        """A connection of this incarnation closed: it is dead (unless it had left)."""
+        if self._current(group, incarnation) is not None:
+            self._kill(group)
+
+    def expire(self, now: float) -> list[int]:
+        """Kills the groups with a rank silent for ``heartbeat_timeout``; returns them."""
+        dead = [
+            g
+            for g, found in self.groups.items()
+            if found.alive and any(now - t > self.heartbeat_timeout for t in found.beats.values())
+        ]
+        for group in dead:
+            self._kill(group)
+        return dead
+
+    def leave(self, group: int, incarnation: str, step: int) -> None:
+        """The group ended its training at ``step``: no longer a member, not a failure."""
+        found = self._current(group, incarnation)
+        if found is not None:
+            self._kill(group)
+            found.finished_step = step
+
+    def alive(self) -> dict[int, str]:
+        """The live groups and their incarnations."""
+        return {g: found.incarnation for g, found in self.groups.items() if found.alive}
+
+    def _kill(self, group: int) -> None:
+        self.groups[group].alive = False
+        self.pending.pop(group, None)
+        self.assigned.pop(group, None)
+        for quorum in self.quorums.values():
+            if quorum.outcome is None and group in quorum.members and group not in quorum.votes:
+                self._decide(quorum, False)
+
+    # -- quorums --
+
+    def finished(self, group: int, step: int) -> int | None:
+        """The step the others ended training at, if ``group`` (at ``step``) came back after
+        every other group had left: there is no state to rejoin (None: there is)."""
+        others = [g for g in self.alive() if g != group]
+        ends = [f.finished_step for f in self.groups.values() if f.finished_step is not None]
+        if others or not ends or max(ends) <= step:
+            return None
+        return max(ends)
+
+    def request(self, group: int, incarnation: str, step: int) -> bool:
+        """The group asks to take part in the next step, being at ``step``; False if dead."""
+        if self._current(group, incarnation) is None:
+            return False
+        self.pending[group] = step
+        self.assigned.pop(group, None)
+        return True
+
+    def form(self, now: float) -> Quorum | None:
+        """Forms the next quorum if its time has come (see the module's rules)."""
+        if not self.pending:
+            return None
+        if self.last is None:
+            if len(self.pending) < self.expected and now - self.started < self.join_timeout:
+                return None
+        else:
+            live = self.alive()
+            if any(g in live and g not in self.pending for g in self.last.members):
+                return None
+            if self.last.outcome is None:
+                return None  # a member asking again before the outcome: wait for it
+        members = sorted(self.pending)
+        step = max(self.pending.values())
+        ahead = [g for g in members if self.pending[g] == step]
+        behind = [g for g in members if self.pending[g] < step]
+        if self.last is None:
+            # The first step starts every group from the lowest one's state
+            # (weights, optimizer, data position): replicas that were seeded
+            # differently still train one model.
+            ahead, behind = ahead[:1], [g for g in members if g != ahead[0]]
+        donors = {g: ahead[i % len(ahead)] for i, g in enumerate(behind)}
+        quorum = Quorum(
+            id=(self.last.id + 1) if self.last else 1,
+            step=step,
+            members=members,
+            incarnations={g: self.groups[g].incarnation for g in members},
+            addresses={
+                g: [self.groups[g].addresses[r] for r in sorted(self.groups[g].addresses)]
+                for g in members
+            },
+            donors=donors,
+        )
+        self.quorums[quorum.id] = quorum
+        # Keep the recent ones only: a vote is for the quorum just formed.
+        for old in [q for q in self.quorums if q < quorum.id - 8]:
+            del self.quorums[old]
+        self.last = quorum
+        self.pending.clear()
+        for g in members:
+            self.assigned[g] = quorum.id
+        self.history.append((quorum.id, step, members, None))
+        return quorum
+
+    def vote(self, group: int, incarnation: str, quorum_id: int, ok: bool) -> bool | None:
+        """Records a member's vote; returns the outcome so far (None: undecided)."""
+        quorum = self.quorums.get(quorum_id)
+        if quorum is None:
+            return False
+        if quorum.incarnations.get(group) != incarnation:
+            return False  # not this incarnation's quorum: nothing it may commit
+        if quorum.outcome is None:
+            quorum.votes[group] = ok
+            if not ok:
+                self._decide(quorum, False)
+            elif all(quorum.votes.get(g) for g in quorum.members):
+                self._decide(quorum, True)
+        return quorum.outcome
+
+    def outcome(self, quorum_id: int) -> bool | None:
+        quorum = self.quorums.get(quorum_id)
+        return False if quorum is None else quorum.outcome
+
+    def _decide(self, quorum: Quorum, outcome: bool) -> None:
+        quorum.outcome = outcome
+        if not outcome:
+            self.last_aborted = max(self.last_aborted, quorum.id)
+        i, step, members, _ = self.history[quorum.id - 1]
+        self.history[quorum.id - 1] = (i, step, members, outcome)

@@ -1,0 +1,202 @@
+"""``mpxrun --replica-groups R``: R MPI worlds that fail and restart alone, and their lighthouse.
+
+Each replica group is a job of its own (its own launcher, its own
+``MPX_STATUS_KEY``, its own ``--max-restarts`` budget): when a rank of group
+``g`` dies, ``mpxrun`` stops and restarts group ``g`` only, while the others
+keep training (``mpx.dataparallel.FaultTolerantOptimizer`` averages the
+gradients over the live groups and hands a restarted group the live state).
+``mpxrun`` also runs the :class:`~mpx.launch.lighthouse.Lighthouse` that keeps
+the membership, and tells every rank where it is.
+
+The exit code is 0 if every group's last attempt succeeded, else the first
+failing group's (as :func:`mpx.launch.job.report` gives it). A group that
+fails after another has finished training is not restarted (there is no
+live state left to rejoin); its failure is the job's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from mpx.launch import shm_cleanup
+from mpx.launch.environment import free_port
+from mpx.launch.job import Job, failure_of, report
+from mpx.launch.lighthouse import Lighthouse, print_event
+from mpx.launch.settings import declare
+from mpx.launch.status import new_key
+
+__all__ = [
+    "HEARTBEAT_TIMEOUT",
+    "LIGHTHOUSE",
+    "REPLICA_GROUP",
+    "REPLICA_GROUPS",
+    "group_environment",
+    "run_groups",
+    "run_replica_groups",
+]
+
+REPLICA_GROUP = declare(
+    "MPX_REPLICA_GROUP",
+    "int",
+    0,
+    "set by mpxrun --replica-groups in every rank: its replica group (0..R-1)",
+    package="launch",
+)
+REPLICA_GROUPS = declare(
+    "MPX_REPLICA_GROUPS",
+    "int",
+    1,
+    "set by mpxrun --replica-groups in every rank: the number of replica groups R",
+    package="launch",
+)
+LIGHTHOUSE = declare(
+    "MPX_LIGHTHOUSE",
+    "str",
+    "",
+    "set by mpxrun --replica-groups in every rank: host:port of the lighthouse that keeps "
+    "the groups' membership (mpx.dataparallel.FaultTolerantOptimizer connects to it)",
+    package="launch",
+)
+HEARTBEAT_TIMEOUT = declare(
+    "MPX_FT_HEARTBEAT_TIMEOUT",
+    "float",
+    0.5,
+    "seconds a rank of a replica group may miss its heartbeats before the lighthouse counts "
+    "its group out (a killed process is seen at once, by its closed connection)",
+    package="launch",
+)
+
+
+def _say(text: str) -> None:
+    print(f"mpxrun: {text}", file=sys.stderr, flush=True)
+
+
+def run_groups(
+    new_job: Callable[[int, int], Job],
+    groups: int,
+    timeout: float | None,
+    max_restarts: int = 0,
+    restart_delay: float = 0.0,
+) -> int:
+    """Runs ``groups`` groups, ``new_job(group, attempt)`` each, restarting a failed one alone.
+
+    Returns 0 if every group ended well, else the first failing group's exit
+    code; SIGTERM, SIGHUP and Ctrl-C stop every group and return 128 + the signal.
+    """
+    received = [int(signal.SIGINT)]
+
+    def stop(signum: int, frame: object) -> None:
+        received[0] = signum
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+    stopping = threading.Event()
+    running: dict[int, Job] = {}
+    codes: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def supervise(group: int) -> None:
+        attempt = 0
+        while not stopping.is_set():
+            job = new_job(group, attempt)
+            with lock:
+                running[group] = job
+            if stopping.is_set():
+                return
+            before = shm_cleanup.segments()
+            try:
+                code = job.run(timeout=timeout)
+            finally:
+                shm_cleanup.remove_orphans(before)
+            failure = failure_of(job, code, timeout)
+            if failure is not None and 0 in codes.values():
+                # Another group finished training: there is no live state to rejoin.
+                _say(
+                    f"replica group {group}: {failure}; not restarted: "
+                    f"group {min(g for g, c in codes.items() if c == 0)} has finished training"
+                )
+                with lock:
+                    codes[group] = report(job, code, timeout)
+                return
+            if failure is None or attempt >= max_restarts or stopping.is_set():
+                if failure is not None:
+                    _say(f"replica group {group} failed for good: {failure}")
+                with lock:
+                    codes[group] = report(job, code, timeout) if failure is not None else 0
+                return
+            attempt += 1
+            _say(
+                f"replica group {group}: {failure}; its ranks were stopped, the other groups "
+                f"go on. Restart {attempt} of {max_restarts} in {restart_delay:g} s"
+            )
+            stopping.wait(restart_delay)
+
+    threads = [
+        threading.Thread(target=supervise, args=(g,), name=f"mpx-group-{g}", daemon=True)
+        for g in range(groups)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        stopping.set()
+        with lock:
+            for job in running.values():
+                job.cancel.set()
+        for thread in threads:
+            thread.join(timeout=30.0)
+        _say(f"{signal.Signals(received[0]).name} received; all groups were stopped")
+        return 128 + received[0]
+    failed = [codes[g] for g in range(groups) if codes.get(g, 1) != 0]
+    return failed[0] if failed else 0
+
+
+def group_environment(
+    env: dict[str, str], group: int, groups: int, lighthouse: str
+) -> dict[str, str]:
+    """The job environment ``env`` made group ``group``'s: its own job id, status key and
+    rendezvous port (each group is an MPI world of its own), and where the lighthouse is."""
+    local = env.get("MPX_MASTER_ADDR", "127.0.0.1")
+    return dict(
+        env,
+        MPX_JOB_ID=uuid.uuid4().hex[:12],
+        MPX_STATUS_KEY=new_key(),
+        MPX_MASTER_PORT=str(free_port(local if local == "127.0.0.1" else "")),
+        MPX_REPLICA_GROUP=str(group),
+        MPX_REPLICA_GROUPS=str(groups),
+        MPX_LIGHTHOUSE=lighthouse,
+    )
+
+
+def run_replica_groups(
+    env: dict[str, str],
+    groups: int,
+    new_job: Callable[[int, dict[str, str]], Job],
+    args: argparse.Namespace,
+) -> int:
+    """``mpxrun --replica-groups``: the lighthouse, then :func:`run_groups` over
+    ``new_job(attempt, group's environment)``."""
+    host = "127.0.0.1" if env.get("MPX_MASTER_ADDR", "127.0.0.1") == "127.0.0.1" else "0.0.0.0"
+    with Lighthouse(
+        expected=groups, heartbeat_timeout=HEARTBEAT_TIMEOUT.get(), host=host, log=print_event
+    ) as lighthouse:
+        address = lighthouse.address
+        if host == "0.0.0.0":
+            address = f"{env['MPX_MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
+        envs = [group_environment(env, g, groups, address) for g in range(groups)]
+        return run_groups(
+            lambda group, attempt: new_job(attempt, envs[group]),
+            groups,
+            args.timeout,
+            args.max_restarts,
+            args.restart_delay,
+        )

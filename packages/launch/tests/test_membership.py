@@ -1,0 +1,192 @@
+"""The lighthouse's membership and commit rules (mpx.launch.membership), and its wire."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from typing import Any
+
+import pytest
+
+from mpx.launch.lighthouse import Lighthouse
+from mpx.launch.membership import Membership
+
+
+def _two(expected: int = 2) -> Membership:
+    m = Membership(expected=expected, join_timeout=30.0, heartbeat_timeout=0.5, now=0.0)
+    m.hello(0, 0, 1, "a", ["h", 1], now=0.0)
+    m.hello(1, 0, 1, "b", ["h", 2], now=0.0)
+    return m
+
+
+def test_first_quorum_waits_for_every_group_and_syncs_from_the_lowest() -> None:
+    m = _two()
+    m.request(1, "b", 0)
+    assert m.form(now=1.0) is None  # group 0 has not asked
+    m.request(0, "a", 0)
+    q = m.form(now=1.0)
+    assert q is not None
+    assert (q.id, q.step, q.members, q.donors) == (1, 0, [0, 1], {1: 0})
+
+
+def test_first_quorum_forms_without_a_missing_group_after_join_timeout() -> None:
+    m = _two()
+    m.request(0, "a", 0)
+    assert m.form(now=29.0) is None
+    q = m.form(now=31.0)
+    assert q is not None
+    assert q.members == [0]
+
+
+def test_commit_needs_every_members_vote() -> None:
+    m = _two()
+    m.request(0, "a", 0)
+    m.request(1, "b", 0)
+    q = m.form(now=0.0)
+    assert q is not None
+    assert m.vote(0, "a", q.id, True) is None
+    assert m.vote(1, "b", q.id, True) is True
+    assert m.outcome(q.id) is True
+
+
+def test_one_no_vote_aborts_at_once() -> None:
+    m = _two()
+    m.request(0, "a", 0)
+    m.request(1, "b", 0)
+    q = m.form(now=0.0)
+    assert q is not None
+    assert m.vote(1, "b", q.id, False) is False
+    assert m.vote(0, "a", q.id, True) is False  # an ok after the abort changes nothing
+    assert m.last_aborted == q.id
+
+
+def test_death_before_voting_aborts_and_the_survivor_goes_on_alone() -> None:
+    m = _two()
+    m.request(0, "a", 0)
+    m.request(1, "b", 0)
+    q = m.form(now=0.0)
+    assert q is not None
+    m.vote(0, "a", q.id, True)
+    m.lost(1, "b")  # its connection closed
+    assert q.outcome is False
+    assert m.alive() == {0: "a"}
+    m.request(0, "a", 0)
+    q2 = m.form(now=0.1)
+    assert q2 is not None
+    assert (q2.members, q2.step) == ([0], 0)
+
+
+def test_death_after_voting_ok_keeps_the_commit() -> None:
+    m = _two()
+    m.request(0, "a", 3)
+    m.request(1, "b", 3)
+    q = m.form(now=0.0)
+    assert q is not None
+    m.vote(1, "b", q.id, True)
+    m.lost(1, "b")
+    assert m.vote(0, "a", q.id, True) is True
+
+
+def test_silent_group_expires() -> None:
+    m = _two()
+    m.beat(0, 0, "a", now=0.4)
+    assert m.expire(now=0.6) == [1]  # group 1's last beat was at 0.0
+    assert m.alive() == {0: "a"}
+    assert m.beat(1, 0, "b", now=0.7) is False  # counted out: its beats are refused
+
+
+def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:
+    m = _two()
+    m.request(0, "a", 0)
+    m.request(1, "b", 0)
+    q = m.form(now=0.0)
+    assert q is not None
+    m.lost(1, "b")
+    m.request(0, "a", 0)
+    q2 = m.form(now=0.0)
+    assert q2 is not None
+    m.vote(0, "a", q2.id, True)
+    m.hello(1, 0, 1, "b2", ["h", 3], now=1.0)  # the restart, a new incarnation
+    m.request(1, "b2", 0)
+    assert m.form(now=1.0) is None  # group 0 is mid-step: no admission before it asks
+    m.request(0, "a", 1)
+    q3 = m.form(now=1.0)
+    assert q3 is not None
+    assert (q3.step, q3.members, q3.donors) == (1, [0, 1], {1: 0})
+    assert q3.view(0)["recipients"] == [1]
+    assert q3.addresses[1] == [["h", 3]]
+
+
+def test_old_incarnation_cannot_vote_or_ask() -> None:
+    m = _two()
+    m.hello(1, 0, 1, "b2", ["h", 3], now=0.0)  # restarted before its death was seen
+    assert m.alive() == {0: "a", 1: "b2"}
+    assert m.request(1, "b", 0) is False
+    m.request(0, "a", 0)
+    m.request(1, "b2", 0)
+    q = m.form(now=0.0)
+    assert q is not None
+    assert m.vote(1, "b", q.id, True) is False
+
+
+def test_a_group_back_after_the_others_left_is_told_so() -> None:
+    m = _two()
+    m.request(0, "a", 0)
+    m.request(1, "b", 0)
+    q = m.form(now=0.0)
+    assert q is not None
+    m.lost(1, "b")
+    m.leave(0, "a", 20)
+    m.hello(1, 0, 1, "b2", ["h", 3], now=1.0)
+    assert m.finished(1, 0) == 20
+    assert m.finished(1, 20) is None
+
+
+def _ask(file: Any, message: dict[str, Any]) -> dict[str, Any]:
+    file.write(json.dumps(message).encode() + b"\n")
+    file.flush()
+    reply: dict[str, Any] = json.loads(file.readline())
+    return reply
+
+
+def test_lighthouse_sees_a_closed_connection_at_once() -> None:
+    """Over TCP: two groups commit a step; one's socket closes; the other's vote
+    on the next quorum is answered, alone, without waiting for a heartbeat timeout."""
+    with Lighthouse(expected=2, heartbeat_timeout=60.0) as lh:
+        host, port = lh.address.rsplit(":", 1)
+        conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(2)]
+        files = [c.makefile("rwb") for c in conns]
+        for g, f in enumerate(files):
+            hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
+            assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+        replies: list[dict[str, Any]] = [{}, {}]
+
+        def quorum(g: int) -> None:
+            replies[g] = _ask(files[g], {"op": "quorum", "step": 0})
+
+        threads = [threading.Thread(target=quorum, args=(g,)) for g in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert [r["quorum"]["members"] for r in replies] == [[0, 1], [0, 1]]
+        files[1].close()  # group 1 dies before voting (the file holds the socket too)
+        conns[1].close()
+        assert _ask(files[0], {"op": "vote", "quorum": 1, "ok": True}) == {"outcome": False}
+        beat = _ask(files[0], {"op": "beat"})
+        assert beat["alive"] == {"0": "0"}
+        assert beat["last_aborted"] == 1
+        again = _ask(files[0], {"op": "quorum", "step": 0})
+        assert again["quorum"]["members"] == [0]
+        files[0].close()
+        conns[0].close()
+
+
+@pytest.mark.parametrize("op", ["beat", "quorum"])
+def test_lighthouse_refuses_requests_before_hello(op: str) -> None:
+    with Lighthouse(expected=1) as lh:
+        host, port = lh.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=20) as conn:
+            reply = _ask(conn.makefile("rwb"), {"op": op, "step": 0})
+        assert reply == {"error": f"{op!r} before hello"}
