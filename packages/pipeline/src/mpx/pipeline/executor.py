@@ -118,6 +118,8 @@ class Executor:
         self.passes = passes
         self.trace: list[tuple[Action, float, float]] = []
         self.live: dict[tuple[int, int], Micro] = {}
+        # Where the last run raised: its list and the index of the action.
+        self.stopped: tuple[list[Action], int] | None = None
         self._received: dict[tuple[int, int], Micro] = {}
 
     def reset(self) -> None:
@@ -126,6 +128,7 @@ class Executor:
             mb.records.clear()
         self.live.clear()
         self._received.clear()
+        self.stopped = None
 
     def run(
         self,
@@ -143,11 +146,15 @@ class Executor:
 
         Returns:
             The losses of the forwards of the last virtual stage, in order.
+
+        Raises:
+            Whatever a pass raised; :attr:`stopped` then says at which action.
         """
         passes = self.passes
         last = passes.virtual - 1
         losses: list[float] = []
         self.trace = []
+        self.stopped = None
         clock = time.perf_counter
         # A call that splits backwards has its forwards record what W needs, but
         # those whose backward in this call is a full B (DualPipeV's pairs): they
@@ -155,58 +162,64 @@ class Executor:
         # asynchronous stream's, records; if that backward is full, B runs its W.)
         split = any(a.kind == "W" for a in actions)
         full = {(a.stage, a.mb) for a in actions if a.kind == "B"} if split else set()
-        for a in actions:
-            start = clock()
-            key = (a.stage, a.mb)
-            if a.kind == "RECV_F":
-                self._received[key] = passes.input(a.mb, None, a.stage)
-            elif a.kind == "F":
-                mb = self._received.pop(key, None)
-                if mb is None:
-                    mb = passes.input(a.mb, inputs.get(a.mb) if a.stage == 0 else None, a.stage)
-                mb.target = targets.get(a.mb) if a.stage == last else None
-                mb.capture = split and key not in full
-                hooks.before_forward(a, mb)
-                passes.forward(a.mb, mb, hooks.number(a.mb), loss_fn)
-                if mb.loss is not None:
-                    losses.append(float(mb.loss.detach()))
-                self.live[key] = mb
-            elif a.kind == "SEND_F":
-                passes.send_activation(a.mb, self.live[key])
-            elif a.kind == "RECV_B":
-                passes.receive_grads(a.mb, self.live[key])
-            elif a.kind == "B":
-                mb = self.live.pop(key)
-                hooks.before_backward(a, mb)
-                passes.backward(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale)
-                hooks.after_backward(a, mb)
-                if "grads_out" in mb.extra:
-                    self.live[key] = mb  # until its SEND_B
-            elif a.kind == "I":
-                mb = self.live[key]
-                hooks.before_backward(a, mb)
-                # The weights only for a chunk that keeps its graph (a list built
-                # per call otherwise, for nothing).
-                weights = None if mb.capture else hooks.weights(mb)
-                passes.input_grad(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale, weights)
-                mb.extra["w_due"] = True
-            elif a.kind == "W":
-                mb = self.live.pop(key)
-                mb.extra.pop("w_due", None)
-                passes.weight_grad(a.mb, mb, None if mb.kept is None else hooks.weights(mb))
-                hooks.after_backward(a, mb)
-                if "grads_out" in mb.extra:
+        done = 0  # actions run: the index of the one that raises
+        try:
+            for a in actions:
+                start = clock()
+                key = (a.stage, a.mb)
+                if a.kind == "RECV_F":
+                    self._received[key] = passes.input(a.mb, None, a.stage)
+                elif a.kind == "F":
+                    mb = self._received.pop(key, None)
+                    if mb is None:
+                        mb = passes.input(a.mb, inputs.get(a.mb) if a.stage == 0 else None, a.stage)
+                    mb.target = targets.get(a.mb) if a.stage == last else None
+                    mb.capture = split and key not in full
+                    hooks.before_forward(a, mb)
+                    passes.forward(a.mb, mb, hooks.number(a.mb), loss_fn)
+                    if mb.loss is not None:
+                        losses.append(float(mb.loss.detach()))
                     self.live[key] = mb
-            elif a.kind == "SEND_B":
-                mb = self.live[key]
-                passes.send_input_grads(a.mb, mb)
-                if mb.out is None and "w_due" not in mb.extra:
-                    del self.live[key]  # backward done: nothing left to keep
-            elif a.kind == "STEP":
-                hooks.step(a)
-            else:
-                raise ValueError(f"internal: unknown action {a}")
-            self.trace.append((a, start, clock()))
+                elif a.kind == "SEND_F":
+                    passes.send_activation(a.mb, self.live[key])
+                elif a.kind == "RECV_B":
+                    passes.receive_grads(a.mb, self.live[key])
+                elif a.kind == "B":
+                    mb = self.live.pop(key)
+                    hooks.before_backward(a, mb)
+                    passes.backward(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale)
+                    hooks.after_backward(a, mb)
+                    if "grads_out" in mb.extra:
+                        self.live[key] = mb  # until its SEND_B
+                elif a.kind == "I":
+                    mb = self.live[key]
+                    hooks.before_backward(a, mb)
+                    # The weights only for a chunk that keeps its graph (a list built
+                    # per call otherwise, for nothing).
+                    weights = None if mb.capture else hooks.weights(mb)
+                    passes.input_grad(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale, weights)
+                    mb.extra["w_due"] = True
+                elif a.kind == "W":
+                    mb = self.live.pop(key)
+                    mb.extra.pop("w_due", None)
+                    passes.weight_grad(a.mb, mb, None if mb.kept is None else hooks.weights(mb))
+                    hooks.after_backward(a, mb)
+                    if "grads_out" in mb.extra:
+                        self.live[key] = mb
+                elif a.kind == "SEND_B":
+                    mb = self.live[key]
+                    passes.send_input_grads(a.mb, mb)
+                    if mb.out is None and "w_due" not in mb.extra:
+                        del self.live[key]  # backward done: nothing left to keep
+                elif a.kind == "STEP":
+                    hooks.step(a)
+                else:
+                    raise ValueError(f"internal: unknown action {a}")
+                self.trace.append((a, start, clock()))
+                done += 1
+        except BaseException:
+            self.stopped = (list(actions), done)
+            raise
         return losses
 
 

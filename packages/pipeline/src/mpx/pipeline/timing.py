@@ -5,11 +5,13 @@
 ``(s+1, j)``, ``W`` its ``I``); :func:`simulate` does so one time unit per
 action, and :func:`draw` prints the result as a rank × time grid (the grids
 of :mod:`mpx.pipeline.schedule`'s docstring). :func:`stopped_grid` draws the
-few steps around where a rank stopped, for the error of a call that failed::
+few steps around where a rank stopped, for the error of a call that failed
+(``stopped_grid(lists, 1, Action("B", 0, 1), 3, 1, "loop", 4)`` of 1F1B's lists)::
 
-    rank 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
-    rank 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
-               ^^ rank 1 stopped here (1F0)
+    stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+    stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
+                          ^^ rank 1 stopped here (1B0)
+    stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
 """
 
 from __future__ import annotations
