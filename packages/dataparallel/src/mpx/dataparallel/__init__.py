@@ -20,6 +20,8 @@ from mpx.dataparallel.errors import (
     DataParallelValueError,
     ParameterServerError,
 )
+from mpx.dataparallel.ft_optimizer import FaultTolerantOptimizer
+from mpx.dataparallel.ft_transport import PeerLost
 from mpx.dataparallel.gradients import allreduce_gradients
 from mpx.dataparallel.optimizer import DistributedOptimizer
 from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
@@ -39,9 +41,11 @@ __all__ = [
     "DistributedOptimiser",
     "DistributedOptimizer",
     "DownpourSGD",
+    "FaultTolerantOptimizer",
     "PSHandle",
     "ParameterServer",
     "ParameterServerError",
+    "PeerLost",
     "ResumePoint",
     "__version__",
     "allreduce_gradients",

@@ -1,0 +1,390 @@
+"""Data parallelism across replica groups that survives a group's death.
+
+:class:`FaultTolerantOptimizer`:
+
+Under ``mpxrun --replica-groups R -n N`` each group is its own MPI world;
+this optimizer averages rank ``r``'s gradients over rank ``r`` of every live
+group (over TCP, :mod:`mpx.dataparallel.ft_transport`) and steps only when the
+lighthouse (:mod:`mpx.launch.lighthouse`) commits the step, that is when every
+group of the step's membership finished its reduction. A step during which a
+group dies is discarded by every survivor (no partial update) and done again
+by the survivors alone; a restarted group loads the live weights, optimizer
+state, step count and the loop's data position from a peer and joins at the
+next step. See docs/live-recovery.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import os
+import uuid
+from collections.abc import Iterable, MutableMapping
+from typing import Any
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from mpx.dataparallel.errors import (
+    DataParallelError,
+    DataParallelTypeError,
+    DataParallelValueError,
+)
+from mpx.dataparallel.ft_transport import (
+    ABORT,
+    AVG,
+    FRAME,
+    GRAD,
+    STATE,
+    LighthouseClient,
+    PeerLinks,
+    PeerLost,
+    recv_frame,
+    send_frame,
+)
+
+__all__ = ["FaultTolerantOptimizer"]
+
+
+def _setting(name: str) -> str | None:
+    # Set by mpxrun --replica-groups and declared in mpx.launch.replica_groups;
+    # mpx-dataparallel does not list mpx-launch among its requirements, so it
+    # reads them here rather than through that module's Setting objects.
+    return os.environ.get(name)  # noqa: TID251
+
+
+class FaultTolerantOptimizer:
+    """Wraps ``optimizer`` to average gradients across replica groups and step only on commit.
+
+    Use it as :class:`DistributedOptimizer` is used: ``zero_grad()`` (which starts
+    the step: the membership, and for a restarted group the peer's state),
+    forward, backward, ``step()``, which returns True if the step committed and
+    the weights changed, False if it was discarded (a group died during it; do
+    the same step again: ``step_count`` did not move).
+
+    Args:
+        optimizer: the wrapped optimizer over ``model``'s parameters.
+        model: the module whose parameters' gradients are averaged and whose
+            ``state_dict`` a restarted peer receives.
+        state: a dict the training loop keeps its data position in (epoch,
+            index...); a restarted group's is replaced, in place, by its donor's.
+        lighthouse: ``host:port``; default ``MPX_LIGHTHOUSE`` (set by mpxrun).
+        group: this process's replica group; default ``MPX_REPLICA_GROUP``.
+        comm: the group's MPI communicator (default the world: a group is an MPI
+            world of its own); its ranks agree on every step's outcome.
+        host: the address this rank's peers reach it at.
+
+    Raises:
+        DataParallelTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``,
+            ``model`` not an ``nn.Module``, or ``state`` not a dict.
+        DataParallelValueError: no lighthouse (not under ``mpxrun --replica-groups``),
+            or parameters of more than one dtype.
+
+    Example::
+
+        ft = FaultTolerantOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                    state={"epoch": 0})
+        while ft.step_count < steps:
+            ft.zero_grad()                       # may load a peer's state
+            loss_fn(model(batch(ft.step_count, ft.members))).backward()
+            ft.step()                            # False: discarded, redo this step
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        state: MutableMapping[str, Any] | None = None,
+        *,
+        lighthouse: str | None = None,
+        group: int | None = None,
+        comm: Any = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise DataParallelTypeError(
+                f"FaultTolerantOptimizer: optimizer must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}; pass e.g. torch.optim.SGD(model.parameters())"
+            )
+        if not isinstance(model, nn.Module):
+            raise DataParallelTypeError(
+                f"FaultTolerantOptimizer: model must be an nn.Module, got {type(model).__name__}"
+            )
+        if state is not None and not isinstance(state, MutableMapping):
+            raise DataParallelTypeError(
+                f"FaultTolerantOptimizer: state must be a dict (the loop's data position), got "
+                f"{type(state).__name__}"
+            )
+        address = lighthouse if lighthouse is not None else _setting("MPX_LIGHTHOUSE")
+        if not address or ":" not in address:
+            raise DataParallelValueError(
+                f"FaultTolerantOptimizer: lighthouse={address!r} is not host:port; run under "
+                "mpxrun --replica-groups R (it sets MPX_LIGHTHOUSE) or pass lighthouse="
+            )
+        self.group = int(group if group is not None else _setting("MPX_REPLICA_GROUP") or 0)
+        self.optimizer = optimizer
+        self.model = model
+        self.state: MutableMapping[str, Any] = state if state is not None else {}
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self._params}
+        if len(dtypes) > 1:
+            raise DataParallelValueError(
+                "FaultTolerantOptimizer: the model's parameters have dtypes "
+                f"{sorted(map(str, dtypes))}; this first version averages one dtype: cast "
+                "the model to one"
+            )
+        self._dtype = dtypes.pop() if dtypes else torch.float32
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        # One per start of the whole group: its ranks are one member to the lighthouse.
+        self.incarnation = uuid.uuid4().hex
+        if self.size > 1:
+            self.incarnation = self.comm.bcast(self.incarnation, root=0)
+        self._links = PeerLinks(self.group, host)
+        self._client = LighthouseClient(
+            address, self.group, self.rank, self.size, self.incarnation, self._links.address
+        )
+        if self.size > 1:
+            self.comm.Barrier()  # every rank said hello before rank 0 asks for a quorum
+        self.step_count = 0
+        self.members: list[int] = []
+        self.quorum_id = 0
+        self.recovered = False
+        self._quorum: dict[str, Any] | None = None
+        self._closed = False
+        atexit.register(self.close)
+
+    def live_groups(self) -> list[int]:
+        """The groups alive now, as the lighthouse's last heartbeat reply said (a group
+        restarting is listed once it has built its optimizer, before it takes part)."""
+        return sorted(self._client.alive)
+
+    # -- the step --
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Starts the step (see :meth:`begin_step`) and clears the gradients."""
+        self.begin_step()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def begin_step(self) -> None:
+        """Joins the next step's membership; a group behind it first loads a peer's state.
+
+        Called by :meth:`zero_grad`; call it yourself before the forward if you
+        clear gradients another way. Does nothing if the step has begun.
+        """
+        self.recovered = False
+        while self._quorum is None:
+            reply = (
+                self._client.request({"op": "quorum", "step": self.step_count})
+                if (self.rank == 0)
+                else None
+            )
+            if self.size > 1:
+                reply = self.comm.bcast(reply, root=0)
+            assert reply is not None
+            if "finished" in reply:
+                raise DataParallelError(
+                    f"FaultTolerantOptimizer: group {self.group} came back at step "
+                    f"{self.step_count} after the other groups had ended training at step "
+                    f"{reply['finished']} and left: there is no live state to rejoin"
+                )
+            if "quorum" not in reply:
+                raise DataParallelError(
+                    f"FaultTolerantOptimizer: the lighthouse counted group {self.group} out "
+                    "(it missed its heartbeats: a pause longer than MPX_FT_HEARTBEAT_TIMEOUT?); "
+                    "the group must restart to rejoin"
+                )
+            quorum = reply["quorum"]
+            self.quorum_id = int(quorum["quorum"])
+            self._links.keep(
+                {(int(g), i) for g, i in quorum["incarnations"].items() if int(g) != self.group}
+            )
+            ok = True
+            try:
+                for recipient in quorum["recipients"]:
+                    self._send_state(quorum, int(recipient))
+                if quorum["donor"] is not None:
+                    self._receive_state(quorum, int(quorum["donor"]))
+                    self.recovered = True
+            except PeerLost:
+                ok = False
+            if ok:
+                self._quorum = quorum
+                self.members = [int(g) for g in quorum["members"]]
+            else:
+                self._vote(quorum, False)  # the step cannot go on: redo the membership
+
+    def step(self) -> bool:
+        """Averages the gradients over the live groups; steps if the step commits.
+
+        Returns:
+            True if committed (the optimizer stepped, ``step_count`` grew by 1);
+            False if discarded (the gradients are stale: do this step again).
+        """
+        stale = False
+        if self._quorum is None:
+            self.begin_step()
+            # Loaded just now: the gradients were computed from the old state.
+            stale = self.recovered
+        quorum = self._quorum
+        assert quorum is not None
+        if stale:
+            return self._finish(quorum, False)
+        ok = True
+        try:
+            self._reduce(quorum)
+        except PeerLost:
+            ok = False
+        return self._finish(quorum, ok)
+
+    def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
+        committed = self._vote(quorum, ok)
+        if committed:
+            self.optimizer.step()
+            self.step_count += 1
+        self._quorum = None
+        return committed
+
+    def _vote(self, quorum: dict[str, Any], ok: bool) -> bool:
+        if self.size > 1:
+            ok = bool(self.comm.allreduce(ok, op=MPI.LAND))
+        outcome = None
+        if self.rank == 0:
+            outcome = bool(
+                self._client.request({"op": "vote", "quorum": quorum["quorum"], "ok": ok})[
+                    "outcome"
+                ]
+            )
+        if self.size > 1:
+            outcome = self.comm.bcast(outcome, root=0)
+        if not outcome:
+            self._links.drop(int(quorum["quorum"]))
+        return bool(outcome)
+
+    # -- the wire --
+
+    def _check(self, quorum: dict[str, Any]) -> None:
+        client = self._client
+        if client.lost_at is not None:
+            raise PeerLost("the lighthouse stopped answering")
+        if client.last_aborted >= int(quorum["quorum"]):
+            raise PeerLost(f"quorum {quorum['quorum']} was aborted")
+        for g, incarnation in quorum["incarnations"].items():
+            if int(g) != self.group and client.alive.get(int(g)) != incarnation:
+                raise PeerLost(f"group {g} is no longer a member")
+
+    def _link(self, quorum: dict[str, Any], peer: int) -> Any:
+        return self._links.link(
+            peer,
+            quorum["incarnations"][str(peer)],
+            quorum["addresses"][str(peer)][self.rank],
+            self.incarnation,
+            int(quorum["quorum"]),
+            lambda: self._check(quorum),
+        )
+
+    def _flat_grads(self) -> torch.Tensor:
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+            for p in self._params
+        ]
+        if not parts:
+            return torch.zeros(0, dtype=self._dtype)
+        return torch.cat(parts).to("cpu", copy=True)
+
+    def _reduce(self, quorum: dict[str, Any]) -> None:
+        members = [int(g) for g in quorum["members"]]
+        qid = int(quorum["quorum"])
+        check = lambda: self._check(quorum)  # noqa: E731
+        flat = self._flat_grads()
+        if len(members) > 1:
+            root = members[0]
+            if self.group == root:
+                try:
+                    # A fixed order (the members'), so every replay sums alike.
+                    for peer in members[1:]:
+                        kind, payload = recv_frame(self._link(quorum, peer), qid, check)
+                        if kind != GRAD or len(payload) != flat.numel() * flat.element_size():
+                            raise PeerLost(f"group {peer} sent no gradients")
+                        flat += torch.frombuffer(payload, dtype=flat.dtype)
+                    flat /= len(members)
+                    for peer in members[1:]:
+                        send_frame(self._link(quorum, peer), qid, AVG, _bytes(flat), check)
+                except PeerLost:
+                    self._tell_abort(members[1:], qid)
+                    raise
+            else:
+                link = self._link(quorum, root)
+                send_frame(link, qid, GRAD, _bytes(flat), check)
+                kind, payload = recv_frame(link, qid, check)
+                if kind != AVG:
+                    raise PeerLost(f"group {root} gave up the step")
+                flat = torch.frombuffer(payload, dtype=flat.dtype)
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            piece = flat[offset : offset + n].view_as(p).to(p.device)
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+            offset += n
+
+    def _tell_abort(self, peers: Iterable[int], qid: int) -> None:
+        """Best effort: the members waiting for the average learn at once it will not come."""
+        header = FRAME.pack(b"MPXF", qid, ABORT, 0)
+        for key, sock in list(self._links._links.items()):
+            if key[0] in peers:
+                with contextlib.suppress(OSError):
+                    sock.send(header)
+
+    def _send_state(self, quorum: dict[str, Any], recipient: int) -> None:
+        buffer = io.BytesIO()
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step_count,
+                "state": dict(self.state),
+            },
+            buffer,
+        )
+        send_frame(
+            self._link(quorum, recipient),
+            int(quorum["quorum"]),
+            STATE,
+            buffer.getbuffer(),
+            lambda: self._check(quorum),
+        )
+
+    def _receive_state(self, quorum: dict[str, Any], donor: int) -> None:
+        kind, payload = recv_frame(
+            self._link(quorum, donor), int(quorum["quorum"]), lambda: self._check(quorum)
+        )
+        if kind != STATE:
+            raise PeerLost(f"group {donor} sent no state")
+        device = self._params[0].device if self._params else torch.device("cpu")
+        loaded = torch.load(io.BytesIO(payload), map_location=device, weights_only=True)
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.step_count = int(loaded["step"])
+        self.state.clear()
+        self.state.update(loaded["state"])
+
+    def close(self) -> None:
+        """Leaves the membership (at the end of training; also run at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        # Every rank says so: one that closed its connection unannounced would count as lost.
+        with contextlib.suppress(OSError, PeerLost, ValueError):
+            self._client.request({"op": "leave", "step": self.step_count})
+        self._client.close()
+        self._links.close()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.numpy().data.cast("B")

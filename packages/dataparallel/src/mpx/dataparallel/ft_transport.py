@@ -1,0 +1,315 @@
+"""The fault-tolerant layer's wire: the lighthouse client and TCP links between replica groups.
+
+MPI cannot outlive a peer's death, so replica groups talk over plain TCP
+(:class:`PeerLinks`): rank ``r`` of every group links to rank ``r`` of the
+others (a *column*). Every wait is a ``select`` of 50 ms slices between which
+``check()`` runs: it raises :class:`PeerLost` when the lighthouse's heartbeat
+replies (:class:`LighthouseClient`) say the peer's group is dead or the step's
+quorum was aborted. A killed peer's socket closes at once (EOF), so a death is
+seen in milliseconds; a hung one when the lighthouse stops counting it.
+
+Frames: a 24-byte header (magic, quorum id, kind, payload length), then the
+payload. A link is made by the group with the larger id to the smaller one,
+after a hello frame naming the sender; links are dropped whenever a step
+fails, so a frame half-read in a failed step never confuses the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpx.dataparallel.errors import DataParallelError
+
+__all__ = ["FRAME", "LighthouseClient", "PeerLinks", "PeerLost"]
+
+FRAME = struct.Struct("!4sqiQ")
+_MAGIC = b"MPXF"
+HELLO, GRAD, AVG, ABORT, STATE = 1, 2, 3, 4, 5
+_SLICE_S = 0.05
+
+
+class PeerLost(DataParallelError):
+    """A peer group died, hung or left during a step: the step is discarded."""
+
+
+class LighthouseClient:
+    """This rank's connections to the lighthouse: hello, heartbeats, and (rank 0) requests.
+
+    Args:
+        address: ``host:port`` (``MPX_LIGHTHOUSE``).
+        group, rank, size: this process's group, its rank in the group, the group's size.
+        incarnation: unique to this process's start.
+        peer_address: where this rank's :class:`PeerLinks` listens.
+        timeout: seconds to wait for the lighthouse to answer a hello.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        group: int,
+        rank: int,
+        size: int,
+        incarnation: str,
+        peer_address: tuple[str, int],
+        timeout: float = 30.0,
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        self._where = (host, int(port))
+        self._hello = {
+            "op": "hello",
+            "group": group,
+            "rank": rank,
+            "size": size,
+            "incarnation": incarnation,
+            "address": list(peer_address),
+        }
+        self._timeout = timeout
+        self._beat_sock, self._beat_file = self._connect()
+        reply = self._ask(self._beat_sock, self._beat_file, self._hello)
+        self.interval = float(reply["heartbeat_interval"])
+        self._request: tuple[socket.socket, Any] | None = None
+        self.alive: dict[int, str] = {}
+        self.member = True
+        self.last_aborted = 0
+        self.lost_at: float | None = None
+        self._stop = threading.Event()
+        self._beat_once()
+        self._thread = threading.Thread(target=self._beat_loop, daemon=True, name="mpx-ft-beat")
+        self._thread.start()
+
+    def _connect(self) -> tuple[socket.socket, Any]:
+        sock = socket.create_connection(self._where, timeout=self._timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        return sock, sock.makefile("rwb")
+
+    @staticmethod
+    def _ask(sock: socket.socket, file: Any, message: dict[str, Any]) -> dict[str, Any]:
+        file.write(json.dumps(message).encode() + b"\n")
+        file.flush()
+        line = file.readline()
+        if not line:
+            raise PeerLost("the lighthouse closed its connection (mpxrun gone?)")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def _beat_once(self) -> None:
+        reply = self._ask(self._beat_sock, self._beat_file, {"op": "beat"})
+        self.alive = {int(g): i for g, i in reply["alive"].items()}
+        self.member = bool(reply["member"])
+        self.last_aborted = int(reply["last_aborted"])
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat_once()
+            except (OSError, ValueError, PeerLost):
+                self.lost_at = time.monotonic()
+                return
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A request that waits (``quorum``, ``vote``, ``leave``) on rank 0's second connection."""
+        if self._request is None:
+            sock, file = self._connect()
+            self._ask(sock, file, self._hello)
+            self._request = (sock, file)
+        return self._ask(*self._request, message)
+
+    def close(self) -> None:
+        self._stop.set()
+        for sock in (self._beat_sock, self._request[0] if self._request else None):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+
+def _wait(sock: socket.socket, write: bool, check: Callable[[], None]) -> None:
+    while True:
+        ready = (
+            select.select([], [sock], [], _SLICE_S)
+            if write
+            else select.select([sock], [], [], _SLICE_S)
+        )
+        if ready[1 if write else 0]:
+            return
+        check()
+
+
+def send_frame(
+    sock: socket.socket,
+    quorum: int,
+    kind: int,
+    payload: bytes | memoryview,
+    check: Callable[[], None],
+) -> None:
+    """Sends one frame; raises :class:`PeerLost` if the peer is gone."""
+    view = memoryview(payload).cast("B")
+    for whole in (memoryview(FRAME.pack(_MAGIC, quorum, kind, len(view))), view):
+        part = whole
+        while part:
+            _wait(sock, True, check)
+            try:
+                sent = sock.send(part)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise PeerLost(f"a peer's link broke while sending: {exc}") from exc
+            part = part[sent:]
+
+
+def _recv_exact(sock: socket.socket, into: memoryview, check: Callable[[], None]) -> None:
+    while len(into):
+        _wait(sock, False, check)
+        try:
+            got = sock.recv_into(into)
+        except BlockingIOError:
+            continue
+        except OSError as exc:
+            raise PeerLost(f"a peer's link broke while receiving: {exc}") from exc
+        if got == 0:
+            raise PeerLost("a peer closed its link (its process ended or was killed)")
+        into = into[got:]
+
+
+def recv_frame(
+    sock: socket.socket, quorum: int, check: Callable[[], None], into: bytearray | None = None
+) -> tuple[int, bytearray]:
+    """Receives the next frame of quorum ``quorum`` (older ones are skipped): (kind, payload)."""
+    while True:
+        header = bytearray(FRAME.size)
+        _recv_exact(sock, memoryview(header), check)
+        magic, tag, kind, length = FRAME.unpack(header)
+        if magic != _MAGIC:
+            raise PeerLost("a peer's link carried a malformed frame")
+        payload = into if into is not None and len(into) == length else bytearray(length)
+        _recv_exact(sock, memoryview(payload), check)
+        if tag >= quorum:
+            return kind, payload
+
+
+class PeerLinks:
+    """This rank's TCP links to the same rank of the other groups.
+
+    Args:
+        group: this rank's group.
+        host: the address to listen on.
+    """
+
+    def __init__(self, group: int, host: str = "127.0.0.1") -> None:
+        self.group = group
+        self._server = socket.create_server((host, 0))
+        self.address: tuple[str, int] = (host, self._server.getsockname()[1])
+        self._links: dict[tuple[int, str], socket.socket] = {}
+        self._incoming: dict[tuple[int, str], tuple[int, socket.socket]] = {}
+        self._arrived = threading.Condition()
+        self._closed = False
+        self._epoch = 0
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="mpx-ft-accept")
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                sock.settimeout(5.0)
+                header = bytearray(FRAME.size)
+                view = memoryview(header)
+                while view:
+                    got = sock.recv_into(view)
+                    if not got:
+                        raise OSError("closed during hello")
+                    view = view[got:]
+                magic, tag, kind, length = FRAME.unpack(header)
+                body = bytearray()
+                while len(body) < length:
+                    chunk = sock.recv(length - len(body))
+                    if not chunk:
+                        raise OSError("closed during hello")
+                    body += chunk
+                if magic != _MAGIC or kind != HELLO:
+                    raise OSError("not a hello")
+                who = json.loads(body)
+            except (OSError, ValueError):
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._arrived:
+                key = (int(who["group"]), str(who["incarnation"]))
+                old = self._incoming.pop(key, None)
+                if old is not None:
+                    old[1].close()
+                self._incoming[key] = (tag, sock)
+                self._arrived.notify_all()
+
+    def link(
+        self,
+        peer: int,
+        incarnation: str,
+        address: list[Any],
+        me: str,
+        quorum: int,
+        check: Callable[[], None],
+    ) -> socket.socket:
+        """The link to ``peer`` (this incarnation), made or awaited as the ids say."""
+        key = (peer, incarnation)
+        found = self._links.get(key)
+        if found is not None:
+            return found
+        if peer < self.group:
+            try:
+                sock = socket.create_connection((str(address[0]), int(address[1])), timeout=5.0)
+            except OSError as exc:
+                raise PeerLost(f"group {peer} cannot be reached: {exc}") from exc
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = json.dumps({"group": self.group, "incarnation": me}).encode()
+            send_frame(sock, quorum, HELLO, hello, check)
+        else:
+            with self._arrived:
+                while True:
+                    arrived = self._incoming.get(key)
+                    if arrived is not None and arrived[0] >= self._epoch:
+                        del self._incoming[key]
+                        sock = arrived[1]
+                        break
+                    self._arrived.wait(_SLICE_S)
+                    check()
+        self._links[key] = sock
+        return sock
+
+    def drop(self, quorum: int) -> None:
+        """Closes every link (after a failed step): the next step makes fresh ones."""
+        for sock in self._links.values():
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._links.clear()
+        with self._arrived:
+            self._epoch = quorum + 1
+            for tag, sock in list(self._incoming.values()):
+                if tag <= quorum:
+                    sock.close()
+            self._incoming = {k: v for k, v in self._incoming.items() if v[0] > quorum}
+
+    def keep(self, peers: set[tuple[int, str]]) -> None:
+        """Closes the links to groups no longer members."""
+        for key in [k for k in self._links if k not in peers]:
+            with contextlib.suppress(OSError):
+                self._links.pop(key).close()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._server.close()
+        self.drop(1 << 62)
