@@ -76,3 +76,35 @@ def test_the_error_draws_where_each_rank_stopped(schedule: str) -> None:
     caret = lines[mark + 2]
     assert caret.index("^^") == rows[mark].index("F1")
     assert caret.endswith(f"^^ rank {last} stopped here ({last}F1)")
+
+
+def test_a_failed_evaluation_draws_its_forwards() -> None:
+    comm = world()
+    p, last = comm.size, comm.size - 1
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for s in range(p):
+        layers += [nn.Linear(D, D), RaiseAt(1 if s == last else None)]
+    pipe = Pipeline(
+        nn.Sequential(*layers).double(),
+        [2] * p,
+        comm=Communicator.from_mpi(comm.mpi, 60.0),
+        chunks=CHUNKS,
+        schedule="1f1b",
+    )
+    with pytest.raises(PipelineRemoteError) as info:
+        pipe(torch.randn(CHUNKS, D, dtype=torch.float64))
+    assert info.value.ranks == [last], str(info.value)
+    if comm.rank != last:
+        return
+    lines = info.value.__notes__[0].splitlines()
+    assert lines[0] == f"Pipeline.forward (schedule='1f1b') on rank {last}:"
+    # Forwards only: stage r starts r steps late (idle steps drawn as dots).
+    rows = [
+        f"stage {r} | " + " ".join([". "] * r + ["F0", "F1", "F2", "F3"] + [". "] * (p - 1 - r))
+        for r in range(p)
+    ]
+    rows = [row.rstrip() for row in rows]
+    assert lines[1 : last + 2] == rows
+    assert lines[last + 2].index("^^") == rows[last].index("F1")
+    assert lines[last + 2].endswith(f"rank {last} stopped here ({last}F1)")

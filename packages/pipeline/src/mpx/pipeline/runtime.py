@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, allreduce, broadcast
+from mpx.collectives import Communicator, allreduce
 from mpx.pipeline import border
 from mpx.pipeline.actions import COMPUTE, Action, PassCosts, local_stages, rank_of
 from mpx.pipeline.errors import PipelineError, PipelineValueError
 from mpx.pipeline.executor import Executor, Hooks, SyncHooks
 from mpx.pipeline.failure import FailureAgreement, Status
+from mpx.pipeline.inputs import eval_parts, split
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
 from mpx.pipeline.replicas import ReplicaGradients
 from mpx.pipeline.schedule import TABLE, Schedule, compute_actions, rank_actions
@@ -228,8 +229,8 @@ class Runtime:
         undo = _UndoPoint(self, set_aside_grads=True)
         status_due = True
         try:
-            xs = self.split(inputs, "inputs", self.passes.first)
-            ts = self.split(target, "target", self.passes.last)
+            xs = split(inputs, "inputs", self.passes.first, self.chunks, self.rank)
+            ts = split(target, "target", self.passes.last, self.chunks, self.rank)
             loss = self._sync_call(xs, ts, loss_fn)
             status = self.agreement.issue(loss, ok=True)
             status_due = False
@@ -264,8 +265,8 @@ class Runtime:
         undo = _UndoPoint(self, set_aside_grads=optimizer is None)
         status_due = True
         try:
-            xs = self.split(inputs, "inputs", self.passes.first)
-            ts = self.split(target, "target", self.passes.last)
+            xs = split(inputs, "inputs", self.passes.first, self.chunks, self.rank)
+            ts = split(target, "target", self.passes.last, self.chunks, self.rank)
             self.ids, actions = self.stale.begin(optimizer, scheduler)
             self.passes.start_call(self.ids)
             losses = self.run(actions, self.stale, xs, ts, loss_fn)
@@ -307,10 +308,10 @@ class Runtime:
         passes = self.passes
         # ``async`` leaves its last sends in flight; their slots are reused here.
         passes.finish_sends()
-        m = self._eval_parts(inputs)
+        m = eval_parts(inputs, passes.first, self.chunks, self.comm)
         if not m:
             return None  # rank 0's inputs were bad: it raises, the status tells everyone
-        xs = self.split(inputs, "inputs", passes.first, parts=m)
+        xs = split(inputs, "inputs", passes.first, self.chunks, self.rank, parts=m)
         self.ids = list(range(m))
         passes.start_call(self.ids)
         self.eval_calls += 1
@@ -417,7 +418,10 @@ class Runtime:
             status_due=status_due,
             where=self.passes.doing,
         )
-        note = self.stopped_note(call)
+        try:
+            note = self.stopped_note(call)
+        except PipelineError as internal:  # a diagnostic must not replace the settled error
+            note = f"(no grid of the call: {internal})"
         if note is not None:
             raised.add_note(note)
         self.pending_status = None  # settled: every status has completed
@@ -513,56 +517,6 @@ class Runtime:
             # async: the status started at the end of the last call moves
             # only when polled (no background thread on this comm).
             self.pending_status.handle.done()
-
-    # -- inputs ------------------------------------------------------------------------
-
-    def split(self, t: Any, what: str, needed: bool, parts: int = 0) -> list[Any]:
-        """``t`` in ``chunks`` equal micro-batches (training), or in ``parts`` (evaluation).
-
-        Evaluation takes any batch size: ``tensor_split`` makes ``parts``
-        micro-batches whose sizes differ by at most one (the last ones shorter).
-        """
-        if t is None or not needed:
-            if needed:
-                raise PipelineValueError(
-                    f"{what} is None on stage {self.rank}, which reads it; pass {what} on this rank"
-                )
-            return []
-        if not parts:
-            # Training keeps equal micro-batches: the loss is their mean.
-            return border.split(t, self.chunks, what)
-        tensors, spec = border.flatten(t, what)
-        cut = [x.tensor_split(parts) for x in tensors]
-        return [border.unflatten(spec, [c[k] for c in cut]) for k in range(parts)]
-
-    def _eval_parts(self, inputs: Any) -> int:
-        """The micro-batches of an evaluation call, from rank 0 (stage 0) to every rank.
-
-        ``chunks``, or the batch size where it is smaller; 0 where rank 0's inputs
-        are bad (rank 0 raises, the others run nothing). Only rank 0 reads the
-        inputs, so the others learn the count from it.
-        """
-        count = torch.zeros(1, dtype=torch.int64)
-        error: Exception | None = None
-        if self.passes.first:
-            try:
-                if inputs is None:
-                    self.split(inputs, "inputs", True)  # its error
-                tensors, _ = border.flatten(inputs, "inputs")
-                sizes = [x.shape[0] if x.dim() else 0 for x in tensors]
-                if sizes and min(sizes) < 1:
-                    raise PipelineValueError(
-                        f"inputs has a tensor of batch size {min(sizes)} (shapes "
-                        f"{[tuple(x.shape) for x in tensors]}); evaluation cuts every tensor "
-                        "along dim 0 into micro-batches: pass tensors of at least one sample"
-                    )
-                count[0] = min([self.chunks, *sizes])
-            except Exception as bad:  # raised after the count, so no rank waits for it
-                error = bad
-        broadcast(count, 0, comm=self.comm)
-        if error is not None:
-            raise error
-        return int(count[0])
 
     # -- checkpoints -------------------------------------------------------------------
 
