@@ -258,10 +258,16 @@ class _Capture(TorchFunctionMode):
         super().__init__()
         self.weights = weights  # held: the ids below stay theirs
         self.ids = {id(w) for w in weights}
+        # A call is looked at only if it takes a weight of 2+ dimensions: those
+        # of fewer go to I wherever they are used (a LayerNorm's call, or a
+        # weight's .shape, returns at once); a bias beside such a weight (addmm)
+        # is found among the call's weights all the same.
+        self.big = {id(w) for w in weights if w.dim() >= 2}
         self.records = records
 
     def _takes_weight(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
-        return _holds(args, self.ids) or (bool(kwargs) and _holds(kwargs.values(), self.ids))  # type: ignore[union-attr]
+        big = self.big
+        return _holds(args, big) or (bool(kwargs) and _holds(kwargs.values(), big))  # type: ignore[union-attr]
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
