@@ -283,3 +283,37 @@ def test_async_op_selects_the_result_type() -> None:
     assert assert_type(barrier(), None) is None
     done = assert_type(barrier(async_op=True), Handle[None])
     assert done.wait(timeout=60) is None
+
+
+def _made_in_inference_mode(n: int, dtype: torch.dtype, value: float) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.full((n,), value, dtype=dtype)
+
+
+@pytest.mark.parametrize("impl", [None, *IMPLS])
+@pytest.mark.parametrize("n", [5, 70_000])
+def test_an_inference_tensor_is_reduced_after_its_inference_mode(impl: str | None, n: int) -> None:
+    """A tensor made under torch.inference_mode(), reduced after it (an evaluation's
+    metrics): 16-bit results and AVG's division were torch writes autograd refused,
+    "Inplace update to inference tensor outside InferenceMode", on one path or another."""
+    comm = world()
+    failed = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for op, expected in (
+            ("sum", comm.size * (comm.size + 1) / 2),
+            ("avg", (comm.size + 1) / 2),
+        ):
+            t = _made_in_inference_mode(n, dtype, comm.rank + 1)
+            at_root = _made_in_inference_mode(n, dtype, comm.rank + 1)
+            try:
+                allreduce(t, op, impl=impl)
+                reduce(at_root, 0, op, impl=impl)
+            except RuntimeError as exc:
+                failed.append(f"{dtype} {op}: {str(exc)[:60]}")
+                continue
+            if not torch.equal(t, torch.full_like(t, expected)):
+                failed.append(f"{dtype} {op}: allreduce gave {t[:2].tolist()}, not {expected}")
+            if comm.rank == 0 and not torch.equal(at_root, torch.full_like(t, expected)):
+                failed.append(f"{dtype} {op}: reduce gave {at_root[:2].tolist()}, not {expected}")
+    every = allgather(torch.tensor([len(failed)]))  # every rank fails if one does
+    assert every.sum().item() == 0, failed

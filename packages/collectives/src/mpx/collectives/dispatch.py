@@ -27,6 +27,7 @@ from mpx.collectives.dtypes import check_op_for_dtype
 from mpx.collectives.errors import MPXTypeError, MPXValueError
 from mpx.collectives.handle import Steps
 from mpx.collectives.policy import choose
+from mpx.collectives.reduction import writable
 from mpx.collectives.registry import OP_SPECS, OpSpec
 from mpx.collectives.registry import get as implementation
 
@@ -109,6 +110,10 @@ def _run(
     # into a Parameter raised on one rank and hung the others. One declaring
     # "as is" records autograd itself and gets the caller's tensor.
     work = t.data if t is not None and t.requires_grad and not chosen.takes_autograd else t
+    if work is not None:
+        # An inference tensor used after its inference_mode: implementations that
+        # write with torch (16-bit results, an AVG's division) get a writable alias.
+        work = writable(work)
     steps = chosen.function(op)(comm, *(() if work is None else (work,)), *args)
     if work is not None and work is not t:
         steps = _returning_input(steps, work, t)

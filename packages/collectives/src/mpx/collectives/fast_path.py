@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from mpi4py import MPI
+from torch.utils.dlpack import from_dlpack
 
 from mpx.collectives.call_board import SLOT, Arrival, use_compiled
 from mpx.collectives.communicator import Communicator, as_communicator, world
@@ -396,7 +397,9 @@ def allreduce(t: Any, op: str, comm: Any, impl: str | None) -> bool:
     if call is None or not _run_now(comm, call, t):
         return False
     if op == "avg":
-        t.div_(comm.size)
+        # MPI wrote through the pointer; torch's division refuses an inference tensor
+        # outside inference_mode: divide through a normal alias of its memory.
+        (from_dlpack(t) if t.is_inference() else t).div_(comm.size)
     _payload += call.nbytes
     return True
 

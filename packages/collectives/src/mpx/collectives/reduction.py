@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from mpx.collectives.dtypes import accumulation_dtype
 
-__all__ = ["combine", "finish", "reduce_into", "working_copy"]
+__all__ = ["combine", "finish", "reduce_into", "working_copy", "writable"]
+
+
+def writable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where ``t`` is an inference tensor outside inference mode an alias of its
+    memory that torch lets us write in place.
+
+    gloo writes results through raw pointers, so ``all_reduce`` of a tensor made
+    under ``torch.inference_mode()`` works after the mode ends; mpx's own writes
+    in torch (a 16-bit float's float32 result, a widened integer's, an AVG's
+    division) would raise "Inplace update to inference tensor outside
+    InferenceMode". The alias (DLPack: the same memory, strides and device) is a
+    normal tensor; inference tensors have no version counter to keep.
+    """
+    if t.layout == torch.strided and t.is_inference() and not torch.is_inference_mode_enabled():
+        return from_dlpack(t)
+    return t
 
 
 def reduce_into(acc: torch.Tensor, x: torch.Tensor, op: str) -> None:
@@ -47,6 +64,9 @@ def working_copy(t: torch.Tensor, op: str, copy: bool = False) -> torch.Tensor:
 
 def finish(t: torch.Tensor, work: torch.Tensor, op: str, size: int) -> torch.Tensor:
     """Divides for ``avg`` and copies the result back into ``t`` if ``work`` is a copy."""
+    t = writable(t)
+    if work.data_ptr() == t.data_ptr():
+        work = writable(work)  # a flat view of an inference t (working_copy)
     if op == "avg":
         work.div_(size)
     if work.data_ptr() != t.data_ptr() or work.dtype != t.dtype:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mpx.collectives._torch_private import set_versions
 from mpx.collectives.dtypes import SUPPORTED_DTYPES
 from mpx.collectives.errors import MPXTypeError, MPXValueError
+from mpx.collectives.reduction import writable
 
 __all__ = [
     "BITWISE",
@@ -162,6 +163,7 @@ def reduce_form(t: torch.Tensor, op: str, where: str) -> ReduceForm:
         MPXTypeError: naming ``where`` and the dtype, for a dtype or op mpx cannot reduce.
     """
     _check_device(t)
+    t = writable(t)  # every form below, and its write_back, may then write in place
     dtype = t.dtype
     if op in BITWISE:
         if dtype.is_floating_point or dtype.is_complex:
