@@ -145,7 +145,7 @@ class Job:
 
     command: list[str]
     # The whole environment goes to the ranks, as the launcher code's (cli's) does.
-    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))  # noqa: TID251
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     stderr: IO[bytes] = field(default_factory=lambda: sys.stderr.buffer)
     status_key: str = ""
     nprocs: int = 0
