@@ -24,7 +24,7 @@ from torch import nn
 
 PROGRAM = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, signal, sys, time
     import torch
     from torch import nn
     import mpx.dataparallel as dp
@@ -63,16 +63,23 @@ PROGRAM = textwrap.dedent(
     ft = dp.FaultTolerantOptimizer(opt, model, state={"seen": 0})
     log = open(f"{out}/log_g{group}_r{rank}_a{attempt}.jsonl", "w")
 
-    if victim and point in ("reduce", "rejoin"):
-        kind = ft_optimizer.AVG if point == "reduce" else ft_optimizer.STATE
-        send = ft_optimizer.send_frame
-        def patched(sock, quorum, k, payload, check):
-            at = ft.step_count == int(ks) if point == "reduce" else ft.step_count >= int(ks)
-            if k == kind and at:
-                if point == "reduce":
-                    send(sock, quorum, k, payload, check)  # one peer has the average
+    if victim and point == "reduce":
+        exchange = ft_optimizer.exchange
+        def partial(links, quorum, kind, payload, check):
+            if ft.step_count == int(ks):
+                # Only the lowest peer gets this rank's gradients: it can
+                # average them all, yet must discard the step with the rest.
+                first = min(links)
+                ft_optimizer.send_frame(links[first], quorum, kind, payload, check)
                 die(point)
-            send(sock, quorum, k, payload, check)
+            return exchange(links, quorum, kind, payload, check)
+        ft_optimizer.exchange = partial
+    if victim and point == "rejoin":
+        send = ft_optimizer.send_frame
+        def patched(sock, quorum, kind, payload, check):
+            if kind == ft_optimizer.STATE and ft.step_count >= int(ks):
+                die(point)
+            send(sock, quorum, kind, payload, check)
         ft_optimizer.send_frame = patched
     if victim and point == "optimizer":
         inner = opt.step
@@ -97,6 +104,9 @@ PROGRAM = textwrap.dedent(
         nn.functional.mse_loss(model(x), y).backward()
         if victim and point == "backward" and step == int(ks):
             die(point)
+        if victim and point == "hang" and step == int(ks):
+            print(f"group {group} rank {rank} hangs", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         ok = ft.step()
         ft.state["seen"] += ok
         log.write(json.dumps({"step": step, "members": ft.members, "ok": ok}) + "\\n")
@@ -117,7 +127,9 @@ def _mpxrun() -> Path:
     return mpxrun
 
 
-def _run(tmp_path: Path, groups: int, nprocs: int, kill: str, steps: int, hold: int) -> str:
+def _run(
+    tmp_path: Path, groups: int, nprocs: int, kill: str, steps: int, hold: int, beats: float = 20
+) -> str:
     script = tmp_path / "job.py"
     script.write_text(PROGRAM)
     env = {
@@ -128,7 +140,7 @@ def _run(tmp_path: Path, groups: int, nprocs: int, kill: str, steps: int, hold: 
         "FT_KILL": kill,
         # A loaded 2-core machine can pause a process for a while: a hang is
         # not what these tests kill, and a SIGKILL is seen by the closed socket.
-        "MPX_FT_HEARTBEAT_TIMEOUT": "20",
+        "MPX_FT_HEARTBEAT_TIMEOUT": str(beats),
     }
     done = subprocess.run(
         [
@@ -217,8 +229,8 @@ def test_two_groups_kill_in_backward(tmp_path: Path) -> None:
 
 @pytest.mark.extended
 def test_three_groups_root_killed_mid_reduction(tmp_path: Path) -> None:
-    """The reduction's root (group 0) dies after sending the average to group 1 only:
-    group 1 holds the full average yet discards the step with group 2 (no partial update)."""
+    """Group 0 dies in the reduction after sending its gradients to group 1 only: group 1
+    can average all three, yet discards the step with group 2 (no partial update)."""
     out = _run(tmp_path, 3, 1, "0:0:4:reduce:0", steps=12, hold=6)
     assert "killed reduce" in out
     _check(tmp_path, 3, 1, 12, changed=True)
@@ -249,3 +261,13 @@ def test_two_groups_of_two_ranks(tmp_path: Path) -> None:
     out = _run(tmp_path, 2, 2, "0:1:3:backward:0", steps=12, hold=5)
     assert "killed backward" in out
     _check(tmp_path, 2, 2, 12, changed=True)
+
+
+@pytest.mark.extended
+def test_hung_group_is_counted_out_and_restarted(tmp_path: Path) -> None:
+    """Group 1 stops (SIGSTOP) in its backward: no socket closes, the lighthouse counts
+    it out after the heartbeat timeout, group 0 goes on alone, mpxrun restarts group 1."""
+    out = _run(tmp_path, 2, 1, "1:0:3:hang:0", steps=12, hold=5, beats=3)
+    assert "hangs" in out
+    assert "missed its heartbeats" in out
+    _check(tmp_path, 2, 1, 12, changed=True)

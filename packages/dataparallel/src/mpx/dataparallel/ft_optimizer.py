@@ -19,8 +19,9 @@ import atexit
 import contextlib
 import io
 import os
+import socket
 import uuid
-from collections.abc import Iterable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -33,14 +34,12 @@ from mpx.dataparallel.errors import (
     DataParallelValueError,
 )
 from mpx.dataparallel.ft_transport import (
-    ABORT,
-    AVG,
-    FRAME,
     GRAD,
     STATE,
     LighthouseClient,
     PeerLinks,
     PeerLost,
+    exchange,
     recv_frame,
     send_frame,
 )
@@ -74,7 +73,8 @@ class FaultTolerantOptimizer:
         group: this process's replica group; default ``MPX_REPLICA_GROUP``.
         comm: the group's MPI communicator (default the world: a group is an MPI
             world of its own); its ranks agree on every step's outcome.
-        host: the address this rank's peers reach it at.
+        host: the address this rank's peers reach it at; default the address this
+            host reaches the lighthouse from (127.0.0.1 for a local job).
 
     Raises:
         DataParallelTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``,
@@ -101,7 +101,7 @@ class FaultTolerantOptimizer:
         lighthouse: str | None = None,
         group: int | None = None,
         comm: Any = None,
-        host: str = "127.0.0.1",
+        host: str | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise DataParallelTypeError(
@@ -143,7 +143,7 @@ class FaultTolerantOptimizer:
         self.incarnation = uuid.uuid4().hex
         if self.size > 1:
             self.incarnation = self.comm.bcast(self.incarnation, root=0)
-        self._links = PeerLinks(self.group, host)
+        self._links = PeerLinks(self.group, host or _address_towards(address))
         self._client = LighthouseClient(
             address, self.group, self.rank, self.size, self.incarnation, self._links.address
         )
@@ -238,6 +238,9 @@ class FaultTolerantOptimizer:
             self._reduce(quorum)
         except PeerLost:
             ok = False
+            # Closed now, not after the vote: peers still waiting for this rank's
+            # gradients see the end of the step at once.
+            self._links.drop(int(quorum["quorum"]))
         return self._finish(quorum, ok)
 
     def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
@@ -298,31 +301,22 @@ class FaultTolerantOptimizer:
     def _reduce(self, quorum: dict[str, Any]) -> None:
         members = [int(g) for g in quorum["members"]]
         qid = int(quorum["quorum"])
-        check = lambda: self._check(quorum)  # noqa: E731
         flat = self._flat_grads()
         if len(members) > 1:
-            root = members[0]
-            if self.group == root:
-                try:
-                    # A fixed order (the members'), so every replay sums alike.
-                    for peer in members[1:]:
-                        kind, payload = recv_frame(self._link(quorum, peer), qid, check)
-                        if kind != GRAD or len(payload) != flat.numel() * flat.element_size():
-                            raise PeerLost(f"group {peer} sent no gradients")
-                        flat += torch.frombuffer(payload, dtype=flat.dtype)
-                    flat /= len(members)
-                    for peer in members[1:]:
-                        send_frame(self._link(quorum, peer), qid, AVG, _bytes(flat), check)
-                except PeerLost:
-                    self._tell_abort(members[1:], qid)
-                    raise
-            else:
-                link = self._link(quorum, root)
-                send_frame(link, qid, GRAD, _bytes(flat), check)
-                kind, payload = recv_frame(link, qid, check)
-                if kind != AVG:
-                    raise PeerLost(f"group {root} gave up the step")
-                flat = torch.frombuffer(payload, dtype=flat.dtype)
+            check = lambda: self._check(quorum)  # noqa: E731
+            links = {g: self._link(quorum, g) for g in members if g != self.group}
+            # Every member sends its gradients to every other at once and sums
+            # them all in the members' order: the same bytes everywhere, in one
+            # transfer time, with no root whose death stalls the others.
+            got = exchange(links, qid, GRAD, _bytes(flat), check)
+            total: torch.Tensor | None = None
+            for g in members:
+                part = flat if g == self.group else torch.frombuffer(got[g], dtype=flat.dtype)
+                if part.numel() != flat.numel():
+                    raise PeerLost(f"group {g} sent {part.numel()} gradients, not {flat.numel()}")
+                total = part.clone() if total is None else total.add_(part)
+            assert total is not None
+            flat = total.div_(len(members))
         offset = 0
         for p in self._params:
             n = p.numel()
@@ -332,14 +326,6 @@ class FaultTolerantOptimizer:
             else:
                 p.grad.copy_(piece)
             offset += n
-
-    def _tell_abort(self, peers: Iterable[int], qid: int) -> None:
-        """Best effort: the members waiting for the average learn at once it will not come."""
-        header = FRAME.pack(b"MPXF", qid, ABORT, 0)
-        for key, sock in list(self._links._links.items()):
-            if key[0] in peers:
-                with contextlib.suppress(OSError):
-                    sock.send(header)
 
     def _send_state(self, quorum: dict[str, Any], recipient: int) -> None:
         buffer = io.BytesIO()
@@ -384,6 +370,14 @@ class FaultTolerantOptimizer:
             self._client.request({"op": "leave", "step": self.step_count})
         self._client.close()
         self._links.close()
+
+
+def _address_towards(lighthouse: str) -> str:
+    """This host's address on the route to the lighthouse (no packet is sent)."""
+    where, _, port = lighthouse.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((where, int(port)))
+        return str(probe.getsockname()[0])
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -28,11 +28,19 @@ from typing import Any
 
 from mpx.dataparallel.errors import DataParallelError
 
-__all__ = ["FRAME", "LighthouseClient", "PeerLinks", "PeerLost"]
+__all__ = [
+    "FRAME",
+    "LighthouseClient",
+    "PeerLinks",
+    "PeerLost",
+    "exchange",
+    "recv_frame",
+    "send_frame",
+]
 
 FRAME = struct.Struct("!4sqiQ")
 _MAGIC = b"MPXF"
-HELLO, GRAD, AVG, ABORT, STATE = 1, 2, 3, 4, 5
+HELLO, GRAD, STATE = 1, 2, 3
 _SLICE_S = 0.05
 
 
@@ -193,6 +201,89 @@ def recv_frame(
         _recv_exact(sock, memoryview(payload), check)
         if tag >= quorum:
             return kind, payload
+
+
+class _Incoming:
+    """One peer's frame being received by :func:`exchange`."""
+
+    def __init__(self) -> None:
+        self.header = bytearray(FRAME.size)
+        self.view = memoryview(self.header)
+        self.payload: bytearray | None = None
+        self.stale = False
+
+
+def exchange(
+    links: dict[int, socket.socket],
+    quorum: int,
+    kind: int,
+    payload: bytes | memoryview,
+    check: Callable[[], None],
+) -> dict[int, bytearray]:
+    """Sends ``payload`` to every peer of ``links`` and receives theirs, all at once.
+
+    Returns each peer's payload; raises :class:`PeerLost` when a peer is gone
+    (its link closed, or ``check()`` said so) or sent a frame of another kind.
+    """
+    data = memoryview(payload).cast("B")
+    header = FRAME.pack(_MAGIC, quorum, kind, len(data))
+    sending = {peer: [memoryview(header), data] for peer in links}
+    receiving = {peer: _Incoming() for peer in links}
+    got: dict[int, bytearray] = {}
+    by_socket = {sock: peer for peer, sock in links.items()}
+    while sending or receiving:
+        try:
+            readable, writable, _ = select.select(
+                [links[p] for p in receiving], [links[p] for p in sending], [], _SLICE_S
+            )
+        except (OSError, ValueError) as exc:
+            raise PeerLost(f"a peer's link broke: {exc}") from exc
+        if not readable and not writable:
+            check()
+            continue
+        for sock in writable:
+            peer = by_socket[sock]
+            parts = sending[peer]
+            try:
+                sent = sock.send(parts[0])
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise PeerLost(f"group {peer}'s link broke while sending: {exc}") from exc
+            parts[0] = parts[0][sent:]
+            while parts and not parts[0]:
+                parts.pop(0)
+            if not parts:
+                del sending[peer]
+        for sock in readable:
+            peer = by_socket[sock]
+            state = receiving[peer]
+            try:
+                count = sock.recv_into(state.view)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise PeerLost(f"group {peer}'s link broke while receiving: {exc}") from exc
+            if count == 0:
+                raise PeerLost(f"group {peer} closed its link (its process ended or was killed)")
+            state.view = state.view[count:]
+            if state.view:
+                continue
+            if state.payload is None:  # the header is complete
+                magic, tag, their_kind, length = FRAME.unpack(state.header)
+                if magic != _MAGIC or (tag >= quorum and their_kind != kind):
+                    raise PeerLost(f"group {peer} sent no gradients for this step")
+                state.stale = tag < quorum
+                state.payload = bytearray(length)
+                state.view = memoryview(state.payload)
+                if length:
+                    continue
+            if state.stale:  # an older step's frame: wait for this step's
+                receiving[peer] = _Incoming()
+                continue
+            got[peer] = state.payload
+            del receiving[peer]
+    return got
 
 
 class PeerLinks:

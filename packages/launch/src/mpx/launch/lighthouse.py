@@ -121,6 +121,7 @@ class Lighthouse:
         self._server.lighthouse = self
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._counted_out: list[int] = []
 
     @property
     def address(self) -> str:
@@ -147,6 +148,13 @@ class Lighthouse:
         with self._changed:
             self._changed.notify_all()
 
+    def counted_out(self) -> list[int]:
+        """The groups counted out for missed heartbeats since the last call (hung:
+        ``mpxrun`` stops and restarts them)."""
+        with self._changed:
+            found, self._counted_out = self._counted_out, []
+        return found
+
     def _say(self, text: str) -> None:
         if self._log is not None:
             self._log(text)
@@ -157,6 +165,7 @@ class Lighthouse:
             with self._changed:
                 for group in self.membership.expire(time.monotonic()):
                     self._say(f"group {group} missed its heartbeats: out of the membership")
+                    self._counted_out.append(group)
                 self._form()
                 self._changed.notify_all()
 

@@ -83,8 +83,12 @@ def run_groups(
     timeout: float | None,
     max_restarts: int = 0,
     restart_delay: float = 0.0,
+    counted_out: Callable[[], list[int]] | None = None,
 ) -> int:
     """Runs ``groups`` groups, ``new_job(group, attempt)`` each, restarting a failed one alone.
+
+    ``counted_out()``, polled, names groups to stop and restart although no rank
+    failed (the lighthouse's: hung, they missed their heartbeats).
 
     Returns 0 if every group ended well, else the first failing group's exit
     code; SIGTERM, SIGHUP and Ctrl-C stop every group and return 128 + the signal.
@@ -100,6 +104,7 @@ def run_groups(
     stopping = threading.Event()
     running: dict[int, Job] = {}
     codes: dict[int, int] = {}
+    hung: set[int] = set()
     lock = threading.Lock()
 
     def supervise(group: int) -> None:
@@ -116,6 +121,10 @@ def run_groups(
             finally:
                 shm_cleanup.remove_orphans(before)
             failure = failure_of(job, code, timeout)
+            with lock:
+                if group in hung:
+                    hung.discard(group)
+                    failure = "it missed its heartbeats (hung?) and was stopped"
             if failure is not None and 0 in codes.values():
                 # Another group finished training: there is no live state to rejoin.
                 _say(
@@ -147,6 +156,11 @@ def run_groups(
             thread.start()
         while any(t.is_alive() for t in threads):
             time.sleep(0.05)
+            for group in counted_out() if counted_out is not None else []:
+                with lock:
+                    if group in running and group not in codes:
+                        hung.add(group)
+                        running[group].cancel.set()
     except KeyboardInterrupt:
         stopping.set()
         with lock:
@@ -199,4 +213,5 @@ def run_replica_groups(
             args.timeout,
             args.max_restarts,
             args.restart_delay,
+            lighthouse.counted_out,
         )
