@@ -70,7 +70,7 @@ from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.job import EXIT_TIMEOUT, Job, RankFailure, run_attempts
 from mpx.launch.launchers import Launcher, find_launcher
 from mpx.launch.rank import usable_cores
-from mpx.launch.replica_groups import run_replica_groups
+from mpx.launch.replica_groups import GROUP_VARIABLES, check_usage, run_replica_groups
 from mpx.launch.status import new_key
 from mpx.launch.virtual_cluster import VirtualCluster
 
@@ -153,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _check_virtual(launcher)
                 virtual = stack.enter_context(VirtualCluster(args.virtual_nodes))
             local = _all_local(launcher, args.hostfile, virtual)
+            if args.replica_groups is not None:
+                check_usage(local)
             if local:
                 launcher = launcher.on_this_host()
             env = _job_environment(
@@ -166,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             supervised = [sys.executable, "-m", "mpx.launch.rank", "--", *program]
             prefixes = ("MPX_", "MPIR_", "OMP_", "CUDA_")
             per_attempt = {"MPX_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}
+            if args.replica_groups is not None:
+                per_attempt |= set(GROUP_VARIABLES)  # each group's, set per job
             exported = sorted({k for k in env if k.startswith(prefixes)} | per_attempt)
             command = launcher.command(
                 args.nprocs,

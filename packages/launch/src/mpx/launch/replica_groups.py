@@ -26,16 +26,19 @@ from collections.abc import Callable
 
 from mpx.launch import shm_cleanup
 from mpx.launch.environment import free_port
+from mpx.launch.errors import UsageError
 from mpx.launch.job import Job, failure_of, report
 from mpx.launch.lighthouse import Lighthouse, print_event
 from mpx.launch.settings import declare
 from mpx.launch.status import new_key
 
 __all__ = [
+    "GROUP_VARIABLES",
     "HEARTBEAT_TIMEOUT",
     "LIGHTHOUSE",
     "REPLICA_GROUP",
     "REPLICA_GROUPS",
+    "check_usage",
     "group_environment",
     "run_groups",
     "run_replica_groups",
@@ -71,6 +74,10 @@ HEARTBEAT_TIMEOUT = declare(
     "its group out (a killed process is seen at once, by its closed connection)",
     package="launch",
 )
+
+# What group_environment adds to a group's job, for launchers that forward only
+# the variables they are told.
+GROUP_VARIABLES = (REPLICA_GROUP.name, REPLICA_GROUPS.name, LIGHTHOUSE.name)
 
 
 def _say(text: str) -> None:
@@ -174,17 +181,26 @@ def run_groups(
     return failed[0] if failed else 0
 
 
+def check_usage(local: bool) -> None:
+    """Raises :class:`UsageError` where ``--replica-groups`` cannot run yet: off this host
+    (``--hostfile``, ``--virtual-nodes``, Slurm), where its TCP links are untested."""
+    if not local:
+        raise UsageError(
+            "--replica-groups runs every group on this host in this version: drop --hostfile "
+            "and --virtual-nodes, and run outside Slurm's launcher (--launcher mpich)"
+        )
+
+
 def group_environment(
     env: dict[str, str], group: int, groups: int, lighthouse: str
 ) -> dict[str, str]:
     """The job environment ``env`` made group ``group``'s: its own job id, status key and
     rendezvous port (each group is an MPI world of its own), and where the lighthouse is."""
-    local = env.get("MPX_MASTER_ADDR", "127.0.0.1")
     return dict(
         env,
         MPX_JOB_ID=uuid.uuid4().hex[:12],
         MPX_STATUS_KEY=new_key(),
-        MPX_MASTER_PORT=str(free_port(local if local == "127.0.0.1" else "")),
+        MPX_MASTER_PORT=str(free_port("127.0.0.1")),
         MPX_REPLICA_GROUP=str(group),
         MPX_REPLICA_GROUPS=str(groups),
         MPX_LIGHTHOUSE=lighthouse,
@@ -199,14 +215,10 @@ def run_replica_groups(
 ) -> int:
     """``mpxrun --replica-groups``: the lighthouse, then :func:`run_groups` over
     ``new_job(attempt, group's environment)``."""
-    host = "127.0.0.1" if env.get("MPX_MASTER_ADDR", "127.0.0.1") == "127.0.0.1" else "0.0.0.0"
     with Lighthouse(
-        expected=groups, heartbeat_timeout=HEARTBEAT_TIMEOUT.get(), host=host, log=print_event
+        expected=groups, heartbeat_timeout=HEARTBEAT_TIMEOUT.get(), log=print_event
     ) as lighthouse:
-        address = lighthouse.address
-        if host == "0.0.0.0":
-            address = f"{env['MPX_MASTER_ADDR']}:{address.rsplit(':', 1)[1]}"
-        envs = [group_environment(env, g, groups, address) for g in range(groups)]
+        envs = [group_environment(env, g, groups, lighthouse.address) for g in range(groups)]
         return run_groups(
             lambda group, attempt: new_job(attempt, envs[group]),
             groups,
