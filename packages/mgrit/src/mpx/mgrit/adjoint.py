@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,10 +30,11 @@ from mpx.collectives import broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, split_evenly
+from mpx.mgrit.gru_steps import GRUSteps
 from mpx.mgrit.solver import MGRIT, check_tol
 from mpx.mgrit.stacked import StackedSteps
 
-__all__ = ["WORK_KINDS", "TimeStepper", "shared_blocks"]
+__all__ = ["WORK_KINDS", "Lease", "TimeStepper", "shared_blocks"]
 
 # What TimeStepper.work counts, in layer evaluations (one step of one state).
 WORK_KINDS = ("forward", "adjoint", "linearize", "gradient")
@@ -81,6 +83,17 @@ def shared_blocks(
         )
     units = split_evenly(num_steps // unit, size)
     return [u * unit // spans[0] for u in units], [u * unit // spans[1] for u in units]
+
+
+class Lease:
+    """Held by whoever reads a forward solve's states (an autograd context).
+
+    The states are the forward solver's fine level itself, not a copy: when the
+    lease is gone (the graph freed after its backward, or never built), the
+    next forward solve writes that tensor again instead of allocating one.
+    """
+
+    __slots__ = ("__weakref__",)
 
 
 class TimeStepper:
@@ -166,21 +179,27 @@ class TimeStepper:
         self.first, self.stop = lv.first, lv.first + lv.count
         self._states: torch.Tensor | None = None
         self._forcing: torch.Tensor | None = None
+        # The forward states handed out, with their leases (see Lease).
+        self._leased: list[tuple[torch.Tensor, weakref.ref[Lease]]] = []
         #: layer evaluations (rows stepped) of this rank in the last forward and the last
         #: backward: see :data:`WORK_KINDS`
         self.work: dict[str, int] = dict.fromkeys(WORK_KINDS, 0)
-        self.stacked: StackedSteps | None = None
+        self.stacked: StackedSteps | GRUSteps | None = None
         #: seconds of the last forward and backward inside the stacked steps, per kind,
         #: batched calls apart from single-row ones (``"forward_single"``...): the costs
         #: the performance model (:mod:`mpx.mgrit.model`) prices the work with (CPU)
         self.seconds: dict[str, float] = {}
 
-    def use_stacked(self, stacked: StackedSteps) -> None:
+    def use_stacked(self, stacked: StackedSteps | GRUSteps) -> None:
         """Runs this rank's steps as ``stacked`` (batched over the C-intervals, see
-        :mod:`mpx.mgrit.stacked`) in both solves instead of one ``phi`` call per step."""
+        :mod:`mpx.mgrit.stacked` and :mod:`mpx.mgrit.gru_steps`) in both solves instead
+        of one ``phi`` call per step."""
         self.stacked = stacked
-        for solver, step in ((self.fwd, self._step_rows), (self.bwd, self._adjoint_rows)):
-            solver.step = step
+        for solver, step, into in (
+            (self.fwd, self._step_rows, self._step_into),
+            (self.bwd, self._adjoint_rows, self._adjoint_into),
+        ):
+            solver.step, solver.step_into = step, into
             solver.vectorized = solver.float_times = True
 
     def _rows(self, t: Any) -> tuple[int, int]:
@@ -191,15 +210,19 @@ class TimeStepper:
         return first, (self._index(float(t[1])) - first if t.shape[0] > 1 else 1)
 
     def _step_rows(self, x: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._step_into(x, t, dt, out)
+        return out
+
+    def _step_into(self, x: torch.Tensor, t: Any, dt: Any, out: torch.Tensor) -> None:
         if x.shape[0] == 0:
-            return x.clone()
+            return
         assert self.stacked is not None
         self.work["forward"] += x.shape[0]
         start = time.perf_counter()
         i, stride = self._rows(t)
-        out = self.stacked.step(x, i - self.first, stride, dt)
+        self.stacked.step_into(x, i - self.first, stride, dt, out)
         self._clock("forward", x.shape[0], start)
-        return out
 
     def _clock(self, kind: str, rows: int, start: float) -> None:
         key = f"{kind}_single" if rows == 1 else kind
@@ -208,17 +231,22 @@ class TimeStepper:
             self.seconds[f"{key}_calls"] = self.seconds.get(f"{key}_calls", 0.0) + 1
 
     def _adjoint_rows(self, lam: torch.Tensor, t: Any, dt: Any) -> torch.Tensor:
+        out = torch.empty_like(lam, memory_format=torch.contiguous_format)
+        self._adjoint_into(lam, t, dt, out)
+        return out
+
+    def _adjoint_into(self, lam: torch.Tensor, t: Any, dt: Any, out: torch.Tensor) -> None:
         if lam.shape[0] == 0:
-            return lam.clone()
+            return
         assert self.stacked is not None
-        assert self._forcing is None, "a stacked adjoint has no forcing"
+        # GRUSteps reads the forcing itself; LayerParallel's adjoint has none.
+        assert self._forcing is None or isinstance(self.stacked, GRUSteps)
         self.work["adjoint"] += lam.shape[0]
         start = time.perf_counter()
         j, stride = self._rows(t)
         # Reversed point j steps with layer N-1-j: row j - (N - stop) of the reversed data.
-        out = self.stacked.adjoint(lam, j - (self.N - self.stop), stride, dt)
+        self.stacked.adjoint_into(lam, j - (self.N - self.stop), stride, dt, out)
         self._clock("adjoint", lam.shape[0], start)
-        return out
 
     def owned_steps(self) -> range:
         """The steps this rank holds (their layers live here)."""
@@ -246,15 +274,31 @@ class TimeStepper:
 
     # -- the two solves -------------------------------------------------------
 
-    def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward MGRIT solve, no autograd: ``x_N`` and this rank's states (for the adjoint)."""
+    def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Lease]:
+        """Forward MGRIT solve, no autograd: ``x_N``, this rank's states (for the adjoint)
+        and their lease: keep it as long as the states are read (see :class:`Lease`)."""
         self.work["forward"] = 0
         self.seconds = {}
         if self.stacked is not None:
             self.stacked.refresh()
+        spare = self._returned()
+        if spare is not None:
+            self.fwd.reuse_fine(spare)
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
-        return xN, self.fwd._u[0].clone()
+        states = self.fwd.detach_fine()
+        lease = Lease()
+        self._leased = [(t, ref) for t, ref in self._leased if ref() is not None]
+        self._leased.append((states, weakref.ref(lease)))
+        return xN, states, lease
+
+    def _returned(self) -> torch.Tensor | None:
+        """A state tensor whose lease has ended (for the solver to write again), if any."""
+        for i, (states, ref) in enumerate(self._leased):
+            if ref() is None:
+                del self._leased[i]
+                return states
+        return None
 
     def adjoint(self, states: torch.Tensor, forcing: torch.Tensor) -> torch.Tensor:
         """The adjoint of a loss of every state: ``lam_{k+1}`` for this rank's steps k, in order.
@@ -267,11 +311,16 @@ class TimeStepper:
         """
         self._states, self._forcing = states, forcing
         self._reset_backward_work()
+        batched = self.stacked if isinstance(self.stacked, GRUSteps) else None
         try:
+            if batched is not None:
+                batched.begin_adjoint(states, forcing)
             with torch.no_grad():
                 self.bwd.solve(states.new_zeros(states.shape[1:]))
         finally:
             self._states, self._forcing = None, None
+            if batched is not None:
+                batched.release()
         return self._lam_next(forcing)
 
     def _reset_backward_work(self) -> None:
@@ -296,7 +345,7 @@ class TimeStepper:
         self._states = states
         self._reset_backward_work()
         try:
-            if self.stacked is not None:
+            if isinstance(self.stacked, StackedSteps):
                 return self._stacked_backward(gN, tensors, self.stacked)
             return self._backward(gN, tensors)
         finally:
@@ -381,7 +430,7 @@ class _Solve(torch.autograd.Function):
     def forward(ctx: Any, stepper: TimeStepper, x0: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.stepper = stepper
         ctx.tensors = tensors
-        xN, ctx.states = stepper.forward(x0)
+        xN, ctx.states, ctx.lease = stepper.forward(x0)
         return xN
 
     @staticmethod

@@ -63,6 +63,7 @@ from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper, _levels_arg
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import Layout, coarsening_factors
+from mpx.mgrit.gru_steps import GRUSteps
 
 __all__ = ["ParallelGRU", "gru_step"]
 
@@ -133,6 +134,7 @@ class _Direction:
         comm: Communicator,
         blocks: tuple[Sequence[int], Sequence[int]] | None,
         config: dict[str, Any],
+        batched: bool = True,
     ) -> None:
         self.reverse, self.length, self.padded = reverse, length, padded
         self.lo, self.hi = (padded - length, padded) if reverse else (0, length)
@@ -143,6 +145,23 @@ class _Direction:
             self.phi, lambda k: [], padded, float(padded), comm=comm, skip_downcycle=True,
             blocks=blocks, **config,
         )  # fmt: skip
+        st = self.stepper
+        #: the batched steps (see mpx.mgrit.gru_steps), or None: one phi call per step
+        self.steps = GRUSteps(st.first, st.stop, self.lo, self.hi, st.work) if batched else None
+        if self.steps is not None:
+            st.use_stacked(self.steps)
+
+    def prepare(self, weights: Weights, inputs: torch.Tensor, offset: int) -> torch.Tensor | None:
+        """The batched steps' input gates of this rank's steps (None unbatched)."""
+        if self.steps is None:
+            return None
+        real = self.real_steps()
+        a, b = self.rows(real, offset)
+        rows = inputs[a:b].flip(0) if self.reverse else inputs[a:b]
+        detached = tuple(None if w is None else w.detach() for w in weights)
+        gi = self.steps.local_gates(detached, rows, real)  # type: ignore[arg-type]
+        self.steps.prepare(detached, gi)  # type: ignore[arg-type]
+        return gi
 
     def position(self, step: int) -> int:
         return self.padded - 1 - step if self.reverse else step
@@ -191,6 +210,11 @@ class ParallelGRU(nn.Module):
         levels, cfactor, fwd_iters, bwd_iters, tol, relax, nrelax: MGRIT settings,
             as for :class:`~mpx.mgrit.LayerParallel` (as are fwd_levels, bwd_levels,
             fwd_tol, bwd_tol, fine_relax and cycle_type).
+        batched: run the j-th steps of all C-intervals of a rank as one cell over the
+            stacked rows, the input projections precomputed, and each adjoint step as
+            one vector-Jacobian product of a linearisation (see
+            :mod:`mpx.mgrit.gru_steps`); False: one cell call per step, the adjoint
+            replaying each step's forward through autograd.
 
     ``forward(input, hx=None)`` takes the whole sequence on every rank, ``(T, B, in)``
     (``(B, T, in)`` with ``batch_first``, or ``(T, in)`` unbatched) and ``hx`` of shape
@@ -235,6 +259,7 @@ class ParallelGRU(nn.Module):
         cycle_type: str = "V",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        batched: bool = True,
     ) -> None:
         super().__init__()
         drop: object = dropout  # checked as any value, as nn.GRU does
@@ -254,6 +279,7 @@ class ParallelGRU(nn.Module):
                 stacklevel=2,
             )
         self.seq_len = None if seq_len is None else _int_arg(seq_len, "seq_len")
+        self.batched = bool(batched)
         self.bias, self.batch_first = bool(bias), bool(batch_first)
         self.dropout, self.bidirectional = float(dropout), bool(bidirectional)
         self.comm = as_communicator(comm)
@@ -310,14 +336,19 @@ class ParallelGRU(nn.Module):
         if grid is None:
             padded = self.padded_length(seq_len)
             try:
-                forward = _Direction(False, seq_len, padded, self.comm, None, self.config)
+                forward = _Direction(
+                    False, seq_len, padded, self.comm, None, self.config, self.batched
+                )
                 grid = [forward]
                 if self.bidirectional:
                     # The reverse direction on the adjoint's reversed ranks, blocks mirrored:
                     # each rank holds the same positions in both directions.
                     fs = forward.stepper
                     blocks = (fs.fwd.layout.blocks[::-1], fs.bwd.layout.blocks)
-                    grid.append(_Direction(True, seq_len, padded, fs.rcomm, blocks, self.config))
+                    grid.append(
+                        _Direction(True, seq_len, padded, fs.rcomm, blocks, self.config,
+                                   self.batched)
+                    )  # fmt: skip
             except MGRITConfigError as err:
                 raise MGRITConfigError(f"sequence length {seq_len}: {err}") from err
             self._grids[seq_len] = grid
@@ -463,8 +494,9 @@ class _Layer(torch.autograd.Function):
         offset = 0 if offset is None else offset
         stepper = direction.stepper
         direction.current = (weights, inputs.detach(), offset)
+        ctx.gates = direction.prepare(weights, inputs.detach(), offset)
         try:
-            x_end, states = stepper.forward(h0)
+            x_end, states, ctx.lease = stepper.forward(h0)
         finally:
             direction.current = None
         # The final state is after the last real step: the end of the grid, or (forward
@@ -491,6 +523,8 @@ class _Layer(torch.autograd.Function):
         if g_last is not None and comm.rank == _owner(stepper.fwd.layout, final - 1):
             forcing[final - 1 - stepper.first] += g_last  # this rank holds the final state
         direction.current = (ctx.weights, inputs, ctx.offset)
+        if direction.steps is not None:
+            direction.steps.prepare(ctx.weights, ctx.gates)
         try:
             lam_next = stepper.adjoint(states, forcing)
         finally:

@@ -41,20 +41,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
-from mpx.collectives import Channel, Communicator, MPXValueError, allgather, broadcast
+from mpx.collectives import allgather, broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
-from mpx.mgrit.errors import MGRITConfigError, MGRITError, MGRITTypeError
+from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
+from mpx.mgrit.ghosts import Ghosts, Shift, mismatch
 from mpx.mgrit.grid import Layout
 
-__all__ = ["MGRIT", "Step", "check_tol"]
+__all__ = ["MGRIT", "Ghosts", "Shift", "Step", "check_tol", "mismatch"]
 
 #: ``step(u, t, dt) -> u``: one time step from ``t`` to ``t + dt``. With
 #: ``vectorized=True``, ``u`` has a leading batch dimension of k states and
 #: ``t``, ``dt`` are float64 tensors of shape (k,).
 Step = Callable[[torch.Tensor, Any, Any], torch.Tensor]
 """One time step, ``step(u, t, dt) -> u``, on torch tensors."""
+#: ``step_into(u, t, dt, out)``: a vectorized step written into ``out`` (rows of a level).
+StepInto = Callable[[torch.Tensor, Any, Any, torch.Tensor], None]
 
 
 def check_tol(tol: float, name: str) -> float:
@@ -158,9 +160,21 @@ class MGRIT:
         self.iterations = 0
         #: seconds of the last solve: "init" (initial guess), "cycles" (V-cycles and residuals)
         self.timings: dict[str, float] = {"init": 0.0, "cycles": 0.0}
+        #: with ``vectorized``, an optional ``step_into(u, t, dt, out)`` writing the step of
+        #: rows ``u`` into ``out`` (other rows of the same level): no result to copy in
+        self.step_into: StepInto | None = None
+        # Level tensors, allocated once per (state shape, dtype, device) and reused
+        # (see _setup); g and v are None on the fine level.
         self._u: list[torch.Tensor] = []
         self._g: list[torch.Tensor | None] = []
         self._v: list[torch.Tensor | None] = []
+        # Per level: the steps of its C-points' predecessors (restriction, residual).
+        self._scratch: list[torch.Tensor] = []
+        self._key: tuple[object, ...] | None = None
+        # Whether g of a level holds a restriction yet (else it is zero: not read).
+        self._g_live: list[bool] = []
+        # A fine-level tensor to use instead of allocating one (see detach_fine).
+        self._spare: torch.Tensor | None = None
         # The fine step at the C-points from the last residual, while still valid.
         self._phi_c: torch.Tensor | None = None
         # Times per level, as Python floats (scalar steps) and as tensors (vectorized).
@@ -237,19 +251,66 @@ class MGRIT:
                 f"u0 must be a torch.Tensor, got {type(u0).__name__}; "
                 "convert it with torch.as_tensor(u0)"
             )
-        self._u, self._g, self._v = [], [], []
         self._phi_c = None
         if self._tt[0].device != u0.device:
             # Vectorized steps get t and dt on the state's device.
             self._tt = [t.to(u0.device) for t in self._tt]
             self._tdt = [t.to(u0.device) for t in self._tdt]
-        for lv in self.layout.levels:
-            u = u0.new_zeros((lv.count + 1, *u0.shape))
+        key = (tuple(u0.shape), u0.dtype, u0.device)
+        if key != self._key or not self._u:
+            self._allocate(u0)
+            self._key = key
+        elif self._u[0].shape[0] == 0:  # handed over by detach_fine
+            self._u[0] = self._fine_tensor(u0)
+        self._g_live = [False] * self.num_levels
+        # Only what is read before it is written needs a value: the ghost rows, and the
+        # fine level's initial guess without the nested start (which injects the
+        # C-points and relaxes the F-points first). g is zero until restricted (_g_live).
+        if self.num_levels > 1 and not self.skip_downcycle:
+            self._u[0].zero_()
+        for u in self._u:
             if self.layout.holds_start:
                 u[0] = u0
+            else:
+                u[0].zero_()
+
+    def _allocate(self, u0: torch.Tensor) -> None:
+        self._u, self._g, self._v, self._scratch = [], [], [], []
+        for lv in self.layout.levels:
+            shape = (lv.count + 1, *u0.shape)
+            u = self._fine_tensor(u0) if lv.index == 0 else u0.new_empty(shape)
             self._u.append(u)
-            self._g.append(None if lv.index == 0 else torch.zeros_like(u))
-            self._v.append(None)
+            self._g.append(None if lv.index == 0 else torch.empty_like(u))
+            self._v.append(None if lv.index == 0 else torch.empty_like(u))
+            self._scratch.append(u0.new_empty((lv.count // lv.cfactor, *u0.shape)))
+
+    def _fine_tensor(self, u0: torch.Tensor) -> torch.Tensor:
+        """The fine level's tensor: the spare one handed back, if it fits, or a new one."""
+        shape = (self.layout.levels[0].count + 1, *u0.shape)
+        spare, self._spare = self._spare, None
+        if spare is not None and (spare.shape, spare.dtype, spare.device) == (
+            shape,
+            u0.dtype,
+            u0.device,
+        ):
+            return spare
+        return u0.new_empty(shape)
+
+    def detach_fine(self) -> torch.Tensor:
+        """Hands the fine level's tensor (the last solve's solution) over to the caller.
+
+        The solver no longer writes it: the next solve takes a tensor given to
+        :meth:`reuse_fine`, else a new one. The adjoint keeps the forward states
+        so, without copying them.
+        """
+        u = self._u[0]
+        self._u[0] = u.new_empty((0, *u.shape[1:]))
+        return u
+
+    def reuse_fine(self, spare: torch.Tensor) -> None:
+        """Gives back a tensor of :meth:`detach_fine` that its holder is done with, for
+        the next solve that needs a fine level (used if its shape, dtype and device fit)."""
+        self._spare = spare
 
     def _nested_start(self) -> None:
         last = self.num_levels - 1
@@ -272,19 +333,45 @@ class MGRIT:
         t, dt, step = self._t[lvl], self._dt[lvl], self.step
         return torch.stack([step(u[i], t[i], dt[i]) for i in range(start, stop, stride)])
 
+    def _phi_into(self, lvl: int, start: int, stop: int, stride: int, out: torch.Tensor) -> Any:
+        """The step of rows ``start:stop:stride``, written into ``out`` with ``step_into``
+        (else a new tensor)."""
+        if self.step_into is None:
+            return self._phi(lvl, start, stop, stride)
+        sl = slice(start, stop, stride)
+        self.step_into(self._u[lvl][sl], self._tt[lvl][sl], self._tdt[lvl][sl], out)
+        return out
+
+    def _live_g(self, lvl: int) -> torch.Tensor | None:
+        """g of level ``lvl``, or None while it is zero (no restriction yet this solve)."""
+        return self._g[lvl] if self._g_live[lvl] else None
+
+    def _relax_rows(self, lvl: int, start: int, stop: int, m: int) -> None:
+        """``u_i = g_i + Phi(u_{i-1})`` for rows ``start:stop:m``, written in place."""
+        u, g = self._u[lvl], self._live_g(lvl)
+        rows = u[start:stop:m]
+        if self.step_into is not None:
+            src = slice(start - 1, stop, m)
+            self.step_into(u[src], self._tt[lvl][src], self._tdt[lvl][src], rows)
+            if g is not None:
+                rows.add_(g[start:stop:m])
+            return
+        new = self._phi(lvl, start - 1, stop, m)
+        if g is None:
+            rows.copy_(new)
+        else:
+            torch.add(g[start:stop:m], new, out=rows)
+
     def _f_relax(self, lvl: int, first: int = 0, last: int | None = None) -> None:
         """F-relaxation of the C-intervals ``first..last-1`` (all by default)."""
         if lvl == 0:
             self._phi_c = None
-        u, g = self._u[lvl], self._g[lvl]
         n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
         stop = n if last is None else last * m
         if stop <= first * m:
             return
         for j in range(1, m):
-            start = first * m + j
-            new = self._phi(lvl, start - 1, stop, m)
-            u[start:stop:m] = new if g is None else g[start:stop:m] + new
+            self._relax_rows(lvl, first * m + j, stop, m)
 
     def _exchange_f_relax(self, lvl: int) -> None:
         """Ghost exchange overlapped with F-relaxation of the intervals that do not need it.
@@ -308,12 +395,10 @@ class MGRIT:
     def _c_relax(self, lvl: int) -> None:
         if lvl == 0:
             self._phi_c = None
-        u, g = self._u[lvl], self._g[lvl]
         n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
         if n == 0:
             return
-        new = self._phi(lvl, m - 1, n, m)
-        u[m::m] = new if g is None else g[m::m] + new
+        self._relax_rows(lvl, m, n + 1, m)
 
     def _exchange(self, lvl: int) -> None:
         """Refreshes the ghost row 0 from the left neighbour's last point."""
@@ -323,42 +408,76 @@ class MGRIT:
         self.ghosts.start(u[-1], u[0], tag=lvl).finish()
 
     def _restrict(self, lvl: int) -> None:
-        """FAS: inject u to the coarse level and form its right-hand side g."""
-        u, g = self._u[lvl], self._g[lvl]
+        """FAS: inject u to the coarse level and form its right-hand side g (in place)."""
+        u, g = self._u[lvl], self._live_g(lvl)
         n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
-        v = u[0 : n + 1 : m].clone()
-        self._v[lvl + 1] = v
-        self._u[lvl + 1] = v.clone()
+        v, gc = self._v[lvl + 1], self._g[lvl + 1]
+        assert v is not None
+        assert gc is not None
+        v.copy_(u[0 : n + 1 : m])
+        self._u[lvl + 1].copy_(v)
         if n == 0:
             return
+        scratch = self._scratch[lvl]
         # The residual of the last iteration stepped the same points (F-relaxation only).
-        fine = self._phi_c if lvl == 0 and self._phi_c is not None else self._phi(lvl, m - 1, n, m)
+        if lvl == 0 and self._phi_c is not None:
+            fine = self._phi_c
+        else:
+            fine = self._phi_into(lvl, m - 1, n, m, scratch)
         self._phi_c = None
-        # Operation order as in PyMGRIT, so that the histories agree to rounding.
-        r = fine - u[m::m] if g is None else (g[m::m] - u[m::m]) + fine
-        coarse = self._phi(lvl + 1, 0, n // m, 1)
-        gc = self._g[lvl + 1]
-        assert gc is not None
-        gc[1:] = (r + v[1:]) - coarse
+        # Operation order as in PyMGRIT, so that the histories agree to rounding:
+        # g_c = ((g - u) + fine + v) - coarse, each operation written into g_c.
+        rhs = gc[1:]
+        if g is None:
+            torch.sub(fine, u[m::m], out=rhs)
+        else:
+            torch.sub(g[m::m], u[m::m], out=rhs)
+            rhs.add_(fine)
+        rhs.add_(v[1:])
+        rhs.sub_(self._phi_into(lvl + 1, 0, n // m, 1, scratch))  # fine is spent: reuse it
+        self._g_live[lvl + 1] = True
 
     def _correct(self, lvl: int) -> None:
         m = self.layout.levels[lvl].cfactor
         v = self._v[lvl + 1]
         assert v is not None
-        self._u[lvl][m::m] += self._u[lvl + 1][1:] - v[1:]
+        # u(C) += u_c - v, the difference formed in v (which this correction spends).
+        diff = v[1:]
+        torch.sub(self._u[lvl + 1][1:], diff, out=diff)
+        self._u[lvl][m::m].add_(diff)
         if lvl == 0:
             self._phi_c = None
 
     def _coarsest(self, lvl: int) -> None:
         """Sequential solve, passed from rank to rank: u_i = g_i + Phi(u_{i-1})."""
-        u, g = self._u[lvl], self._g[lvl]
+        u, g = self._u[lvl], self._live_g(lvl)
         n = self.layout.levels[lvl].count
         if not self.layout.active:
             return
         self.ghosts.start(None, u[0], tag=lvl).finish()
-        rows = self._march(lvl, u[0], g, n)
-        u[1:] = rows
+        if self.step_into is not None:
+            self._march_into(lvl, u, g, n)
+        else:
+            u[1:] = self._march(lvl, u[0], g, n)
         self.ghosts.start(u[-1], None, tag=lvl).finish()
+
+    def _march_into(self, lvl: int, u: torch.Tensor, g: torch.Tensor | None, n: int) -> None:
+        """:meth:`_march` with ``step_into``: each step written into the next row of u."""
+        ts: Sequence[Any]
+        dts: Sequence[Any]
+        if self.float_times:
+            ts, dts = self._t[lvl], self._dt[lvl]
+        else:
+            ts = self._tt[lvl].view(-1, 1).unbind(0)
+            dts = self._tdt[lvl].view(-1, 1).unbind(0)
+        rows = u.unsqueeze(1).unbind(0)  # views of one row each
+        gs = None if g is None else g.unsqueeze(1).unbind(0)
+        into = self.step_into
+        assert into is not None
+        for i in range(n):
+            into(rows[i], ts[i], dts[i], rows[i + 1])
+            if gs is not None:
+                rows[i + 1].add_(gs[i + 1])
 
     def _march(self, lvl: int, x: torch.Tensor, g: torch.Tensor | None, n: int) -> torch.Tensor:
         """n sequential steps from x (the hot loop of the coarsest level: lists, no indexing)."""
@@ -411,11 +530,12 @@ class MGRIT:
         """2-norm over fine C-points of ``step(u_{c-1}) - u_c``, the same on every rank."""
         n, m = self.layout.levels[0].count, self.layout.levels[0].cfactor
         if n > 0:
-            fine = self._phi(0, m - 1, n, m)
+            fine = self._phi_into(0, m - 1, n, m, self._scratch[0])
             # Kept for the next restriction, unless relaxation changes level 0 first.
             self._phi_c = fine
             r = fine - self._u[0][m::m]
-            local = torch.linalg.vector_norm(r.reshape(r.shape[0], -1).double(), dim=1).cpu()
+            flat = r.reshape(r.shape[0], -1)
+            local = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).cpu()
         else:
             local = torch.zeros(0, dtype=torch.float64)
         if self.comm.size > 1:
@@ -433,85 +553,3 @@ class MGRIT:
         """C-points of the finest level held by each rank (its rows of the residual)."""
         per_block = math.prod(self.layout.factors) // self.layout.levels[0].cfactor
         return [blocks * per_block for blocks in self.layout.blocks]
-
-
-class Ghosts:
-    """Ghost rows from the neighbouring time blocks, on a :class:`mpx.collectives.Channel`.
-
-    Only C-point values cross ranks: after C-points change, each rank posts its
-    last point (always a C-point of the level) to the rank on its right, which
-    keeps it as the ghost row 0 of its block. One tag per level; the receive is
-    posted before the relaxation that does not need it; CUDA states travel
-    through the channel (MPI need not be CUDA-aware)::
-
-        rank r-1: [g | ... F F C]  --- last C-point --->  rank r: [g | F F C ... ]
-                                                                  ^ ghost row 0
-
-    Example::
-
-        ghosts = Ghosts(comm, left=layout.left, right=layout.right)
-        shift = ghosts.start(u[-1], u[0], tag=level)   # u[0] <- left neighbour's last row
-        relax_all_but_the_first_interval(); shift.finish(); relax_the_first_interval()
-    """
-
-    def __init__(self, comm: Communicator, left: int | None, right: int | None) -> None:
-        self.channel = Channel(comm)
-        self.left, self.right = left, right
-
-    def start(self, last: torch.Tensor | None, ghost: torch.Tensor | None, tag: int) -> Shift:
-        """Starts posting ``last`` right (if given and there is a right neighbour) and
-        receiving the left neighbour's into ``ghost`` (likewise); returns at once."""
-        incoming, sent = None, None
-        if ghost is not None and self.left is not None:
-            like = [(ghost.shape, ghost.dtype)]
-            incoming = self.channel.expect(self.left, tag, like, device=ghost.device)
-        if last is not None and self.right is not None:
-            sent = self.channel.post(self.right, tag, last)  # ``last`` is kept until finish()
-        return Shift(self, incoming, sent, ghost)
-
-
-class Shift:
-    """An exchange in flight: :meth:`finish` waits for it and fills the ghost row."""
-
-    def __init__(
-        self, ghosts: Ghosts, incoming: Any, sent: Any, ghost: torch.Tensor | None
-    ) -> None:
-        self.ghosts, self.incoming, self.sent, self.ghost = ghosts, incoming, sent, ghost
-
-    @property
-    def receives(self) -> bool:
-        """Whether the ghost row will change (there is a left neighbour)."""
-        return self.incoming is not None
-
-    def finish(self) -> None:
-        """Waits for the exchange.
-
-        Raises:
-            MGRITError: the message did not fit (the ranks are out of step).
-            CollectiveTimeout: the neighbour did not arrive in time (``MPX_TIMEOUT``).
-        """
-        channel = self.ghosts.channel
-        try:
-            if self.incoming is not None:
-                assert self.ghost is not None
-                message = channel.receive(self.incoming)
-                self.ghost.copy_(message.tensors[0])
-                channel.release(message.tensors)
-                self.incoming = None
-            if self.sent is not None:
-                channel.wait(self.sent)
-                self.sent = None
-        except (MPXValueError, MPI.Exception) as err:
-            shape = () if self.ghost is None else tuple(self.ghost.shape)
-            raise mismatch((self.ghosts.left, self.ghosts.right), shape, err) from err
-
-
-def mismatch(
-    peers: tuple[int | None, int | None], shape: tuple[int, ...], err: Exception
-) -> MGRITError:
-    """The error of an exchange whose message did not fit: the ranks are out of step."""
-    return MGRITError(
-        f"MGRIT boundary exchange with neighbours (left, right) = {peers} failed for a state of "
-        f"shape {shape} ({err}). Every rank of the communicator must call solve() (or the "
-        "network's forward and backward) in the same order with states of the same shape."
-    )

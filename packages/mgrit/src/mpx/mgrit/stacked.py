@@ -21,10 +21,12 @@ The adjoint runs in reversed time, so its data are kept in reversed order
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from mpx.mgrit._torch_private import version
 
 __all__ = ["ELEMENTWISE", "StackedSteps"]
 
@@ -44,6 +46,23 @@ def _split(layer: nn.Module) -> tuple[nn.Linear, nn.Module | None] | None:
         if act is None or type(act) in ELEMENTWISE:
             return layer[0], act
     return None
+
+
+def _in_place(act: nn.Module | None) -> Callable[[torch.Tensor], object]:
+    """The activation applied in place (no result to copy back) where torch has it."""
+    if act is None or type(act) is nn.Identity:
+        return lambda z: z
+    in_place = {nn.Tanh: torch.Tensor.tanh_, nn.Sigmoid: torch.Tensor.sigmoid_,
+                nn.ReLU: torch.Tensor.relu_}.get(type(act))  # fmt: skip
+    if in_place is not None:
+        return in_place
+    return lambda z: z.copy_(act(z))
+
+
+def _axpy(x: torch.Tensor, y: torch.Tensor, dt: torch.Tensor | float, n: int) -> None:
+    """``y <- x + dt * y`` in place, dt a number or one per row of the n rows (the same
+    two operations either way, so that a step's bits do not depend on which it got)."""
+    y.mul_(dt if isinstance(dt, float) else dt.to(y.dtype).view(n, 1, 1)).add_(x)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -70,10 +89,19 @@ class StackedSteps:
         self.linears, self.act = linears, act
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
-        # Reversed-order data of the last linearisation (see the module doc).
+        #: how many times the weights were stacked (once per change of any of them)
+        self.stacks = 0
+        # (data pointer, version counter) of every parameter when last stacked.
+        self._key: tuple[tuple[int, int], ...] | None = None
+        # Reversed-order data of the last linearisation (see the module doc); the
+        # reversed weights are kept with the stacked ones, for the same key.
         self._w_rev = torch.empty(0)
+        self._w_rev_key: tuple[tuple[int, int], ...] | None = None
         self._x_rev = torch.empty(0)
         self._d_rev: torch.Tensor | None = None
+        # Scratch tensors of the adjoint's ``lam * act'(z)``, one per shape.
+        self._scratch: dict[tuple[int, ...], torch.Tensor] = {}
+        self._act_ = _in_place(act)
 
     @staticmethod
     def of(layers: Sequence[nn.Module]) -> StackedSteps | None:
@@ -102,34 +130,61 @@ class StackedSteps:
             return None
         return StackedSteps(linears, act)
 
-    def refresh(self) -> None:
-        """Stacks the layers' current weights (once per forward pass)."""
+    def _parameters(self) -> list[torch.Tensor]:
+        return [p for lin in self.linears for p in (lin.weight, lin.bias) if p is not None]
+
+    def refresh(self) -> bool:
+        """Stacks the layers' weights if any changed since the last stacking.
+
+        A training step stacks them once: its forward and backward and the
+        next forward until the optimizer's step (which bumps every changed
+        parameter's version counter) all read the same weights.
+
+        Returns:
+            whether the weights were stacked now.
+        """
+        params = self._parameters()
+        key = tuple((p.data_ptr(), version(p)) for p in params)
+        if key == self._key and self.weight.numel() > 0:
+            return False
         with torch.no_grad():
             self.weight = torch.stack([lin.weight.detach() for lin in self.linears])
             biases = [lin.bias.detach() for lin in self.linears if lin.bias is not None]
             self.bias = torch.stack(biases) if biases else None
+        self._key, self.stacks = key, self.stacks + 1
+        return True
 
-    def _act(self, z: torch.Tensor) -> torch.Tensor:
-        return z if self.act is None else self.act(z)
+    def _rows(self, x: torch.Tensor, out: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        n, w = x.shape[0], self.weight.shape[-1]
+        # Views: a level's rows are strided, each state (batch, width) contiguous.
+        return n, x.view(n, -1, w), out.view(n, -1, w)
 
     def step(self, x: torch.Tensor, k0: int, stride: int, dt: torch.Tensor | float) -> torch.Tensor:
         """``x_i + dt_i f_k(x_i)`` for the rows of ``x``, local steps ``k0, k0 + stride, ...``."""
-        n, w = x.shape[0], self.weight.shape[-1]
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self.step_into(x, k0, stride, dt, out)
+        return out
+
+    def step_into(
+        self, x: torch.Tensor, k0: int, stride: int, dt: torch.Tensor | float, out: torch.Tensor
+    ) -> None:
+        """:meth:`step` written into ``out`` (rows of a level: no result to copy in)."""
+        n, x3, o3 = self._rows(x, out)
+        # One kernel for any number of rows (also the coarsest level's single rows), so
+        # that a step is the same bits whichever call makes it: a one-level solve's
+        # residual is then exactly 0.
         ks = slice(k0, k0 + (n - 1) * stride + 1, stride)
-        x3 = x.reshape(n, -1, w)
-        wt = self.weight[ks].transpose(1, 2)
-        if self.bias is None:
-            z = torch.bmm(x3, wt)
-        else:
-            z = torch.baddbmm(self.bias[ks].unsqueeze(1), x3, wt)
-        y = self._act(z)
-        y = y.mul_(dt if isinstance(dt, float) else dt.to(y.dtype).view(n, 1, 1))
-        return y.add_(x3).reshape(x.shape)
+        torch.bmm(x3, self.weight[ks].transpose(1, 2), out=o3)
+        if self.bias is not None:
+            o3.add_(self.bias[ks].unsqueeze(1))
+        self._act_(o3)
+        _axpy(x3, o3, dt, n)
 
     def linearize(self, states: torch.Tensor) -> None:
         """Keeps ``act'(z_k)`` at the states of the local steps (rows ``0..n-1`` of ``states``)."""
         n, w = len(self.linears), self.weight.shape[-1]
-        self._w_rev = self.weight.flip(0)
+        if self._w_rev_key != self._key or self._w_rev.numel() == 0:
+            self._w_rev, self._w_rev_key = self.weight.flip(0), self._key
         self._x_rev = states[:n].reshape(n, -1, w).flip(0)
         z = torch.bmm(self._x_rev, self._w_rev.transpose(1, 2))
         if self.bias is not None:
@@ -144,7 +199,8 @@ class StackedSteps:
 
     def release(self) -> None:
         """Drops the linearisation (after the backward pass)."""
-        self._w_rev, self._x_rev, self._d_rev = torch.empty(0), torch.empty(0), None
+        self._x_rev, self._d_rev = torch.empty(0), None
+        self._scratch.clear()
 
     def _dlam(self, lam3: torch.Tensor, rs: slice) -> torch.Tensor:
         return lam3 if self._d_rev is None else lam3 * self._d_rev[rs]
@@ -153,12 +209,28 @@ class StackedSteps:
         self, lam: torch.Tensor, r0: int, stride: int, dt: torch.Tensor | float
     ) -> torch.Tensor:
         """``lam + dt J_k^T lam`` for reversed rows ``r0, r0 + stride, ...`` (see linearize)."""
-        n, w = lam.shape[0], self.weight.shape[-1]
+        out = torch.empty_like(lam, memory_format=torch.contiguous_format)
+        self.adjoint_into(lam, r0, stride, dt, out)
+        return out
+
+    def adjoint_into(
+        self, lam: torch.Tensor, r0: int, stride: int, dt: torch.Tensor | float, out: torch.Tensor
+    ) -> None:
+        """:meth:`adjoint` written into ``out``."""
+        n, lam3, o3 = self._rows(lam, out)
         rs = slice(r0, r0 + (n - 1) * stride + 1, stride)
-        lam3 = lam.reshape(n, -1, w)
-        g = torch.bmm(self._dlam(lam3, rs), self._w_rev[rs])
-        g = g.mul_(dt if isinstance(dt, float) else dt.to(g.dtype).view(n, 1, 1))
-        return g.add_(lam3).reshape(lam.shape)
+        src = lam3
+        if self._d_rev is not None:
+            # lam * act'(z) into a kept scratch tensor (the product needs its own memory).
+            shape = tuple(lam3.shape)
+            src = self._scratch.get(shape, lam3)
+            if src is lam3:
+                src = self._scratch[shape] = torch.empty(
+                    shape, dtype=lam3.dtype, device=lam3.device
+                )
+            torch.mul(lam3, self._d_rev[rs], out=src)
+        torch.bmm(src, self._w_rev[rs], out=o3)
+        _axpy(lam3, o3, dt, n)
 
     def gradients(
         self, lams: torch.Tensor, h: float
