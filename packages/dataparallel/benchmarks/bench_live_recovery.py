@@ -1,0 +1,160 @@
+"""Live recovery under ``mpxrun --replica-groups 2``: survivor stall, rejoin time, step overhead.
+
+The model is torchft's ``train_ddp.py`` size (an MLP of 1.3 M parameters,
+784-1024-512-10, batch 64, SGD with momentum); each replica group is one
+process. Three runs:
+
+* baseline: the same training without fault tolerance, ``mpxrun -n 2`` with
+  ``DistributedOptimizer`` (MPI), median step time;
+* ft: ``FaultTolerantOptimizer`` over two replica groups, no failure, median
+  step time (the overhead is ft / baseline - 1);
+* kill: group 1 SIGKILLs itself in its backward at step ``KILL_AT`` and is
+  restarted by ``--max-restarts``. Survivor stall: the gap between group 0's
+  last commit before the kill and its first commit after, less a median step.
+  Rejoin: from the restarted group's optimizer being ready (its imports and
+  start are not counted: they are the launcher's and Python's) to its first
+  committed step with the survivor; the survivor's pause at the rejoin is that
+  step's time (zero_grad to step's return), less the median of those.
+
+Prints a markdown table. Usage: ``python bench_live_recovery.py [--steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+KILL_AT = 30
+PROGRAM = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch
+    from torch import nn
+    import mpx.dataparallel as dp
+
+    mode, steps, kill_at, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
+                          nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    attempt = int(os.environ.get("MPX_RESTART_COUNT", "0"))
+    if mode == "ddp":
+        dp.init()
+        who = dp.rank()
+        opt = dp.DistributedOptimizer(opt, model)
+        dp.synchronize(model)
+    else:
+        who = int(os.environ["MPX_REPLICA_GROUP"])
+        opt = dp.FaultTolerantOptimizer(opt, model)
+    log = open(f"{out}/{mode}_{who}_{attempt}.jsonl", "w")
+    log.write(json.dumps({"ready": time.monotonic()}) + "\\n")
+    s = 0
+    while s < steps:
+        if mode == "ft" and kill_at >= 0 and s == kill_at + 10 and who == 0:
+            # The survivor waits for the restarted group (Python and torch start:
+            # seconds) so that it rejoins before the end; not counted anywhere.
+            while len(opt.live_groups()) < 2:
+                time.sleep(0.01)
+        t0 = time.monotonic()
+        opt.zero_grad()
+        if mode == "ft":
+            s = opt.step_count
+        gen = torch.Generator().manual_seed(s * 10 + who)
+        x, y = torch.randn(64, 784, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if mode == "ft" and kill_at >= 0 and who == 1 and attempt == 0 and s == kill_at:
+            os.kill(os.getpid(), 9)
+        ok = opt.step() if mode == "ft" else (opt.step(), True)[1]
+        members = opt.members if mode == "ft" else [0, 1]
+        entry = {"step": s, "ok": ok, "t0": t0, "t": time.monotonic(), "members": members}
+        log.write(json.dumps(entry) + "\\n")
+        log.flush()
+        if mode == "ddp":
+            s += 1
+        elif ok:
+            s = opt.step_count
+    """
+)
+
+
+def _job(out: Path, mode: str, steps: int, kill_at: int) -> None:
+    script = out / "job.py"
+    script.write_text(PROGRAM)
+    mpxrun = str(Path(sys.executable).parent / "mpxrun")
+    if mode == "ddp":
+        command = [mpxrun, "-n", "2", "--timeout", "600"]
+    else:
+        command = [mpxrun, "--replica-groups", "2", "--max-restarts", "1", "--timeout", "600"]
+    command += ["--", sys.executable, str(script), mode, str(steps), str(kill_at), str(out)]
+    env = dict(os.environ, MPX_FT_HEARTBEAT_TIMEOUT=os.environ.get("MPX_FT_HEARTBEAT_TIMEOUT", "2"))
+    subprocess.run(command, check=True, timeout=900, env=env)
+
+
+def _read(path: Path) -> tuple[float, list[dict[str, Any]]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return float(lines[0]["ready"]), lines[1:]
+
+
+def _median_step(entries: list[dict[str, Any]]) -> float:
+    times = [float(e["t"]) for e in entries]
+    gaps = [b - a for a, b in itertools.pairwise(times[5:])]
+    return statistics.median(gaps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=80)
+    args = parser.parse_args()
+    rows: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        for name in ("ddp", "ft", "kill"):
+            (base / name).mkdir()
+        _job(base / "ddp", "ddp", args.steps, -1)
+        _job(base / "ft", "ft", args.steps, -1)
+        _job(base / "kill", "ft", args.steps, KILL_AT)
+        ddp = _median_step(_read(base / "ddp" / "ddp_0_0.jsonl")[1])
+        ft = _median_step(_read(base / "ft" / "ft_0_0.jsonl")[1])
+        rows.append(("step, DistributedOptimizer (MPI, no fault tolerance)", f"{ddp * 1e3:.1f} ms"))
+        rows.append(("step, FaultTolerantOptimizer, 2 groups, no failure", f"{ft * 1e3:.1f} ms"))
+        rows.append(("overhead without failures", f"{(ft / ddp - 1) * 100:+.0f} %"))
+        _, survivor = _read(base / "kill" / "ft_0_0.jsonl")
+        committed = [e for e in survivor if e["ok"]]
+        before = max(float(e["t"]) for e in committed if int(e["step"]) < KILL_AT)
+        after = min(float(e["t"]) for e in committed if int(e["step"]) >= KILL_AT)
+        lost = sum(1 for e in survivor if not e["ok"])
+        rows.append(("survivor stall after the SIGKILL", f"{(after - before - ft) * 1e3:.0f} ms"))
+        rows.append(("steps discarded", str(lost)))
+        ready, back = _read(base / "kill" / "ft_1_1.jsonl")
+        joint = min(float(e["t"]) for e in back if e["ok"])
+        rows.append(
+            (
+                "rejoin: restarted group ready -> its first joint step",
+                f"{(joint - ready) * 1e3:.0f} ms",
+            )
+        )
+        first_joint = min(
+            (e for e in committed if len(e["members"]) == 2 and int(e["step"]) > KILL_AT),
+            key=lambda e: float(e["t"]),
+        )
+        usual = statistics.median(float(e["t"]) - float(e["t0"]) for e in committed)
+        pause = float(first_joint["t"]) - float(first_joint["t0"]) - usual
+        rows.append(("survivor's pause at the rejoin", f"{pause * 1e3:.0f} ms"))
+    print("| MLP 1.3 M parameters, 2 replica groups of 1 process | |")
+    print("|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
+if __name__ == "__main__":
+    main()

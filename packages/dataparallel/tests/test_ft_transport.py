@@ -1,0 +1,99 @@
+"""The fault-tolerant layer's wire in one process, and FaultTolerantOptimizer's argument checks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from mpx.dataparallel import (
+    DataParallelTypeError,
+    DataParallelValueError,
+    FaultTolerantOptimizer,
+    PeerLost,
+)
+from mpx.dataparallel.ft_transport import GRAD, STATE, exchange, send_frame
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    return a, b
+
+
+def _never() -> None:
+    return None
+
+
+def test_exchange_swaps_large_payloads_both_ways() -> None:
+    a, b = _pair()
+    mine, theirs = torch.randn(300_000), torch.randn(300_000)  # more than a socket buffer
+    got: dict[int, bytearray] = {}
+
+    def other() -> None:
+        got.update(exchange({0: b}, 7, GRAD, theirs.numpy().data.cast("B"), _never))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    received = exchange({1: a}, 7, GRAD, mine.numpy().data.cast("B"), _never)
+    thread.join(timeout=30)
+    assert torch.equal(torch.frombuffer(received[1], dtype=torch.float32), theirs)
+    assert torch.equal(torch.frombuffer(got[0], dtype=torch.float32), mine)
+
+
+def test_exchange_skips_an_older_steps_frame() -> None:
+    a, b = _pair()
+    send_frame(b, 3, GRAD, b"old!", _never)  # left over from a discarded step
+    send_frame(b, 4, GRAD, b"new!", _never)
+    received = exchange({1: a}, 4, GRAD, b"mine", _never)
+    assert received == {1: bytearray(b"new!")}
+
+
+def test_exchange_raises_when_the_peer_closes() -> None:
+    a, b = _pair()
+    b.close()
+    with pytest.raises(PeerLost, match=r"group 1(.s link broke| closed its link)"):
+        exchange({1: a}, 1, GRAD, b"x" * 10, _never)
+
+
+def test_exchange_raises_on_another_kind_of_frame() -> None:
+    a, b = _pair()
+    send_frame(b, 1, STATE, b"state", _never)
+    with pytest.raises(PeerLost, match="sent no gradients"):
+        exchange({1: a}, 1, GRAD, b"x", _never)
+
+
+def test_exchange_gives_up_when_check_says_the_peer_is_gone() -> None:
+    a, _b = _pair()  # the peer never sends
+
+    def gone() -> None:
+        raise PeerLost("group 1 is no longer a member")
+
+    with pytest.raises(PeerLost, match="no longer a member"):
+        exchange({1: a}, 1, GRAD, b"x", gone)
+
+
+def _model() -> nn.Module:
+    return nn.Linear(2, 2)
+
+
+def test_optimizer_argument_checks() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(DataParallelTypeError, match=r"torch\.optim\.Optimizer"):
+        FaultTolerantOptimizer(model, model, lighthouse="127.0.0.1:1")  # type: ignore[arg-type]
+    with pytest.raises(DataParallelTypeError, match=r"nn\.Module"):
+        FaultTolerantOptimizer(opt, "model", lighthouse="127.0.0.1:1")  # type: ignore[arg-type]
+    with pytest.raises(DataParallelTypeError, match="state must be a dict"):
+        FaultTolerantOptimizer(opt, model, state=[1], lighthouse="127.0.0.1:1")  # type: ignore[arg-type]
+    with pytest.raises(DataParallelValueError, match="mpxrun --replica-groups"):
+        FaultTolerantOptimizer(opt, model, lighthouse="nowhere")
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    with pytest.raises(DataParallelValueError, match="dtypes"):
+        FaultTolerantOptimizer(
+            torch.optim.SGD(mixed.parameters(), lr=0.1), mixed, lighthouse="127.0.0.1:1"
+        )
