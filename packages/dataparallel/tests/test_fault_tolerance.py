@@ -271,3 +271,13 @@ def test_hung_group_is_counted_out_and_restarted(tmp_path: Path) -> None:
     assert "hangs" in out
     assert "missed its heartbeats" in out
     _check(tmp_path, 2, 1, 12, changed=True)
+
+
+@pytest.mark.extended
+def test_three_groups_of_two_ranks_one_rank_dies_mid_reduction(tmp_path: Path) -> None:
+    """Rank 0 of group 2 dies after sending its gradients to group 0 only: column 1's
+    exchange completes, yet every group discards the step (the ranks of a group agree
+    on the outcome) and group 2 restarts as a whole."""
+    out = _run(tmp_path, 3, 2, "2:0:3:reduce:0", steps=10, hold=5)
+    assert "killed reduce" in out
+    _check(tmp_path, 3, 2, 10, changed=True)

@@ -173,10 +173,10 @@ class Lighthouse:
         before = self.membership.last
         quorum = self.membership.form(time.monotonic())
         if quorum is not None and (before is None or before.members != quorum.members):
-            joined = f" ({', '.join(map(str, sorted(quorum.donors)))} rejoining)" * bool(
-                quorum.donors
+            loads = "; ".join(
+                f"group {g} loads group {d}'s state" for g, d in quorum.donors.items()
             )
-            self._say(f"step {quorum.step}: members {quorum.members}{joined}")
+            self._say(f"step {quorum.step}: members {quorum.members}" + f" ({loads})" * bool(loads))
 
     # -- requests (each from its connection's thread) --
 
