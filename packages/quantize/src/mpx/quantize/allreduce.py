@@ -23,6 +23,10 @@ unchanged, on the implementation ``config.impl`` names (never the one
 ``MPX_COLLECTIVES_IMPL`` selects: that may be this allreduce itself). CUDA
 tensors are quantized on the GPU; only the compressed bytes cross to the
 host for MPI.
+
+``CompressionConfig(when="auto")`` compresses a buffer only where the
+compressed path was measured clearly faster than the plain one on this job's
+link (:mod:`mpx.quantize.compression_choice`); else it goes the plain way.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mpx.quantize.compression_choice import choose
 from mpx.quantize.config import CompressionConfig
 from mpx.quantize.errors import QuantizeTypeError, QuantizeValueError
 from mpx.quantize.format import FLOAT_DTYPES, QuantizedTensor, layout
@@ -101,18 +106,7 @@ def _compressed(
     # Ranks that quantize differently exchange buffers of different layouts:
     # values up to 1e35, ranks diverging. Compared once per configuration
     # (MPX_CHECK), before any data moves; the error names the field.
-    comm.check_same(
-        "quantized allreduce",
-        {
-            "bits": bits,
-            "bucket_size": bs,
-            "skip_incomplete_buckets": skip,
-            "stochastic": config.stochastic,
-            "dtype": str(dtype).replace("torch.", ""),
-            "elements": n,
-            "op": op,
-        },
-    )
+    comm.check_same("quantized allreduce", _agreed(config, flat, op))
     bounds = chunk_bounds(n, p)
     lays = [layout(e - s, dtype, bits, bs, skip) for s, e in bounds]
     # rows of the exchange buffers start 8-byte aligned: the metadata views need it
@@ -174,6 +168,49 @@ def _compressed(
     state.bytes_uncompressed += 2 * (p - 1) * n * flat.element_size() // p
 
 
+def _agreed(config: CompressionConfig, flat: torch.Tensor, op: str) -> dict[str, Hashable]:
+    """What every rank's compressed allreduce (or its measurement) must agree on."""
+    return {
+        "bits": config.bits,
+        "bucket_size": config.bucket_size,
+        "skip_incomplete_buckets": config.skip_incomplete_buckets,
+        "stochastic": config.stochastic,
+        "dtype": str(flat.dtype).replace("torch.", ""),
+        "elements": flat.numel(),
+        "op": op,
+        "when": config.when,
+    }
+
+
+def _compressible(
+    flat: torch.Tensor,
+    comm: Communicator,
+    config: CompressionConfig,
+    op: str,
+    state: QuantizeState,
+    key: Hashable,
+) -> None:
+    """``flat`` compressed, or with ``when="auto"`` the path measured faster for its size."""
+    if config.when == "auto":
+        impl = config.impl("allreduce")
+        chosen = choose(
+            flat,
+            comm,
+            config,
+            op,
+            state,
+            _agreed(config, flat, op),
+            plain=lambda x, scratch: _plain(x, comm, op, scratch, impl),
+            compressed=lambda x, scratch: _compressed(
+                x, comm, scratch.config, op, scratch, "scratch"
+            ),
+        )
+        if not chosen.compressed:
+            _plain(flat, comm, op, state, impl)
+            return
+    _compressed(flat, comm, config, op, state, key)
+
+
 def allreduce(
     t: torch.Tensor,
     comm: CommLike | None = None,
@@ -227,7 +264,7 @@ def allreduce(
     work = t if t.is_contiguous() else t.contiguous()
     flat = work.view(-1)
     if t.dtype in FLOAT_DTYPES and config.compresses(t.numel()):
-        _compressed(flat, comm, config, op, state, key if key is not None else _key(t))
+        _compressible(flat, comm, config, op, state, key if key is not None else _key(t))
     else:
         _plain(flat, comm, op, state, config.impl("allreduce"))
     if work is not t:
@@ -318,7 +355,7 @@ def allreduce_tensors(
                 flat = torch.cat([tensors[i].reshape(-1) for i in members])
             if packed:
                 key = ("fused", *(names[i] if names is not None else i for i in members))
-                _compressed(flat, comm, config, op, state, key)
+                _compressible(flat, comm, config, op, state, key)
             else:
                 _plain(flat, comm, op, state, config.impl("allreduce"))
             if len(members) > 1 or not tensors[members[0]].is_contiguous():

@@ -40,6 +40,9 @@ __all__ = [
 # in mpx.collectives' registry; auto lets the collectives' policy choose.
 COMMUNICATORS = ("auto", "mpi", "shm")
 
+# CompressionConfig.when: compress every compressible tensor, or where measured faster.
+WHEN = ("always", "auto")
+
 # CGX compresses nothing below 16 elements, whatever minimal_size says.
 MIN_COMPRESSED = 16
 
@@ -59,6 +62,13 @@ class CompressionConfig:
         exclude: name parts of layers that stay in full precision ("bn", "bias").
         stochastic: unbiased stochastic rounding (else nearest).
         seed: seed of the stochastic rounding (offset by the rank).
+        communicator: the collectives implementation under the compressed
+            allreduce (CGX's CGX_INNER_COMMUNICATOR_TYPE): auto, mpi or shm.
+        when: ``"always"`` compresses every compressible tensor; ``"auto"``
+            first times, once per buffer size, the compressed and the plain
+            allreduce on this job's link and compresses only where that is
+            clearly faster (:mod:`mpx.quantize.compression_choice`): not over
+            shared memory on one node, yes across nodes on a slow network.
 
     Example::
 
@@ -77,6 +87,7 @@ class CompressionConfig:
     stochastic: bool = True
     seed: int = 0
     communicator: str = "auto"
+    when: str = "always"
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -111,6 +122,11 @@ class CompressionConfig:
                 "transport here; auto lets mpx.collectives choose)"
             )
         object.__setattr__(self, "communicator", self.communicator.lower())
+        if self.when not in WHEN:
+            raise QuantizeValueError(
+                f"when={self.when!r} must be one of {list(WHEN)}: 'always' compresses every "
+                "compressible tensor, 'auto' only where it is measured to be faster"
+            )
 
     def impl(self, op: str) -> str:
         """The mpx.collectives implementation of ``op`` under ``communicator``.

@@ -18,6 +18,7 @@ from mpx.quantize.config import CompressionConfig, registry
 
 if TYPE_CHECKING:
     from mpx.collectives import CommLike, Communicator
+    from mpx.quantize.compression_choice import Choice
 
 __all__ = ["QuantizeState"]
 
@@ -35,6 +36,8 @@ class QuantizeState:
         residuals: error-feedback residuals (float32) by tensor key.
         bytes_sent: bytes this rank handed to the network so far, compressed and not.
         bytes_uncompressed: what the same calls would have sent in full precision.
+        choices: with ``config.when == "auto"``, what was measured and decided for
+            each buffer size (:class:`mpx.quantize.compression_choice.Choice`).
 
     Example::
 
@@ -62,6 +65,8 @@ class QuantizeState:
             self.names.update({id(p): name for name, p in model.named_parameters()})
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
+        # CompressionConfig(when="auto")'s decisions, by buffer size, dtype, device, op.
+        self.choices: dict[Hashable, Choice] = {}
 
     @property
     def comm(self) -> Communicator:
