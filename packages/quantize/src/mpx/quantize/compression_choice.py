@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from mpx.quantize.state import Choice, QuantizeState
+
 if TYPE_CHECKING:
     from mpx.collectives import Communicator
     from mpx.quantize.config import CompressionConfig
-    from mpx.quantize.state import QuantizeState
 
-__all__ = ["MARGIN", "ROUNDS", "Choice", "choose"]
+__all__ = ["MARGIN", "ROUNDS", "Reduce", "choose"]
 
 ROUNDS = 3
 """Timed rounds of each path; the best of them counts (the others saw the noise)."""
@@ -44,22 +44,7 @@ MARGIN = 0.1
 must win clearly, not by the noise of one measurement."""
 
 
-@dataclass(frozen=True)
-class Choice:
-    """What ``when="auto"`` decided for buffers of one size, and from what.
-
-    Attributes:
-        compressed: whether they are quantized.
-        plain_s: the slowest rank's best time of the uncompressed allreduce (seconds).
-        compressed_s: the same for the compressed one.
-    """
-
-    compressed: bool
-    plain_s: float
-    compressed_s: float
-
-
-Reduce = Callable[[torch.Tensor, "QuantizeState"], None]
+Reduce = Callable[[torch.Tensor, QuantizeState], None]
 """One path's allreduce of a flat buffer in place, with the state it may update."""
 
 
@@ -95,7 +80,6 @@ def _measure(
     compressed: Reduce,
 ) -> Choice:
     from mpx.collectives import allreduce, barrier
-    from mpx.quantize.state import QuantizeState
 
     # A state of its own: no residuals, its own generator and counters.
     scratch_state = QuantizeState(config.with_(error_feedback=False), comm)

@@ -10,6 +10,7 @@ and byte counters.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,9 +19,23 @@ from mpx.quantize.config import CompressionConfig, registry
 
 if TYPE_CHECKING:
     from mpx.collectives import CommLike, Communicator
-    from mpx.quantize.compression_choice import Choice
 
-__all__ = ["QuantizeState"]
+__all__ = ["Choice", "QuantizeState"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``CompressionConfig(when="auto")`` decided for buffers of one size, and from what.
+
+    Attributes:
+        compressed: whether they are quantized.
+        plain_s: the slowest rank's best time of the uncompressed allreduce (seconds).
+        compressed_s: the same for the compressed one.
+    """
+
+    compressed: bool
+    plain_s: float
+    compressed_s: float
 
 
 class QuantizeState:
@@ -37,7 +52,7 @@ class QuantizeState:
         bytes_sent: bytes this rank handed to the network so far, compressed and not.
         bytes_uncompressed: what the same calls would have sent in full precision.
         choices: with ``config.when == "auto"``, what was measured and decided for
-            each buffer size (:class:`mpx.quantize.compression_choice.Choice`).
+            each buffer size (:class:`Choice`; :mod:`mpx.quantize.compression_choice`).
 
     Example::
 
