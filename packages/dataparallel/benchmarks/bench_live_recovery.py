@@ -16,7 +16,8 @@ process. Three runs:
   committed step with the survivor; the survivor's pause at the rejoin is that
   step's time (zero_grad to step's return), less the median of those.
 
-Prints a markdown table. Usage: ``python bench_live_recovery.py [--steps N]``.
+Prints a markdown table; ``--curve`` (the demo) also prints the kill run's loss
+per step and group. Usage: ``python bench_live_recovery.py [--steps N] [--curve]``.
 """
 
 from __future__ import annotations
@@ -71,12 +72,14 @@ PROGRAM = textwrap.dedent(
             s = opt.step_count
         gen = torch.Generator().manual_seed(s * 10 + who)
         x, y = torch.randn(64, 784, generator=gen), torch.randint(0, 10, (64,), generator=gen)
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
         if mode == "ft" and kill_at >= 0 and who == 1 and attempt == 0 and s == kill_at:
             os.kill(os.getpid(), 9)
         ok = opt.step() if mode == "ft" else (opt.step(), True)[1]
         members = opt.members if mode == "ft" else [0, 1]
-        entry = {"step": s, "ok": ok, "t0": t0, "t": time.monotonic(), "members": members}
+        entry = {"step": s, "ok": ok, "t0": t0, "t": time.monotonic(), "members": members,
+                 "loss": loss.item()}
         log.write(json.dumps(entry) + "\\n")
         log.flush()
         if mode == "ddp":
@@ -111,9 +114,32 @@ def _median_step(entries: list[dict[str, Any]]) -> float:
     return statistics.median(gaps)
 
 
+def _curve(run: Path) -> None:
+    """The loss of every group at every committed step: the survivor's curve goes on
+    through the kill, the restarted group's picks up where the survivor is."""
+    losses: dict[int, dict[int, float]] = {}
+    members: dict[int, list[int]] = {}
+    for path in sorted(run.glob("ft_*_*.jsonl")):
+        group = int(path.stem.split("_")[1])
+        for entry in _read(path)[1]:
+            if entry["ok"]:
+                losses.setdefault(int(entry["step"]), {})[group] = float(entry["loss"])
+                members[int(entry["step"])] = entry["members"]
+    print("| step | members | loss, group 0 | loss, group 1 |")
+    print("|---|---|---|---|")
+    for step in sorted(losses):
+        row = [f"{losses[step][g]:.4f}" if g in losses[step] else "(down)" for g in (0, 1)]
+        print(f"| {step} | {members[step]} | {row[0]} | {row[1]} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="demo: also print the kill run's loss per step and group, with the membership",
+    )
     args = parser.parse_args()
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,6 +176,8 @@ def main() -> None:
         usual = statistics.median(float(e["t"]) - float(e["t0"]) for e in committed)
         pause = float(first_joint["t"]) - float(first_joint["t0"]) - usual
         rows.append(("survivor's pause at the rejoin", f"{pause * 1e3:.0f} ms"))
+        if args.curve:
+            _curve(base / "kill")
     print("| MLP 1.3 M parameters, 2 replica groups of 1 process | |")
     print("|---|---|")
     for name, value in rows:

@@ -296,7 +296,7 @@ class FaultTolerantOptimizer:
         ]
         if not parts:
             return torch.zeros(0, dtype=self._dtype)
-        return torch.cat(parts).to("cpu", copy=True)
+        return torch.cat(parts).cpu()  # cat made a new tensor: no second copy
 
     def _reduce(self, quorum: dict[str, Any]) -> None:
         members = [int(g) for g in quorum["members"]]
@@ -314,7 +314,8 @@ class FaultTolerantOptimizer:
                 part = flat if g == self.group else torch.frombuffer(got[g], dtype=flat.dtype)
                 if part.numel() != flat.numel():
                     raise PeerLost(f"group {g} sent {part.numel()} gradients, not {flat.numel()}")
-                total = part.clone() if total is None else total.add_(part)
+                # The first member's buffer (ours or a received one) accumulates.
+                total = part if total is None else total.add_(part)
             assert total is not None
             flat = total.div_(len(members))
         offset = 0
