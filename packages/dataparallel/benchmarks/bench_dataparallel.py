@@ -9,6 +9,7 @@ same model and per-rank batch run with:
     mpx, overlap=True               buckets allreduced from gradient hooks
     mpx, overlap=False              every bucket allreduced in step()
     mpx, 4-bit compression          mpx.quantize.allreduce (row left empty without it)
+    mpx, 4-bit, when="auto"         compressed only where measured faster (first step)
     torch DDP, gloo                 the peer
     torch DDP, mpx backend          DDP on mpx.collectives' torch.distributed backend
     ..., MPX_PROGRESS_THREAD=0      the same with futures completed synchronously (no overlap)
@@ -180,6 +181,10 @@ def measure() -> None:
             config = quantize.CompressionConfig(bits=4)
             opt = dp.DistributedOptimizer(inner, model, compression=config)
             fns["mpx DistributedOptimizer 4-bit"] = _step_fn(model, opt)
+            model, inner = fresh()
+            auto = config.with_(when="auto")  # decides in the warm-up steps
+            opt = dp.DistributedOptimizer(inner, model, compression=auto)
+            fns["mpx DistributedOptimizer 4-bit, when=auto"] = _step_fn(model, opt)
             compressed = True
     except ImportError:
         pass
@@ -203,6 +208,7 @@ def measure() -> None:
     }
     if not compressed:
         results["mpx DistributedOptimizer 4-bit"] = None
+        results["mpx DistributedOptimizer 4-bit, when=auto"] = None
     results["auto overlaps"] = float(auto_overlaps)
     dist.destroy_process_group()
     if comm.rank == 0:
@@ -262,6 +268,7 @@ def report(nprocs: int, single: float) -> None:
         "mpx DistributedOptimizer fp32, overlap=True",
         "mpx DistributedOptimizer fp32, overlap=False",
         "mpx DistributedOptimizer 4-bit",
+        "mpx DistributedOptimizer 4-bit, when=auto",
         "torch DDP, gloo",
         "torch DDP, mpx backend",
         "torch DDP, mpx backend, MPX_PROGRESS_THREAD=0",

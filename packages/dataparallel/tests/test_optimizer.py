@@ -355,6 +355,46 @@ def test_compression_filters_layers_as_cgx_does() -> None:
         assert error["2.weight"] > 1e-4, error  # 2 bits: really compressed
 
 
+@pytest.mark.parametrize("compressed_wins", [False, True])
+def test_when_auto_steps_aside_or_keeps_compressing(
+    monkeypatch: pytest.MonkeyPatch, compressed_wins: bool
+) -> None:
+    """compression=CompressionConfig(when="auto"): where the plain allreduce was measured
+    faster for every bucket, the optimizer reduces as without compression from step 2
+    (non-blocking); where compression won, it keeps it. MARGIN forces the outcome."""
+    quantize = pytest.importorskip("mpx.quantize")
+    from mpx.quantize import compression_choice
+
+    monkeypatch.setattr(compression_choice, "MARGIN", -1e12 if compressed_wins else 1.0)
+    config = quantize.CompressionConfig(bits=4, bucket_size=64, when="auto")
+    x, y = (t.float() for t in _batch(0, dp.world_size()))
+    trained = {}
+    runs = (("auto", config), ("fp32", None), ("4-bit", config.with_(when="always")))
+    stepped_aside = False
+    for label, compression in runs:
+        model = _model(torch.float32)
+        opt = dp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, compression=compression
+        )
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+            opt.step()
+        trained[label] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if label == "auto":
+            stepped_aside = opt.compression is None
+        opt.remove_hooks()
+    if dp.world_size() == 1:  # nothing communicated: nothing measured, nothing decided
+        assert not stepped_aside
+        return
+    assert stepped_aside is not compressed_wins
+    if compressed_wins:
+        assert torch.equal(trained["auto"], trained["4-bit"])  # the same bits as always
+        assert not torch.equal(trained["auto"], trained["fp32"])
+    else:  # the plain allreduce: fp32's values (per-buffer sums may round apart by an ulp)
+        torch.testing.assert_close(trained["auto"], trained["fp32"], rtol=1e-6, atol=1e-7)
+
+
 def test_models_with_different_layouts_raise_at_construction() -> None:
     """Parameter shapes or counts that differ across ranks trained on garbage, silently."""
     from mpx.collectives import MismatchError

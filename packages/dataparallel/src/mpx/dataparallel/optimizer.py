@@ -57,7 +57,7 @@ from mpx.dataparallel.errors import (
     DataParallelTypeError,
     DataParallelValueError,
 )
-from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket
+from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket, steps_aside
 from mpx.dataparallel.runtime import default_comm
 
 __all__ = ["DistributedOptimizer", "overlap_pays"]
@@ -367,6 +367,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise
         out = self.optimizer.step()
         self._reset()
+        if steps_aside(self.compression, self.compression_state):
+            self.compression = None  # when="auto": the plain allreduce was faster everywhere
         return out
 
     @contextlib.contextmanager
