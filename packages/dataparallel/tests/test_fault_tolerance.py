@@ -281,3 +281,14 @@ def test_three_groups_of_two_ranks_one_rank_dies_mid_reduction(tmp_path: Path) -
     out = _run(tmp_path, 3, 2, "2:0:3:reduce:0", steps=10, hold=5)
     assert "killed reduce" in out
     _check(tmp_path, 3, 2, 10, changed=True)
+
+
+@pytest.mark.extended
+def test_three_groups_of_two_ranks_donor_rank_dies_during_rejoin(tmp_path: Path) -> None:
+    """Group 2 dies; at its rejoin rank 1 of its donor (group 0) dies while sending: the
+    newcomer's rank 0 got its column's state, rank 1 did not, so the whole group redoes
+    the join (from group 1) rather than going on half loaded."""
+    out = _run(tmp_path, 3, 2, "2:0:3:backward:0,0:1:1:rejoin:0", steps=12, hold=5)
+    assert "killed backward" in out
+    assert "killed rejoin" in out
+    _check(tmp_path, 3, 2, 12, changed=True)

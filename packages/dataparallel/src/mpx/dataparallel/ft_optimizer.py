@@ -203,14 +203,21 @@ class FaultTolerantOptimizer:
                 {(int(g), i) for g, i in quorum["incarnations"].items() if int(g) != self.group}
             )
             ok = True
+            loaded: dict[str, Any] | None = None
             try:
                 for recipient in quorum["recipients"]:
                     self._send_state(quorum, int(recipient))
                 if quorum["donor"] is not None:
-                    self._receive_state(quorum, int(quorum["donor"]))
-                    self.recovered = True
+                    loaded = self._receive_state(quorum, int(quorum["donor"]))
             except PeerLost:
                 ok = False
+            if self.size > 1:
+                # Each rank receives its own column's state: the group loads it only if
+                # every rank got its part (a half-loaded group would ask with one rank's step).
+                ok = bool(self.comm.allreduce(ok, op=MPI.LAND))
+            if ok and loaded is not None:
+                self._load_state(loaded)
+                self.recovered = True
             if ok:
                 self._quorum = quorum
                 self.members = [int(g) for g in quorum["members"]]
@@ -347,14 +354,19 @@ class FaultTolerantOptimizer:
             lambda: self._check(quorum),
         )
 
-    def _receive_state(self, quorum: dict[str, Any], donor: int) -> None:
+    def _receive_state(self, quorum: dict[str, Any], donor: int) -> dict[str, Any]:
         kind, payload = recv_frame(
             self._link(quorum, donor), int(quorum["quorum"]), lambda: self._check(quorum)
         )
         if kind != STATE:
             raise PeerLost(f"group {donor} sent no state")
         device = self._params[0].device if self._params else torch.device("cpu")
-        loaded = torch.load(io.BytesIO(payload), map_location=device, weights_only=True)
+        loaded: dict[str, Any] = torch.load(
+            io.BytesIO(payload), map_location=device, weights_only=True
+        )
+        return loaded
+
+    def _load_state(self, loaded: dict[str, Any]) -> None:
         self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.step_count = int(loaded["step"])
