@@ -59,6 +59,23 @@ def _in_place(act: nn.Module | None) -> Callable[[torch.Tensor], object]:
     return lambda z: z.copy_(act(z))
 
 
+def _derivative(act: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """``act'(z)``, in z's memory where the formula is known (no autograd graph, no
+    tensor of ones): tanh' = 1 - tanh^2, sigmoid' = (1 - s) s, relu' = [z > 0]."""
+    kind = type(act)
+    if kind is nn.Tanh:
+        return z.tanh_().mul_(z).neg_().add_(1)  # z * z after tanh_: the same tensor
+    if kind is nn.Sigmoid:
+        s = z.sigmoid_()
+        return torch.rsub(s, 1).mul_(s)
+    if kind is nn.ReLU:
+        return (z > 0).to(z.dtype)
+    with torch.enable_grad():
+        zr = z.requires_grad_(True)
+        (d,) = torch.autograd.grad(act(zr), zr, torch.ones_like(z))
+    return d
+
+
 def _axpy(x: torch.Tensor, y: torch.Tensor, dt: torch.Tensor | float, n: int) -> None:
     """``y <- x + dt * y`` in place, dt a number or one per row of the n rows (the same
     two operations either way, so that a step's bits do not depend on which it got)."""
@@ -192,10 +209,7 @@ class StackedSteps:
         if self.act is None or type(self.act) is nn.Identity:
             self._d_rev = None
             return
-        with torch.enable_grad():
-            zr = z.requires_grad_(True)
-            (d,) = torch.autograd.grad(self.act(zr), zr, torch.ones_like(z))
-        self._d_rev = d
+        self._d_rev = _derivative(self.act, z)
 
     def release(self) -> None:
         """Drops the linearisation (after the backward pass)."""
