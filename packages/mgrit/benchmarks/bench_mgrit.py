@@ -19,6 +19,10 @@ writes it into BENCHMARKS.md).
    in the same job, timed on rank 0 alone; the performance model
    (:mod:`mpx.mgrit.model`) priced with costs measured in the same job, and its
    predictions at 16, 64 and 256 ranks.
+3. With ``--gru``: ``ParallelGRU`` (batched and ``batched=False``) forward + backward
+   beside ``torch.nn.GRU`` with the same weights at T = 1024 and 4096 (input 32, hidden
+   64, batch 16, one thread), and the work of each (issue 42's item 3).
+   ``--skip-lp`` leaves out section 2.
 """
 
 from __future__ import annotations
@@ -245,6 +249,61 @@ def layer_parallel() -> None:
             _plot_residuals(fwd, bwd)
 
 
+GRU_INPUT, GRU_HIDDEN, GRU_BATCH, GRU_LENGTHS = 32, 64, 16, (1024, 4096)
+
+
+def gru() -> None:
+    """Inside ``mpxrun -n 1``: ParallelGRU (batched and not) forward + backward beside
+    torch.nn.GRU with the same weights, one thread, float32; one table row per length."""
+    import torch
+
+    torch.set_num_threads(1)
+    for length in GRU_LENGTHS:
+        _gru_row(length)
+
+
+def _gru_row(length: int) -> None:
+    import torch
+    from torch import nn
+
+    from mpx.mgrit import ParallelGRU, work
+
+    x = torch.randn(length, GRU_BATCH, GRU_INPUT, generator=torch.Generator().manual_seed(1))
+
+    def timed(module: nn.Module, repeats: int) -> float:
+        def run() -> None:
+            module.zero_grad()
+            out, h_n = module(x)
+            torch.autograd.backward(out.square().sum() + h_n.sum())
+
+        run()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    times, counts = {}, {}
+    for name, batched in (("batched", True), ("unbatched", False)):
+        torch.manual_seed(0)
+        par = ParallelGRU(GRU_INPUT, GRU_HIDDEN, levels=3, cfactor=4, fwd_iters=1, bwd_iters=1,
+                          batched=batched)  # fmt: skip
+        times[name] = timed(par, 3 if batched else 1)
+        counts[name] = work(par)
+    ref = nn.GRU(GRU_INPUT, GRU_HIDDEN)
+    ref.load_state_dict(par.state_dict())
+    t_ref = timed(ref, 3)
+    c = counts["batched"]
+    print(
+        f"| {length} | {t_ref * 1e3:.0f} | {times['unbatched'] * 1e3:.0f} | "
+        f"{times['batched'] * 1e3:.0f} | {times['unbatched'] / t_ref:.1f} | "
+        f"**{times['batched'] / t_ref:.1f}** | {c['forward']}/{c['adjoint']}/{c['linearize']} | "
+        f"{counts['unbatched']['linearize']} | {os.getloadavg()[0]:.1f} |",
+        flush=True,
+    )
+
+
 def _plot_residuals(fwd: list[float], bwd: list[float]) -> None:
     import matplotlib
 
@@ -340,13 +399,19 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--inside", choices=["solvers", "lp"], help=argparse.SUPPRESS)
+    parser.add_argument("--inside", choices=["solvers", "lp", "gru"], help=argparse.SUPPRESS)
     parser.add_argument(
         "--ranks",
         default="1,2,3",
         help="rank counts of the layer-parallel rows, comma-separated (default 1,2,3)",
     )
     parser.add_argument("--skip-solvers", action="store_true", help="no MGRIT vs PyMGRIT table")
+    parser.add_argument(
+        "--gru",
+        action="store_true",
+        help="add ParallelGRU vs torch.nn.GRU at T = 1024 and 4096 (about 2 minutes)",
+    )
+    parser.add_argument("--skip-lp", action="store_true", help="no layer-parallel table")
     parser.add_argument(
         "--cycles", default="V,F", help="cycle types of the solver rows: V, F or V,F (default)"
     )
@@ -359,6 +424,9 @@ def main() -> None:
         return
     if args.inside == "lp":
         layer_parallel()
+        return
+    if args.inside == "gru":
+        gru()
         return
     mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 
@@ -384,6 +452,27 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         sys.stdout.flush()
         job(1, "solvers")
+    if not args.skip_lp:
+        _layer_parallel_section(mpxrun, args.ranks)
+    if args.gru:
+        print(
+            f"\nParallelGRU beside torch.nn.GRU (same weights; input {GRU_INPUT}, hidden "
+            f"{GRU_HIDDEN}, batch {GRU_BATCH}, float32, one layer; ParallelGRU's defaults but "
+            "3 levels, cfactor 4, 1 forward and 1 adjoint V-cycle), forward + backward, one "
+            "thread, one rank; median of 3 (unbatched: 1). Work: the batched module's "
+            "forward/adjoint/linearise rows, `mpx.mgrit.work`; unbatched, every adjoint "
+            "product replays its forward (linearise = adjoint). Load: 1-minute load average.\n"
+        )
+        print(
+            "| T | nn.GRU (ms) | unbatched (ms) | batched (ms) | unbatched ÷ nn.GRU | "
+            "batched ÷ nn.GRU | work (batched) | linearise (unbatched) | load |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        sys.stdout.flush()
+        job(1, "gru")
+
+
+def _layer_parallel_section(mpxrun: str, ranks: str) -> None:
     print(
         f"\nLayer-parallel forward + backward ({STEPS} residual steps x + h·tanh(Wx + b) of width "
         f"{WIDTH}, batch {BATCH}, float32, {LEVELS} levels, cfactor {CFACTOR}, {FWD_ITERS} "
@@ -406,7 +495,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     sys.stdout.flush()
     rows: dict[int, dict[str, Any]] = {}
-    for nprocs in (int(n) for n in args.ranks.split(",")):
+    for nprocs in (int(n) for n in ranks.split(",")):
         cmd = [mpxrun, "-n", str(nprocs), "--timeout", "600", "--", sys.executable]
         done = subprocess.run(
             [*cmd, os.path.abspath(__file__), "--inside", "lp"],
