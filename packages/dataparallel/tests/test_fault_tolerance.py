@@ -50,8 +50,12 @@ PROGRAM = textwrap.dedent(
         print(f"group {group} rank {rank} killed {where}", flush=True)
         os.kill(os.getpid(), 9)
 
+    # FT_DP=1: data parallel inside each group too (DistributedOptimizer), one model
+    # per group; else each rank of a group has its own model (a column's).
+    dp_in_group = os.environ.get("FT_DP") == "1"
+
     def make_model():
-        torch.manual_seed(100 + rank)  # one model per column; every group alike
+        torch.manual_seed(100 + (0 if dp_in_group else rank))  # every group alike
         return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
 
     def batch(step, g):
@@ -60,6 +64,9 @@ PROGRAM = textwrap.dedent(
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if dp_in_group:
+        dp.init()
+        opt = dp.DistributedOptimizer(opt, model, overlap=True)  # buckets fly in backward
     ft = dp.FaultTolerantOptimizer(opt, model, state={"seen": 0})
     log = open(f"{out}/log_g{group}_r{rank}_a{attempt}.jsonl", "w")
 
@@ -128,7 +135,14 @@ def _mpxrun() -> Path:
 
 
 def _run(
-    tmp_path: Path, groups: int, nprocs: int, kill: str, steps: int, hold: int, beats: float = 20
+    tmp_path: Path,
+    groups: int,
+    nprocs: int,
+    kill: str,
+    steps: int,
+    hold: int,
+    beats: float = 20,
+    dp_in_group: bool = False,
 ) -> str:
     script = tmp_path / "job.py"
     script.write_text(PROGRAM)
@@ -138,6 +152,7 @@ def _run(
         "FT_STEPS": str(steps),
         "FT_HOLD": str(hold),
         "FT_KILL": kill,
+        "FT_DP": "1" if dp_in_group else "0",
         # A loaded 2-core machine can pause a process for a while: a hang is
         # not what these tests kill, and a SIGKILL is seen by the closed socket.
         "MPX_FT_HEARTBEAT_TIMEOUT": str(beats),
@@ -180,19 +195,23 @@ def _committed(tmp_path: Path, rank: int) -> dict[int, list[int]]:
     return steps
 
 
-def _replay(rank: int, committed: dict[int, list[int]], steps: int) -> dict[str, torch.Tensor]:
-    """One process: every committed step averages the logged members' gradients."""
-    torch.manual_seed(100 + rank)
+def _replay(
+    rank: int, committed: dict[int, list[int]], steps: int, ranks: list[int]
+) -> dict[str, torch.Tensor]:
+    """One process: every committed step averages the logged members' gradients (each
+    member's the mean over ``ranks``: its ranks in data parallel, or this rank alone)."""
+    torch.manual_seed(100 + (rank if ranks == [rank] else 0))
     model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     assert sorted(committed) == list(range(steps)), committed
     for step in range(steps):
         total: list[torch.Tensor] | None = None
         for g in committed[step]:
-            gen = torch.Generator().manual_seed(10_000 * step + 100 * g + rank)
-            x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen)
             model.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
+            for r in ranks:
+                gen = torch.Generator().manual_seed(10_000 * step + 100 * g + r)
+                x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen)
+                (nn.functional.mse_loss(model(x), y) / len(ranks)).backward()
             grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
             total = grads if total is None else [t + g_ for t, g_ in zip(total, grads, strict=True)]
         assert total is not None
@@ -202,13 +221,15 @@ def _replay(rank: int, committed: dict[int, list[int]], steps: int) -> dict[str,
     return model.state_dict()
 
 
-def _check(tmp_path: Path, groups: int, nprocs: int, steps: int, changed: bool) -> None:
+def _check(
+    tmp_path: Path, groups: int, nprocs: int, steps: int, changed: bool, dp_in_group: bool = False
+) -> None:
     for rank in range(nprocs):
         committed = _committed(tmp_path, rank)
         if changed:  # the kill did change the membership at some step
             assert any(len(m) < groups for m in committed.values()), committed
             assert len(committed[steps - 1]) == groups, committed  # and it came back
-        expected = _replay(rank, committed, steps)
+        expected = _replay(rank, committed, steps, list(range(nprocs)) if dp_in_group else [rank])
         for g in range(groups):
             final = torch.load(tmp_path / f"final_g{g}_r{rank}.pt", weights_only=True)
             for name, value in expected.items():
@@ -292,3 +313,12 @@ def test_three_groups_of_two_ranks_donor_rank_dies_during_rejoin(tmp_path: Path)
     assert "killed backward" in out
     assert "killed rejoin" in out
     _check(tmp_path, 3, 2, 12, changed=True)
+
+
+@pytest.mark.extended
+def test_two_groups_data_parallel_inside_each_group(tmp_path: Path) -> None:
+    """DistributedOptimizer over each group's 2 ranks, FaultTolerantOptimizer across the
+    groups: rank 1 of group 1 dies; the weights equal the replay of the global mean."""
+    out = _run(tmp_path, 2, 2, "1:1:3:backward:0", steps=10, hold=5, dp_in_group=True)
+    assert "killed backward" in out
+    _check(tmp_path, 2, 2, 10, changed=True, dp_in_group=True)

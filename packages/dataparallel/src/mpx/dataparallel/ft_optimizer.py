@@ -43,6 +43,7 @@ from mpx.dataparallel.ft_transport import (
     recv_frame,
     send_frame,
 )
+from mpx.dataparallel.optimizer import DistributedOptimizer
 
 __all__ = ["FaultTolerantOptimizer"]
 
@@ -73,6 +74,10 @@ class FaultTolerantOptimizer:
         group: this process's replica group; default ``MPX_REPLICA_GROUP``.
         comm: the group's MPI communicator (default the world: a group is an MPI
             world of its own); its ranks agree on every step's outcome.
+
+    ``optimizer`` may be a :class:`DistributedOptimizer` over the group's ranks (data
+    parallel inside the group as well): ``step()`` then averages over the group
+    first, then each rank over its column, and steps the optimizer it wraps.
         host: the address this rank's peers reach it at; default the address this
             host reaches the lighthouse from (127.0.0.1 for a local job).
 
@@ -125,6 +130,8 @@ class FaultTolerantOptimizer:
             )
         self.group = int(group if group is not None else _setting("MPX_REPLICA_GROUP") or 0)
         self.optimizer = optimizer
+        # Data parallel inside the group too: its reduction runs first, in step().
+        self._group_dp = optimizer if isinstance(optimizer, DistributedOptimizer) else None
         self.model = model
         self.state: MutableMapping[str, Any] = state if state is not None else {}
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -241,6 +248,10 @@ class FaultTolerantOptimizer:
         if stale:
             return self._finish(quorum, False)
         ok = True
+        if self._group_dp is not None:
+            # The group's own average first (collective over the group; a dead rank
+            # kills the whole group), so the columns exchange group means.
+            self._group_dp._finish()
         try:
             self._reduce(quorum)
         except PeerLost:
@@ -252,8 +263,20 @@ class FaultTolerantOptimizer:
 
     def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
         committed = self._vote(quorum, ok)
+        inner = self._group_dp
+        if inner is None:
+            if committed:
+                self.optimizer.step()
+        elif committed:
+            # Reduced already: step the optimizer it wraps, not its step() (a second reduction).
+            if inner._compare_parameters:
+                inner._compare_parameters = False
+                inner._check_parameters_agree()
+            inner.optimizer.step()
+            inner._reset()
+        else:
+            inner.zero_grad()  # completes a reduction in flight (collective), starts over
         if committed:
-            self.optimizer.step()
             self.step_count += 1
         self._quorum = None
         return committed
