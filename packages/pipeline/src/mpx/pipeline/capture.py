@@ -40,7 +40,7 @@ and anything under ``no_grad``. ``I`` is then a plain backward that frees
 the chunk's graph as it goes.
 
 A ``torch.compile``'d chunk: dynamo hands each call to the handler
-(:meth:`_Capture._untraced`, which it does not trace: a graph break per
+(:func:`_untraced`, which it does not trace: a graph break per
 call), so the split records as in eager mode; its forward runs about as
 eager code does.
 """
@@ -48,6 +48,7 @@ eager code does.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -277,16 +278,10 @@ class _Capture(TorchFunctionMode):
         # calls go to a handler dynamo does not trace (it would guard on the
         # weights' ids, and recompile for every micro-batch).
         if torch.compiler.is_compiling():
-            return self._untraced(func, args, kwargs or {})
+            return _untraced()(self, func, args, kwargs or {})
         if not self._takes_weight(args, kwargs):
             return func(*args, **(kwargs or {}))
         return self._weighted(func, args, kwargs or {})
-
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def _untraced(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self._takes_weight(args, kwargs):
-            return func(*args, **kwargs)
-        return self._weighted(func, args, kwargs)
 
     def _weighted(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call that takes a weight: a recorded product, a :class:`_Local`, or as it is."""
@@ -316,6 +311,25 @@ class _Capture(TorchFunctionMode):
         return list(out) if call.list_out else out
 
 
+def _handle(mode: _Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not mode._takes_weight(args, kwargs):
+        return func(*args, **kwargs)
+    return mode._weighted(func, args, kwargs)
+
+
+_UNTRACED: list[Any] = []  # _handle as torch.compiler.disable makes it, once made
+
+
+def _untraced() -> Any:
+    """The handler as dynamo runs it under torch.compile: untraced. Made where the
+    split starts once dynamo is loaded (:func:`capturing`), not at import:
+    ``torch.compiler.disable`` imports dynamo (and sympy: seconds under load),
+    which a process that never compiles should not pay."""
+    if not _UNTRACED:
+        _UNTRACED.append(torch.compiler.disable(_handle))  # type: ignore[no-untyped-call]
+    return _UNTRACED[0]
+
+
 @contextlib.contextmanager
 def capturing(weights: Iterable[torch.Tensor], records: Records) -> Iterator[None]:
     """Within the block, the calls that take one of ``weights`` (the leaves among them
@@ -329,6 +343,8 @@ def capturing(weights: Iterable[torch.Tensor], records: Records) -> Iterator[Non
         loss.backward()          # I: every gradient but the captured weights'
         weight_grads(records)    # W
     """
+    if not _UNTRACED and "torch._dynamo" in sys.modules:
+        _untraced()  # made here, in eager code: dynamo would trace the making
     leaves = [w for w in weights if w.requires_grad and w.grad_fn is None]
     if not leaves:
         yield
