@@ -144,6 +144,14 @@ def _contention(comm: Any, rows: int = 16, repeats: int = 9) -> float:
     return float(comm.mpi.bcast(max(1.0, shared / alone), root=0))
 
 
+def _wait_politely(comm: Any) -> None:
+    """Waits for every rank sleeping, not polling MPI: while rank 0 times the serial network
+    alone, a polling rank would take a core from it on a loaded machine."""
+    done = comm.mpi.Ibarrier()
+    while not done.Test():
+        time.sleep(0.002)
+
+
 def layer_parallel() -> None:
     """Inside ``mpxrun -n P``: LayerParallel fwd+bwd on all ranks, serial on rank 0 alone.
 
@@ -187,30 +195,35 @@ def layer_parallel() -> None:
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
-        timed.last = samples[-1]  # type: ignore[attr-defined]
         return float(comm.mpi.allreduce(statistics.median(samples), op=MPI.MAX))
 
-    t_lp = timed(step_of(net))
+    # The layer-parallel step (every rank) and the serial network (rank 0 alone) timed in
+    # turn, sample by sample: on a loaded machine the load drifts between two separate
+    # timing loops, so the ratio is the median of the samples' own ratios.
+    run_lp, run_serial = step_of(net), step_of(serial)
+    run_lp()
+    if comm.rank == 0:
+        run_serial()
+    lp_samples, serial_samples, last = [], [], 0.0
+    for _ in range(9):
+        comm.mpi.Barrier()
+        start = time.perf_counter()
+        run_lp()
+        last = time.perf_counter() - start
+        lp_samples.append(float(comm.mpi.allreduce(last, op=MPI.MAX)))
+        t_one = 0.0
+        if comm.rank == 0:
+            start = time.perf_counter()
+            run_serial()
+            t_one = time.perf_counter() - start
+        _wait_politely(comm)
+        serial_samples.append(float(comm.mpi.bcast(t_one, root=0)))
+    t_lp, t_serial = statistics.median(lp_samples), statistics.median(serial_samples)
+    ratio = statistics.median(a / b for a, b in zip(lp_samples, serial_samples, strict=True))
     # The last run's time inside the stacked steps, and its own duration: the model's costs.
-    seconds, last = dict(net.stepper.seconds), timed.last  # type: ignore[attr-defined]
+    seconds = dict(net.stepper.seconds)
     counted = comm.mpi.allgather(work(net))
     t_unbatched = timed(step_of(make(FWD_ITERS, BWD_ITERS, batched=False)), 3)
-    comm.mpi.Barrier()
-    t_serial = 0.0
-    if comm.rank == 0:
-        run = step_of(serial)
-        run()
-        samples = []
-        for _ in range(7):
-            start = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - start)
-        t_serial = statistics.median(samples)
-    # The other ranks wait politely (sleeping, not polling MPI) while rank 0 times the
-    # serial network: a polling rank takes a core from it on a loaded machine.
-    done = comm.mpi.Ibarrier()
-    while not done.Test():
-        time.sleep(0.005)
     # One activation message (batch x width float32) between neighbours, one way.
     message = 0.0
     if comm.size > 1:
@@ -241,6 +254,7 @@ def layer_parallel() -> None:
         busiest = max(counted, key=lambda c: sum(c.values()))
         record = {
             "size": comm.size, "t_lp": t_lp, "t_unbatched": t_unbatched, "t_serial": t_serial,
+            "ratio": ratio,
             "message": message, "seconds": seconds, "last": last, "work": busiest,
             "factor": factor, "load": os.getloadavg()[0], "contention": contention,
         }  # fmt: skip
@@ -349,7 +363,7 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
         print(
             f"| {p} | {r['t_unbatched'] * 1e3:.1f} | {r['t_lp'] * 1e3:.1f} | "
             f"{r['t_serial'] * 1e3:.1f} | {r['t_unbatched'] / r['t_serial']:.2f} | "
-            f"**{r['t_lp'] / r['t_serial']:.2f}** | {model} | {error} | {w['forward']}/"
+            f"**{r['ratio']:.2f}** | {model} | {error} | {w['forward']}/"
             f"{w['adjoint']}/{w['linearize']}/{w['gradient']} | {r['factor']:.3f} | "
             f"{r['contention']:.2f} | {r['load']:.1f} |"
         )
@@ -477,8 +491,10 @@ def _layer_parallel_section(mpxrun: str, ranks: str) -> None:
         f"\nLayer-parallel forward + backward ({STEPS} residual steps x + h·tanh(Wx + b) of width "
         f"{WIDTH}, batch {BATCH}, float32, {LEVELS} levels, cfactor {CFACTOR}, {FWD_ITERS} "
         f"forward / {BWD_ITERS} adjoint V-cycle) beside the serial network in the same job "
-        "(rank 0 alone), one torch thread per rank. Time: median of 7 (3 unbatched), slowest "
-        "rank. Unbatched = one module call per step (`batched=False`, the code before issue 42); "
+        "(rank 0 alone), one torch thread per rank. Time: median of 9 (3 unbatched), slowest "
+        "rank; batched ÷ serial: the median of the samples' own ratios (the serial network "
+        "timed on rank 0 after each layer-parallel sample, so both see the same load). "
+        "Unbatched = one module call per step (`batched=False`, the code before issue 42); "
         "batched = stacked weights (the default). ÷ serial: lower is better. Model: "
         "`mpx.mgrit.model` with the costs measured in the same job. Work: layer evaluations "
         "(forward/adjoint/linearise/gradient rows) of the busiest rank, `mpx.mgrit.work(net)`. "
