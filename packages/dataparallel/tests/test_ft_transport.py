@@ -9,13 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from mpx.dataparallel import (
-    DataParallelTypeError,
-    DataParallelValueError,
-    FaultTolerantOptimizer,
-    PeerLost,
-)
-from mpx.dataparallel.ft_transport import GRAD, STATE, exchange, send_frame
+from mpx.dataparallel import DataParallelTypeError, DataParallelValueError, FaultTolerantOptimizer
+from mpx.dataparallel.ft_transport import GRAD, STATE, PeerLost, exchange, send_frame
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:

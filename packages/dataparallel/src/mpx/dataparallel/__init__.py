@@ -21,7 +21,6 @@ from mpx.dataparallel.errors import (
     ParameterServerError,
 )
 from mpx.dataparallel.ft_optimizer import FaultTolerantOptimizer
-from mpx.dataparallel.ft_transport import PeerLost
 from mpx.dataparallel.gradients import allreduce_gradients
 from mpx.dataparallel.optimizer import DistributedOptimizer
 from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
@@ -45,7 +44,6 @@ __all__ = [
     "PSHandle",
     "ParameterServer",
     "ParameterServerError",
-    "PeerLost",
     "ResumePoint",
     "__version__",
     "allreduce_gradients",
