@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline, bubble_fraction
@@ -40,18 +41,31 @@ class _SleepyGrad(torch.autograd.Function):
         return grad
 
 
+def sleepy_add(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x + w`` as one torch function (a user's op, seen by ``__torch_function__``):
+    the input's and the weight's gradients one unit each, two autograd nodes."""
+    if has_torch_function((x, w)):
+        return handle_torch_function(sleepy_add, (x, w), x, w)
+    out: torch.Tensor = _SleepyGrad.apply(x) + _SleepyGrad.apply(w)  # type: ignore[no-untyped-call]
+    return out
+
+
 class Sleeper(nn.Module):
     """``y = x + w``: the forward sleeps one unit, the input's and the weight's
-    gradients one unit each (separate autograd nodes, so ``I`` and ``W`` split)."""
+    gradients one unit each, so ``I`` and ``W`` take one unit each.
+
+    ``w`` is a matrix (1 x 1, broadcast) and meets ``x`` in one call: the split
+    defers the gradients of a call taking a weight of 2+ dimensions to ``W``, and
+    computes in ``I`` a vector's (a bias, a norm's scale) and a call's on the
+    weight alone (``W.t()``), where they are cheap."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        self.w = nn.Parameter(torch.zeros(1, 1, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(UNIT)
-        out: torch.Tensor = _SleepyGrad.apply(x) + _SleepyGrad.apply(self.w)  # type: ignore[no-untyped-call]
-        return out
+        return sleepy_add(x, self.w)
 
 
 CASES = [
