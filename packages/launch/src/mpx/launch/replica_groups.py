@@ -29,7 +29,7 @@ from mpx.launch.environment import free_port
 from mpx.launch.errors import UsageError
 from mpx.launch.job import Job, failure_of, report
 from mpx.launch.lighthouse import Lighthouse, print_event
-from mpx.launch.settings import declare
+from mpx.launch.settings import HEARTBEAT_TIMEOUT, LIGHTHOUSE, REPLICA_GROUP, REPLICA_GROUPS
 from mpx.launch.status import new_key
 
 __all__ = [
@@ -43,37 +43,6 @@ __all__ = [
     "run_groups",
     "run_replica_groups",
 ]
-
-REPLICA_GROUP = declare(
-    "MPX_REPLICA_GROUP",
-    "int",
-    0,
-    "set by mpxrun --replica-groups in every rank: its replica group (0..R-1)",
-    package="launch",
-)
-REPLICA_GROUPS = declare(
-    "MPX_REPLICA_GROUPS",
-    "int",
-    1,
-    "set by mpxrun --replica-groups in every rank: the number of replica groups R",
-    package="launch",
-)
-LIGHTHOUSE = declare(
-    "MPX_LIGHTHOUSE",
-    "str",
-    "",
-    "set by mpxrun --replica-groups in every rank: host:port of the lighthouse that keeps "
-    "the groups' membership (mpx.dataparallel.FaultTolerantOptimizer connects to it)",
-    package="launch",
-)
-HEARTBEAT_TIMEOUT = declare(
-    "MPX_FT_HEARTBEAT_TIMEOUT",
-    "float",
-    0.5,
-    "seconds a rank of a replica group may miss its heartbeats before the lighthouse counts "
-    "its group out (a killed process is seen at once, by its closed connection)",
-    package="launch",
-)
 
 # What group_environment adds to a group's job, for launchers that forward only
 # the variables they are told.

@@ -393,6 +393,36 @@ BIND = declare(
     package="launch",
     choices=("none", "core", "numa"),
 )
+REPLICA_GROUP = declare(
+    "MPX_REPLICA_GROUP",
+    "int",
+    0,
+    "set by mpxrun --replica-groups in every rank: its replica group (0..R-1)",
+    package="launch",
+)
+REPLICA_GROUPS = declare(
+    "MPX_REPLICA_GROUPS",
+    "int",
+    1,
+    "set by mpxrun --replica-groups in every rank: the number of replica groups R",
+    package="launch",
+)
+LIGHTHOUSE = declare(
+    "MPX_LIGHTHOUSE",
+    "str",
+    "",
+    "set by mpxrun --replica-groups in every rank: host:port of the lighthouse that keeps "
+    "the groups' membership (mpx.dataparallel.FaultTolerantOptimizer connects to it)",
+    package="launch",
+)
+HEARTBEAT_TIMEOUT = declare(
+    "MPX_FT_HEARTBEAT_TIMEOUT",
+    "float",
+    0.5,
+    "seconds a rank of a replica group may miss its heartbeats before the lighthouse counts "
+    "its group out (a killed process is seen at once, by its closed connection)",
+    package="launch",
+)
 TORCH_ENV = declare(
     "MPX_TORCH_ENV",
     "str",
