@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mpx.launch.lighthouse import Lighthouse
-from mpx.launch.membership import Membership
+from mpx.launch.membership import Membership, Quorum
 
 
 def _two(expected: int = 2) -> Membership:
@@ -18,6 +18,16 @@ def _two(expected: int = 2) -> Membership:
     m.hello(0, 0, 1, "a", ["h", 1], now=0.0)
     m.hello(1, 0, 1, "b", ["h", 2], now=0.0)
     return m
+
+
+def _first_quorum(step: int = 0) -> tuple[Membership, Quorum]:
+    """Both groups of _two() ask at `step` and get their first quorum, not yet voted on."""
+    m = _two()
+    m.request(0, "a", step)
+    m.request(1, "b", step)
+    q = m.form(now=0.0)
+    assert q is not None
+    return m, q
 
 
 def test_first_quorum_waits_for_every_group_and_syncs_from_the_lowest() -> None:
@@ -40,33 +50,21 @@ def test_first_quorum_forms_without_a_missing_group_after_join_timeout() -> None
 
 
 def test_commit_needs_every_members_vote() -> None:
-    m = _two()
-    m.request(0, "a", 0)
-    m.request(1, "b", 0)
-    q = m.form(now=0.0)
-    assert q is not None
+    m, q = _first_quorum()
     assert m.vote(0, "a", q.id, True) is None
     assert m.vote(1, "b", q.id, True) is True
     assert m.outcome(q.id) is True
 
 
 def test_one_no_vote_aborts_at_once() -> None:
-    m = _two()
-    m.request(0, "a", 0)
-    m.request(1, "b", 0)
-    q = m.form(now=0.0)
-    assert q is not None
+    m, q = _first_quorum()
     assert m.vote(1, "b", q.id, False) is False
     assert m.vote(0, "a", q.id, True) is False  # an ok after the abort changes nothing
     assert m.last_aborted == q.id
 
 
 def test_death_before_voting_aborts_and_the_survivor_goes_on_alone() -> None:
-    m = _two()
-    m.request(0, "a", 0)
-    m.request(1, "b", 0)
-    q = m.form(now=0.0)
-    assert q is not None
+    m, q = _first_quorum()
     m.vote(0, "a", q.id, True)
     m.lost(1, "b")  # its connection closed
     assert q.outcome is False
@@ -78,11 +76,7 @@ def test_death_before_voting_aborts_and_the_survivor_goes_on_alone() -> None:
 
 
 def test_death_after_voting_ok_keeps_the_commit() -> None:
-    m = _two()
-    m.request(0, "a", 3)
-    m.request(1, "b", 3)
-    q = m.form(now=0.0)
-    assert q is not None
+    m, q = _first_quorum(step=3)
     m.vote(1, "b", q.id, True)
     m.lost(1, "b")
     assert m.vote(0, "a", q.id, True) is True
@@ -97,11 +91,7 @@ def test_silent_group_expires() -> None:
 
 
 def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:
-    m = _two()
-    m.request(0, "a", 0)
-    m.request(1, "b", 0)
-    q = m.form(now=0.0)
-    assert q is not None
+    m, _ = _first_quorum()
     m.lost(1, "b")
     m.request(0, "a", 0)
     q2 = m.form(now=0.0)
@@ -131,11 +121,7 @@ def test_old_incarnation_cannot_vote_or_ask() -> None:
 
 
 def test_a_group_back_after_the_others_left_is_told_so() -> None:
-    m = _two()
-    m.request(0, "a", 0)
-    m.request(1, "b", 0)
-    q = m.form(now=0.0)
-    assert q is not None
+    m, _ = _first_quorum()
     m.lost(1, "b")
     m.leave(0, "a", 20)
     m.hello(1, 0, 1, "b2", ["h", 3], now=1.0)
