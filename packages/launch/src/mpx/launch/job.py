@@ -34,7 +34,9 @@ __all__ = [
     "RankFailure",
     "failure_of",
     "report",
+    "run_and_clean",
     "run_attempts",
+    "stop_on_signals",
 ]
 
 # After the first failure the launcher gets this long to stop the other ranks
@@ -510,16 +512,11 @@ def failure_of(job: Job, code: int, timeout: float | None) -> str | None:
     return None
 
 
-def run_attempts(
-    new_job: Callable[[int], Job],
-    timeout: float | None,
-    max_restarts: int = 0,
-    restart_delay: float = 0.0,
-) -> int:
-    """Runs attempts of ``new_job(attempt)`` until one succeeds or ``max_restarts`` are spent.
+def stop_on_signals() -> list[int]:
+    """Makes SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does.
 
-    Returns the exit code :func:`report` gives for the last attempt; SIGTERM,
-    SIGHUP and Ctrl-C stop the job and return 128 + the signal's number.
+    Returns a one-item list that holds the number of the signal last received
+    (SIGINT until SIGTERM or SIGHUP comes), for the exit code 128 + N.
     """
     # SIGTERM/SIGHUP (a batch system, `timeout`, a closed terminal) stop the
     # job the way Ctrl-C does, instead of orphaning it in its own session; the
@@ -532,17 +529,37 @@ def run_attempts(
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
+    return received
+
+
+def run_and_clean(job: Job, timeout: float | None) -> int:
+    """``job.run(timeout)``'s exit code, after removing the MPI shared memory of
+    ranks that died (segments that appeared during the attempt and outlive it)."""
+    before = shm_cleanup.segments()
+    try:
+        return job.run(timeout=timeout)
+    finally:
+        shm_cleanup.remove_orphans(before)
+
+
+def run_attempts(
+    new_job: Callable[[int], Job],
+    timeout: float | None,
+    max_restarts: int = 0,
+    restart_delay: float = 0.0,
+) -> int:
+    """Runs attempts of ``new_job(attempt)`` until one succeeds or ``max_restarts`` are spent.
+
+    Returns the exit code :func:`report` gives for the last attempt; SIGTERM,
+    SIGHUP and Ctrl-C stop the job and return 128 + the signal's number.
+    """
+    received = stop_on_signals()
     attempt = 0
     try:
         while True:
             job = new_job(attempt)
             started = time.monotonic()
-            # MPI shared memory of ranks that died is removed once the attempt has ended.
-            before = shm_cleanup.segments()
-            try:
-                code = job.run(timeout=timeout)
-            finally:
-                shm_cleanup.remove_orphans(before)
+            code = run_and_clean(job, timeout)
             failure = failure_of(job, code, timeout)
             if failure is None or attempt >= max_restarts:
                 if failure is not None and max_restarts:

@@ -24,10 +24,9 @@ import time
 import uuid
 from collections.abc import Callable
 
-from mpx.launch import shm_cleanup
 from mpx.launch.environment import free_port
 from mpx.launch.errors import UsageError
-from mpx.launch.job import Job, failure_of, report
+from mpx.launch.job import Job, failure_of, report, run_and_clean, stop_on_signals
 from mpx.launch.lighthouse import Lighthouse, print_event
 from mpx.launch.settings import HEARTBEAT_TIMEOUT, LIGHTHOUSE, REPLICA_GROUP, REPLICA_GROUPS
 from mpx.launch.status import new_key
@@ -69,14 +68,7 @@ def run_groups(
     Returns 0 if every group ended well, else the first failing group's exit
     code; SIGTERM, SIGHUP and Ctrl-C stop every group and return 128 + the signal.
     """
-    received = [int(signal.SIGINT)]
-
-    def stop(signum: int, frame: object) -> None:
-        received[0] = signum
-        raise KeyboardInterrupt
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop)
+    received = stop_on_signals()
     stopping = threading.Event()
     running: dict[int, Job] = {}
     codes: dict[int, int] = {}
@@ -91,11 +83,7 @@ def run_groups(
                 running[group] = job
             if stopping.is_set():
                 return
-            before = shm_cleanup.segments()
-            try:
-                code = job.run(timeout=timeout)
-            finally:
-                shm_cleanup.remove_orphans(before)
+            code = run_and_clean(job, timeout)
             failure = failure_of(job, code, timeout)
             with lock:
                 if group in hung:
