@@ -129,28 +129,47 @@ def test_the_async_streams_lists_round_trip_with_their_steps(p: int, v: int, spl
         assert parse_actions(format_actions(actions)) == actions
 
 
-def test_the_grid_of_a_failed_call_marks_where_the_rank_stopped() -> None:
-    lists = [compute_actions("1f1b", r, 3, 4) for r in range(3)]
-    assert stopped_grid(lists, 1, Action("B", 0, 1), 3, 1, "loop", 4) == "\n".join(
-        [
-            "stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3",
-            "stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .",
-            "                      ^^ rank 1 stopped here (1B0)",
-            "stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .",
-        ]
-    )
+@pytest.mark.parametrize(
+    ("name", "p", "m", "rank", "failed", "rows"),
+    [
+        pytest.param(
+            "1f1b",
+            3,
+            4,
+            1,
+            Action("B", 0, 1),
+            [
+                "stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3",
+                "stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .",
+                "                      ^^ rank 1 stopped here (1B0)",
+                "stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .",
+            ],
+            id="marks-where-the-rank-stopped",
+        ),
+        pytest.param(
+            "gpipe",
+            2,
+            12,
+            0,
+            Action("B", 11, 0),
+            [
+                "(from step 6)",
+                "stage 0 | F6  F7  F8  F9  F10 F11 .   .   B11 B10 B9  B8  B7  B6  B5  B4  B3 ...",
+                "                                          ^^^ rank 0 stopped here (0B11)",
+                "stage 1 | F5  F6  F7  F8  F9  F10 F11 B11 B10 B9  B8  B7  B6  B5  B4  B3  B2 ...",
+            ],
+            id="keeps-to-the-steps-near-the-failure",
+        ),
+    ],
+)
+def test_the_grid_of_a_failed_call(
+    name: str, p: int, m: int, rank: int, failed: Action, rows: list[str]
+) -> None:
+    lists = [compute_actions(name, r, p, m) for r in range(p)]
+    assert stopped_grid(lists, rank, failed, p, 1, "loop", m) == "\n".join(rows)
 
 
-def test_the_grid_of_a_failed_call_keeps_to_the_steps_near_the_failure() -> None:
-    lists = [compute_actions("gpipe", r, 2, 12) for r in range(2)]
-    assert stopped_grid(lists, 0, Action("B", 11, 0), 2, 1, "loop", 12) == "\n".join(
-        [
-            "(from step 6)",
-            "stage 0 | F6  F7  F8  F9  F10 F11 .   .   B11 B10 B9  B8  B7  B6  B5  B4  B3 ...",
-            "                                          ^^^ rank 0 stopped here (0B11)",
-            "stage 1 | F5  F6  F7  F8  F9  F10 F11 B11 B10 B9  B8  B7  B6  B5  B4  B3  B2 ...",
-        ]
-    )
+def test_the_grid_of_a_failed_call_without_the_other_ranks_lists_is_one_row() -> None:
     # The asynchronous stream's lists of other ranks are not known here: one row, in order.
     mine = compute_actions("zbv", 1, 2, 4)
     assert stopped_grid([mine], 1, Action("I", 0, 2), 2, 2, "v", 4, timed=False) == "\n".join(
