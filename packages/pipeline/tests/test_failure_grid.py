@@ -34,21 +34,28 @@ class RaiseAt(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async"])
-def test_the_error_draws_where_each_rank_stopped(schedule: str) -> None:
-    comm = world()
+def _failing_pipeline(comm: Communicator, schedule: str) -> Pipeline:
+    """A stage per rank, each a Linear and a RaiseAt; the last stage's raises
+    in the forward of micro-batch 1 (its second call)."""
     p, last = comm.size, comm.size - 1
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for s in range(p):
         layers += [nn.Linear(D, D), RaiseAt(1 if s == last else None)]
-    pipe = Pipeline(
+    return Pipeline(
         nn.Sequential(*layers).double(),
         [2] * p,
         comm=Communicator.from_mpi(comm.mpi, 60.0),
         chunks=CHUNKS,
         schedule=schedule,
     )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async"])
+def test_the_error_draws_where_each_rank_stopped(schedule: str) -> None:
+    comm = world()
+    p, last = comm.size, comm.size - 1
+    pipe = _failing_pipeline(comm, schedule)
     x = torch.randn(CHUNKS, D, dtype=torch.float64)
     y = torch.randn(CHUNKS, D, dtype=torch.float64)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -81,17 +88,7 @@ def test_the_error_draws_where_each_rank_stopped(schedule: str) -> None:
 def test_a_failed_evaluation_draws_its_forwards() -> None:
     comm = world()
     p, last = comm.size, comm.size - 1
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for s in range(p):
-        layers += [nn.Linear(D, D), RaiseAt(1 if s == last else None)]
-    pipe = Pipeline(
-        nn.Sequential(*layers).double(),
-        [2] * p,
-        comm=Communicator.from_mpi(comm.mpi, 60.0),
-        chunks=CHUNKS,
-        schedule="1f1b",
-    )
+    pipe = _failing_pipeline(comm, "1f1b")
     with pytest.raises(PipelineRemoteError) as info:
         pipe(torch.randn(CHUNKS, D, dtype=torch.float64))
     assert info.value.ranks == [last], str(info.value)
