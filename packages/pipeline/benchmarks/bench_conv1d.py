@@ -122,19 +122,12 @@ def build() -> nn.Sequential:
     return nn.Sequential(embedding, *[Block() for _ in range(DEPTH)], Head(embedding))
 
 
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    from torch import nn
-
-    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
 def measure() -> None:
     """Runs inside the job; rank 0 prints the table."""
     import numpy as np
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
-    from torch import nn
 
     from mpx.collectives import world
     from mpx.launch import init_torch_env
@@ -142,8 +135,10 @@ def measure() -> None:
     from mpx.pipeline.partition import layer_times
     from mpx.pipeline.schedule import placement, rank_of
 
-    # The saved-bytes counter of the transformer's bench (this folder is on the path).
-    SavedBytes = importlib.import_module("bench_transformer").SavedBytes
+    # The transformer's bench (this folder is on the path): its loss, its
+    # saved-bytes counter, its barrier and its torch schedules.
+    shared = importlib.import_module("bench_transformer")
+    loss_fn, SavedBytes, polite_barrier = shared.loss_fn, shared.SavedBytes, shared.polite_barrier
 
     torch.set_num_threads(1)
     comm = world()
@@ -153,13 +148,8 @@ def measure() -> None:
     x = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
     y = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
 
-    def polite_barrier() -> None:
-        request = raw.Ibarrier()
-        while not request.Test():
-            time.sleep(1e-4)
-
     times = layer_times(build(), x[: BATCH // CHUNKS], repeats=5) if rank == 0 else None
-    polite_barrier()
+    polite_barrier(raw)
     times = raw.bcast(times, 0)
 
     def owners(v: int, style: str) -> list[int]:
@@ -191,25 +181,15 @@ def measure() -> None:
 
     init_torch_env()
     dist.init_process_group("gloo")
-    from torch.distributed import pipelining
 
     torch_error = ""
     for schedule, (name, v) in SCHEDULES.items():
         try:
-            n = p * v
-            balance = cut(v, placement(schedule))
             owner = owners(v, placement(schedule))
-            whole = list(build())
-            stages: list[Any] = []
-            params: list[torch.Tensor] = []
-            for s in (s for s in range(n) if owner[s] == rank):
-                lo = sum(balance[:s])
-                sub = nn.Sequential(*whole[lo : lo + balance[s]])
-                # A V's rank holds the embedding and the tied output layer: once.
-                params += [q for q in sub.parameters() if all(q is not r for r in params)]
-                stages.append(pipelining.PipelineStage(sub, s, n, torch.device("cpu")))
-            cls = getattr(pipelining.schedules, name)
-            sched = cls(stages[0] if v == 1 else stages, n_microbatches=CHUNKS, loss_fn=loss_fn)
+            # A V's rank holds the embedding and the tied output layer: its params once.
+            sched, params = shared.torch_schedule(
+                name, list(build()), cut(v, placement(schedule)), owner, rank, CHUNKS, loss_fn
+            )
             topt = torch.optim.SGD(params, lr=1e-3)
             first, last = owner[0] == rank, owner[-1] == rank
 
@@ -230,7 +210,7 @@ def measure() -> None:
         for i, (label, fn, saved) in enumerate(configs):
             if rank == 0:
                 print(f"round {repeat}/{ROUNDS}: {label}", file=sys.stderr, flush=True)
-            polite_barrier()
+            polite_barrier(raw)
             fn()
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):

@@ -191,13 +191,51 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def polite_barrier(comm: Any) -> None:
+    """A barrier of the mpi4py communicator ``comm`` that sleeps instead of spinning:
+    in the single-process row the idle ranks must not take a core from the computing one."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(1e-4)
+
+
+def torch_schedule(
+    name: str,
+    whole: list[nn.Module],
+    balance: list[int],
+    owner: list[int],
+    rank: int,
+    chunks: int,
+    loss: Callable[..., torch.Tensor],
+) -> tuple[Any, list[torch.Tensor]]:
+    """torch.distributed.pipelining's schedule class ``name`` over ``rank``'s stages
+    of the layers ``whole`` cut into ``balance`` (stage s on rank ``owner[s]``), and
+    those stages' parameters, each once: a V's rank 0 may hold a tied weight twice
+    (GPT-2's embedding and output layer)."""
+    import torch
+    from torch import nn
+    from torch.distributed import pipelining
+
+    n = len(balance)
+    stages: list[Any] = []
+    params: list[torch.Tensor] = []
+    for s in (s for s in range(n) if owner[s] == rank):
+        lo = sum(balance[:s])
+        sub = nn.Sequential(*whole[lo : lo + balance[s]])
+        params += [q for q in sub.parameters() if all(q is not r for r in params)]
+        stages.append(pipelining.PipelineStage(sub, s, n, torch.device("cpu")))
+    cls = getattr(pipelining.schedules, name)
+    # One stage a rank: the single-stage classes take the stage itself.
+    sched = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=chunks, loss_fn=loss)
+    return sched, params
+
+
 def measure() -> None:
     """Runs inside the job on STAGES ranks; rank 0 prints the table."""
     import numpy as np
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
-    from torch import nn
 
     from mpx.collectives import world
     from mpx.launch import init_torch_env
@@ -232,19 +270,12 @@ def measure() -> None:
     # Layers per virtual stage, for mpx's rows and torch's alike: balanced by
     # layer times measured on rank 0 (one micro-batch), over each rank's chunks
     # where a rank runs two (a V puts the first and the last chunk on rank 0).
-    def polite_barrier() -> None:
-        # Sleeps instead of spinning: in the single-process row the idle ranks
-        # must not take a core from the computing one.
-        request = raw.Ibarrier()
-        while not request.Test():
-            time.sleep(1e-4)
-
     # The other ranks wait politely while rank 0 times the layers: one spinning in
     # the broadcast made the blocks' times spread 17-21 ms instead of 17-18. The
     # fastest of 7 (not layer_times' default 3): the blocks are equal, and a
     # cut by noise (looped 4 3 1 2 instead of 3 2 2 3) cost a run of its rows.
     times = layer_times(build(), x[: BATCH // CHUNKS], repeats=7) if rank == 0 else None
-    polite_barrier()
+    polite_barrier(raw)
     times = raw.bcast(times, 0)
     cuts: dict[tuple[int, str], list[int]] = {}
 
@@ -317,22 +348,13 @@ def measure() -> None:
     init_torch_env()
     dist.init_process_group("gloo")
     torch_error = ""
-    from torch.distributed import pipelining
 
     for schedule, (name, v) in SCHEDULES.items():
         try:
-            n = p * v
-            balance = cut(v, placement(schedule))
             owner = owners(v, placement(schedule))
-            whole = list(build())
-            stages, params = [], []
-            for s in (s for s in range(n) if owner[s] == rank):
-                lo = sum(balance[:s])
-                sub = nn.Sequential(*whole[lo : lo + balance[s]])
-                params += list(sub.parameters())
-                stages.append(pipelining.PipelineStage(sub, s, n, torch.device("cpu")))
-            cls = getattr(pipelining.schedules, name)
-            sched = cls(stages[0] if v == 1 else stages, n_microbatches=CHUNKS, loss_fn=loss_fn)
+            sched, params = torch_schedule(
+                name, list(build()), cut(v, placement(schedule)), owner, rank, CHUNKS, loss_fn
+            )
             topt = torch.optim.SGD(params, lr=1e-3)
             first, last = owner[0] == rank, owner[-1] == rank
 
@@ -356,7 +378,7 @@ def measure() -> None:
         for i, (label, _, fn, busy, trace, _, saved) in enumerate(configs):
             if rank == 0:
                 print(f"round {repeat}/{REPEATS}: {label}", file=sys.stderr, flush=True)
-            polite_barrier()
+            polite_barrier(raw)
             current[0] = next(step_lengths) if VARIABLE else SEQUENCE
             fn()  # untimed: refills the async pipeline that the barrier drained
             measured = []
