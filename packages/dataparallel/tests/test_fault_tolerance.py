@@ -240,58 +240,86 @@ def _check(
             assert all(torch.equal(first[k], other[k]) for k in first), f"group {g} differs"
 
 
+def _survives(
+    tmp_path: Path,
+    kill: str,
+    said: tuple[str, ...],
+    *,
+    groups: int,
+    nprocs: int,
+    steps: int,
+    hold: int,
+    beats: float = 20,
+    dp_in_group: bool = False,
+) -> None:
+    """Runs the job with ``kill``; its output says each of ``said``, the kill changed
+    the membership, which came back, and every group's weights equal the replay."""
+    out = _run(tmp_path, groups, nprocs, kill, steps, hold, beats, dp_in_group)
+    for words in said:
+        assert words in out
+    _check(tmp_path, groups, nprocs, steps, changed=True, dp_in_group=dp_in_group)
+
+
 def test_two_groups_kill_in_backward(tmp_path: Path) -> None:
     """Group 1 dies before its gradients reach the reduction: group 0's step is discarded,
     redone alone; group 1 restarts, loads group 0's state and rejoins."""
-    out = _run(tmp_path, 2, 1, "1:0:3:backward:0", steps=12, hold=5)
-    assert "killed backward" in out
-    _check(tmp_path, 2, 1, 12, changed=True)
+    _survives(
+        tmp_path, "1:0:3:backward:0", ("killed backward",), groups=2, nprocs=1, steps=12, hold=5
+    )
 
 
 @pytest.mark.extended
 def test_three_groups_root_killed_mid_reduction(tmp_path: Path) -> None:
     """Group 0 dies in the reduction after sending its gradients to group 1 only: group 1
     can average all three, yet discards the step with group 2 (no partial update)."""
-    out = _run(tmp_path, 3, 1, "0:0:4:reduce:0", steps=12, hold=6)
-    assert "killed reduce" in out
-    _check(tmp_path, 3, 1, 12, changed=True)
+    _survives(tmp_path, "0:0:4:reduce:0", ("killed reduce",), groups=3, nprocs=1, steps=12, hold=6)
 
 
 @pytest.mark.extended
 def test_two_groups_kill_in_optimizer(tmp_path: Path) -> None:
     """Group 1 dies in optimizer.step after the commit: group 0 keeps the committed step."""
-    out = _run(tmp_path, 2, 1, "1:0:4:optimizer:0", steps=12, hold=6)
-    assert "killed optimizer" in out
-    _check(tmp_path, 2, 1, 12, changed=True)
+    _survives(
+        tmp_path, "1:0:4:optimizer:0", ("killed optimizer",), groups=2, nprocs=1, steps=12, hold=6
+    )
 
 
 @pytest.mark.extended
 def test_three_groups_donor_killed_during_rejoin(tmp_path: Path) -> None:
     """Group 2 dies; when it rejoins, its donor (group 0) dies while sending the state:
     group 1 hands the state to both restarted groups."""
-    kill = "2:0:3:backward:0,0:0:1:rejoin:0"
-    out = _run(tmp_path, 3, 1, kill, steps=14, hold=5)
-    assert "killed backward" in out
-    assert "killed rejoin" in out
-    _check(tmp_path, 3, 1, 14, changed=True)
+    _survives(
+        tmp_path,
+        "2:0:3:backward:0,0:0:1:rejoin:0",
+        ("killed backward", "killed rejoin"),
+        groups=3,
+        nprocs=1,
+        steps=14,
+        hold=5,
+    )
 
 
 @pytest.mark.extended
 def test_two_groups_of_two_ranks(tmp_path: Path) -> None:
     """Rank 1 of group 0 dies: mpxrun stops and restarts group 0 as a whole."""
-    out = _run(tmp_path, 2, 2, "0:1:3:backward:0", steps=12, hold=5)
-    assert "killed backward" in out
-    _check(tmp_path, 2, 2, 12, changed=True)
+    _survives(
+        tmp_path, "0:1:3:backward:0", ("killed backward",), groups=2, nprocs=2, steps=12, hold=5
+    )
 
 
 @pytest.mark.extended
 def test_hung_group_is_counted_out_and_restarted(tmp_path: Path) -> None:
     """Group 1 stops (SIGSTOP) in its backward: no socket closes, the lighthouse counts
     it out after the heartbeat timeout, group 0 goes on alone, mpxrun restarts group 1."""
-    out = _run(tmp_path, 2, 1, "1:0:3:hang:0", steps=12, hold=5, beats=3)
-    assert "hangs" in out
-    assert "missed its heartbeats" in out
-    _check(tmp_path, 2, 1, 12, changed=True)
+    _survives(
+        tmp_path,
+        "1:0:3:hang:0",
+        ("hangs", "missed its heartbeats"),
+        groups=2,
+        nprocs=1,
+        steps=12,
+        hold=5,
+        beats=3,
+    )
 
 
 @pytest.mark.extended
@@ -299,9 +327,7 @@ def test_three_groups_of_two_ranks_one_rank_dies_mid_reduction(tmp_path: Path) -
     """Rank 0 of group 2 dies after sending its gradients to group 0 only: column 1's
     exchange completes, yet every group discards the step (the ranks of a group agree
     on the outcome) and group 2 restarts as a whole."""
-    out = _run(tmp_path, 3, 2, "2:0:3:reduce:0", steps=10, hold=5)
-    assert "killed reduce" in out
-    _check(tmp_path, 3, 2, 10, changed=True)
+    _survives(tmp_path, "2:0:3:reduce:0", ("killed reduce",), groups=3, nprocs=2, steps=10, hold=5)
 
 
 @pytest.mark.extended
@@ -309,16 +335,28 @@ def test_three_groups_of_two_ranks_donor_rank_dies_during_rejoin(tmp_path: Path)
     """Group 2 dies; at its rejoin rank 1 of its donor (group 0) dies while sending: the
     newcomer's rank 0 got its column's state, rank 1 did not, so the whole group redoes
     the join (from group 1) rather than going on half loaded."""
-    out = _run(tmp_path, 3, 2, "2:0:3:backward:0,0:1:1:rejoin:0", steps=12, hold=5)
-    assert "killed backward" in out
-    assert "killed rejoin" in out
-    _check(tmp_path, 3, 2, 12, changed=True)
+    _survives(
+        tmp_path,
+        "2:0:3:backward:0,0:1:1:rejoin:0",
+        ("killed backward", "killed rejoin"),
+        groups=3,
+        nprocs=2,
+        steps=12,
+        hold=5,
+    )
 
 
 @pytest.mark.extended
 def test_two_groups_data_parallel_inside_each_group(tmp_path: Path) -> None:
     """DistributedOptimizer over each group's 2 ranks, FaultTolerantOptimizer across the
     groups: rank 1 of group 1 dies; the weights equal the replay of the global mean."""
-    out = _run(tmp_path, 2, 2, "1:1:3:backward:0", steps=10, hold=5, dp_in_group=True)
-    assert "killed backward" in out
-    _check(tmp_path, 2, 2, 10, changed=True, dp_in_group=True)
+    _survives(
+        tmp_path,
+        "1:1:3:backward:0",
+        ("killed backward",),
+        groups=2,
+        nprocs=2,
+        steps=10,
+        hold=5,
+        dp_in_group=True,
+    )
