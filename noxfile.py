@@ -131,6 +131,9 @@ def _timed(session: nox.Session, label: str, *args: str, **kwargs: object) -> No
 
 # tests/: whole-product tests (the docs' snippets under mpxrun).
 TEST_PATHS = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
+# Where the mpi-marked tests are: tests/ starts its own jobs (mpxrun, srun) from
+# one process and holds none (tests/test_package_layers.py keeps it so).
+MPI_TEST_PATHS = [f"packages/{name}/tests" for name in PACKAGES]
 
 
 @contextlib.contextmanager
@@ -168,7 +171,7 @@ def _mpi_runs(
 ) -> None:
     """The tests selected by ``marker`` under mpxrun with each count of ``ranks``.
 
-    One job per package (and one for tests/): MPICH gives a process 2048
+    One job per package: MPICH gives a process 2048
     communicators, and the packages' tests together, in one process a rank,
     create more than that (every Pipeline, solver and group splits its own).
     With posargs (``-k ...``) a package may select nothing: pytest's exit 5
@@ -177,7 +180,7 @@ def _mpi_runs(
     if session.posargs and "success_codes" not in kwargs:
         kwargs = {**kwargs, "success_codes": [0, 5]}
     for nprocs in ranks:
-        for path in TEST_PATHS:
+        for path in MPI_TEST_PATHS:
             _timed(
                 session,
                 f"{marker} tests of {path} on {nprocs} rank(s)",

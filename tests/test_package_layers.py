@@ -112,3 +112,24 @@ def test_imports_only_what_it_requires(package: str) -> None:
     """An import of a sibling the metadata does not name fails at a user's site only."""
     hard, extra = _requirements(package)
     assert _imported_packages(package) <= set(hard) | set(extra), package
+
+
+def test_the_whole_product_tests_hold_no_mpi_test() -> None:
+    """noxfile runs the mpi-marked tests per package (MPI_TEST_PATHS): one in tests/
+    would never run."""
+
+    def mpi_marked(source: str) -> bool:
+        for node in ast.walk(ast.parse(source)):
+            marks: list[ast.expr] = []
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+            ):
+                marks = [node.value]
+            elif isinstance(node, ast.FunctionDef):
+                marks = list(node.decorator_list)
+            if any("mark.mpi" in ast.unparse(mark) for mark in marks):
+                return True
+        return False
+
+    marked = [p.name for p in (ROOT / "tests").rglob("test_*.py") if mpi_marked(p.read_text())]
+    assert marked == [], f"move these to a package's tests, or run tests/ under mpxrun: {marked}"
