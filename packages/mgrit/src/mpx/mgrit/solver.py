@@ -461,15 +461,15 @@ class MGRIT:
             u[1:] = self._march(lvl, u[0], g, n)
         self.ghosts.start(u[-1], None, tag=lvl).finish()
 
+    def _step_times(self, lvl: int) -> tuple[Sequence[Any], Sequence[Any]]:
+        """Each step's time and step size on ``lvl``: floats, or one-element tensor rows."""
+        if self.float_times:
+            return self._t[lvl], self._dt[lvl]
+        return self._tt[lvl].view(-1, 1).unbind(0), self._tdt[lvl].view(-1, 1).unbind(0)
+
     def _march_into(self, lvl: int, u: torch.Tensor, g: torch.Tensor | None, n: int) -> None:
         """:meth:`_march` with ``step_into``: each step written into the next row of u."""
-        ts: Sequence[Any]
-        dts: Sequence[Any]
-        if self.float_times:
-            ts, dts = self._t[lvl], self._dt[lvl]
-        else:
-            ts = self._tt[lvl].view(-1, 1).unbind(0)
-            dts = self._tdt[lvl].view(-1, 1).unbind(0)
+        ts, dts = self._step_times(lvl)
         rows = u.unsqueeze(1).unbind(0)  # views of one row each
         gs = None if g is None else g.unsqueeze(1).unbind(0)
         into = self.step_into
@@ -483,13 +483,7 @@ class MGRIT:
         """n sequential steps from x (the hot loop of the coarsest level: lists, no indexing)."""
         step, out = self.step, []
         if self.vectorized:
-            ts: Sequence[Any]
-            dts: Sequence[Any]
-            if self.float_times:
-                ts, dts = self._t[lvl], self._dt[lvl]
-            else:
-                ts = self._tt[lvl].view(-1, 1).unbind(0)
-                dts = self._tdt[lvl].view(-1, 1).unbind(0)
+            ts, dts = self._step_times(lvl)
             gs = None if g is None else g[1:].unsqueeze(1).unbind(0)
             y = x.unsqueeze(0)
             for i in range(n):
