@@ -12,6 +12,7 @@ from importlib import metadata as _metadata
 from mpx.mgrit.errors import MGRITConfigError, MGRITError, MGRITTypeError
 from mpx.mgrit.gru import ParallelGRU
 from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
+from mpx.mgrit.options import MGRITOptions
 from mpx.mgrit.refine import refine
 from mpx.mgrit.solver import MGRIT, Step
 from mpx.mgrit.work import WORK_KINDS, work
@@ -22,6 +23,7 @@ __all__ = [
     "LayerParallel",
     "MGRITConfigError",
     "MGRITError",
+    "MGRITOptions",
     "MGRITTypeError",
     "ParallelGRU",
     "SerialResNet",

@@ -22,7 +22,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -31,7 +31,8 @@ from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, split_evenly
 from mpx.mgrit.gru_steps import GRUSteps
-from mpx.mgrit.solver import MGRIT, check_tol
+from mpx.mgrit.options import MGRITOptions, MGRITSettings, check_int, resolve
+from mpx.mgrit.solver import MGRIT
 from mpx.mgrit.stacked import StackedSteps
 
 __all__ = ["WORK_KINDS", "Lease", "TimeStepper", "shared_blocks"]
@@ -50,14 +51,6 @@ Phi = Callable[[int, torch.Tensor, float], torch.Tensor]
 Uses = Callable[[int], Sequence[int]]
 
 
-def _levels_arg(levels: int, name: str) -> int:
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise MGRITConfigError(
-            f"{name} must be an int >= 1 (1 = a sequential solve), got {name}={levels!r}"
-        )
-    return levels
-
-
 def shared_blocks(
     num_steps: int, cfactor: int | Sequence[int], fwd_levels: int, bwd_levels: int, size: int
 ) -> tuple[list[int], list[int]] | None:
@@ -70,7 +63,8 @@ def shared_blocks(
     """
     spans = []
     for levels, name in ((fwd_levels, "fwd_levels"), (bwd_levels, "bwd_levels")):
-        spans.append(math.prod(coarsening_factors(cfactor, _levels_arg(levels, name))))
+        depth = check_int(levels, name, 1, "1 = a sequential solve")
+        spans.append(math.prod(coarsening_factors(cfactor, depth)))
     unit = math.lcm(*spans)
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps % unit != 0:
         if spans[0] == spans[1]:
@@ -102,12 +96,12 @@ class TimeStepper:
     Args:
         phi: the step; on coarse levels it is called with ``dt = h * stride``.
         uses: for step k, which of the differentiable tensors it reads.
-        levels, tol: the shared defaults of ``fwd_levels``/``bwd_levels`` and
-            ``fwd_tol``/``bwd_tol``: the forward and the adjoint solve may use
-            different grids and stop at different residuals (torchbraid's
-            ``max_fwd_levels``/``max_bwd_levels``, ``setFwdAbsTol``/``setBwdAbsTol``).
-        fine_relax: relaxation of the fine level of both solves (default: ``relax``).
-        cycle_type: ``"V"`` or ``"F"`` cycles, both solves.
+        comm: the ranks of the forward solve; the adjoint runs on a communicator split
+            off it with the ranks reversed, which :meth:`close` frees.
+        options: the MGRIT settings of both solves (:class:`~mpx.mgrit.MGRITOptions`),
+            or as keywords (``**settings``: ``levels=3, fwd_iters=4, ...``), not both;
+            the forward and the adjoint solve may use different grids and stop at
+            different residuals (``fwd_levels``/``bwd_levels``, ``fwd_tol``/``bwd_tol``).
         blocks: coarsest intervals per rank of the forward and of the adjoint grid, in
             this communicator's rank order (default: :func:`shared_blocks`); a reversed
             copy of another stepper's blocks puts its steps on the mirrored ranks.
@@ -117,7 +111,11 @@ class TimeStepper:
         ts = TimeStepper(phi, uses, num_steps=16, Tf=1.0, levels=2)
         xN = ts.apply(x0, tensors)     # differentiable, on every rank
         xN.sum().backward()
+        ts.close()                     # collective: frees the adjoint's communicator
     """
+
+    #: the settings a TimeStepper made without ``options=`` starts from
+    defaults = MGRITOptions()
 
     def __init__(
         self,
@@ -126,54 +124,50 @@ class TimeStepper:
         num_steps: int,
         Tf: float,
         comm: CommLike = None,
-        levels: int = 2,
-        cfactor: int | Sequence[int] = 2,
-        fwd_iters: int = 2,
-        bwd_iters: int = 1,
-        tol: float = 1e-9,
-        relax: str = "F",
-        nrelax: int = 1,
-        skip_downcycle: bool = True,
-        fwd_levels: int | None = None,
-        bwd_levels: int | None = None,
-        fwd_tol: float | None = None,
-        bwd_tol: float | None = None,
-        fine_relax: str | None = None,
-        cycle_type: str = "V",
+        *,
+        options: MGRITOptions | None = None,
         blocks: tuple[Sequence[int], Sequence[int]] | None = None,
+        **settings: Unpack[MGRITSettings],
     ) -> None:
         self.phi, self.uses = phi, uses
+        #: the MGRIT settings of both solves
+        self.options = opts = resolve("TimeStepper", options, settings, self.defaults)
         self.comm = as_communicator(comm)
         self.N, self.h = num_steps, float(Tf) / num_steps
-        fwd_levels = levels if fwd_levels is None else fwd_levels
-        bwd_levels = levels if bwd_levels is None else bwd_levels
-        tol = check_tol(tol, "tol")
-        fwd_tol = check_tol(tol if fwd_tol is None else fwd_tol, "fwd_tol")
-        bwd_tol = check_tol(tol if bwd_tol is None else bwd_tol, "bwd_tol")
-        shared = shared_blocks(num_steps, cfactor, fwd_levels, bwd_levels, self.comm.size)
+        shared = shared_blocks(
+            num_steps, opts.cfactor, opts.forward_levels, opts.adjoint_levels, self.comm.size
+        )
         if blocks is not None:
             shared = (list(blocks[0]), list(blocks[1]))
         fwd_blocks, bwd_blocks = (None, None) if shared is None else shared
-        opts: dict[str, Any] = {
-            "cfactor": cfactor,
-            "relax": relax,
-            "nrelax": nrelax,
-            "skip_downcycle": skip_downcycle,
-            "fine_relax": fine_relax,
-            "cycle_type": cycle_type,
+        both: dict[str, Any] = {
+            "cfactor": opts.cfactor,
+            "relax": opts.relax,
+            "nrelax": opts.nrelax,
+            "skip_downcycle": opts.skip_downcycle,
+            "fine_relax": opts.fine_relax,
+            "cycle_type": opts.cycle_type,
         }
         self.fwd = MGRIT(
-            self._step, 0.0, Tf, num_steps, self.comm, levels=fwd_levels, max_iters=fwd_iters,
-            tol=fwd_tol, blocks=fwd_blocks, **opts,
+            self._step, 0.0, Tf, num_steps, self.comm, levels=opts.forward_levels,
+            max_iters=opts.fwd_iters, tol=opts.forward_tol, blocks=fwd_blocks, **both,
         )  # fmt: skip
         reverse = self.comm.split(0, key=self.comm.size - 1 - self.comm.rank)
         assert reverse is not None
+        #: the adjoint's communicator: this solver's own (split off ``comm``), freed by close()
         self.rcomm = reverse
-        self.bwd = MGRIT(
-            self._adjoint_step, 0.0, Tf, num_steps, reverse, levels=bwd_levels,
-            max_iters=bwd_iters, tol=bwd_tol,
-            blocks=self.fwd.layout.blocks[::-1] if bwd_blocks is None else bwd_blocks[::-1], **opts,
-        )  # fmt: skip
+        self._closed = False
+        try:
+            self.bwd = MGRIT(
+                self._adjoint_step, 0.0, Tf, num_steps, reverse, levels=opts.adjoint_levels,
+                max_iters=opts.bwd_iters, tol=opts.adjoint_tol,
+                blocks=self.fwd.layout.blocks[::-1] if bwd_blocks is None else bwd_blocks[::-1],
+                **both,
+            )  # fmt: skip
+        except MGRITConfigError:
+            # A bad grid is bad on every rank (the same settings everywhere): all free it.
+            self.close()
+            raise
         lv = self.fwd.layout.levels[0]
         #: the steps (layers) this rank computes: k in [first, stop)
         self.first, self.stop = lv.first, lv.first + lv.count
@@ -189,6 +183,31 @@ class TimeStepper:
         #: batched calls apart from single-row ones (``"forward_single"``...): the costs
         #: the performance model (:mod:`mpx.mgrit.model`) prices the work with (CPU)
         self.seconds: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Frees the communicator this solver split off. Collective, idempotent.
+
+        Every rank of ``comm`` calls it (MPI frees communicators collectively, so
+        never from a finalizer); a second call does nothing. The ``comm`` it was
+        given stays. Afterwards a solve raises :class:`~mpx.mgrit.MGRITConfigError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.rcomm.free()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def check_open(self, owner: str = "this TimeStepper") -> None:
+        """Raises MGRITConfigError naming ``owner`` and close() once it is closed."""
+        if self._closed:
+            raise MGRITConfigError(
+                f"{owner} was closed: close() freed its MGRIT communicators, so it cannot "
+                "solve any more; build a new one (and close() it when done)"
+            )
 
     def use_stacked(self, stacked: StackedSteps | GRUSteps) -> None:
         """Runs this rank's steps as ``stacked`` (batched over the C-intervals, see
@@ -277,6 +296,7 @@ class TimeStepper:
     def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Lease]:
         """Forward MGRIT solve, no autograd: ``x_N``, this rank's states (for the adjoint)
         and their lease: keep it as long as the states are read (see :class:`Lease`)."""
+        self.check_open()
         self.work["forward"] = 0
         self.seconds = {}
         if self.stacked is not None:
@@ -309,6 +329,7 @@ class TimeStepper:
         ``x_N``, and whose step ``nu_k = J_k^T (nu_{k+1} + dL/dx_{k+1})`` reads the
         forcing at the step's start: a point this rank owns, so no forcing crosses ranks.
         """
+        self.check_open()
         self._states, self._forcing = states, forcing
         self._reset_backward_work()
         batched = self.stacked if isinstance(self.stacked, GRUSteps) else None
@@ -342,6 +363,7 @@ class TimeStepper:
         Returns:
             dL/dx0 (on every rank) and the gradients of ``tensors``.
         """
+        self.check_open()
         self._states = states
         self._reset_backward_work()
         try:

@@ -52,144 +52,26 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
 
-from mpx.collectives import Communicator, allgather, allreduce, broadcast
+from mpx.collectives import broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
-from mpx.mgrit.adjoint import TimeStepper, _levels_arg
+from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.errors import MGRITConfigError
-from mpx.mgrit.grid import Layout, coarsening_factors
-from mpx.mgrit.gru_steps import GRUSteps
+from mpx.mgrit.grid import coarsening_factors
+from mpx.mgrit.gru_layer import Direction, Gather, Layer, Weights, gru_step
+from mpx.mgrit.options import MGRITOptions, MGRITSettings, resolve
 
 __all__ = ["ParallelGRU", "gru_step"]
-
-#: ``(weight_ih, weight_hh, bias_ih, bias_hh)`` of one layer, as :class:`torch.nn.GRU` names them.
-Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-
-
-def _weights(cell: nn.GRUCell | Weights) -> Weights:
-    if isinstance(cell, nn.GRUCell):
-        return cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh
-    return cell
-
-
-def _gates(w: Weights, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The update gate z and the candidate n of the cell at input x and state h."""
-    gi = nn.functional.linear(x, w[0], w[2])
-    gh = nn.functional.linear(h, w[1], w[3])
-    i_r, i_z, i_n = gi.chunk(3, dim=-1)
-    h_r, h_z, h_n = gh.chunk(3, dim=-1)
-    r = torch.sigmoid(i_r + h_r)
-    z = torch.sigmoid(i_z + h_z)
-    n = torch.tanh(i_n + r * h_n)
-    return z, n
-
-
-def gru_step(
-    cell: nn.GRUCell | Weights, x: torch.Tensor, h: torch.Tensor, dt: float
-) -> torch.Tensor:
-    """One step of size ``dt``: the GRU cell for dt = 1, the implicit coarse step otherwise."""
-    w = _weights(cell)
-    if dt == 1.0:
-        return torch.gru_cell(x, h, w[0], w[1], w[2], w[3])
-    z, n = _gates(w, x, h)
-    a = dt * (1 - z)
-    return (h + a * n) / (1 + a)
 
 
 def _int_arg(value: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MGRITConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
     return value
-
-
-def _owner(layout: Layout, step: int) -> int:
-    """The rank (of the layout's communicator) whose block holds fine step ``step``."""
-    span = layout.nt // sum(layout.blocks)
-    start = 0
-    for rank, blocks in enumerate(layout.blocks):
-        if start <= step < start + blocks * span:
-            return rank
-        start += blocks * span
-    raise AssertionError(f"step {step} is outside the grid of {layout.nt} steps")
-
-
-class _Direction:
-    """One direction of a sequence length's grid: its solver and the position each step reads.
-
-    Step ``k`` of the forward direction reads position ``k``; step ``j`` of the
-    reverse one reads position ``P - 1 - j``. Steps that read no position (the
-    padding: steps outside ``[lo, hi)``) are the identity.
-    """
-
-    def __init__(
-        self,
-        reverse: bool,
-        length: int,
-        padded: int,
-        comm: Communicator,
-        blocks: tuple[Sequence[int], Sequence[int]] | None,
-        config: dict[str, Any],
-        batched: bool = True,
-    ) -> None:
-        self.reverse, self.length, self.padded = reverse, length, padded
-        self.lo, self.hi = (padded - length, padded) if reverse else (0, length)
-        # What the steps read while a solve runs: the layer's weights, its inputs and
-        # the position of the inputs' first row; set around every solve.
-        self.current: tuple[Weights, torch.Tensor, int] | None = None
-        self.stepper = TimeStepper(
-            self.phi, lambda k: [], padded, float(padded), comm=comm, skip_downcycle=True,
-            blocks=blocks, **config,
-        )  # fmt: skip
-        st = self.stepper
-        #: the batched steps (see mpx.mgrit.gru_steps), or None: one phi call per step
-        self.steps = GRUSteps(st.first, st.stop, self.lo, self.hi, st.work) if batched else None
-        if self.steps is not None:
-            st.use_stacked(self.steps)
-
-    def prepare(self, weights: Weights, inputs: torch.Tensor, offset: int) -> torch.Tensor | None:
-        """The batched steps' input gates of this rank's steps (None unbatched)."""
-        if self.steps is None:
-            return None
-        real = self.real_steps()
-        a, b = self.rows(real, offset)
-        rows = inputs[a:b].flip(0) if self.reverse else inputs[a:b]
-        detached = tuple(None if w is None else w.detach() for w in weights)
-        gi = self.steps.local_gates(detached, rows, real)  # type: ignore[arg-type]
-        self.steps.prepare(detached, gi)  # type: ignore[arg-type]
-        return gi
-
-    def position(self, step: int) -> int:
-        return self.padded - 1 - step if self.reverse else step
-
-    def phi(self, k: int, h: torch.Tensor, dt: float) -> torch.Tensor:
-        # A coarse step over [k, k + dt) steps only over its real part, with the gates
-        # of its first real position (the padding adds nothing).
-        a, b = max(k, self.lo), min(k + round(dt), self.hi)
-        if b <= a:
-            return h.clone()
-        assert self.current is not None
-        weights, inputs, offset = self.current
-        return gru_step(weights, inputs[self.position(a) - offset], h, float(b - a))
-
-    def real_steps(self) -> range:
-        """This rank's steps that read a position, in step order."""
-        own = self.stepper.owned_steps()
-        start = max(own.start, self.lo)
-        return range(start, max(start, min(own.stop, self.hi)))
-
-    def rows(self, steps: range, offset: int) -> tuple[int, int]:
-        """The rows ``[a, b)`` of inputs (first row at position ``offset``) that ``steps`` read.
-
-        Forward in step order; reverse in reversed step order (flip them).
-        """
-        if self.reverse:
-            return self.padded - steps.stop - offset, self.padded - steps.start - offset
-        return steps.start - offset, steps.stop - offset
 
 
 class ParallelGRU(nn.Module):
@@ -207,9 +89,10 @@ class ParallelGRU(nn.Module):
             identity steps, see the module doc).
         comm: the ranks that share the sequence (default: all); an mpx Communicator or an
             mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
-        levels, cfactor, fwd_iters, bwd_iters, tol, relax, nrelax: MGRIT settings,
-            as for :class:`~mpx.mgrit.LayerParallel` (as are fwd_levels, bwd_levels,
-            fwd_tol, bwd_tol, fine_relax and cycle_type).
+        options: the MGRIT settings (:class:`~mpx.mgrit.MGRITOptions`), or
+        **settings: the same as keywords (``levels=2, cfactor=4, fwd_iters=3``), not both;
+            unset ones are :attr:`defaults`', which differ from LayerParallel's in
+            ``relax="FCF"`` and ``bwd_iters=2``.
         batched: run the j-th steps of all C-intervals of a rank as one cell over the
             stacked rows, the input projections precomputed, and each adjoint step as
             one vector-Jacobian product of a linearisation (see
@@ -230,7 +113,15 @@ class ParallelGRU(nn.Module):
                           levels=2, cfactor=4, fwd_iters=3, bwd_iters=3)
         output, h_n = gru(torch.randn(5, 63, 3))      # (5, 63, 16), (4, 5, 8)
         output.sum().backward()
+        gru.close()    # collective, when done: frees the solvers' communicators
+
+    Each sequence length run builds the solvers of its grid, each with a
+    communicator of its own (the adjoint's, ranks reversed): :meth:`close` frees them.
     """
+
+    #: the settings a ParallelGRU made without ``options=`` starts from: FCF relaxation
+    #: and 2 adjoint cycles (LayerParallel's are F and 1)
+    defaults = MGRITOptions(bwd_iters=2, relax="FCF")
 
     def __init__(
         self,
@@ -244,22 +135,11 @@ class ParallelGRU(nn.Module):
         *,
         seq_len: int | None = None,
         comm: CommLike = None,
-        levels: int = 2,
-        cfactor: int | Sequence[int] = 2,
-        fwd_iters: int = 2,
-        bwd_iters: int = 2,
-        tol: float = 1e-9,
-        relax: str = "FCF",
-        nrelax: int = 1,
-        fwd_levels: int | None = None,
-        bwd_levels: int | None = None,
-        fwd_tol: float | None = None,
-        bwd_tol: float | None = None,
-        fine_relax: str | None = None,
-        cycle_type: str = "V",
+        options: MGRITOptions | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         batched: bool = True,
+        **settings: Unpack[MGRITSettings],
     ) -> None:
         super().__init__()
         drop: object = dropout  # checked as any value, as nn.GRU does
@@ -279,6 +159,8 @@ class ParallelGRU(nn.Module):
                 stacklevel=2,
             )
         self.seq_len = None if seq_len is None else _int_arg(seq_len, "seq_len")
+        #: the MGRIT settings of every layer's and direction's forward and adjoint solve
+        self.options = resolve("ParallelGRU", options, settings, self.defaults)
         self.batched = bool(batched)
         self.bias, self.batch_first = bool(bias), bool(batch_first)
         self.dropout, self.bidirectional = float(dropout), bool(bidirectional)
@@ -295,17 +177,33 @@ class ParallelGRU(nn.Module):
                 for p in self.parameters():
                     buf = p.detach().to("cpu", copy=True).contiguous()
                     p.copy_(broadcast(buf, 0, comm=self.comm))
-        self.config: dict[str, Any] = {
-            "levels": levels, "cfactor": cfactor, "fwd_iters": fwd_iters, "bwd_iters": bwd_iters,
-            "tol": tol, "relax": relax, "nrelax": nrelax, "fwd_levels": fwd_levels,
-            "bwd_levels": bwd_levels, "fwd_tol": fwd_tol, "bwd_tol": bwd_tol,
-            "fine_relax": fine_relax, "cycle_type": cycle_type,
-        }  # fmt: skip
         self._unit = self._coarsest_interval()
-        self._grids: dict[int, list[_Direction]] = {}
-        self._last: list[_Direction] | None = None
+        self._grids: dict[int, list[Direction]] = {}
+        self._last: list[Direction] | None = None
+        self._closed = False
         if self.seq_len is not None:
             self._grid(self.seq_len)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The MGRIT settings by name (a copy of :attr:`options`)."""
+        return self.options.as_dict()
+
+    def close(self) -> None:
+        """Frees the communicators of every grid built so far. Collective, idempotent.
+
+        Every rank calls it, when done with the module (the grids, one per sequence
+        length run, are the same on every rank, as the ranks run the same lengths);
+        a second call does nothing. ``comm`` itself is the caller's and stays.
+        Afterwards the forward pass raises :class:`~mpx.mgrit.MGRITConfigError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for grid in self._grids.values():
+            # The reverse direction's communicator was split off the forward's: first.
+            for direction in reversed(grid):
+                direction.stepper.close()
 
     def flatten_parameters(self) -> None:
         """Nothing to do (torch.nn.GRU's cuDNN layout hook, kept for drop-in use)."""
@@ -324,32 +222,36 @@ class ParallelGRU(nn.Module):
 
     def _coarsest_interval(self) -> int:
         """Fine steps per coarsest interval of both grids (their least common multiple)."""
-        spans = []
-        for key in ("fwd_levels", "bwd_levels"):
-            name = key if self.config[key] is not None else "levels"
-            levels = _levels_arg(self.config[name], name)
-            spans.append(math.prod(coarsening_factors(self.config["cfactor"], levels)))
+        opts = self.options
+        spans = [
+            math.prod(coarsening_factors(opts.cfactor, levels))
+            for levels in (opts.forward_levels, opts.adjoint_levels)
+        ]
         return math.lcm(*spans)
 
-    def _grid(self, seq_len: int) -> list[_Direction]:
+    def _grid(self, seq_len: int) -> list[Direction]:
         grid = self._grids.get(seq_len)
         if grid is None:
             padded = self.padded_length(seq_len)
+            grid = []
             try:
-                forward = _Direction(
-                    False, seq_len, padded, self.comm, None, self.config, self.batched
+                forward = Direction(
+                    False, seq_len, padded, self.comm, None, self.options, self.batched
                 )
-                grid = [forward]
+                grid.append(forward)
                 if self.bidirectional:
                     # The reverse direction on the adjoint's reversed ranks, blocks mirrored:
                     # each rank holds the same positions in both directions.
                     fs = forward.stepper
                     blocks = (fs.fwd.layout.blocks[::-1], fs.bwd.layout.blocks)
                     grid.append(
-                        _Direction(True, seq_len, padded, fs.rcomm, blocks, self.config,
+                        Direction(True, seq_len, padded, fs.rcomm, blocks, self.options,
                                    self.batched)
                     )  # fmt: skip
             except MGRITConfigError as err:
+                # The same error on every rank: each frees what this grid made so far.
+                for made in reversed(grid):
+                    made.stepper.close()
                 raise MGRITConfigError(f"sequence length {seq_len}: {err}") from err
             self._grids[seq_len] = grid
         return grid
@@ -358,6 +260,11 @@ class ParallelGRU(nn.Module):
         self, input: torch.Tensor, hx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, h_n)`` as :class:`torch.nn.GRU` returns them, on every rank. Collective."""
+        if self._closed:
+            raise MGRITConfigError(
+                "this ParallelGRU was closed: close() freed its MGRIT communicators, so it "
+                "cannot run any more; build a new one (and close() it when done)"
+            )
         batched = input.dim() == 3
         if input.dim() not in (2, 3) or input.shape[-1] != self.input_size:
             raise MGRITConfigError(
@@ -397,7 +304,7 @@ class ParallelGRU(nn.Module):
             for d, direction in enumerate(grid):
                 weights = self.layer_weights(layer, direction.reverse)
                 params = [w for w in weights if w is not None]
-                block, h_last = _Layer.apply(  # type: ignore[no-untyped-call]
+                block, h_last = Layer.apply(  # type: ignore[no-untyped-call]
                     direction, weights, inputs, offset, hx[layer * dirs + d], *params
                 )
                 # The reverse direction's rows run backwards in position.
@@ -408,7 +315,7 @@ class ParallelGRU(nn.Module):
                 inputs = self._drop(inputs, grid[0].stepper.first, seq_len)
             offset = grid[0].stepper.first
         stepper = grid[0].stepper
-        gathered: torch.Tensor = _Gather.apply(stepper, inputs)  # type: ignore[no-untyped-call]
+        gathered: torch.Tensor = Gather.apply(stepper, inputs)  # type: ignore[no-untyped-call]
         output = gathered[:seq_len]
         h_n = torch.stack(finals)
         if not batched:
@@ -448,143 +355,3 @@ class ParallelGRU(nn.Module):
         if self._last is None:
             raise MGRITConfigError("no sequence was solved yet; call the module first")
         return self._last[0].stepper
-
-
-def _sum_over_ranks(tensors: list[torch.Tensor], comm: Communicator) -> list[torch.Tensor]:
-    """Every tensor summed over the ranks, in one allreduce of their concatenation."""
-    if comm.size == 1 or not tensors:
-        return tensors
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to("cpu", copy=True)
-    total = allreduce(flat, "sum", comm=comm).to(tensors[0].device)
-    parts = torch.split(total, [t.numel() for t in tensors])
-    return [part.view_as(t) for part, t in zip(parts, tensors, strict=True)]
-
-
-def _from_owner(row: torch.Tensor | None, like: torch.Tensor, root: int, comm: Communicator) -> Any:
-    """``row`` of rank ``root`` on every rank (``like`` gives the shape elsewhere)."""
-    if comm.size == 1:
-        assert row is not None
-        return row.clone()
-    src = row if comm.rank == root and row is not None else torch.zeros_like(like)
-    buf = src.detach().to("cpu", copy=True).contiguous()
-    broadcast(buf, root, comm=comm)
-    return buf.to(like.device)
-
-
-class _Layer(torch.autograd.Function):
-    """One direction of one GRU layer: this rank's states and the final state, with the adjoint.
-
-    ``inputs`` is the whole sequence (layer 0, replicated on every rank: ``offset``
-    None) or this rank's block of the previous layer's output (``offset`` = the
-    position of its first row). Which one is said, not guessed from shapes: a rank
-    whose block is the whole sequence must still sum the input gradient with the others.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        direction: _Direction,
-        weights: Weights,
-        inputs: torch.Tensor,
-        offset: int | None,
-        h0: torch.Tensor,
-        *params: torch.Tensor,
-    ) -> Any:
-        ctx.replicated = offset is None
-        offset = 0 if offset is None else offset
-        stepper = direction.stepper
-        direction.current = (weights, inputs.detach(), offset)
-        ctx.gates = direction.prepare(weights, inputs.detach(), offset)
-        try:
-            x_end, states, ctx.lease = stepper.forward(h0)
-        finally:
-            direction.current = None
-        # The final state is after the last real step: the end of the grid, or (forward
-        # direction, padded) point T, broadcast by the rank that holds it.
-        final = direction.hi
-        if final == stepper.N:
-            h_last = x_end
-        else:
-            root = _owner(stepper.fwd.layout, final - 1)
-            mine = states[final - stepper.first] if stepper.comm.rank == root else None
-            h_last = _from_owner(mine, h0, root, stepper.comm)
-        ctx.direction, ctx.weights, ctx.offset = direction, weights, offset
-        ctx.save_for_backward(inputs.detach(), states)
-        return states[1:].clone(), h_last
-
-    @staticmethod
-    def backward(ctx: Any, g_block: torch.Tensor | None, g_last: torch.Tensor | None) -> Any:
-        direction: _Direction = ctx.direction
-        stepper = direction.stepper
-        comm = stepper.comm
-        inputs, states = ctx.saved_tensors
-        forcing = torch.zeros_like(states[1:]) if g_block is None else g_block.clone()
-        final = direction.hi
-        if g_last is not None and comm.rank == _owner(stepper.fwd.layout, final - 1):
-            forcing[final - 1 - stepper.first] += g_last  # this rank holds the final state
-        direction.current = (ctx.weights, inputs, ctx.offset)
-        if direction.steps is not None:
-            direction.steps.prepare(ctx.weights, ctx.gates)
-        try:
-            lam_next = stepper.adjoint(states, forcing)
-        finally:
-            direction.current = None
-        # The final fine sweep over this rank's real steps, in one batched cell call;
-        # padding steps are the identity and touch no weight.
-        steps = direction.real_steps()
-        rows = slice(steps.start - stepper.first, steps.stop - stepper.first)
-        a, b = direction.rows(steps, ctx.offset)
-        params = [w for w in ctx.weights if w is not None]
-        with torch.enable_grad():
-            h = states[rows].detach().requires_grad_(True)
-            x = inputs[a:b].flip(0) if direction.reverse else inputs[a:b]
-            x = x.detach().requires_grad_(True)
-            n, batch = h.shape[0], h.shape[1:-1].numel()
-            weights = tuple(w.detach().requires_grad_(True) if w is not None else None
-                            for w in ctx.weights)  # fmt: skip
-            flat_x, flat_h = x.reshape(n * batch, x.shape[-1]), h.reshape(n * batch, h.shape[-1])
-            out = gru_step(weights, flat_x, flat_h, 1.0)  # type: ignore[arg-type]
-            leaves = [h, x, *(w for w in weights if w is not None)]
-            got = torch.autograd.grad(
-                out, leaves, lam_next[rows].reshape_as(out), allow_unused=True
-            )
-        g_params = [
-            torch.zeros_like(p) if g is None else g for g, p in zip(got[2:], params, strict=True)
-        ]
-        # dL/dh0 is the gradient at the first real step's state (padding before it in the
-        # reverse direction is the identity), held by that step's rank.
-        root = _owner(stepper.fwd.layout, direction.lo)
-        mine = got[0][0] if steps.start == direction.lo and n > 0 and got[0] is not None else None
-        g_h0 = _from_owner(mine, states[0], root, comm)
-        g_inputs = None
-        if ctx.needs_input_grad[2]:
-            part = torch.zeros_like(x) if got[1] is None else got[1].view_as(x)
-            g_inputs = torch.zeros_like(inputs)
-            g_inputs[a:b] = part.flip(0) if direction.reverse else part
-            if ctx.replicated:
-                # The whole sequence on every rank: each rank's rows, summed over ranks.
-                g_inputs = _sum_over_ranks([g_inputs], comm)[0]
-        g_params = _sum_over_ranks(g_params, comm)
-        return (None, None, g_inputs, None, g_h0, *g_params)
-
-
-class _Gather(torch.autograd.Function):
-    """Every rank's block of states, in time order, on every rank; backward: this rank's slice."""
-
-    @staticmethod
-    def forward(ctx: Any, stepper: TimeStepper, block: torch.Tensor) -> Any:
-        ctx.steps = stepper.owned_steps()
-        comm = stepper.comm
-        if comm.size == 1:
-            return block.clone()
-        span = stepper.fwd.layout.nt // sum(stepper.fwd.layout.blocks)
-        counts = [b * span for b in stepper.fwd.layout.blocks]
-        padded = block.new_zeros((max(counts), *block.shape[1:]), device="cpu")
-        padded[: block.shape[0]] = block
-        every = allgather(padded, comm=comm)
-        return torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(block.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        # Every rank computes the same loss of the whole output: its block's share is its slice.
-        return None, grad[ctx.steps.start : ctx.steps.stop].clone()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from torch import nn
 from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
+from mpx.mgrit.options import MGRITOptions, MGRITSettings, resolve
 from mpx.mgrit.stacked import StackedSteps
 
 __all__ = ["LayerParallel", "SerialResNet"]
@@ -107,16 +108,10 @@ class LayerParallel(nn.Module):
         Tf: final time; the step size is ``h = Tf / num_steps``.
         comm: the ranks that share the layers (default: all); an mpx Communicator or an
             mpi4py one (``MPI.COMM_WORLD``, as torchbraid takes it).
-        levels, cfactor: MGRIT grid levels and coarsening.
-        fwd_iters, bwd_iters: MGRIT iterations (cycles) of the forward and adjoint solves.
-        tol: stop either solve early below this residual.
-        fwd_levels, bwd_levels: levels of the forward and of the adjoint solve
-            (default: ``levels``; torchbraid's ``max_fwd_levels``/``max_bwd_levels``).
-        fwd_tol, bwd_tol: the residual each solve stops at (default: ``tol``;
-            torchbraid's ``setFwdAbsTol``/``setBwdAbsTol``).
-        relax, nrelax, skip_downcycle, cycle_type: as for :class:`~mpx.mgrit.MGRIT`.
-        fine_relax: relaxation of the fine level only (default: ``relax``):
-            torchbraid's ``fine_fcf=True`` is ``fine_relax="FCF"``.
+        options: the MGRIT settings (:class:`~mpx.mgrit.MGRITOptions`: ``levels``,
+            ``cfactor``, ``fwd_iters``, ``bwd_iters``, ``tol``, ``relax``, ...), or
+        **settings: the same as keywords (``levels=3, fwd_iters=4``), not both; unset ones
+            are :attr:`defaults`' (``fwd_iters=2, bwd_iters=1, relax="F"``...).
         batched: run the steps of all C-intervals of a rank as one batched product
             when every step layer is ``Linear(w, w)`` or ``Sequential(Linear(w, w), act)``
             with one elementwise activation (see :mod:`mpx.mgrit.stacked`); the
@@ -127,7 +122,14 @@ class LayerParallel(nn.Module):
         net = LayerParallel(nn.Flatten(), nn.Sequential(nn.Linear(64, 64), nn.Tanh()),
                             nn.Linear(64, 10), num_steps=8, Tf=1.0, levels=2, fwd_iters=2)
         loss = nn.functional.cross_entropy(net(x), y); loss.backward()
+        net.close()    # collective, when done: frees the adjoint's communicator
+
+    The communicator the adjoint solve splits off ``comm`` is this network's own:
+    :meth:`close` frees it (every rank calls it; MPI allows ~2000 communicators).
     """
+
+    #: the settings a LayerParallel made without ``options=`` starts from
+    defaults = MGRITOptions()
 
     def __init__(
         self,
@@ -137,38 +139,41 @@ class LayerParallel(nn.Module):
         num_steps: int,
         Tf: float = 1.0,
         comm: CommLike = None,
-        levels: int = 2,
-        cfactor: int | Sequence[int] = 2,
-        fwd_iters: int = 2,
-        bwd_iters: int = 1,
-        tol: float = 1e-9,
-        relax: str = "F",
-        nrelax: int = 1,
-        skip_downcycle: bool = True,
-        fwd_levels: int | None = None,
-        bwd_levels: int | None = None,
-        fwd_tol: float | None = None,
-        bwd_tol: float | None = None,
-        fine_relax: str | None = None,
-        cycle_type: str = "V",
+        *,
+        options: MGRITOptions | None = None,
         batched: bool = True,
+        **settings: Unpack[MGRITSettings],
     ) -> None:
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise MGRITConfigError(f"num_steps must be an int >= 1, got {num_steps!r}")
+        #: the MGRIT settings of the forward and the adjoint solve
+        self.options = resolve("LayerParallel", options, settings, self.defaults)
         self.comm = as_communicator(comm)
         self.num_steps, self.Tf = num_steps, float(Tf)
-        self.config: dict[str, Any] = {
-            "levels": levels, "cfactor": cfactor, "fwd_iters": fwd_iters, "bwd_iters": bwd_iters,
-            "tol": tol, "relax": relax, "nrelax": nrelax, "skip_downcycle": skip_downcycle,
-            "fwd_levels": fwd_levels, "bwd_levels": bwd_levels, "fwd_tol": fwd_tol,
-            "bwd_tol": bwd_tol, "fine_relax": fine_relax, "cycle_type": cycle_type,
-        }  # fmt: skip
         self.stepper = TimeStepper(
-            self._phi, self._uses, num_steps, Tf, comm=self.comm, **self.config
+            self._phi, self._uses, num_steps, Tf, comm=self.comm, options=self.options
         )
         self.open_layer = open_layer
         self.close_layer = close_layer
+        try:
+            self._place(step_layers, batched)
+        except MGRITConfigError:
+            # Bad step layers are bad on every rank (each rank sees the same): all free.
+            self.stepper.close()
+            raise
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The MGRIT settings by name (a copy of :attr:`options`; change them with
+        ``dataclasses.replace(net.options, ...)`` in a new network)."""
+        return self.options.as_dict()
+
+    def _place(
+        self, step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module], batched: bool
+    ) -> None:
+        """Keeps this rank's step layers (and, if they stack, runs them batched)."""
+        num_steps = self.num_steps
         owned = self.stepper.owned_steps()
         self.first_step = owned.start
         self.local_steps = nn.ModuleList(_step_layers(step_layers, num_steps, owned))
@@ -195,7 +200,22 @@ class LayerParallel(nn.Module):
     def _uses(self, k: int) -> list[int]:
         return self._param_index[k - self.first_step]
 
+    def close(self) -> None:
+        """Frees the communicator this network's adjoint solve split off. Collective.
+
+        Every rank calls it, when done with the network (MPI frees communicators
+        collectively: never left to the garbage collector); a second call does
+        nothing. ``comm`` itself is the caller's and stays. Afterwards the forward
+        pass, :meth:`gather_steps` and :meth:`serial` raise
+        :class:`~mpx.mgrit.MGRITConfigError`; the layers and ``state_dict()`` stay.
+        """
+        self.stepper.close()
+
+    def _check_open(self) -> None:
+        self.stepper.check_open("this LayerParallel")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_open()
         x0 = self.open_layer(x)
         xN = self.stepper.apply(x0, self._params)
         out: torch.Tensor = self.close_layer(xN)
@@ -215,6 +235,7 @@ class LayerParallel(nn.Module):
 
     def gather_steps(self) -> list[nn.Module]:
         """All ``num_steps`` step layers on every rank (copies; collective)."""
+        self._check_open()
         local = [copy.deepcopy(layer).cpu() for layer in self.local_steps]
         if self.comm.size == 1:
             return local

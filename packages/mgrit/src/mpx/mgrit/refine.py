@@ -14,6 +14,7 @@ step ``k // factor`` of the coarse one::
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from mpx.mgrit.errors import MGRITConfigError
@@ -27,6 +28,7 @@ def refine(net: LayerParallel, factor: int = 2, **overrides: Any) -> LayerParall
 
     Collective over ``net.comm``: the step layers are gathered, then each rank
     keeps the ones its new block holds. The open and close layers are copied.
+    The new network is a new one to :meth:`~LayerParallel.close`; ``net`` stays open.
 
     Args:
         net: the trained coarse network.
@@ -41,17 +43,18 @@ def refine(net: LayerParallel, factor: int = 2, **overrides: Any) -> LayerParall
     """
     if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
         raise MGRITConfigError(f"factor must be an int >= 1, got {factor!r}")
-    unknown = set(overrides) - set(net.config)
+    names = sorted(net.options.as_dict())
+    unknown = set(overrides) - set(names)
     if unknown:
         raise MGRITConfigError(
-            f"refine got unknown settings {sorted(unknown)}; the settings are {sorted(net.config)}"
+            f"refine got unknown settings {sorted(unknown)}; the settings are {names}"
         )
+    options = dataclasses.replace(net.options, **overrides)  # checked as it is made
     steps = net.gather_steps()
     fine = [copy.deepcopy(steps[k // factor]) for k in range(net.num_steps * factor)]
-    config = {**net.config, **overrides}
     params = list(net.parameters())
     refined = LayerParallel(
         copy.deepcopy(net.open_layer), fine, copy.deepcopy(net.close_layer),
-        net.num_steps * factor, net.Tf, comm=net.comm, **config,
+        net.num_steps * factor, net.Tf, comm=net.comm, options=options,
     )  # fmt: skip
     return refined.to(params[0].device) if params else refined

@@ -44,9 +44,10 @@ import torch
 
 from mpx.collectives import allgather, broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
-from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
+from mpx.mgrit.errors import MGRITTypeError
 from mpx.mgrit.ghosts import Ghosts, Shift, mismatch
 from mpx.mgrit.grid import Layout
+from mpx.mgrit.options import CYCLES, RELAXATIONS, check_choice, check_int, check_tol
 
 __all__ = ["MGRIT", "Ghosts", "Shift", "Step", "check_tol", "mismatch"]
 
@@ -57,16 +58,6 @@ Step = Callable[[torch.Tensor, Any, Any], torch.Tensor]
 """One time step, ``step(u, t, dt) -> u``, on torch tensors."""
 #: ``step_into(u, t, dt, out)``: a vectorized step written into ``out`` (rows of a level).
 StepInto = Callable[[torch.Tensor, Any, Any, torch.Tensor], None]
-
-
-def check_tol(tol: float, name: str) -> float:
-    """``tol`` as a float, or an error naming the argument ``name`` and the fix."""
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
-        raise MGRITConfigError(
-            f"{name} must be a number >= 0 (the residual norm to stop at; 0 runs every "
-            f"iteration), got {name}={tol!r}"
-        )
-    return float(tol)
 
 
 class MGRIT:
@@ -123,20 +114,13 @@ class MGRIT:
         fine_relax: str | None = None,
         cycle_type: str = "V",
     ) -> None:
-        if cycle_type not in ("V", "F"):
-            raise MGRITConfigError(
-                f'cycle_type must be "V" or "F" (as PyMGRIT names them), got {cycle_type!r}'
-            )
-        if relax not in ("F", "FCF"):
-            raise MGRITConfigError(f'relax must be "F" or "FCF", got {relax!r}')
-        if fine_relax not in (None, "F", "FCF"):
-            raise MGRITConfigError(
-                f'fine_relax must be "F", "FCF" or None (= relax), got {fine_relax!r}'
-            )
-        if isinstance(nrelax, bool) or not isinstance(nrelax, int) or nrelax < 0:
-            raise MGRITConfigError(f"nrelax must be an int >= 0, got {nrelax!r}")
-        if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
-            raise MGRITConfigError(f"max_iters must be an int >= 1, got {max_iters!r}")
+        # The checks of MGRITOptions, which the networks' settings pass through.
+        check_choice(cycle_type, "cycle_type", CYCLES, " (as PyMGRIT names them)")
+        check_choice(relax, "relax", RELAXATIONS)
+        if fine_relax is not None:
+            check_choice(fine_relax, "fine_relax", RELAXATIONS, " or None (= relax)")
+        check_int(nrelax, "nrelax", 0, "CF sweeps after the first F sweep")
+        check_int(max_iters, "max_iters", 1, "the most MGRIT cycles")
         if not callable(step):
             raise MGRITTypeError(f"step must be callable step(u, t, dt) -> u, got {step!r}")
         self.step = step
