@@ -37,101 +37,31 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from mpx.collectives import CommLike, Communicator, all_implementations, allreduce
-from mpx.collectives.building_blocks import (
-    checks_enabled,
-    empty_shared,
-    progress_thread_enabled,
-    small_bytes,
-    usable_cores,
-)
+from mpx.collectives import CommLike, allreduce
+from mpx.collectives.building_blocks import checks_enabled, progress_thread_enabled
+from mpx.dataparallel.buckets import Bucket, make_buckets, overlap_pays, parameters
 from mpx.dataparallel.errors import (
     DataParallelError,
     DataParallelMismatchError,
     DataParallelTypeError,
     DataParallelValueError,
 )
-from mpx.dataparallel.reduction import Waitable, quantized_allreduce, reduce_bucket, steps_aside
+from mpx.dataparallel.reduction import (
+    check_buckets,
+    check_choice,
+    quantized_allreduce,
+    reduce_bucket,
+    shared_buckets,
+    steps_aside,
+)
 from mpx.dataparallel.runtime import default_comm
 
 __all__ = ["DistributedOptimizer", "overlap_pays"]
-
-_FIRST_BUCKET_MB = 1.0
-
-
-def overlap_pays(buckets: list[_Bucket], comm: Communicator) -> bool:
-    """``overlap="auto"``: whether reducing during backward can use idle hardware.
-
-    GPU buckets (the device computes, the host communicates) and several nodes
-    (the network carries the data) always gain. CPU buckets on one node are
-    reduced by the CPU itself: that gains only while some core is idle.
-    """
-    if comm.size == 1:
-        return False  # nothing to communicate
-    if any(b.device.type != "cpu" for b in buckets) or not comm.single_node:
-        return True
-    return usable_cores() > comm.node_size * torch.get_num_threads()
-
-
-@dataclass
-class _Bucket:
-    """Parameters reduced together, and their flat buffer."""
-
-    dtype: torch.dtype
-    device: torch.device
-    params: list[nn.Parameter] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)  # positions in the used map
-    offsets: list[int] = field(default_factory=list)
-    numel: int = 0
-    flat: torch.Tensor | None = None
-    views: list[torch.Tensor] = field(default_factory=list)  # p.grad aliases (CPU buckets)
-    arrived: int = 0
-    handle: Waitable | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-def _check_impl(impl: object, compression: object) -> None:
-    """``impl=`` names a registered implementation that runs allreduce (else a clear error)."""
-    if compression is not None:
-        raise DataParallelValueError(
-            f"DistributedOptimizer: pass compression= or impl=, not both (got impl={impl!r} "
-            "and a compression config); impl='cgx' quantizes whole buckets with the "
-            "MPX_QUANTIZE_* settings, compression= filters layer by layer"
-        )
-    if not isinstance(impl, str):
-        raise DataParallelTypeError(
-            f"DistributedOptimizer: impl must be an implementation's name, got {impl!r}"
-        )
-    known = all_implementations()
-    if impl != "auto" and (impl not in known or "allreduce" not in known[impl].provides):
-        runs = [name for name, found in known.items() if "allreduce" in found.provides]
-        hint = " ('cgx' comes with mpx-quantize: pip install 'mpx-dataparallel[quantize]')"
-        raise DataParallelValueError(
-            f"DistributedOptimizer: impl={impl!r} is not an implementation of allreduce; "
-            f"use one of auto, {', '.join(runs)}{hint if impl == 'cgx' else ''}"
-        )
-
-
-def _check_buckets_accepted(impl: str, buckets: list[_Bucket], op: str) -> None:
-    """Every bucket is a call ``impl`` accepts (its registry declarations: dtypes, reduce
-    ops, sizes), so that a bucket it declines fails here, not in the middle of backward."""
-    declared = all_implementations()[impl]
-    for bucket in buckets:
-        declined = declared.declines(bucket.dtype, op, bucket.nbytes)
-        if declined is not None:
-            raise DataParallelValueError(
-                f"DistributedOptimizer: a bucket of {bucket.numel} {bucket.dtype} gradient "
-                f"values (op={op!r}) cannot be reduced: {declined}"
-            )
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -205,10 +135,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise DataParallelValueError(
                 f"DistributedOptimizer: bucket_mb must be positive, got {bucket_mb!r}"
             )
-        if compression is not None:
-            quantized_allreduce()  # fail now, not in the middle of backward
-        if impl is not None:
-            _check_impl(impl, compression)
+        check_choice(impl, compression)  # fail now, not in the middle of backward
         self.impl = impl
         # torch.optim.Optimizer.__init__ would rebuild the param groups; share them instead.
         self.optimizer = optimizer
@@ -235,7 +162,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sync = True
         self._next = 0  # the first bucket not started yet
         self._poll = not progress_thread_enabled()
-        params, names = self._parameters(optimizer, model)
+        params, names = parameters(optimizer, model)
         self._names = names
         # Ranks whose models differ would reduce buckets of different layouts
         # and train on garbage: compared once, here (MPX_CHECK=0 skips it).
@@ -251,9 +178,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the first step compares the parameters themselves (see step()).
         self._compare_parameters = True
         self._params = params
-        self._buckets, self._where = self._make_buckets(params, int(bucket_mb * (1 << 20)))
-        if impl is not None and impl != "auto":
-            _check_buckets_accepted(impl, self._buckets, self.op)
+        self._buckets, self._where = make_buckets(
+            params, int(bucket_mb * (1 << 20)), self.comm, shared_buckets(impl, compression)
+        )
+        check_buckets(impl, self._buckets, self.op)
         self.overlap = (
             overlap_pays(self._buckets, self.comm) if overlap == "auto" else bool(overlap)
         )
@@ -404,30 +332,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- buckets ---------------------------------------------------------------------
 
-    @staticmethod
-    def _parameters(
-        optimizer: torch.optim.Optimizer, model: nn.Module | None
-    ) -> tuple[list[nn.Parameter], dict[int, str]]:
-        if model is not None:
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        else:
-            flat = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-            named = [(f"param_groups[..][{i}]", p) for i, p in enumerate(flat)]
-        seen: set[int] = set()
-        params: list[nn.Parameter] = []
-        names: dict[int, str] = {}
-        for name, p in named:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-                names[id(p)] = name
-        if not params:
-            raise DataParallelValueError(
-                "DistributedOptimizer: no parameter requires grad; wrap an optimizer over "
-                "parameters with requires_grad=True"
-            )
-        return params, names
-
     def _check_parameters_agree(self) -> None:
         """Raises on every rank if the parameters' values differ across ranks (first step).
 
@@ -455,61 +359,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "apart; call model = mpx.dataparallel.synchronize(model) before training "
                     "(or seed every rank alike)"
                 )
-
-    def _make_buckets(
-        self, params: list[nn.Parameter], cap: int
-    ) -> tuple[list[_Bucket], dict[int, tuple[int, int]]]:
-        buckets: list[_Bucket] = []
-        open_: dict[tuple[torch.dtype, torch.device], int] = {}
-        where: dict[int, tuple[int, int]] = {}
-        first_cap = min(cap, int(_FIRST_BUCKET_MB * (1 << 20)))
-        for pid in reversed(range(len(params))):
-            p = params[pid]
-            key = (p.dtype, p.device)
-            index = open_.get(key)
-            nbytes = p.numel() * p.element_size()
-            if index is not None:
-                limit = first_cap if index == 0 else cap
-                if buckets[index].nbytes + nbytes > limit:
-                    index = None
-            if index is None:
-                index = len(buckets)
-                buckets.append(_Bucket(p.dtype, p.device))
-                open_[key] = index
-            bucket = buckets[index]
-            where[id(p)] = (index, len(bucket.params))
-            bucket.params.append(p)
-            bucket.ids.append(pid)
-            bucket.offsets.append(bucket.numel)
-            bucket.numel += p.numel()
-        for bucket in buckets:
-            bucket.flat = self._allocate(bucket)
-            if bucket.device.type == "cpu":
-                bucket.views = [
-                    bucket.flat[o : o + p.numel()].view(p.shape)
-                    for p, o in zip(bucket.params, bucket.offsets, strict=True)
-                ]
-        return buckets, where
-
-    def _allocate(self, bucket: _Bucket) -> torch.Tensor:
-        """The bucket's flat buffer: in node-shared memory where ``shm`` will reduce it.
-
-        A CPU bucket on a one-node job, large enough for ``auto`` to pick the
-        shared-memory allreduce, is allocated by ``mpx.collectives.empty_shared``:
-        the peers then read it in place (no staging copies). Collective, and
-        identical on every rank, as the buckets are.
-        """
-        comm = self.comm
-        if (
-            bucket.device.type == "cpu"
-            and comm.size > 1
-            and comm.single_node
-            and self.compression is None
-            and self.impl in (None, "auto", "shm")
-            and bucket.nbytes >= small_bytes()
-        ):
-            return empty_shared(bucket.numel, dtype=bucket.dtype, comm=comm).zero_()
-        return torch.zeros(bucket.numel, dtype=bucket.dtype)
 
     def _arrived(self, p: torch.Tensor) -> None:
         """The post-accumulate-grad hook: ``p.grad`` is final for this backward."""
@@ -544,7 +393,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if b.handle is not None:
                         b.handle.done()
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         flat = bucket.flat
         assert flat is not None
         with torch.no_grad():
