@@ -21,44 +21,29 @@ the ranks that compute.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import pickle
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from mpx.collectives import progress, settings
-from mpx.collectives.call_board import Arrival, CallBoard
+from mpx.collectives.agreement import Agreement
+from mpx.collectives.call_board import CallBoard
+from mpx.collectives.call_checks import CallChecks
 from mpx.collectives.checks import as_limit, check_timeout
-from mpx.collectives.consistency import (
-    CHECKED_OPS,
-    CONFIGURATION,
-    Call,
-    call_of,
-    compare_steps,
-    config_hash,
-    encode,
-    mismatch_steps,
-    sequences_differ,
-    signature_of,
-)
 from mpx.collectives.errors import (
     CommunicatorBroken,
     MismatchError,
     MPXTypeError,
     MPXValueError,
-    RemoteError,
 )
-from mpx.collectives.exchange import gather_bytes, summarize
 from mpx.collectives.handle import LOCK, Handle, Queue, Steps, drive
 from mpx.collectives.policy import ChoiceCache
 from mpx.collectives.policy import current as current_policy
 from mpx.collectives.registry import OP_SPECS
+from mpx.collectives.topology import note_host_ranks, split_node, usable_cores, waits_yielding
 
 __all__ = [
     "CommLike",
@@ -75,31 +60,7 @@ T = TypeVar("T")
 _UNORDERED = frozenset(name for name, spec in OP_SPECS.items() if not spec.ordered)
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask; all of them off Linux)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-# The most ranks of this job seen sharing this host (MPI_COMM_TYPE_SHARED of
-# any communicator created here, world first): a sub-communicator's own node
-# part undercounts the ranks competing for the cores.
-_host_ranks = [1]
-
-
-def waits_yielding(host_ranks: int, cores: int | None = None) -> bool:
-    """Whether blocking waits should yield: ``MPX_WAIT``, or with ``auto`` whether
-    ``host_ranks`` ranks on this host outnumber the ``cores`` (this process's
-    affinity mask by default)."""
-    mode = settings.WAIT.get()
-    if mode != "auto":
-        return mode == "yield"
-    return host_ranks > (usable_cores() if cores is None else cores)
-
-
-class Communicator:
+class Communicator(Agreement, CallChecks):
     """A group of ranks that run collectives together.
 
     Attributes:
@@ -120,6 +81,11 @@ class Communicator:
         comm = world()
         rows = comm.split(color=comm.rank // 2)
         allreduce(torch.ones(4), comm=rows)
+
+    Its agreement across ranks (``agree``, ``agreement``, ``allgather_object``)
+    comes from :class:`~mpx.collectives.agreement.Agreement`, its ``MPX_CHECK``
+    comparisons (``check_signature``, ``check_steps``, ``check_same``,
+    ``check_sequence``) from :class:`~mpx.collectives.call_checks.CallChecks`.
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm, timeout: float | None = None) -> None:
@@ -128,9 +94,10 @@ class Communicator:
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.timeout = settings.TIMEOUT.get() if timeout is None else timeout
-        self._node_comm, host_size = _split_node(mpi_comm, self.rank)
-        _host_ranks[0] = max(_host_ranks[0], host_size)
-        self.yielding = waits_yielding(_host_ranks[0])
+        self._node_comm, host_size = split_node(mpi_comm, self.rank)
+        # The cores as this module names them: a test makes one rank see one
+        # core by replacing communicator.usable_cores.
+        self.yielding = waits_yielding(note_host_ranks(host_size), usable_cores())
         self.node_rank: int = self._node_comm.Get_rank()
         self.node_size: int = self._node_comm.Get_size()
         self._node_members = self._node_comm.Get_group().Translate_ranks(
@@ -365,233 +332,6 @@ class Communicator:
         counts its calls there too, writes it through a pointer).
         """
         self._board[self.node_rank] += 1
-
-    def check_signature(
-        self,
-        op: str,
-        tensor: torch.Tensor | None,
-        reduce_op: str = "",
-        root: int = -1,
-        timeout: float | None = None,
-    ) -> None:
-        """Compares this call's op, dtype, element count, reduce op and root across ranks.
-
-        What every collective does first (unless ``MPX_CHECK=0``), as a call of
-        its own. Collective.
-
-        Raises:
-            MismatchError: on every rank, naming the field that differs and
-                every rank's call.
-        """
-        steps = self._compare(
-            op,
-            encode(signature_of(op, tensor, reduce_op, root)),
-            lambda: call_of(op, tensor, reduce_op, root),
-        )
-        self.run(op + " (MPX_CHECK)", "check", steps, False, timeout)
-
-    def check_steps(
-        self, op: str, tensor: torch.Tensor | None, reduce_op: str = "", root: int = -1
-    ) -> Steps[None] | None:
-        """The consistency check of one collective call, as ``MPX_CHECK`` says: steps, or None.
-
-        ``auto`` (the default) and ``1`` compare every call (see
-        :mod:`mpx.collectives.consistency`); ``0`` nothing. The comparison runs
-        as the first steps of the call itself (the operations chain it before
-        their own): it is ordered with the call, and an ``async_op=True`` call
-        does not block in it. Every rank takes part in it whatever it called
-        before.
-
-        The steps raise :class:`MismatchError` on every rank, naming the op,
-        the field that differs and every rank's call.
-        """
-        if current_policy().check == "0" or op not in CHECKED_OPS:
-            return None
-        return self._compare(
-            op,
-            encode(signature_of(op, tensor, reduce_op, root)),
-            lambda: call_of(op, tensor, reduce_op, root),
-        )
-
-    def _compare(
-        self, op: str, row: np.ndarray, call: Callable[[], Call | Mapping[str, Hashable]]
-    ) -> Steps[None]:
-        """Steps: every rank's row of this call, compared (:func:`consistency.compare_steps`)."""
-        return compare_steps(self, op, row, call, Arrival)
-
-    def mismatch_steps(self, op: str, call: Call | Mapping[str, Hashable]) -> Steps[None]:
-        """Steps after a mismatch that every rank has seen: exchange the calls, raise.
-
-        (:func:`mpx.collectives.consistency.mismatch_steps` on this communicator.)
-        """
-        return mismatch_steps(self.mpi, op, call)
-
-    def check_same(
-        self, what: str, fields: Mapping[str, Hashable], timeout: float | None = None
-    ) -> None:
-        """Raises on every rank if the ranks passed different ``fields``. Collective.
-
-        For a configuration that must agree across ranks (a quantized
-        allreduce's bits and bucket size, a model's parameter layout). A hash of
-        the fields is compared like a collective call (on the call board, or
-        one small allgather), at every call; the fields themselves travel only
-        after a mismatch. Does nothing under ``MPX_CHECK=0``.
-
-        Raises:
-            MismatchError: ``"<what>: ranks disagree on bits: rank 0 passed 4, rank 1 8; ..."``.
-
-        Example::
-
-            comm.check_same("quantized allreduce", {"bits": 4, "bucket_size": 512})
-        """
-        if current_policy().check == "0":
-            return
-        row = encode((CONFIGURATION, "", 0, "", -1), config_hash(what, fields))
-        self.run(
-            what + " (MPX_CHECK)",
-            "check",
-            self._compare(what, row, lambda: dict(fields)),
-            False,
-            timeout,
-        )
-
-    def check_sequence(
-        self, what: str, noun: str, items: Sequence[str], timeout: float | None = None
-    ) -> None:
-        """Raises on every rank if the ranks passed different ordered lists. Collective.
-
-        For layouts that must agree across ranks, compared once by the caller
-        (a model's parameters when a data-parallel optimizer is built): the
-        error names the first position that differs, or both lengths. Does
-        nothing under ``MPX_CHECK=0``.
-
-        Example::
-
-            comm.check_sequence("DistributedOptimizer", "parameter",
-                                [f"{n!r} {p.dtype}{list(p.shape)}" for n, p in named])
-        """
-        if current_policy().check == "0":
-            return
-        error = sequences_differ(what, noun, self.allgather_object(list(items), timeout))
-        if error is not None:
-            raise error
-
-    # -- agreeing across ranks ---------------------------------------------------
-
-    def agree(
-        self,
-        error: BaseException | str | None,
-        what: str = "failed",
-        *,
-        error_type: type[RemoteError] = RemoteError,
-        timeout: float | None = None,
-    ) -> None:
-        """Raises the same error on every rank if any rank failed. Collective.
-
-        Every rank says how its part went: None for "ok", or its exception (or
-        a one-line summary of it). If any rank failed, every rank raises
-        ``error_type`` naming the failed ranks and their messages; on a failed
-        rank the exception passed in is chained as its cause. So no rank goes
-        on into a collective that the failed ones will never reach.
-
-        Ordered and timed like every operation of the communicator: when no
-        rank failed it costs one small allgather, with a failure a second one
-        carries the messages.
-
-        Args:
-            error: this rank's failure, or None.
-            what: the failure as the message starts it, e.g.
-                ``"save_checkpoint: could not write ckpt.pt"`` gives
-                ``"save_checkpoint: could not write ckpt.pt on rank 0: OSError: ..."``.
-            error_type: :class:`RemoteError` or a subclass of it (an upper
-                package's, which also derives from that package's base error).
-            timeout: seconds; the communicator's timeout when None.
-
-        Raises:
-            RemoteError: (``error_type``) on every rank, when some rank failed.
-            CollectiveTimeout: the peers did not all arrive in time.
-
-        Example::
-
-            error = None
-            try:
-                load_my_shard()
-            except OSError as exc:
-                error = exc
-            comm.agree(error, "could not load the data set")
-        """
-        message = b"" if error is None else summarize(error).encode("utf-8", "replace")
-        every = self.run("agree", "mpi", gather_bytes(self.mpi, message), False, timeout)
-        assert isinstance(every, list)
-        failures = {r: text.decode("utf-8", "replace") for r, text in enumerate(every) if text}
-        if not failures:
-            return
-        raised = error_type(what, failures)
-        if isinstance(error, BaseException):
-            raise raised from error
-        raise raised
-
-    @contextlib.contextmanager
-    def agreement(
-        self,
-        what: str = "failed",
-        *,
-        error_type: type[RemoteError] = RemoteError,
-        timeout: float | None = None,
-    ) -> Iterator[None]:
-        """A block that fails on every rank if it fails on any. Collective.
-
-        An ``Exception`` raised inside is caught on this rank, then every rank
-        agrees (:meth:`agree`) at the end of the block: all of them raise
-        ``error_type`` naming the failed ranks, or all go on.
-
-        Example::
-
-            with comm.agreement("save_checkpoint: could not write ckpt.pt"):
-                if comm.rank == 0:
-                    torch.save(state, "ckpt.pt")      # an OSError here raises everywhere
-        """
-        try:
-            yield
-        except Exception as exc:
-            self.agree(exc, what, error_type=error_type, timeout=timeout)
-            raise  # not reached: agree raised
-        self.agree(None, what, error_type=error_type, timeout=timeout)
-
-    def allgather_object(self, obj: Any, timeout: float | None = None) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order. Collective.
-
-        For small Python values of any size per rank (layouts, modules,
-        messages); tensors go faster through :func:`mpx.collectives.allgather`.
-        Ordered and timed like every operation of the communicator.
-
-        Example::
-
-            layers = comm.allgather_object(my_layers)   # [rank 0's, rank 1's, ...]
-        """
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        every = self.run("allgather_object", "mpi", gather_bytes(self.mpi, data), False, timeout)
-        assert isinstance(every, list)
-        return [pickle.loads(part) for part in every]
-
-
-def _split_node(mpi_comm: MPI.Intracomm, rank: int) -> tuple[MPI.Intracomm, int]:
-    """The ranks sharing memory with this one, and how many share the real host.
-
-    ``MPX_RANKS_PER_NODE`` simulates nodes.
-
-    With ``MPX_RANKS_PER_NODE=k`` world ranks ``0..k-1`` count as one node,
-    ``k..2k-1`` as the next, and so on (within the real node): the hierarchical
-    algorithms can then be tested on one machine.
-    """
-    shared = MPI.Intracomm(mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
-    host_size: int = shared.Get_size()
-    per_node = settings.RANKS_PER_NODE.get()
-    if per_node is None:
-        return shared, host_size
-    fake = MPI.Intracomm(shared.Split(MPI.COMM_WORLD.Get_rank() // per_node, rank))
-    shared.Free()
-    return fake, host_size
 
 
 class Hierarchy:
