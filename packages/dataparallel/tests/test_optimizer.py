@@ -536,3 +536,38 @@ def test_impl_that_declines_a_bucket_is_refused_at_construction(
         torch.optim.SGD(model.parameters(), lr=0.1), model, average=False, impl="narrow"
     )
     assert opt.impl == "narrow"
+
+
+def test_close_finishes_the_reduction_detaches_the_hooks_and_use_after_names_close() -> None:
+    """close() is collective and idempotent: the buckets in flight are reduced (the averaged
+    gradient, as step() would give it), the hooks are gone, the caller's comm stays open."""
+    from mpx.collectives import world
+    from mpx.dataparallel.errors import DataParallelValueError
+
+    size = dp.world_size()
+    model = _model()
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, overlap=True, bucket_mb=0.001
+    )
+    x, y = _batch(0, size)
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()  # buckets start in flight
+    opt.close()
+    opt.close()  # a second close() does nothing
+    reference = _model()
+    nn.functional.mse_loss(reference(x), y).backward()  # the whole batch: the average
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None
+        assert q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    # No hook left: a second backward accumulates locally instead of raising "arrived twice".
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    nn.functional.mse_loss(model(_shard(x)), _shard(y)).backward()
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(after) == len(before) == 4
+    assert all(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    for use in (opt.step, opt.zero_grad, opt.no_sync().__enter__):
+        with pytest.raises(DataParallelValueError, match=r"after close\(\)"):
+            use()
+    assert opt.comm is world()
+    assert world().mpi != MPI.COMM_NULL
+    opt.optimizer.step()  # the wrapped optimizer works alone

@@ -78,5 +78,5 @@ class ParameterServerError(DataParallelError):
     Example::
 
         ps.close()
-        ps.pull(key)          # ParameterServerError: the parameter server is closed
+        ps.pull(key)          # ParameterServerError: the parameter server is closed: close() ...
     """

@@ -160,6 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer: overlap must be True, False or 'auto', got {overlap!r}"
             )
         self._sync = True
+        self._closed = False
         self._next = 0  # the first bucket not started yet
         self._poll = not progress_thread_enabled()
         params, names = parameters(optimizer, model)
@@ -232,6 +233,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         and make backward add into them (two passes). With ``set_to_none=False``
         the aliased slots are zeroed in place.
         """
+        self._check_open("zero_grad")
         if any(b.handle is not None for b in self._buckets):
             self._finish()
         self._reset()
@@ -262,6 +264,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         With a ``closure`` (e.g. LBFGS), each call of it runs backward and the
         reduction anew.
         """
+        self._check_open("step")
         if not self._sync:
             raise DataParallelError(
                 "DistributedOptimizer.step() inside no_sync(): leave the no_sync() block and "
@@ -309,6 +312,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss_fn(model(x0), y0).backward()
             loss_fn(model(x1), y1).backward(); opt.step()
         """
+        self._check_open("no_sync")
         if any(b.handle is not None for b in self._buckets):
             raise DataParallelError(
                 "no_sync() entered after a synchronized backward and before step(); enter it "
@@ -319,6 +323,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
             yield
         finally:
             self._sync = previous
+
+    def close(self) -> None:
+        """Completes a reduction in flight and detaches the hooks. Collective, idempotent.
+
+        Call it on every rank alike: a rank that started buckets finishes them
+        here, as ``step()`` would. Afterwards ``step()``, ``zero_grad()`` and
+        ``no_sync()`` raise; the wrapped optimizer (``.optimizer``) keeps working
+        alone. The communicator is the caller's (or the world): it stays open.
+        """
+        if self._closed:
+            return
+        if any(b.handle is not None for b in self._buckets):
+            self._finish()
+        self._reset()
+        self.remove_hooks()
+        self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise DataParallelValueError(
+                f"DistributedOptimizer.{what}() after close(): the optimizer no longer reduces "
+                "gradients; create a new DistributedOptimizer, or use the optimizer it wrapped "
+                "(.optimizer) alone"
+            )
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks (the wrapped optimizer keeps working alone)."""

@@ -307,7 +307,10 @@ class ParameterServer:
         PSHandle[None](self, [barrier], [], None).wait()
 
     def close(self) -> None:
-        """Fences, stops the progress thread and frees the communicator. Collective."""
+        """Fences, stops the progress thread and frees the communicator. Collective, idempotent.
+
+        The communicator freed is the server's own duplicate: ``comm`` stays open.
+        """
         if self._closed:
             return
         self.fence()
@@ -352,7 +355,10 @@ class ParameterServer:
                 f"{type(self._error).__name__}: {self._error}"
             ) from self._error
         if self._closed:
-            raise ParameterServerError("the parameter server is closed")
+            raise ParameterServerError(
+                "the parameter server is closed: close() freed its communicator and stopped "
+                "its progress thread; create a new ParameterServer (collective) to go on"
+            )
 
     def _finish(self, handle: PSHandle[T], async_op: bool) -> T | PSHandle[T]:
         if async_op:
