@@ -1,5 +1,10 @@
 """The operations a chunk runs on its weights, found while it runs: what ``W`` defers.
 
+A chunk's split backward first reads its weights' products from the autograd
+graph (:mod:`mpx.pipeline.graph_split`, no cost in the forward); a chunk whose
+graph shows a weight used otherwise (a convolution, an LSTM, a compiled graph)
+runs its later forwards under this module's mode, which finds every such call.
+
 While a chunk whose backward will be split runs its forward, :func:`capturing`
 is a :class:`torch.overrides.TorchFunctionMode`: every torch function the
 chunk calls (layers, ``torch.nn.functional``, tensor methods) passes through

@@ -11,14 +11,17 @@ the gradients of their outputs. For a matrix product::
 
     grad_weight = grad_output^T @ input        grad_bias = grad_output.sum(0)
 
-:mod:`mpx.pipeline.capture` finds, while a chunk whose backward will be split
-runs its forward, every operation that takes one of its weights, and leaves
-in this module's :class:`Records`, per operation, what ``W`` needs:
+:mod:`mpx.pipeline.graph_split` finds in a chunk's autograd graph the matrix
+products that take one of its weights (or, for a chunk whose graph shows
+another use of a weight, :mod:`mpx.pipeline.capture` finds every operation
+that takes one while the forward runs), and leaves in this module's
+:class:`Records`, per operation, what ``W`` needs:
 
 - a matrix product with a weight (``F.linear``, ``torch.addmm`` as in GPT-2's
   ``Conv1D``, ``x @ W``): a :data:`Record` ``(input, grad_output, weight,
   bias, transposed)``, and ``W`` is one matrix product per record
-  (:class:`Product` is the operation whose backward leaves it);
+  (the graph path leaves the bias to ``I``; under the capture mode
+  :class:`Product` is the operation whose backward leaves it);
 - any other operation with a weight of two or more dimensions (a
   convolution, ``nn.MultiheadAttention``'s forward, an LSTM): a :class:`Local`,
   the operation's own small graph (run on detached copies of its inputs, so it
@@ -89,6 +92,10 @@ class Records(list[Record]):
         self.held = held if held is not None else Held()
         self.ops: list[Local] = []
         self.bytes = 0  # what these records add to ``held``
+        # The forward ran under the capture mode: its calls record in I themselves
+        # (else I reads the products from the graph: mpx.pipeline.graph_split).
+        self.captured = False
+        self.weights: list[torch.Tensor] = []  # what the forward's products may defer
 
     def __bool__(self) -> bool:
         return len(self) > 0 or len(self.ops) > 0
@@ -110,6 +117,8 @@ class Records(list[Record]):
         self.held.bytes -= self.bytes
         self.bytes = 0
         self.ops.clear()
+        self.captured = False
+        self.weights = []
         super().clear()
 
 
