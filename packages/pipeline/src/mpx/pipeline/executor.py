@@ -55,7 +55,7 @@ class Hooks:
         return j
 
     def before_forward(self, action: Action, mb: Micro) -> None:
-        """Sets ``mb.recompute`` and the weights the forward runs on (``mb.extra``)."""
+        """Sets ``mb.recompute`` and the weights the forward runs on (``mb.weights``)."""
 
     def before_backward(self, action: Action, mb: Micro) -> None:
         """Before ``B`` or ``I``: the weights a recomputation runs on."""
@@ -189,7 +189,7 @@ class Executor:
                     hooks.before_backward(a, mb)
                     passes.backward(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale)
                     hooks.after_backward(a, mb)
-                    if "grads_out" in mb.extra:
+                    if mb.grads_out is not None:
                         self.live[key] = mb  # until its SEND_B
                 elif a.kind == "I":
                     mb = self.live[key]
@@ -198,18 +198,18 @@ class Executor:
                     # per call otherwise, for nothing).
                     weights = None if mb.capture else hooks.weights(mb)
                     passes.input_grad(a.mb, mb, hooks.number(a.mb), loss_fn, hooks.scale, weights)
-                    mb.extra["w_due"] = True
+                    mb.w_due = True
                 elif a.kind == "W":
                     mb = self.live.pop(key)
-                    mb.extra.pop("w_due", None)
+                    mb.w_due = False
                     passes.weight_grad(a.mb, mb, None if mb.kept is None else hooks.weights(mb))
                     hooks.after_backward(a, mb)
-                    if "grads_out" in mb.extra:
+                    if mb.grads_out is not None:
                         self.live[key] = mb
                 elif a.kind == "SEND_B":
                     mb = self.live[key]
                     passes.send_input_grads(a.mb, mb)
-                    if mb.out is None and "w_due" not in mb.extra:
+                    if mb.out is None and not mb.w_due:
                         del self.live[key]  # backward done: nothing left to keep
                 elif a.kind == "STEP":
                     hooks.step(a)

@@ -47,10 +47,10 @@ from mpx.pipeline.border import carries_grad, flatten, unflatten
 from mpx.pipeline.capture import capturing
 from mpx.pipeline.deferred import Held, Records, weight_grads
 from mpx.pipeline.schedule import local_stages, rank_of
-from mpx.pipeline.stage import Stage
+from mpx.pipeline.stage import Stage, Weights
 from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
 
-__all__ = ["LossFn", "Micro", "StagePasses"]
+__all__ = ["LossFn", "Micro", "StagePasses", "Stash"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target)``: the last stage's output and the target (tensors or structures)."""
@@ -71,6 +71,17 @@ class _Pin:
 
 
 @dataclass
+class Stash:
+    """What the asynchronous hooks (:class:`mpx.pipeline.stale.AsyncHooks`) keep of one
+    micro-batch on one chunk from its forward to its backward."""
+
+    values: dict[torch.nn.Parameter, torch.Tensor] | None  # the forward's (None: live ones)
+    version: int  # the chunk's optimizer steps when the forward ran
+    grad_leaves: Weights | None = None  # the leaves the backward's weight gradients reach
+    gap_ref: dict[torch.nn.Parameter, torch.Tensor] | None = None  # gap-aware: θ_used
+
+
+@dataclass
 class Micro:
     """What a rank keeps of one micro-batch on one chunk between its forward and backward."""
 
@@ -83,7 +94,16 @@ class Micro:
     target: Any = None
     recompute: bool = False
     stage: int = 0  # the virtual stage
-    extra: dict[str, Any] = field(default_factory=dict)  # hooks' state (async: weights used)
+    # The weights the forward runs on, and a recomputation in the backward
+    # (the asynchronous hooks' stashed or predicted ones); None: the live parameters.
+    weights: Weights | None = None
+    backward_weights: Weights | None = None
+    stash: Stash | None = None  # the asynchronous hooks' own state (stale.py)
+    forward_only: bool = False  # an evaluation call: no gradient comes back
+    to_send: Any = None  # the output, between F and its SEND_F
+    grads_in: list[torch.Tensor] | None = None  # the output's gradients, received (RECV_B)
+    grads_out: list[torch.Tensor] | None = None  # the input's gradients, until SEND_B
+    w_due: bool = False  # between I and W: the micro-batch stays live for W
     capture: bool = False  # the backward will be split: weight calls record for W
     records: Records = field(default_factory=Records)  # W's work, left by I (deferred.py)
     kept: retained.Kept | None = None  # W's work on a chunk that keeps its graph
@@ -309,7 +329,7 @@ class StagePasses:
         self.doing = f"forward of micro-batch {j}"
         s = mb.stage
         with torch.set_grad_enabled(not mb.recompute):
-            y = self._run(mb, g, mb.extra.get("weights"))
+            y = self._run(mb, g, mb.weights)
             if s == self.virtual - 1:
                 if loss_fn is not None:
                     assert mb.target is not None
@@ -322,7 +342,7 @@ class StagePasses:
                 # The flags are read in this grad mode (see border.carries_grad).
                 tensors, _ = flatten(y)
                 mb.flags = [carries_grad(t) for t in tensors]
-                mb.extra["to_send"] = y
+                mb.to_send = y
         if not mb.recompute:
             mb.out = y
         elif mb.loss is not None:
@@ -332,10 +352,10 @@ class StagePasses:
         """``SEND_F``: the output to the next chunk's rank; its gradient's receive is posted."""
         self.doing = f"send of micro-batch {j}"
         s = mb.stage
-        y = mb.extra.pop("to_send")
+        y, mb.to_send = mb.to_send, None
         q = self.owner[s + 1]
         self.act_out[q].send(self.key(s + 1, j), y, mb.flags, stream=s + 1)
-        if mb.extra.get("eval"):
+        if mb.forward_only:
             return  # forward only: no gradient comes back
         tensors, _ = flatten(y)
         self.grad_in[q].post(
@@ -355,11 +375,11 @@ class StagePasses:
         """``RECV_B``: waits for the gradients of the chunk's output."""
         self.doing = f"receive of the gradients of micro-batch {j}"
         q = self.owner[mb.stage + 1]
-        mb.extra["grads_in"] = self.grad_in[q].get(self.key(mb.stage, j)).tensors
+        mb.grads_in = self.grad_in[q].get(self.key(mb.stage, j)).tensors
 
     def _recompute(self, mb: Micro, g: int, loss_fn: LossFn | None) -> None:
         with self.stage.frozen_statistics(), torch.enable_grad():
-            mb.out = self._run(mb, g, mb.extra.get("backward_weights"))
+            mb.out = self._run(mb, g, mb.backward_weights)
             if mb.stage == self.virtual - 1 and loss_fn is not None:
                 assert mb.target is not None
                 mb.loss = loss_fn(mb.out, mb.target)
@@ -374,12 +394,14 @@ class StagePasses:
             # once per process) to check a given one, and the last stage's first
             # backward is what every other stage waits for.
             return [(mb.loss * scale, None)]
+        grads: list[torch.Tensor] | None
         if not self._remote_next(s):
             grads = self._handed_grads.pop((s, j))
         else:
-            if "grads_in" not in mb.extra:
+            if mb.grads_in is None:
                 self.receive_grads(j, mb)
-            grads = mb.extra["grads_in"]
+            grads = mb.grads_in
+            assert grads is not None
         outs, _ = flatten(mb.out)
         owed = [t for t, flag in zip(outs, mb.flags, strict=True) if flag]
         # A recomputed output may not require grad where its first (no-grad)
@@ -387,7 +409,7 @@ class StagePasses:
         return [(t, gr) for t, gr in zip(owed, grads, strict=True) if t.requires_grad]
 
     def _release_grads(self, j: int, mb: Micro) -> None:
-        grads = mb.extra.pop("grads_in", None)
+        grads, mb.grads_in = mb.grads_in, None
         if grads is not None:
             q = self.owner[mb.stage + 1]
             self.grad_in[q].release(grads)
@@ -406,13 +428,15 @@ class StagePasses:
         if not self._remote_prev(s):
             self._handed_grads[(s - 1, j)] = full
         else:
-            mb.extra["grads_out"] = full
+            mb.grads_out = full
 
     def send_input_grads(self, j: int, mb: Micro) -> None:
         """``SEND_B``: the input's gradients to the previous chunk's rank."""
         self.doing = f"send of the gradients of micro-batch {j}"
         q = self.owner[mb.stage - 1]
-        self.grad_out[q].send_tensors(self.key(mb.stage - 1, j), mb.extra.pop("grads_out"))
+        grads, mb.grads_out = mb.grads_out, None
+        assert grads is not None, f"internal: no input gradients to send for micro-batch {j}"
+        self.grad_out[q].send_tensors(self.key(mb.stage - 1, j), grads)
         if not mb.records and mb.kept is None:
             # After ``I`` a record or the kept graph may hold the input (a first
             # product's input is the receive buffer): then ``W`` lets go of them.

@@ -112,7 +112,7 @@ class _EvalHooks(Hooks):
         return self.base - j
 
     def before_forward(self, action: Action, mb: Micro) -> None:
-        mb.extra["eval"] = True
+        mb.forward_only = True
 
 
 class Runtime:

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from mpx.pipeline.errors import PipelineValueError
+from mpx.pipeline.errors import PipelineError, PipelineValueError
 from mpx.pipeline.executor import Hooks
 from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
-from mpx.pipeline.passes import Micro, StagePasses
+from mpx.pipeline.passes import Micro, StagePasses, Stash
 from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
 from mpx.pipeline.schedule import (
     Action,
@@ -206,17 +206,17 @@ class AsyncHooks(Hooks):
         j, s = action.mb, action.stage
         mb.recompute = self.recompute
         values = self._forward_weights(j, s, self.optimizer, self.scheduler)
-        mb.extra["values"] = values
-        mb.extra["version"] = self.chunk_version[s]
+        mb.stash = Stash(values, self.chunk_version[s])
         if self.recompute:
-            mb.extra["weights"] = self._plain(values, s)
+            mb.weights = self._plain(values, s)
         else:
             # Live parameters (nothing steps before the backward) go straight
             # into the graph, and autograd accumulates into ``.grad`` itself.
-            mb.extra["weights"] = None if values is None else self._leaves(values, s)
+            mb.weights = None if values is None else self._leaves(values, s)
 
     def before_backward(self, action: Action, mb: Micro) -> None:
-        values = mb.extra["values"]
+        stash = self._stash(mb)
+        values = stash.values
         if self.recompute:
             used = values if (self.stashing and values is not None) else None
         else:
@@ -226,15 +226,21 @@ class AsyncHooks(Hooks):
         separate = self._ga is not None and gap_ref is not None
         if self.recompute:
             leaves = self._leaves(used, mb.stage) if (used is not None or separate) else None
-            mb.extra["backward_weights"] = leaves
+            mb.backward_weights = leaves
         else:
-            leaves = mb.extra["weights"]
-        mb.extra["grad_leaves"] = leaves
-        mb.extra["gap_ref"] = gap_ref if separate else None
-        self.staleness.append(self.chunk_version[mb.stage] - mb.extra["version"])
+            leaves = mb.weights
+        stash.grad_leaves = leaves
+        stash.gap_ref = gap_ref if separate else None
+        self.staleness.append(self.chunk_version[mb.stage] - stash.version)
+
+    @staticmethod
+    def _stash(mb: Micro) -> Stash:
+        if mb.stash is None:
+            raise PipelineError(f"internal: micro-batch on chunk {mb.stage} has no stash")
+        return mb.stash
 
     def weights(self, mb: Micro) -> list[torch.Tensor]:
-        leaves = mb.extra.get("grad_leaves")
+        leaves = None if mb.stash is None else mb.stash.grad_leaves
         part = self.passes.part[mb.stage]
         if leaves is None:
             return [
@@ -245,8 +251,8 @@ class AsyncHooks(Hooks):
         ]
 
     def after_backward(self, action: Action, mb: Micro) -> None:
-        leaves = mb.extra["grad_leaves"]
-        gap_ref = mb.extra["gap_ref"]
+        stash = self._stash(mb)
+        leaves, gap_ref = stash.grad_leaves, stash.gap_ref
         if leaves is not None:
             with torch.no_grad():
                 for i, name, p in self.chunk_params[mb.stage]:
