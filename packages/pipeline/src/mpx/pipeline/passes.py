@@ -17,14 +17,15 @@ virtual stages, ``s`` the receiving one), one tag per key on each link.
 The backward can be split (``I`` then ``W``, :meth:`StagePasses.input_grad`,
 :meth:`StagePasses.weight_grad`). ``W`` must neither walk the chunk's graph
 again nor make ``I`` keep it (the whole graph of every micro-batch between
-its ``I`` and ``W`` would stay alive: many times 1F1B's memory). So a forward
-whose backward will be split runs under :func:`mpx.pipeline.capture.capturing`,
-which finds every call that takes one of the chunk's weights (a Linear, a
-Conv1D's ``addmm``, a convolution, an attention's projections, a bare
-``nn.Parameter``): ``I`` is a plain backward that frees the graph and leaves,
-per such call, what its weights' gradients need (a product's input and its
-output's gradient, or the call's own small graph); ``W`` computes them
-(:mod:`mpx.pipeline.deferred`). Cheap weights (norms, 1-D scales,
+its ``I`` and ``W`` would stay alive: many times 1F1B's memory). So ``I``
+leaves, per call that takes one of the chunk's weights, what its weights'
+gradients need (a product's input and its output's gradient, or the call's own
+small graph), frees the graph, and ``W`` computes them
+(:mod:`mpx.pipeline.deferred`). The calls are found in the autograd graph
+(:mod:`mpx.pipeline.graph_split`: matrix products, as in Linear, Conv1D's
+``addmm``, an attention's projections, ``x @ W``), or, for a chunk whose graph
+showed another use of a weight (a convolution, an LSTM), while its forward runs
+(:func:`mpx.pipeline.capture.capturing`). Cheap weights (norms, 1-D scales,
 embeddings) get their gradient in ``I``. A forward that ran without capturing
 and is then split keeps its graph from ``I`` to ``W`` instead
 (:mod:`mpx.pipeline.retained`).
@@ -44,8 +45,8 @@ import torch
 from mpx.collectives import CollectiveTimeout, Communicator, Handle
 from mpx.pipeline import retained
 from mpx.pipeline.border import carries_grad, flatten, unflatten
-from mpx.pipeline.capture import capturing
 from mpx.pipeline.deferred import Held, Records, weight_grads
+from mpx.pipeline.graph_split import ChunkSplit
 from mpx.pipeline.schedule import local_stages, rank_of
 from mpx.pipeline.stage import Stage, Weights
 from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
@@ -176,6 +177,9 @@ class StagePasses:
             [p for layer in stage.part_modules(k) for p in layer.parameters()]
             for k in range(len(self.stages))
         ]
+        # Per chunk, how its split backward finds the weights' products: in the
+        # graph, or under the capture mode once the graph showed it must.
+        self._splits = [ChunkSplit() for _ in range(len(self.stages))]
         self.busy_seconds = 0.0
         self.doing = "nothing yet"  # the pass under way, for the message if it fails
 
@@ -314,7 +318,7 @@ class StagePasses:
         used = self._params[part]
         if weights is not None:
             used = [*used, *(t for d in weights.values() for t in d.values())]
-        with capturing(used, mb.records):
+        with self._splits[part].forward(used, mb.records):
             return self.stage.run(mb.feed, g, weights, part)
 
     def _remote_next(self, s: int) -> bool:
@@ -451,13 +455,18 @@ class StagePasses:
         if not self._remote_prev(mb.stage):
             self.release_input(mb)  # handed over: no SEND_B will (see _Pin)
 
-    def _backward(self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float) -> None:
+    def _backward(
+        self, j: int, mb: Micro, g: int, loss_fn: LossFn | None, scale: float, split: bool = False
+    ) -> None:
         if mb.recompute:
             self._recompute(mb, g, loss_fn)
         pairs = self._output_grads(j, mb, scale)
         if pairs:
-            # Frees the graph as it goes; captured weight calls leave records for W.
-            torch.autograd.backward([t for t, _ in pairs], [gr for _, gr in pairs])
+            tensors, grads = [t for t, _ in pairs], [gr for _, gr in pairs]
+            if split:  # I: the weights' products leave records for W
+                self._splits[self.part[mb.stage]].input_backward(tensors, grads, mb.records)
+            else:  # frees the graph as it goes (captured calls still record)
+                torch.autograd.backward(tensors, grads)
         if mb.stage > 0:  # stage 0's inputs are the user's: autograd filled their .grad
             self._input_grads(j, mb, [t.grad for t in mb.leaves])
         mb.out = mb.loss = None
@@ -478,7 +487,7 @@ class StagePasses:
         differentiates then; see :mod:`mpx.pipeline.retained`)."""
         self.doing = f"input gradient of micro-batch {j}"
         if mb.capture:
-            self._backward(j, mb, g, loss_fn, scale)
+            self._backward(j, mb, g, loss_fn, scale, split=True)
             return
         if mb.recompute:
             self._recompute(mb, g, loss_fn)
