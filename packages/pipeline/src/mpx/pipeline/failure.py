@@ -36,6 +36,12 @@ and are about to return a loss. Three things make every stage raise::
   freed memory (``malloc(): unsorted double linked list corrupted``) -- and
   the next call matches only its own messages.
 
+**Closing.** :meth:`FailureAgreement.close` (``Pipeline.close()``) settles the
+same way, with notices that say the stage closes: they complete the notice
+receives (a receive never matched keeps a communicator alive in MPI after its
+free), and they are no failure -- a stage still in the last call (``async``)
+finishes it, then closes.
+
 **One call, the same on every stage.** Under ``async`` a stage may have
 finished call ``c`` and returned before another failed in it: it learns of the
 failure in call ``c + 1`` (its status is read a call late, like its loss).
@@ -57,13 +63,15 @@ from typing import Any
 import torch
 
 from mpx.collectives import CollectiveTimeout, Communicator, Handle, allgather, recv, send
-from mpx.pipeline.errors import PipelineError, PipelineRemoteError
+from mpx.pipeline.errors import PipelineError, PipelineRemoteError, PipelineValueError
 from mpx.pipeline.passes import StagePasses
 from mpx.pipeline.transport import adopt, wait_for
 
 __all__ = ["FailureAgreement", "StageGaveUp", "Status", "summarize"]
 
 _NOTICE_TAG = 2  # beside the transport's header (1) and data tags (>= 8192)
+# Why a notice was sent (its last word): this stage learned of a failure, failed, or closes.
+_GAVE_UP, _FAILED, _CLOSING = 0, 1, 2
 _MAX_SUMMARY = 2000
 
 
@@ -119,7 +127,10 @@ class FailureAgreement:
         self._listening: dict[int, Handle[torch.Tensor]] = {}
         for r in self.others:
             self._listen(r)
-        weakref.finalize(self, _KEPT.append, (self._notices, self._listening))
+        self._keep = weakref.finalize(self, _KEPT.append, (self._notices, self._listening))
+        # Stages whose notice said they close the pipeline (Pipeline.close()):
+        # this one then listens no more, and its own close() only frees.
+        self.closed_by: list[int] = []
 
     def _listen(self, peer: int) -> None:
         self._listening[peer] = recv(
@@ -129,9 +140,13 @@ class FailureAgreement:
     # -- while a call runs ------------------------------------------------------
 
     def interrupt(self) -> None:
-        """Raises :class:`StageGaveUp` if another stage sent a notice."""
+        """Raises :class:`StageGaveUp` if another stage sent a notice of a failure.
+
+        A notice that a stage closes is no reason to stop: under ``async`` a
+        stage may still be in the last call when the others, done with it, close.
+        """
         for r, handle in self._listening.items():
-            if handle.done():
+            if handle.done() and int(self._notices[r][2]) != _CLOSING:
                 raise StageGaveUp(f"stage {r} failed")
 
     def issue(self, loss: float, ok: bool) -> Status:
@@ -178,46 +193,96 @@ class FailureAgreement:
             :class:`PipelineError` saying the pipeline is broken.
         """
         failed = not isinstance(error, StageGaveUp)
+        summary = None
+        if failed:
+            summary = f"{where}: {summarize(error)}" if where else summarize(error)
         try:
             if status_due:
                 self.issue(math.nan, ok=False)
-            told = self._tell_others(failed)
-            heard = self._hear_others()
-            while self.issued < max([self.issued, *(issued for issued, _ in heard.values())]):
-                self.issue(math.nan, ok=False)
-            calls = [self.calls, *(calls for _, calls in heard.values())]
-            self.raise_in, self.failed_in = max(calls), min(calls)
-            for status in self.statuses:
-                self._complete(status, None)
-            self.statuses.clear()
-            summary = None
-            if failed:
-                summary = f"{where}: {summarize(error)}" if where else summarize(error)
-            every = self.comm.allgather_object((summary, self.passes.ledger()))
-            self.passes.settle([ledger for _, ledger in every])
-            for r, (_, handle) in zip(self.others, told, strict=True):
-                wait_for(handle, self.comm, "send", r, None)
-            for r in self.others:
-                self._listen(r)
+            failures = self._agree(_FAILED if failed else _GAVE_UP, summary)
         except CollectiveTimeout as timeout:
             self.raise_in = self.failed_in = self.calls
             return self._break(what, timeout)
-        failures = {r: text for r, (text, _) in enumerate(every) if text is not None}
+        if not failures and self.closed_by:
+            # Nothing failed: a stage closed the pipeline while this one was in a call.
+            return PipelineValueError(
+                f"{what}: stage(s) {self.closed_by} closed the pipeline (Pipeline.close()) "
+                "while this stage was in the call; every stage calls close() after the same "
+                "calls"
+            )
         return PipelineRemoteError(what, failures)
 
-    def _tell_others(self, failed: bool) -> list[tuple[torch.Tensor, Handle[None]]]:
+    def close(self) -> PipelineRemoteError | PipelineError | None:
+        """Leaves nothing in flight on the pipeline's communicator, before it is freed. Collective.
+
+        The stages settle as after a failure, with notices that say they close:
+        the notices complete the receives each stage keeps posted for them (a
+        receive never matched would keep the communicator alive in MPI after
+        its free), statuses complete, the links are drained. A stage that was
+        settling a failure of its own when the others closed takes part in it
+        (its notice carries the failure) and listens no more.
+
+        Returns:
+            :class:`PipelineRemoteError` when a stage reported a failure no call
+            raised here; :class:`PipelineError` when the stages did not settle in
+            time (the pipeline is broken: MPI may still use its buffers); else None.
+        """
+        if self.broken is not None:
+            return None  # settled never: what MPI may still touch is kept already
+        if not self.closed_by:
+            try:
+                failures = self._agree(_CLOSING, None)
+            except CollectiveTimeout as timeout:
+                return self._break("Pipeline.close()", timeout)
+            if failures:
+                return PipelineRemoteError("Pipeline.close()", failures)
+        self._keep.detach()  # no receive left posted: nothing to keep alive
+        return None
+
+    def _agree(self, why: int, summary: str | None) -> dict[int, str]:
+        """Notices exchanged, statuses caught up and complete, links settled.
+
+        Returns:
+            The failures the stages reported (``summary`` is this stage's).
+        """
+        told = self._tell_others(why)
+        heard = self._hear_others()
+        while self.issued < max([self.issued, *(issued for issued, _, _ in heard.values())]):
+            self.issue(math.nan, ok=False)
+        calls = [self.calls, *(calls for _, calls, _ in heard.values())]
+        self.raise_in, self.failed_in = max(calls), min(calls)
+        for status in self.statuses:
+            self._complete(status, None)
+        self.statuses.clear()
+        every = self.comm.allgather_object((summary, self.passes.ledger()))
+        self.passes.settle([ledger for _, ledger in every])
+        for r, (_, handle) in zip(self.others, told, strict=True):
+            wait_for(handle, self.comm, "send", r, None)
+        self.closed_by = sorted(r for r, (_, _, w) in heard.items() if w == _CLOSING)
+        if why == _CLOSING or self.closed_by:
+            self._listening.clear()  # every notice receive has completed
+        else:
+            for r in self.others:
+                self._listen(r)
+        return {r: text for r, (text, _) in enumerate(every) if text is not None}
+
+    def _tell_others(self, why: int) -> list[tuple[torch.Tensor, Handle[None]]]:
         told = []
         for r in self.others:
-            notice = torch.tensor([self.issued, self.calls, int(failed)], dtype=torch.int64)
+            notice = torch.tensor([self.issued, self.calls, why], dtype=torch.int64)
             told.append((notice, send(notice, r, _NOTICE_TAG, comm=self.comm, async_op=True)))
         return told
 
-    def _hear_others(self) -> dict[int, tuple[int, int]]:
-        """Every other stage's notice: the statuses it has issued, the call it is in."""
+    def _hear_others(self) -> dict[int, tuple[int, int, int]]:
+        """Every other stage's notice: the statuses it has issued, the call it is in, why."""
         heard = {}
         for r, handle in self._listening.items():
             wait_for(handle, self.comm, "recv", r, None)
-            heard[r] = (int(self._notices[r][0]), int(self._notices[r][1]))
+            heard[r] = (
+                int(self._notices[r][0]),
+                int(self._notices[r][1]),
+                int(self._notices[r][2]),
+            )
         return heard
 
     def _break(self, what: str, timeout: CollectiveTimeout) -> PipelineError:

@@ -97,6 +97,7 @@ class Pipeline(nn.Module):
         pipe = Pipeline(nn.Sequential(a, b, c, d), balance=[2, 2], chunks=4)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         loss = pipe.step(x, y, nn.functional.cross_entropy, opt)
+        pipe.close()  # frees its communicators (every rank)
     """
 
     def __init__(
@@ -124,16 +125,55 @@ class Pipeline(nn.Module):
         super().__init__()
         base = as_communicator(comm)
         # A private duplicate: the pipeline's messages never match the user's.
+        # It and the tied weights' groups are this pipeline's to free (close()).
         self.comm = Communicator.from_mpi(base.mpi, base.timeout)
+        self._tied: list[tuple[nn.Parameter, Communicator, int]] = []
+        self._closed = False
+        try:
+            self._build(
+                module,
+                balance,
+                chunks,
+                schedule,
+                checkpoint,
+                seed,
+                data_parallel_comm,
+                sample,
+                AsyncOptions(
+                    weight_stashing=weight_stashing,
+                    weight_prediction=weight_prediction,
+                    gap_aware=gap_aware,
+                    step_every=step_every,
+                    recompute=recompute,
+                    split_backward=split_backward,
+                ),
+                stages_per_rank,
+                pass_costs,
+                compression,
+            )
+        except (PipelineValueError, PipelineRemoteError):
+            # Raised on every rank alike (the arguments are agreed on first), so
+            # the collective free is safe; a pipeline that was never built is
+            # nobody's to close. A timeout is not freed: a rank may be missing.
+            self._free()
+            raise
+
+    def _build(
+        self,
+        module: nn.Sequential,
+        balance: list[int] | None,
+        chunks: int,
+        schedule: str,
+        checkpoint: str,
+        seed: int,
+        data_parallel_comm: CommLike | None,
+        sample: Any,
+        options: AsyncOptions,
+        stages_per_rank: int | None,
+        pass_costs: PassCosts | str,
+        compression: Any,
+    ) -> None:
         dp_comm = None if data_parallel_comm is None else as_communicator(data_parallel_comm)
-        options = AsyncOptions(
-            weight_stashing=weight_stashing,
-            weight_prediction=weight_prediction,
-            gap_aware=gap_aware,
-            step_every=step_every,
-            recompute=recompute,
-            split_backward=split_backward,
-        )
         # First, before any argument is validated or anything moves (build_agreement).
         agree_on_build(
             self.comm,
@@ -183,7 +223,7 @@ class Pipeline(nn.Module):
         passes = StagePasses(self.comm, self.stage, v, self._style)
         # The ranks that read the inputs and the targets (both rank 0 in a V).
         self.first, self.last = passes.first, passes.last
-        self._tied = self._tie(module)
+        self._tie(module)
         named = model_names(self.stage.layer_modules(), list(self.named_parameters()))
         # Decided from the model alone, alike on every rank (owners or not).
         across = any(
@@ -208,14 +248,14 @@ class Pipeline(nn.Module):
 
     # -- construction ---------------------------------------------------------
 
-    def _tie(self, module: nn.Sequential) -> list[tuple[nn.Parameter, Communicator, int]]:
-        """Per parameter shared with other stages: this stage's copy and the owners' comm.
+    def _tie(self, module: nn.Sequential) -> None:
+        """Per parameter shared with other stages: this stage's copy and the owners' comm
+        (in ``self._tied``, each group as it is made: close() frees them).
 
         Every owner keeps a copy (the module was built alike everywhere) and
         the copies' gradients are summed before each optimizer step, so the
         copies take the same steps and stay equal (Megatron's word embeddings).
         """
-        tied = []
         layers = self.stage.layer_modules()
         for by_stage in tied_groups(module, self.balance):
             # Virtual stages to ranks; a weight shared by chunks of one rank is
@@ -230,8 +270,7 @@ class Pipeline(nn.Module):
             if group is not None:
                 index, name = owners[self.stage_id]
                 other = min(r for r in owners if r != self.stage_id)
-                tied.append((layers[index].get_parameter(name), group, other))
-        return tied
+                self._tied.append((layers[index].get_parameter(name), group, other))
 
     def _sum_tied_grads(self) -> None:
         """Sums the gradients of tied copies over the stages that own them."""
@@ -328,6 +367,7 @@ class Pipeline(nn.Module):
                 stage alike; the stage that failed returns NaN meanwhile.
             PipelineError: the stages could not settle a failure in time.
         """
+        self._check_open("step")
         return self._runtime.step(inputs, target, loss_fn, optimizer, scheduler)
 
     def forward(self, inputs: Any) -> Any:
@@ -338,6 +378,7 @@ class Pipeline(nn.Module):
         is smaller than ``chunks`` (``step`` needs a batch that ``chunks`` divides).
         In training mode dropout draws from a stream apart from ``step``'s.
         """
+        self._check_open("forward")
         return self._runtime.forward(inputs)
 
     def flush(
@@ -353,9 +394,50 @@ class Pipeline(nn.Module):
         Returns:
             The loss of the last ``step`` (async), NaN for the other schedules.
         """
+        self._check_open("flush")
         if self._runtime.stale is None:
             return float("nan")
         return self._runtime.flush(optimizer, scheduler)
+
+    def close(self) -> None:
+        """Frees the communicators this pipeline made. Collective: every stage calls it,
+        after the same calls; idempotent.
+
+        The private duplicate of ``comm`` and the tied weights' groups are freed
+        (``comm`` itself and ``data_parallel_comm`` stay the caller's). Messages
+        still in flight are settled first (``async``: the last call's sends and
+        status; call :meth:`flush` before it to keep the backwards still owed).
+        Afterwards ``step``, ``forward`` and ``flush`` raise
+        :class:`PipelineValueError`; the weights stay usable (``state_dict``).
+
+        Raises:
+            PipelineRemoteError: a stage reported a failure that no call raised
+                here (``async`` raises a failure a call late); the communicators
+                are freed all the same.
+            PipelineError: the stages did not settle in time; then nothing is
+                freed (MPI may still use the buffers).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        error = self._runtime.close()
+        if self._runtime.agreement.broken is None:
+            self._free()
+        if error is not None:
+            raise error
+
+    def _free(self) -> None:
+        for _, group, _ in self._tied:
+            group.free()
+        self._tied = []
+        self.comm.free()
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise PipelineValueError(
+                f"Pipeline.{call}: the pipeline is closed (Pipeline.close() freed its "
+                "communicators); build a new Pipeline to run it again"
+            )
 
     # -- checkpoints: state_dict() carries these beside the stage's weights ------
 

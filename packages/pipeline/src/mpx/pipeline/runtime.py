@@ -175,11 +175,6 @@ class Runtime:
         self.ids: list[int] = []  # the micro-batch ids of the call under way
         self.eval_calls = 0
         self.stale: AsyncHooks | None = None
-        # Every call ends with a status collective; a stage that fails tells
-        # the others at once (mpx.pipeline.failure).
-        self.agreement = FailureAgreement(comm, passes)
-        self.agreement.loss_rank = rank_of(self.ranks * v - 1, self.ranks, spec.placement)
-        passes.set_interrupt(self.agreement.interrupt)
         self.pending_status: Status | None = None  # async: read by the next call
         self.deferred: PipelineError | None = None  # raised by the next call (failure.py)
         self.last_call_undo: _UndoPoint | None = None  # async: undoes the last call too
@@ -209,6 +204,12 @@ class Runtime:
                 f"schedule={spec.name!r} (the synchronous schedules that split the backward "
                 f"are {', '.join(most)} and {last})"
             )
+        # Every call ends with a status collective; a stage that fails tells
+        # the others at once (mpx.pipeline.failure). Last: it posts receives,
+        # which an argument error above would leave behind in the communicator.
+        self.agreement = FailureAgreement(comm, passes)
+        self.agreement.loss_rank = rank_of(self.ranks * v - 1, self.ranks, spec.placement)
+        passes.set_interrupt(self.agreement.interrupt)
 
     # -- calls --------------------------------------------------------------------
 
@@ -388,7 +389,27 @@ class Runtime:
             raise PipelineError(
                 f"{self.agreement.broken}. The pipeline is unusable: build a new Pipeline"
             )
+        if self.agreement.closed_by:
+            raise PipelineValueError(
+                f"stage(s) {self.agreement.closed_by} closed the pipeline (Pipeline.close()); "
+                "call close() on this stage too, then build a new Pipeline"
+            )
         self.passes.doing = doing
+
+    def close(self) -> PipelineError | None:
+        """``Pipeline.close``: nothing left in flight (collective; see ``FailureAgreement.close``).
+
+        Returns:
+            The error this stage raises: a failure reported while closing, or one
+            settled in the last call and not raised yet (``async``); else None.
+        """
+        error = self.agreement.close()
+        self.pending_status = None
+        if self.stale is not None:
+            self.stale.reset()  # the backwards still owed are dropped (flush() runs them)
+        self.executor.reset()
+        deferred, self.deferred = self.deferred, None
+        return error if error is not None else deferred
 
     def read_status(self, status: Status | None) -> float:
         """The loss ``status`` carries, averaged over the replicas; NaN without one."""
