@@ -72,14 +72,14 @@ PROGRAM = textwrap.dedent(
 
     if victim and point == "reduce":
         exchange = ft_optimizer.exchange
-        def partial(links, quorum, kind, payload, check):
+        def partial(links, quorum, kind, payload, check, *into):
             if ft.step_count == int(ks):
                 # Only the lowest peer gets this rank's gradients: it can
                 # average them all, yet must discard the step with the rest.
                 first = min(links)
                 ft_optimizer.send_frame(links[first], quorum, kind, payload, check)
                 die(point)
-            return exchange(links, quorum, kind, payload, check)
+            return exchange(links, quorum, kind, payload, check, *into)
         ft_optimizer.exchange = partial
     if victim and point == "rejoin":
         send = ft_optimizer.send_frame

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mpx.dataparallel import DataParallelTypeError, DataParallelValueError, FaultTolerantOptimizer
+from mpx.dataparallel.ft_optimizer import _sum_in_order
 from mpx.dataparallel.ft_transport import GRAD, STATE, PeerLost, exchange, send_frame
 
 
@@ -27,7 +28,7 @@ def _never() -> None:
 def test_exchange_swaps_large_payloads_both_ways() -> None:
     a, b = _pair()
     mine, theirs = torch.randn(300_000), torch.randn(300_000)  # more than a socket buffer
-    got: dict[int, bytearray] = {}
+    got: dict[int, bytearray | memoryview] = {}
 
     def other() -> None:
         got.update(exchange({0: b}, 7, GRAD, theirs.numpy().data.cast("B"), _never))
@@ -92,3 +93,39 @@ def test_optimizer_argument_checks() -> None:
         FaultTolerantOptimizer(
             torch.optim.SGD(mixed.parameters(), lr=0.1), mixed, lighthouse="127.0.0.1:1"
         )
+
+
+def test_exchange_receives_into_the_buffers_given() -> None:
+    a, b = _pair()
+    theirs = torch.randn(300_000)
+    inbox = torch.zeros(300_000)
+    send_frame(b, 2, GRAD, b"old!", _never)  # a discarded step's: not received into inbox
+    thread = threading.Thread(
+        target=lambda: send_frame(b, 3, GRAD, theirs.numpy().data.cast("B"), _never)
+    )
+    thread.start()
+    got = exchange({1: a}, 3, GRAD, b"mine", _never, {1: inbox.numpy().data.cast("B")})
+    thread.join(timeout=30)
+    assert torch.frombuffer(got[1], dtype=torch.float32).data_ptr() == inbox.data_ptr()
+    assert torch.equal(inbox, theirs)
+    # A frame of another length than the buffer's gets a buffer of its own.
+    send_frame(b, 3, GRAD, b"four", _never)
+    assert exchange({1: a}, 3, GRAD, b"mine", _never, {1: inbox.numpy().data.cast("B")}) == {
+        1: bytearray(b"four")
+    }
+
+
+@pytest.mark.parametrize("members", [2, 3, 4])
+def test_the_sum_is_the_same_bytes_whichever_member_computes_it(members: int) -> None:
+    """Each member writes the sum into its own buffer, adding in the members' order."""
+    torch.manual_seed(0)
+    grads = [torch.randn(1000) * 10 ** (3 * g) for g in range(members)]
+    grads[0][0] = float("nan")
+    expected = grads[0].clone()
+    for g in grads[1:]:
+        expected = expected + g
+    for mine in range(members):
+        parts = [g.clone() for g in grads]
+        _sum_in_order(parts, mine)
+        assert parts[mine].numpy().tobytes() == expected.numpy().tobytes(), mine
+        assert all(torch.equal(parts[k], grads[k]) for k in range(mine + 1, members))

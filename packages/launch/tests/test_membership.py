@@ -176,3 +176,48 @@ def test_lighthouse_refuses_requests_before_hello(op: str) -> None:
         with socket.create_connection((host, int(port)), timeout=20) as conn:
             reply = _ask(conn.makefile("rwb"), {"op": op, "step": 0})
         assert reply == {"error": f"{op!r} before hello"}
+
+
+def test_a_vote_with_next_brings_the_next_quorum_at_the_step_the_voter_gives() -> None:
+    """Over TCP: a vote with "next": s also asks for the next quorum at step s (+ 1 if the
+    step committed), answered with the outcome once every member voted: one round trip a
+    step. A group whose join failed gives its old step, so the next quorum has it load
+    a donor's state rather than count it at the live step."""
+    with Lighthouse(expected=2, heartbeat_timeout=60.0) as lh:
+        host, port = lh.address.rsplit(":", 1)
+        conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(2)]
+        files = [c.makefile("rwb") for c in conns]
+        for g, f in enumerate(files):
+            hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
+            assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+        replies: list[dict[str, Any]] = [{}, {}]
+
+        def both(messages: list[dict[str, Any]]) -> None:
+            def one(g: int) -> None:
+                replies[g] = _ask(files[g], messages[g])
+
+            threads = [threading.Thread(target=one, args=(g,)) for g in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=20)
+
+        both([{"op": "quorum", "step": 5}, {"op": "quorum", "step": 5}])
+        assert [r["quorum"]["quorum"] for r in replies] == [1, 1]
+        both([{"op": "vote", "quorum": 1, "ok": ok, "next": 5} for ok in (True, True)])
+        assert [r["outcome"] for r in replies] == [True, True]
+        assert [(r["quorum"]["quorum"], r["quorum"]["step"]) for r in replies] == [(2, 6)] * 2
+        assert [r["quorum"]["donor"] for r in replies] == [None, None]
+        # Group 1's join failed at quorum 2: it is still at step 2 and votes no.
+        both(
+            [{"op": "vote", "quorum": 2, "ok": ok, "next": s} for ok, s in ((True, 6), (False, 2))]
+        )
+        assert [r["outcome"] for r in replies] == [False, False]
+        assert [(r["quorum"]["quorum"], r["quorum"]["step"]) for r in replies] == [(3, 6)] * 2
+        assert [r["quorum"]["donor"] for r in replies] == [None, 0]
+        # Without "next" a vote's reply is the outcome alone.
+        both([{"op": "vote", "quorum": 3, "ok": True} for _ in range(2)])
+        assert replies == [{"outcome": True}, {"outcome": True}]
+        for f, c in zip(files, conns, strict=True):
+            f.close()
+            c.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import itertools
 import os
 import socket
 import uuid
@@ -46,6 +47,10 @@ from mpx.dataparallel.ft_transport import (
 from mpx.dataparallel.optimizer import DistributedOptimizer
 
 __all__ = ["FaultTolerantOptimizer"]
+
+# The keys of a quorum request's reply (see mpx.launch.lighthouse): a vote's reply
+# that has one of them carries the next step's quorum.
+_ANSWERS = frozenset({"quorum", "member", "finished"})
 
 
 def _setting(name: str) -> str | None:
@@ -161,6 +166,13 @@ class FaultTolerantOptimizer:
         self.quorum_id = 0
         self.recovered = False
         self._quorum: dict[str, Any] | None = None
+        # The next step's quorum, when the lighthouse sent it with the last vote's outcome.
+        self._ahead: dict[str, Any] | None = None
+        # The reduction's buffers, kept from step to step (see _reduce): after the
+        # first step a step allocates nothing (no zero-fill, no page faults).
+        self._flat: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._inbox: dict[int, torch.Tensor] = {}
         self._closed = False
         atexit.register(self.close)
 
@@ -184,13 +196,15 @@ class FaultTolerantOptimizer:
         """
         self.recovered = False
         while self._quorum is None:
-            reply = (
-                self._client.request({"op": "quorum", "step": self.step_count})
-                if (self.rank == 0)
-                else None
-            )
-            if self.size > 1:
-                reply = self.comm.bcast(reply, root=0)
+            reply, self._ahead = self._ahead, None
+            if reply is None:
+                reply = (
+                    self._client.request({"op": "quorum", "step": self.step_count})
+                    if (self.rank == 0)
+                    else None
+                )
+                if self.size > 1:
+                    reply = self.comm.bcast(reply, root=0)
             assert reply is not None
             if "finished" in reply:
                 raise DataParallelError(
@@ -284,15 +298,22 @@ class FaultTolerantOptimizer:
     def _vote(self, quorum: dict[str, Any], ok: bool) -> bool:
         if self.size > 1:
             ok = bool(self.comm.allreduce(ok, op=MPI.LAND))
-        outcome = None
+        reply = None
         if self.rank == 0:
-            outcome = bool(
-                self._client.request({"op": "vote", "quorum": quorum["quorum"], "ok": ok})[
-                    "outcome"
-                ]
+            # "next": the lighthouse answers with the next step's quorum as well,
+            # formed once every member voted (the vote asks for it, at this
+            # group's step, + 1 if the step commits; a group whose join failed is
+            # still at its old step): one round trip and one wait for the slowest
+            # group a step, not two.
+            reply = self._client.request(
+                {"op": "vote", "quorum": quorum["quorum"], "ok": ok, "next": self.step_count}
             )
         if self.size > 1:
-            outcome = self.comm.bcast(outcome, root=0)
+            reply = self.comm.bcast(reply, root=0)
+        assert reply is not None
+        outcome = bool(reply["outcome"])
+        if _ANSWERS.intersection(reply):
+            self._ahead = reply  # begin_step's reply, received already
         if not outcome:
             self._links.drop(int(quorum["quorum"]))
         return bool(outcome)
@@ -319,44 +340,69 @@ class FaultTolerantOptimizer:
             lambda: self._check(quorum),
         )
 
-    def _flat_grads(self) -> torch.Tensor:
-        parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-            for p in self._params
-        ]
-        if not parts:
-            return torch.zeros(0, dtype=self._dtype)
-        return torch.cat(parts).cpu()  # cat made a new tensor: no second copy
+    def _gather(self) -> torch.Tensor:
+        """This rank's gradients in one flat CPU buffer, the same buffer every step.
+
+        A CPU parameter's gradient is left a view of its slot by the last step
+        (see _reduce): with ``zero_grad(set_to_none=False)`` backward accumulates
+        in place there and nothing is copied; a fresh gradient is copied in once.
+        """
+        flat = self._flat
+        if flat is None:
+            flat = self._flat = torch.empty(sum(p.numel() for p in self._params), dtype=self._dtype)
+            offsets = itertools.accumulate((p.numel() for p in self._params), initial=0)
+            self._views = [
+                flat[o : o + p.numel()].view(p.shape)
+                for o, p in zip(offsets, self._params, strict=False)
+            ]
+        with torch.no_grad():
+            for p, view in zip(self._params, self._views, strict=True):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad is not view:
+                    view.copy_(p.grad)
+        return flat
 
     def _reduce(self, quorum: dict[str, Any]) -> None:
         members = [int(g) for g in quorum["members"]]
         qid = int(quorum["quorum"])
-        flat = self._flat_grads()
+        flat = self._gather()
         if len(members) > 1:
             check = lambda: self._check(quorum)  # noqa: E731
             links = {g: self._link(quorum, g) for g in members if g != self.group}
+            inbox = {g: self._inbox_for(g) for g in links}
             # Every member sends its gradients to every other at once and sums
             # them all in the members' order: the same bytes everywhere, in one
             # transfer time, with no root whose death stalls the others.
-            got = exchange(links, qid, GRAD, _bytes(flat), check)
-            total: torch.Tensor | None = None
+            got = exchange(
+                links, qid, GRAD, _bytes(flat), check, {g: _bytes(t) for g, t in inbox.items()}
+            )
+            parts = []
             for g in members:
                 part = flat if g == self.group else torch.frombuffer(got[g], dtype=flat.dtype)
                 if part.numel() != flat.numel():
                     raise PeerLost(f"group {g} sent {part.numel()} gradients, not {flat.numel()}")
-                # The first member's buffer (ours or a received one) accumulates.
-                total = part if total is None else total.add_(part)
-            assert total is not None
-            flat = total.div_(len(members))
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            piece = flat[offset : offset + n].view_as(p).to(p.device)
-            if p.grad is None:
-                p.grad = piece.clone()
-            else:
-                p.grad.copy_(piece)
-            offset += n
+                parts.append(part)
+            with torch.no_grad():
+                _sum_in_order(parts, members.index(self.group))
+                flat.div_(len(members))
+        with torch.no_grad():
+            for p, view in zip(self._params, self._views, strict=True):
+                if p.device.type == "cpu":
+                    # The average's slot becomes the gradient: nothing copied back.
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.to(p.device)
+                else:
+                    p.grad.copy_(view)
+
+    def _inbox_for(self, group: int) -> torch.Tensor:
+        """Where ``group``'s gradients are received, kept from step to step."""
+        assert self._flat is not None
+        found = self._inbox.get(group)
+        if found is None or found.numel() != self._flat.numel():
+            found = self._inbox[group] = torch.empty_like(self._flat)
+        return found
 
     def _send_state(self, quorum: dict[str, Any], recipient: int) -> None:
         buffer = io.BytesIO()
@@ -414,6 +460,21 @@ def _address_towards(lighthouse: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((where, int(port)))
         return str(probe.getsockname()[0])
+
+
+def _sum_in_order(parts: list[torch.Tensor], mine: int) -> None:
+    """Writes ``(parts[0] + parts[1]) + ...`` into ``parts[mine]``, added in that order.
+
+    Every member adds the same operands in the same order (so every replica
+    gets the same bytes, NaN included), in place: the partial sum runs in
+    ``parts[0]``'s buffer (a received one, free to overwrite, when ``mine > 0``)
+    until it reaches ``parts[mine]``, and in ``parts[mine]`` from there on.
+    """
+    total = parts[0]
+    for k in range(1, len(parts)):
+        into = parts[mine] if k >= mine else parts[0]
+        torch.add(total, parts[k], out=into)
+        total = into
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

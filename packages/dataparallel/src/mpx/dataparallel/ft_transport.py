@@ -209,7 +209,7 @@ class _Incoming:
     def __init__(self) -> None:
         self.header = bytearray(FRAME.size)
         self.view = memoryview(self.header)
-        self.payload: bytearray | None = None
+        self.payload: bytearray | memoryview | None = None
         self.stale = False
 
 
@@ -219,17 +219,22 @@ def exchange(
     kind: int,
     payload: bytes | memoryview,
     check: Callable[[], None],
-) -> dict[int, bytearray]:
+    into: dict[int, memoryview] | None = None,
+) -> dict[int, bytearray | memoryview]:
     """Sends ``payload`` to every peer of ``links`` and receives theirs, all at once.
 
-    Returns each peer's payload; raises :class:`PeerLost` when a peer is gone
-    (its link closed, or ``check()`` said so) or sent a frame of another kind.
+    Returns each peer's payload: received into ``into[peer]`` where given and of
+    the frame's length (a buffer kept from step to step: no allocation, zero-fill
+    or page faults), else into a new bytearray. Raises :class:`PeerLost` when a
+    peer is gone (its link closed, or ``check()`` said so) or sent a frame of
+    another kind.
     """
     data = memoryview(payload).cast("B")
     header = FRAME.pack(_MAGIC, quorum, kind, len(data))
     sending = {peer: [memoryview(header), data] for peer in links}
     receiving = {peer: _Incoming() for peer in links}
-    got: dict[int, bytearray] = {}
+    got: dict[int, bytearray | memoryview] = {}
+    buffers = into or {}
     by_socket = {sock: peer for peer, sock in links.items()}
     while sending or receiving:
         try:
@@ -274,8 +279,11 @@ def exchange(
                 if magic != _MAGIC or (tag >= quorum and their_kind != kind):
                     raise PeerLost(f"group {peer} sent no gradients for this step")
                 state.stale = tag < quorum
-                state.payload = bytearray(length)
-                state.view = memoryview(state.payload)
+                given = buffers.get(peer)
+                state.payload = (
+                    given if given is not None and given.nbytes == length else bytearray(length)
+                )
+                state.view = memoryview(state.payload).cast("B")
                 if length:
                     continue
             if state.stale:  # an older step's frame: wait for this step's

@@ -21,6 +21,10 @@ Requests and replies::
                                                  or {"finished": step} (the others
                                                  ended training and left)
     {"op": "vote", "quorum": q, "ok": bool}   -> {"outcome": bool}
+    {"op": "vote", "quorum": q, "ok": bool, "next": s}
+                                              -> {"outcome": bool, and the reply of a
+                                                  "quorum" request at step s, + 1 if
+                                                  the step committed}
     {"op": "leave", "step": s}                -> {"ok": true}
 
 Nothing here imports torch: the lighthouse runs in ``mpxrun``.
@@ -70,7 +74,13 @@ class _Handler(socketserver.StreamRequestHandler):
                 elif op == "quorum":
                     reply = lighthouse.quorum(identity, int(message["step"]))
                 elif op == "vote":
-                    reply = lighthouse.vote(identity, int(message["quorum"]), bool(message["ok"]))
+                    then = message.get("next")
+                    reply = lighthouse.vote(
+                        identity,
+                        int(message["quorum"]),
+                        bool(message["ok"]),
+                        None if then is None else int(then),
+                    )
                 elif op == "leave":
                     left = True
                     reply = lighthouse.leave(identity, int(message["step"]))
@@ -214,25 +224,33 @@ class Lighthouse:
     def quorum(self, identity: tuple[int, int, str], step: int) -> dict[str, Any]:
         group, _, incarnation = identity
         with self._changed:
-            ended = self.membership.finished(group, step)
-            if ended is not None:
-                return {"finished": ended}
-            if not self.membership.request(group, incarnation, step):
-                return {"member": False}
-            self._form()
-            self._changed.notify_all()
-            while not self._closed.is_set():
-                assigned = self.membership.assigned.get(group)
-                if assigned is not None and self.membership.alive().get(group) == incarnation:
-                    return {"quorum": self.membership.quorums[assigned].view(group)}
-                if self.membership.alive().get(group) != incarnation:
-                    return {"member": False}
-                # The wait ends on any change; the timeout lets a first quorum's join_timeout pass.
-                self._changed.wait(self.heartbeat_timeout)
-                self._form()
-            return {"member": False}
+            return self._quorum(group, incarnation, step)
 
-    def vote(self, identity: tuple[int, int, str], quorum_id: int, ok: bool) -> dict[str, Any]:
+    def _quorum(self, group: int, incarnation: str, step: int) -> dict[str, Any]:
+        """A quorum request's reply, waited for (with ``self._changed`` held)."""
+        ended = self.membership.finished(group, step)
+        if ended is not None:
+            return {"finished": ended}
+        if not self.membership.request(group, incarnation, step):
+            return {"member": False}
+        self._form()
+        self._changed.notify_all()
+        while not self._closed.is_set():
+            assigned = self.membership.assigned.get(group)
+            if assigned is not None and self.membership.alive().get(group) == incarnation:
+                return {"quorum": self.membership.quorums[assigned].view(group)}
+            if self.membership.alive().get(group) != incarnation:
+                return {"member": False}
+            # The wait ends on any change; the timeout lets a first quorum's join_timeout pass.
+            self._changed.wait(self.heartbeat_timeout)
+            self._form()
+        return {"member": False}
+
+    def vote(
+        self, identity: tuple[int, int, str], quorum_id: int, ok: bool, then: int | None = None
+    ) -> dict[str, Any]:
+        """The outcome; with ``then`` also the next quorum, asked for at step ``then``
+        (+ 1 if the step committed): once every member voted, it forms at once."""
         group, _, incarnation = identity
         with self._changed:
             outcome = self.membership.vote(group, incarnation, quorum_id, ok)
@@ -242,7 +260,10 @@ class Lighthouse:
                 outcome = self.membership.outcome(quorum_id)
             if outcome is False and ok:
                 self._say(f"step of quorum {quorum_id} discarded (a member failed or left)")
-            return {"outcome": bool(outcome)}
+            reply: dict[str, Any] = {"outcome": bool(outcome)}
+            if then is not None and not self._closed.is_set():
+                reply.update(self._quorum(group, incarnation, then + bool(outcome)))
+            return reply
 
     def leave(self, identity: tuple[int, int, str], step: int) -> dict[str, Any]:
         group, _, incarnation = identity
