@@ -124,6 +124,7 @@ def test_declines_large_tensors_under_auto_on_several_ranks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MPX_AUTO_SMALL_BYTES", "64")
+    monkeypatch.setenv("MPX_SHM_FLAG_BYTES", "64")  # and above shm's flag-based small allreduce
     reload_settings()
     t = torch.ones(32)  # 128 bytes: auto picks shm/hier/ring on several ranks
     if world().size > 1:
@@ -202,6 +203,9 @@ def test_the_python_form_runs_without_cython(monkeypatch: pytest.MonkeyPatch) ->
         # Both checks: MPX_CHECK=auto runs the call board's protocol in Python here.
         for check in ("auto", "0"):
             monkeypatch.setenv("MPX_CHECK", check)
+            # The policy gives small sums to shm's flag-based allreduce where the
+            # package is compiled (as here), which the Python form leaves to the general path.
+            monkeypatch.setenv("MPX_SHM_FLAG_BYTES", "0")
             reload_settings()
             before = python_form.payload()
             for dtype in (torch.float32, torch.int64):
@@ -215,4 +219,5 @@ def test_the_python_form_runs_without_cython(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         comm.choices.fast.clear()
         monkeypatch.delenv("MPX_CHECK", raising=False)
+        monkeypatch.delenv("MPX_SHM_FLAG_BYTES", raising=False)
         reload_settings()

@@ -16,6 +16,7 @@ cdef extern from *:
     #include <stddef.h>
     #include <sched.h>
     #include <time.h>
+    #include <string.h>
     typedef int (*mpx_iallreduce_fn)(const void *, void *, int, int, int, int, int *);
     typedef int (*mpx_ibcast_fn)(void *, int, int, int, int, int *);
     typedef int (*mpx_wait_fn)(int *, void *);
@@ -148,6 +149,92 @@ cdef extern from *:
         mpx_board_wait(slots, size, number, yielding);
         return mpx_board_same(slots, size, me, number);
     }
+    /* The flag-based shared-memory allreduce of small messages
+       (mpx.collectives.shm_flags; DeepSpeed's CPU shm allreduce does the same):
+       rank p's part of one shared window starts at bases[p] with its flag (an
+       int64, the number of its last posted call) in the first cache line, then
+       two buffers of `buffer` bytes. Call s copies the tensor into buffer s & 1
+       and stores s in the flag (release); when every flag reads >= s (acquire)
+       each rank sums the P buffers, in rank order (the same bits on every
+       rank), into its tensor. A rank overwrites buffer s & 1 again at call s + 2,
+       after it has seen every peer post s + 1, which a peer does only after it
+       has read call s: one wait per call, no second barrier. */
+    #define MPX_FLAGS_HEADER 64
+
+    static long long mpx_flags_post(const long long *bases, int me, long long buffer,
+                                    size_t src, size_t nbytes) {
+        long long *flag = (long long *)(size_t)bases[me];
+        long long number = *flag + 1;
+        memcpy((char *)flag + MPX_FLAGS_HEADER + (number & 1) * buffer, (const void *)src, nbytes);
+        __atomic_store_n(flag, number, __ATOMIC_RELEASE);
+        return number;
+    }
+
+    static int mpx_flags_arrived(const long long *bases, int size, long long number) {
+        int p;
+        for (p = 0; p < size; p++)
+            if (__atomic_load_n((long long *)(size_t)bases[p], __ATOMIC_ACQUIRE) < number)
+                return 0;
+        return 1;
+    }
+
+    /* Waits as mpx_board_wait does: spin, sched_yield, and sleep once 0.5 ms
+       have passed where the communicator waits yielding. */
+    static void mpx_flags_wait(const long long *bases, int size, long long number,
+                               int yielding) {
+        int p;
+        for (p = 0; p < size; p++) {
+            long long *flag = (long long *)(size_t)bases[p];
+            int spins = 0;
+            long sleep_ns = 20000;
+            double yield_until = 0.0;
+            while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < number) {
+                if (++spins == 51) yield_until = mpx_monotonic() + 500e-6;
+                if (spins <= 50) continue;
+                if (!yielding || mpx_monotonic() < yield_until) {
+                    sched_yield();
+                } else {
+                    struct timespec pause = {0, sleep_ns};
+                    nanosleep(&pause, NULL);
+                    sleep_ns = sleep_ns * 3 / 2 < 1000000 ? sleep_ns * 3 / 2 : 1000000;
+                }
+            }
+        }
+    }
+
+    /* dst[i] = src[0][i] + ... + src[size - 1][i], in blocks that stay in L1.
+       Integers add with wraparound (the module is built with -fwrapv, and
+       MPI and torch wrap alike). */
+    #define MPX_FLAGS_SUM(type)                                                         \
+        {                                                                               \
+            type *out = (type *)dst;                                                    \
+            size_t lo, i;                                                               \
+            int p;                                                                      \
+            for (lo = 0; lo < count; lo += 2048) {                                      \
+                size_t hi = lo + 2048 < count ? lo + 2048 : count;                      \
+                const type *a = (const type *)src[0], *b = (const type *)src[1];        \
+                for (i = lo; i < hi; i++) out[i] = a[i] + b[i];                         \
+                for (p = 2; p < size; p++) {                                            \
+                    const type *c = (const type *)src[p];                               \
+                    for (i = lo; i < hi; i++) out[i] += c[i];                           \
+                }                                                                       \
+            }                                                                           \
+        }
+
+    /* dtype: 0 float32, 1 float64, 2 int32, 3 int64 (shm_flags.CODES). */
+    static void mpx_flags_reduce(const long long *bases, int size, long long buffer,
+                                 long long number, size_t dst, size_t count, int dtype) {
+        const char *src[64];
+        int p;
+        for (p = 0; p < size; p++)
+            src[p] = (const char *)(size_t)bases[p] + MPX_FLAGS_HEADER + (number & 1) * buffer;
+        switch (dtype) {
+        case 0: MPX_FLAGS_SUM(float) break;
+        case 1: MPX_FLAGS_SUM(double) break;
+        case 2: MPX_FLAGS_SUM(int) break;
+        default: MPX_FLAGS_SUM(long long) break;
+        }
+    }
     """
     int mpx_mpi_load(const char *library)
     int mpx_mpi_start(bint bcast, size_t address, int count, unsigned int datatype,
@@ -162,6 +249,12 @@ cdef extern from *:
     void mpx_board_wait(long long *slots, int size, long long number, int yielding) nogil
     int mpx_board_meet(long long *slots, int size, int me, long long number,
                        int yielding) nogil
+    long long mpx_flags_post(const long long *bases, int me, long long buffer,
+                             size_t src, size_t nbytes) nogil
+    int mpx_flags_arrived(const long long *bases, int size, long long number) nogil
+    void mpx_flags_wait(const long long *bases, int size, long long number, int yielding) nogil
+    void mpx_flags_reduce(const long long *bases, int size, long long buffer, long long number,
+                          size_t dst, size_t count, int dtype) nogil
 
 cdef object _TENSOR
 cdef object _IN_PLACE
@@ -200,11 +293,16 @@ cdef class _Call:
     cdef int node_size
     cdef long long *slots
     cdef long long *counter
+    cdef bint flags
+    cdef int code
+    cdef int rank
+    cdef int size
 
 @cython.locals(call=_Call)
 cdef _Call _lookup(object comm, object t, bint bcast, object op, object impl, Py_ssize_t root)
 
-@cython.locals(err=cython.int, request=cython.int, n=cython.longlong, same=cython.int)
+@cython.locals(err=cython.int, request=cython.int, n=cython.longlong, same=cython.int,
+               bases=cython.p_longlong, buffer=cython.longlong, number=cython.longlong)
 cdef bint _run_now(object comm, _Call call, object t) except -1
 
 @cython.locals(call=_Call)
@@ -219,3 +317,13 @@ cpdef long long board_post(size_t slots, size_t counter, int me, const int64_t[:
 cpdef bint board_arrived(size_t slots, int size, long long number)
 cpdef bint board_same(size_t slots, int size, int me, long long number)
 cpdef void board_wait(size_t slots, int size, long long number, bint yielding)
+
+# shm's flag-based allreduce for mpx.collectives.shm_flags (addresses as ints).
+@cython.locals(table=cython.p_longlong, number=cython.longlong)
+cpdef long long flags_post(size_t bases, int me, long long buffer, size_t src, size_t nbytes) except -1
+cpdef bint flags_arrived(size_t bases, int size, long long number)
+@cython.locals(table=cython.p_longlong)
+cpdef void flags_wait(size_t bases, int size, long long number, bint yielding)
+@cython.locals(table=cython.p_longlong)
+cpdef void flags_reduce(size_t bases, int size, long long buffer, long long number, size_t dst,
+                        size_t count, int code)

@@ -18,6 +18,11 @@ anyway takes this path instead::
           peers' rows, compare (in C: mpx.collectives.call_board's protocol)
       --> MPI_Iallreduce / MPI_Ibcast on the tensor's memory, wait
 
+Where the policy gives the call to ``shm``'s flag-based small allreduce
+(``shm<small``: a sum or avg on one node, :mod:`mpx.collectives.shm_flags`)
+the last step is that protocol in one C call without the GIL instead of MPI
+(the general path runs it as steps: the two meet).
+
 It makes the same non-blocking MPI call as ``impl="mpi"`` (MPI never matches a
 blocking collective with a non-blocking one, so a rank on this path still
 meets a rank that called with ``async_op=True``), in the same FIFO order.
@@ -58,6 +63,8 @@ from mpx.collectives.handle import LOCK, Requests, drive, wait_yielding
 from mpx.collectives.impl_mpi import MPI_OPS
 from mpx.collectives.impl_mpi import mpi_op as op_for
 from mpx.collectives.policy import choose, current
+from mpx.collectives.shm_flags import CODES, FlagWindow
+from mpx.collectives.shm_flags import takes as flags_take
 
 try:
     import cython
@@ -73,6 +80,10 @@ __all__ = [
     "board_same",
     "board_wait",
     "broadcast",
+    "flags_arrived",
+    "flags_post",
+    "flags_reduce",
+    "flags_wait",
     "payload",
 ]
 
@@ -166,8 +177,13 @@ class _Call:
         message: list[Any],
         count: int,
         mpi_op: Any,
+        flags: bool,
     ) -> None:
         self.bcast = bcast
+        # shm's flag-based allreduce (shm_flags) instead of MPI: the policy chose shm
+        self.flags = flags
+        self.code = CODES.get(key[2], -1)
+        self.rank, self.size = comm.rank, comm.size
         self.nbytes, self.dtype = key[1], key[2]
         self.start: Any
         self.args: tuple[Any, ...]
@@ -222,18 +238,27 @@ def payload() -> int:
     return _payload
 
 
-def _takes(op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: str | None) -> bool:
-    """Whether the policy runs this call as the one MPI call of this path."""
+def _takes(op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: str | None) -> str:
+    """How this path runs the call: ``"mpi"`` (one MPI call), ``"flags"`` (shm's
+    flag-based allreduce, :mod:`mpx.collectives.shm_flags`) or ``""`` (it does not)."""
     kind = _MPI_TYPES.get(t.dtype)
-    return (
+    if not (
         kind is not None
         and t.nbytes > 0
         and (op != "allreduce" or reduce_op in MPI_OPS)
         and not (reduce_op == "avg" and not t.is_floating_point())
         and current().check != "1"
         and (current().check == "0" or comm.call_board is not None)
-        and choose(op, False, t.nbytes, comm, impl, t.dtype, reduce_op) == "mpi"
-    )
+    ):
+        return ""
+    chosen = choose(op, False, t.nbytes, comm, impl, t.dtype, reduce_op)
+    if chosen == "mpi":
+        return "mpi"
+    limit = current().flag_bytes
+    flags = flags_take(comm.size, comm.single_node, t.dtype, reduce_op, t.nbytes, limit)
+    # impl="shm" named goes the general path, which runs the same protocol as steps
+    auto = impl is None or impl == "auto"
+    return "flags" if chosen == "shm" and auto and op == "allreduce" and COMPILED and flags else ""
 
 
 def _lookup(
@@ -274,7 +299,13 @@ def _lookup(
         if taken:
             message = [MPI.buffer.fromaddress(address, nbytes), _MPI_TYPES[dtype]]
             entry = _Call(
-                comm, key, bcast, message, t.numel(), None if bcast else op_for(op, dtype)
+                comm,
+                key,
+                bcast,
+                message,
+                t.numel(),
+                None if bcast else op_for(op, dtype),
+                taken == "flags",
             )
         if len(cache.fast) >= _LIMIT:
             cache.fast.clear()
@@ -303,6 +334,17 @@ def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
     """
     if comm.timeout is not None or comm._broken is not None or comm._freed:
         return False
+    window: Any = None
+    bases = cython.NULL if cython.compiled else None
+    buffer = number = 0
+    if call.flags:
+        # Made by the general path's first such call (collective); a call
+        # before that, or after a policy raised MPX_SHM_FLAG_BYTES, goes there.
+        window = comm._cache.get("shm_flags")
+        if type(window) is not FlagWindow or window.buffer < call.nbytes or not window.address:
+            return False
+        bases = cython.cast(cython.p_longlong, cython.cast(cython.size_t, window.address))
+        buffer = window.buffer
     err = 0
     request = 0
     n = 0
@@ -352,7 +394,10 @@ def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
             drive(comm.mismatch_steps(op, call_of(op, t, call.op, call.root)), call.yielding)
     _acquire()
     try:
-        if cython.compiled and call.direct:
+        if cython.compiled and call.flags:
+            with cython.nogil:
+                number = mpx_flags_post(bases, call.rank, buffer, call.address, call.nbytes)
+        elif cython.compiled and call.direct:
             with cython.nogil:
                 err = mpx_mpi_start(
                     call.bcast,
@@ -367,7 +412,11 @@ def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
             mpi_request = call.start(*call.args)
     finally:
         _release()
-    if cython.compiled and call.direct:
+    if cython.compiled and call.flags:
+        with cython.nogil:
+            mpx_flags_wait(bases, call.size, number, call.yielding)
+            mpx_flags_reduce(bases, call.size, buffer, number, call.address, call.count, call.code)
+    elif cython.compiled and call.direct:
         if err == 0:
             if call.yielding:
                 with cython.nogil:
@@ -456,6 +505,38 @@ def board_wait(slots: int, size: int, number: int, yielding: bool) -> None:
         mpx_board_wait(board, size, number, yielding)
 
 
+# shm's flag-based allreduce for the general path (shm_flags), addresses as ints.
+
+
+def flags_post(bases: int, me: int, buffer: int, src: int, nbytes: int) -> int:
+    """Copies ``nbytes`` at ``src`` into this rank's next buffer and posts it; its number."""
+    table = cython.cast(cython.p_longlong, bases)
+    with cython.nogil:
+        number = mpx_flags_post(table, me, buffer, src, nbytes)
+    return int(number)
+
+
+def flags_arrived(bases: int, size: int, number: int) -> bool:
+    """Whether every rank has posted call ``number`` (one look)."""
+    return bool(mpx_flags_arrived(cython.cast(cython.p_longlong, bases), size, number))
+
+
+def flags_wait(bases: int, size: int, number: int, yielding: bool) -> None:
+    """Waits (without the GIL) until every rank has posted call ``number``."""
+    table = cython.cast(cython.p_longlong, bases)
+    with cython.nogil:
+        mpx_flags_wait(table, size, number, yielding)
+
+
+def flags_reduce(
+    bases: int, size: int, buffer: int, number: int, dst: int, count: int, code: int
+) -> None:
+    """Sums call ``number``'s buffers of every rank into the ``count`` elements at ``dst``."""
+    table = cython.cast(cython.p_longlong, bases)
+    with cython.nogil:
+        mpx_flags_reduce(table, size, buffer, number, dst, count, code)
+
+
 if cython.compiled:
     # Every CallBoard made from now on runs the protocol in C (the package's
     # __init__ imports this module before any communicator can be made).
@@ -502,4 +583,18 @@ if not cython.compiled:
         raise AssertionError("compiled only")
 
     def mpx_board_meet(slots: Any, size: int, me: int, number: int, yielding: bool) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_flags_post(bases: Any, me: int, buffer: int, src: Any, nbytes: int) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_flags_arrived(bases: Any, size: int, number: int) -> int:
+        raise AssertionError("compiled only")
+
+    def mpx_flags_wait(bases: Any, size: int, number: int, yielding: bool) -> None:
+        raise AssertionError("compiled only")
+
+    def mpx_flags_reduce(
+        bases: Any, size: int, buffer: int, number: int, dst: Any, count: int, code: int
+    ) -> None:
         raise AssertionError("compiled only")

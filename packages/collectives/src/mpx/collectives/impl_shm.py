@@ -42,10 +42,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpx.collectives import settings
+from mpx.collectives import settings, shm_flags
 from mpx.collectives.communicator import Communicator
 from mpx.collectives.dtypes import accumulation_dtype
 from mpx.collectives.handle import Pending, Requests, Steps
+from mpx.collectives.policy import current
 from mpx.collectives.reduction import combine, reduce_into
 from mpx.collectives.shared_memory import SharedBuffers
 
@@ -264,6 +265,10 @@ def slotted_broadcast(ws: Slots, rank: int, t: torch.Tensor, root: int) -> Steps
 def allreduce(comm: Communicator, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     if comm.size == 1 or t.numel() == 0:
         return t.div_(1) if op == "avg" else t
+    limit = current().flag_bytes
+    if shm_flags.takes(comm.size, comm.single_node, t.dtype, op, t.nbytes, limit):
+        # A small sum: flags, one wait (shm_flags; the fast path runs the same protocol)
+        return (yield from shm_flags.allreduce(comm, t, op))
     ws = yield from Workspace.ready(comm)
     return (yield from slotted_allreduce(ws, comm.rank, comm.size, t, op))
 

@@ -11,14 +11,19 @@ implementation declares them (:class:`mpx.collectives.registry.Implementation`)
 
     op                 ordered implementations (first enabled wins; :func:`order_table`)
     -----------------  -------------------------------------------------------
-    allreduce          mpi<small  shm  hier  ring  ring(tuned)  ipc>=large
-    broadcast            mpi(cuda-aware)  staged  mpi
+    allreduce          shm<small  mpi<small  shm  hier  ring  ring(tuned)  ipc>=large
+                         mpi(cuda-aware)  staged  mpi
+    broadcast          mpi<small  shm  hier  ring  ring(tuned)  ipc>=large
+                         mpi(cuda-aware)  staged  mpi
     allgather          mpi<small  shm  ring  ring(tuned)  mpi(cuda-aware)  staged  mpi
     reduce_scatter     mpi<small  ring  ring(tuned)  mpi(cuda-aware)  staged  mpi
     reduce, alltoall,  mpi(cuda-aware)  staged  mpi
     send, recv
     barrier            mpi
 
+    shm<small        CPU, every rank (several) on one node, a sum or avg of a
+                     dtype shm's flag kernel sums, at most the policy's
+                     flag_bytes (MPX_SHM_FLAG_BYTES; mpx.collectives.shm_flags)
     mpi<small        CPU, and a single rank or fewer bytes than the policy's
                      small-message threshold (MPI's latency is unbeatable there)
     shm              CPU, every rank on one node
@@ -73,6 +78,8 @@ from mpx.collectives import settings
 from mpx.collectives.errors import MPXError
 from mpx.collectives.registry import BUILT_IN, OP_SPECS, OPS, RegistryError
 from mpx.collectives.registry import get as implementation
+from mpx.collectives.shm_flags import FLAG_BYTES
+from mpx.collectives.shm_flags import takes as flags_take
 from mpx.launch.settings import on_reload
 
 __all__ = [
@@ -187,6 +194,23 @@ def _banded(impl: str, fits: Callable[[Call], bool]) -> Callable[[Call, Policy],
     return enabled
 
 
+def _shm_small(call: Call, policy: Policy) -> bool:
+    """shm's flag-based allreduce (``mpx.collectives.shm_flags``): the call it takes."""
+    if call.cuda or call.op != "allreduce":
+        return False
+    comm = call.comm
+    if not flags_take(
+        comm.size, comm.single_node, call.dtype, call.reduce_op, call.nbytes, policy.flag_bytes
+    ):
+        return False
+    won = policy.tuned_winner(call)
+    return won is None or won == "shm"
+
+
+# 2 ranks of one node, 64 KiB, one job: 0.30 ms a call through MPICH's allreduce,
+# 0.09 ms through the flags (a loaded host, load ~20; issue 46). It needs the
+# dtype and op, so a call without them (choose's defaults) goes on to mpi<small.
+_SHM_SMALL = Entry("shm", _shm_small, "shm<small")
 _MPI_SMALL = Entry("mpi", _mpi_small, "mpi<small")
 _SHM = Entry("shm", _banded("shm", lambda c: c.comm.size > 1 and c.comm.single_node))
 _HIER = Entry("hier", _banded("hier", lambda c: c.comm.hierarchy is not None))
@@ -216,7 +240,18 @@ _MPI = Entry("mpi", lambda call, policy: not call.cuda, "mpi")
 
 _P2P = (_MPI_CUDA, _STAGED, _MPI)
 ORDER: dict[str, tuple[Entry, ...]] = {
-    "allreduce": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _IPC, _MPI_CUDA, _STAGED, _MPI),
+    "allreduce": (
+        _SHM_SMALL,
+        _MPI_SMALL,
+        _SHM,
+        _HIER,
+        _RING,
+        _RING_TUNED,
+        _IPC,
+        _MPI_CUDA,
+        _STAGED,
+        _MPI,
+    ),
     "broadcast": (_MPI_SMALL, _SHM, _HIER, _RING, _RING_TUNED, _IPC, _MPI_CUDA, _STAGED, _MPI),
     "allgather": (_MPI_SMALL, _SHM, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
     "reduce_scatter": (_MPI_SMALL, _RING, _RING_TUNED, _MPI_CUDA, _STAGED, _MPI),
@@ -273,6 +308,8 @@ class Policy:
 
     Attributes:
         small_bytes: below this, MPI's own collectives (``MPX_AUTO_SMALL_BYTES``).
+        flag_bytes: up to this, shm's flag-based small allreduce
+            (``MPX_SHM_FLAG_BYTES``; 0: off).
         ipc_bytes: from this, CUDA IPC for CUDA tensors where every rank sees
             the same GPUs (``MPX_AUTO_IPC_BYTES``; 0: never).
         cuda_aware: MPI takes CUDA buffers (``MPX_CUDA_AWARE``).
@@ -297,6 +334,7 @@ class Policy:
     tuned: dict[str, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
     source: str = "built-in"
     ipc_bytes: int = settings.IPC_BYTES.default  # one default: the setting's
+    flag_bytes: int = FLAG_BYTES.default
     _log_seen: set[tuple[str, bool, int]] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -323,6 +361,7 @@ class Policy:
             tuned=tuned,
             source=source,
             ipc_bytes=settings.IPC_BYTES.get(),
+            flag_bytes=FLAG_BYTES.get(),
         )
 
     def bands(self, comm: Layout) -> dict[str, list[tuple[int, str]]] | None:
@@ -350,6 +389,7 @@ class Policy:
             [
                 self.small_bytes,
                 self.ipc_bytes,
+                self.flag_bytes,
                 self.cuda_aware,
                 self.impl,
                 self.check,
