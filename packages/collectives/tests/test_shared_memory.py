@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from mpx.collectives import MismatchError, allreduce, broadcast, empty_shared, world
+from mpx.collectives import (
+    MismatchError,
+    MPXValueError,
+    allreduce,
+    broadcast,
+    empty_shared,
+    free_shared,
+    world,
+)
 from mpx.collectives.shared_memory import SharedBuffers
 
 pytestmark = pytest.mark.mpi
@@ -82,3 +90,40 @@ def test_sizes_that_differ_across_ranks_are_refused() -> None:
         pytest.skip("needs two ranks to differ")
     with pytest.raises(MismatchError, match="different sizes"):
         empty_shared(10 + comm.rank)
+
+
+def test_free_shared_gives_the_memory_back_and_the_other_blocks_keep_working() -> None:
+    comm = world()
+    kept = empty_shared(1000)
+    # More blocks than MPICH has windows a process (about 2000): each one given back.
+    for i in range(2100):
+        t = empty_shared(64)
+        t.fill_(comm.rank + i)
+        if i % 500 == 0:
+            allreduce(t, "sum", impl="shm")
+            assert torch.equal(t, torch.full((64,), float(sum(range(comm.size)) + comm.size * i)))
+        free_shared(t)
+    assert SharedBuffers.of(comm).locate(t) is None
+    # A block allocated before the others were freed is still found where it was.
+    kept.fill_(comm.rank + 1)
+    assert SharedBuffers.of(comm).locate(kept) is not None
+    allreduce(kept, "sum", impl="shm")
+    assert torch.equal(kept, torch.full((1000,), float(comm.size * (comm.size + 1) // 2)))
+    free_shared(kept)
+
+
+def test_free_shared_refuses_what_empty_shared_did_not_return_on_every_rank() -> None:
+    comm = world()
+    block = empty_shared(100)
+    for bad in (torch.zeros(100), block[10:]):
+        with pytest.raises(MPXValueError, match=r"free_shared: ranks .* empty_shared"):
+            free_shared(bad)
+    free_shared(block)
+    with pytest.raises(MPXValueError, match="free_shared"):
+        free_shared(block)  # twice
+    if comm.size > 1:
+        first, second = empty_shared(10), empty_shared(10)
+        with pytest.raises(MismatchError, match="same order"):
+            free_shared(first if comm.rank == 0 else second)
+        free_shared(first)
+        free_shared(second)

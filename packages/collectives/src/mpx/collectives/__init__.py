@@ -38,7 +38,7 @@ from mpx.collectives.ops import (
 )
 from mpx.collectives.policy import IMPLEMENTATIONS
 from mpx.collectives.registry import Implementation, all_implementations
-from mpx.collectives.shared_memory import empty_shared
+from mpx.collectives.shared_memory import empty_shared, free_shared
 from mpx.collectives.torch_backend import init_process_group, register_torch_backend
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "broadcast",
     "bytes_communicated",
     "empty_shared",
+    "free_shared",
     "init_process_group",
     "recv",
     "reduce",

@@ -25,6 +25,7 @@ checks_enabled()            whether cross-rank consistency checks run        dat
                             (``MPX_CHECK`` is not ``0``)
 empty_shared(...)           a tensor in node-shared memory: ``shm`` reduces  dataparallel
                             it without staging copies (collective)
+free_shared(t, comm)        gives that memory back (collective)              dataparallel
 Backoff(spins)              pauses between polls of a wait: free polls,      pipeline
                             then sched_yield for 0.5 ms, then sleeps
                             growing from 20 us to 1 ms (oversubscribed
@@ -63,7 +64,7 @@ from mpx.collectives.handle import Backoff
 from mpx.collectives.policy import current as current_policy
 from mpx.collectives.policy import small_bytes
 from mpx.collectives.registry import Implementation, blocking
-from mpx.collectives.shared_memory import empty_shared
+from mpx.collectives.shared_memory import empty_shared, free_shared
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
 from mpx.collectives.torch_backend import MPXProcessGroup, MPXWork
 
@@ -79,6 +80,7 @@ __all__ = [
     "decode_header",
     "empty_shared",
     "encode_header",
+    "free_shared",
     "progress_thread_enabled",
     "small_bytes",
     "usable_cores",

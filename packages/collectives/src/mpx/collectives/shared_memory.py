@@ -27,7 +27,7 @@ from mpi4py import MPI
 from mpx.collectives.communicator import CommLike, Communicator, as_communicator
 from mpx.collectives.errors import MismatchError, MPXValueError
 
-__all__ = ["SharedBuffers", "empty_shared"]
+__all__ = ["SharedBuffers", "empty_shared", "free_shared"]
 
 
 class SharedBuffers:
@@ -42,7 +42,7 @@ class SharedBuffers:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
-        self.windows: list[MPI.Win] = []
+        self.windows: list[MPI.Win | None] = []  # None: given back (free_shared)
         self.raw: list[list[torch.Tensor]] = []  # [window][rank] -> uint8 view
         self._bases: list[tuple[int, int]] = []  # this rank's (address, bytes) per window
 
@@ -80,18 +80,45 @@ class SharedBuffers:
             return None
         address, nbytes = t.data_ptr(), t.numel() * t.element_size()
         for index, (base, size) in enumerate(self._bases):
-            if base <= address and address + nbytes <= base + size:
+            if size and base <= address and address + nbytes <= base + size:
                 return index, address - base
         return None
 
     def peer_bytes(self, window: int, rank: int) -> torch.Tensor:
         return self.raw[window][rank]
 
+    def release(self, t: torch.Tensor) -> None:
+        """Frees the window ``t`` starts; collective over the node, in the same order on
+        every rank. The other windows keep their index (peers name them by it)."""
+        comm = self.comm
+        found = self.locate(t)
+        index = found[0] if found is not None and found[1] == 0 else -1
+        every = comm.mpi.allgather(index)
+        if -1 in every:
+            bad = [r for r, i in enumerate(every) if i == -1]
+            raise MPXValueError(
+                f"free_shared: ranks {bad} passed a tensor that does not start a block of "
+                "this communicator's shared memory; pass the tensor empty_shared returned "
+                "(on the same comm), on every rank, once"
+            )
+        if len(set(every)) != 1:
+            raise MismatchError(
+                f"free_shared: the ranks freed different blocks (their indices by rank: {every}); "
+                "free them in the same order on every rank, as they were allocated"
+            )
+        win = self.windows[index]
+        assert win is not None  # locate() finds live windows only
+        self.windows[index] = None
+        self.raw[index] = []
+        self._bases[index] = (0, 0)
+        win.Free()
+
     def free(self) -> None:
         self.raw.clear()
         self._bases.clear()
         for win in self.windows:
-            win.Free()
+            if win is not None:
+                win.Free()
         self.windows.clear()
 
 
@@ -126,3 +153,28 @@ def empty_shared(
     for d in dims:
         numel *= d
     return SharedBuffers.of(comm).allocate(numel, dtype).view(dims)
+
+
+def free_shared(t: torch.Tensor, comm: CommLike | None = None) -> None:
+    """Gives back the node-shared memory of ``t``, a tensor :func:`empty_shared` returned
+    on ``comm``; collective over ``comm``'s node, in the same order on every rank.
+
+    ``t`` and every view of it must not be used afterwards (the memory is
+    gone: copy out what you keep first). Without it the memory lives as long
+    as the communicator, and each block holds one of MPI's windows (MPICH has
+    about 2000 of them a process).
+
+    Example::
+
+        bucket = empty_shared(1 << 20)
+        ...
+        free_shared(bucket)
+    """
+    comm = as_communicator(comm)
+    buffers = comm.cached("shared_buffers")
+    if not isinstance(buffers, SharedBuffers):
+        raise MPXValueError(
+            "free_shared: this communicator has no shared memory; pass the comm the tensor "
+            "was allocated on by empty_shared(..., comm=comm)"
+        )
+    buffers.release(t)

@@ -14,11 +14,18 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator
-from mpx.collectives.building_blocks import empty_shared, small_bytes, usable_cores
+from mpx.collectives.building_blocks import empty_shared, free_shared, small_bytes, usable_cores
 from mpx.dataparallel.errors import DataParallelValueError
 from mpx.dataparallel.reduction import Waitable
 
-__all__ = ["FIRST_BUCKET_MB", "Bucket", "make_buckets", "overlap_pays", "parameters"]
+__all__ = [
+    "FIRST_BUCKET_MB",
+    "Bucket",
+    "free_buckets",
+    "make_buckets",
+    "overlap_pays",
+    "parameters",
+]
 
 FIRST_BUCKET_MB = 1.0
 
@@ -35,6 +42,7 @@ class Bucket:
     numel: int = 0
     flat: torch.Tensor | None = None
     views: list[torch.Tensor] = field(default_factory=list)  # p.grad aliases (CPU buckets)
+    shared: bool = False  # flat is node-shared memory (empty_shared): close() gives it back
     arrived: int = 0
     handle: Waitable | None = None
 
@@ -138,5 +146,22 @@ def _allocate(bucket: Bucket, comm: Communicator, shared: bool) -> torch.Tensor:
         and comm.single_node
         and bucket.nbytes >= small_bytes()
     ):
+        bucket.shared = True
         return empty_shared(bucket.numel, dtype=bucket.dtype, comm=comm).zero_()
     return torch.zeros(bucket.numel, dtype=bucket.dtype)
+
+
+def free_buckets(buckets: list[Bucket], comm: Communicator) -> None:
+    """Gives back the node-shared memory of ``buckets`` (collective, in the same order on
+    every rank). A gradient that still aliases it is copied out first: the wrapped
+    optimizer keeps working on its parameters after ``close()``."""
+    for bucket in buckets:
+        if not bucket.shared or bucket.flat is None:
+            continue
+        storage = bucket.flat.untyped_storage().data_ptr()
+        with torch.no_grad():
+            for p in bucket.params:
+                if p.grad is not None and p.grad.untyped_storage().data_ptr() == storage:
+                    p.grad = p.grad.clone()
+        free_shared(bucket.flat, comm=comm)
+        bucket.flat, bucket.views, bucket.shared = None, [], False

@@ -44,7 +44,7 @@ from torch import nn
 
 from mpx.collectives import CommLike, allreduce
 from mpx.collectives.building_blocks import checks_enabled, progress_thread_enabled
-from mpx.dataparallel.buckets import Bucket, make_buckets, overlap_pays, parameters
+from mpx.dataparallel.buckets import Bucket, free_buckets, make_buckets, overlap_pays, parameters
 from mpx.dataparallel.errors import (
     DataParallelError,
     DataParallelMismatchError,
@@ -330,7 +330,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Call it on every rank alike: a rank that started buckets finishes them
         here, as ``step()`` would. Afterwards ``step()``, ``zero_grad()`` and
         ``no_sync()`` raise; the wrapped optimizer (``.optimizer``) keeps working
-        alone. The communicator is the caller's (or the world): it stays open.
+        alone (gradients held in the buckets' node-shared memory are copied out,
+        and that memory is given back). The communicator is the caller's (or the
+        world): it stays open.
         """
         if self._closed:
             return
@@ -338,6 +340,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._finish()
         self._reset()
         self.remove_hooks()
+        # Each shared bucket holds one of MPI's windows (MPICH: ~2000 a process).
+        free_buckets(self._buckets, self.comm)
         self._closed = True
 
     def _check_open(self, what: str) -> None:
