@@ -7,8 +7,9 @@ machine (``mpxrun --tune`` into a temporary file), then, for every size, runs
 the peers in the same job, taking turns over 5 interleaved rounds (so that a
 burst of load elsewhere hits every row alike): mpi4py's ``Allreduce`` in place
 and out of place (MPI's own), torch ``gloo``, and mpx's ``mpi``, ``ring``,
-``shm``, ``auto`` with the built-in policy and ``auto`` with the tuned one,
-and ``shm`` on a tensor from ``empty_shared`` (zero copy). A second table
+``shm``, ``auto`` with the built-in policy (also with shm's flag-based small
+allreduce off, ``MPX_SHM_FLAG_BYTES=0``) and ``auto`` with the tuned one, and
+``shm`` on a tensor from ``empty_shared`` (zero copy). A second table
 puts each ``auto`` beside the fastest of mpx's implementations at that size,
 and a third times single blocking 4 KiB calls against mpi4py's own on a
 prepared buffer. Time is the best of the samples (each the slowest rank's), a sample
@@ -37,6 +38,9 @@ MAX_BYTES = os.environ.get("MPX_BENCH_MAX_BYTES", "256M")
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 IMPLS = ["mpi", "ring", "shm"]
 AUTOS = {"auto (built-in)": "none", "auto (tuned)": "tuned"}
+# auto as before shm's flag-based small allreduce (MPX_SHM_FLAG_BYTES=0): MPI
+# below MPX_AUTO_SMALL_BYTES, shm's slots above -- the A/B of issue 46.
+FLAGS_OFF = {"auto (built-in, flags off)": "noflags"}
 ROUNDS = 5  # interleaved rounds over the contenders of one size
 
 
@@ -58,6 +62,10 @@ def measure(tuned: str) -> None:
     def use_policy(which: str) -> None:
         # Every rank switches together: the next call decides afresh.
         os.environ["MPX_POLICY_FILE"] = tuned if which == "tuned" else "none"
+        if which == "noflags":
+            os.environ["MPX_SHM_FLAG_BYTES"] = "0"
+        else:
+            os.environ.pop("MPX_SHM_FLAG_BYTES", None)
         reload()
 
     comm = world()
@@ -117,7 +125,7 @@ def measure(tuned: str) -> None:
             contenders[f"mpx {impl}"] = (lambda impl=impl, x=x: allreduce(x, impl=impl), "none")
         # torch's gloo again, as an mpx implementation (TorchMPI's per-call choice)
         contenders["mpx gloo (impl='gloo')"] = (lambda x=x: allreduce(x, impl="gloo"), "none")
-        for label, which in AUTOS.items():
+        for label, which in {**AUTOS, **FLAGS_OFF}.items():
             contenders[f"mpx {label}"] = (lambda x=x: allreduce(x), which)
         contenders["mpx shm, empty_shared tensor"] = (
             lambda s=shared: allreduce(s, impl="shm"),

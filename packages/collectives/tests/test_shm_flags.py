@@ -152,11 +152,14 @@ def test_the_fast_path_takes_it_once_the_window_is_there(comm: Communicator) -> 
     assert fast_path.allreduce(t, "sum", comm, None)
     assert window.posted(comm.rank) == before + 1
     assert torch.equal(t, torch.full((1000,), float(sum(range(1, comm.size + 1)))))
-    # impl="shm" named: the general path, the same protocol
-    assert not fast_path.allreduce(t, "sum", comm, "shm")
-    allreduce(t, comm=comm, impl="shm")
+    # impl="shm" named (the tuner times it so): the same call
+    assert fast_path.allreduce(t, "sum", comm, "shm")
     assert window.posted(comm.rank) == before + 2
     assert float(t[0]) == sum(range(1, comm.size + 1)) * comm.size
+    # a deadline: the general path, the same protocol as steps
+    allreduce(t, comm=comm, timeout=60)
+    assert window.posted(comm.rank) == before + 3
+    assert float(t[0]) == sum(range(1, comm.size + 1)) * comm.size**2
 
 
 def test_blocking_and_async_ranks_meet(comm: Communicator) -> None:

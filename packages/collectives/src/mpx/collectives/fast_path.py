@@ -256,9 +256,7 @@ def _takes(op: str, reduce_op: str, t: torch.Tensor, comm: Communicator, impl: s
         return "mpi"
     limit = current().flag_bytes
     flags = flags_take(comm.size, comm.single_node, t.dtype, reduce_op, t.nbytes, limit)
-    # impl="shm" named goes the general path, which runs the same protocol as steps
-    auto = impl is None or impl == "auto"
-    return "flags" if chosen == "shm" and auto and op == "allreduce" and COMPILED and flags else ""
+    return "flags" if chosen == "shm" and op == "allreduce" and COMPILED and flags else ""
 
 
 def _lookup(
