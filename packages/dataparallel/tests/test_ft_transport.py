@@ -11,7 +11,16 @@ from torch import nn
 
 from mpx.dataparallel import DataParallelTypeError, DataParallelValueError, FaultTolerantOptimizer
 from mpx.dataparallel.ft_optimizer import _sum_in_order
-from mpx.dataparallel.ft_transport import GRAD, STATE, PeerLost, exchange, send_frame
+from mpx.dataparallel.ft_transport import (
+    GRAD,
+    STATE,
+    PeerLost,
+    exchange,
+    pack_state,
+    recv_frame,
+    send_frame,
+    unpack_state,
+)
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -129,3 +138,57 @@ def test_the_sum_is_the_same_bytes_whichever_member_computes_it(members: int) ->
         _sum_in_order(parts, mine)
         assert parts[mine].numpy().tobytes() == expected.numpy().tobytes(), mine
         assert all(torch.equal(parts[k], grads[k]) for k in range(mine + 1, members))
+
+
+def test_a_state_travels_as_raw_bytes_and_comes_back_equal() -> None:
+    """pack_state / unpack_state (a restarted group's state): tensors of any dtype and
+    shape come back equal, as views of the received frame (no copy); plain values too."""
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    tree = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": 17,
+        "state": {"epoch": 2, "seen": (3, 4.5, None), "name": "x"},
+        "odd": [torch.arange(3, dtype=torch.int16), torch.zeros(0), torch.tensor(True)],
+    }
+    a, b = _pair()
+    thread = threading.Thread(target=lambda: send_frame(b, 1, STATE, pack_state(tree), _never))
+    thread.start()
+    kind, payload = recv_frame(a, 1, _never)
+    thread.join(timeout=30)
+    back = unpack_state(payload, torch.device("cpu"))
+
+    def same(x: object, y: object) -> None:
+        assert type(x) is type(y), (x, y)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor)
+            assert (x.dtype, x.shape) == (y.dtype, y.shape)
+            assert torch.equal(x, y)
+        elif isinstance(x, dict):
+            assert isinstance(y, dict)
+            assert x.keys() == y.keys()
+            for k in x:
+                same(x[k], y[k])
+        elif isinstance(x, list | tuple):
+            assert isinstance(y, list | tuple)
+            assert len(x) == len(y)
+            for u, v in zip(x, y, strict=True):
+                same(u, v)
+        else:
+            assert x == y
+
+    assert kind == STATE
+    same(tree, back)
+    assert back["model"]._metadata == tree["model"]._metadata  # type: ignore[attr-defined]
+    weight = back["model"]["0.weight"]
+    start = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
+    assert start <= weight.data_ptr() < start + len(payload)  # a view of the frame
+
+
+def test_a_malformed_state_is_a_lost_peer() -> None:
+    frame = bytearray(pack_state({"w": torch.ones(2)})[0]) + bytearray(b"junk" * 4)
+    with pytest.raises(PeerLost, match="malformed state"):
+        unpack_state(frame, torch.device("cpu"))

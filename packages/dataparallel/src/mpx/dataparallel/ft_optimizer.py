@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import itertools
 import os
 import socket
@@ -41,8 +40,10 @@ from mpx.dataparallel.ft_transport import (
     PeerLinks,
     PeerLost,
     exchange,
+    pack_state,
     recv_frame,
     send_frame,
+    unpack_state,
 )
 from mpx.dataparallel.optimizer import DistributedOptimizer
 
@@ -173,6 +174,12 @@ class FaultTolerantOptimizer:
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._inbox: dict[int, torch.Tensor] = {}
+        # Made (and their pages touched) now rather than in the first step: a
+        # restarted group's first step is its rejoin's, and counts.
+        flat = self._buffer()
+        for g in range(int(_setting("MPX_REPLICA_GROUPS") or 0)):
+            if g != self.group:
+                self._inbox[g] = torch.zeros_like(flat)
         self._closed = False
         atexit.register(self.close)
 
@@ -247,6 +254,9 @@ class FaultTolerantOptimizer:
 
     def step(self) -> bool:
         """Averages the gradients over the live groups; steps if the step commits.
+
+        A CPU parameter's ``grad`` is then a view of a buffer the next step
+        reuses (as :class:`DistributedOptimizer` does): clone it to keep it.
 
         Returns:
             True if committed (the optimizer stepped, ``step_count`` grew by 1);
@@ -347,14 +357,7 @@ class FaultTolerantOptimizer:
         (see _reduce): with ``zero_grad(set_to_none=False)`` backward accumulates
         in place there and nothing is copied; a fresh gradient is copied in once.
         """
-        flat = self._flat
-        if flat is None:
-            flat = self._flat = torch.empty(sum(p.numel() for p in self._params), dtype=self._dtype)
-            offsets = itertools.accumulate((p.numel() for p in self._params), initial=0)
-            self._views = [
-                flat[o : o + p.numel()].view(p.shape)
-                for o, p in zip(offsets, self._params, strict=False)
-            ]
+        flat = self._buffer()
         with torch.no_grad():
             for p, view in zip(self._params, self._views, strict=True):
                 if p.grad is None:
@@ -362,6 +365,17 @@ class FaultTolerantOptimizer:
                 elif p.grad is not view:
                     view.copy_(p.grad)
         return flat
+
+    def _buffer(self) -> torch.Tensor:
+        """The flat gradient buffer and its per-parameter views, made once."""
+        if self._flat is None:
+            flat = self._flat = torch.zeros(sum(p.numel() for p in self._params), dtype=self._dtype)
+            offsets = itertools.accumulate((p.numel() for p in self._params), initial=0)
+            self._views = [
+                flat[o : o + p.numel()].view(p.shape)
+                for o, p in zip(offsets, self._params, strict=False)
+            ]
+        return self._flat
 
     def _reduce(self, quorum: dict[str, Any]) -> None:
         members = [int(g) for g in quorum["members"]]
@@ -398,28 +412,26 @@ class FaultTolerantOptimizer:
 
     def _inbox_for(self, group: int) -> torch.Tensor:
         """Where ``group``'s gradients are received, kept from step to step."""
-        assert self._flat is not None
+        flat = self._buffer()
         found = self._inbox.get(group)
-        if found is None or found.numel() != self._flat.numel():
-            found = self._inbox[group] = torch.empty_like(self._flat)
+        if found is None or found.numel() != flat.numel():
+            found = self._inbox[group] = torch.empty_like(flat)
         return found
 
     def _send_state(self, quorum: dict[str, Any], recipient: int) -> None:
-        buffer = io.BytesIO()
-        torch.save(
+        parts = pack_state(
             {
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "step": self.step_count,
                 "state": dict(self.state),
-            },
-            buffer,
+            }
         )
         send_frame(
             self._link(quorum, recipient),
             int(quorum["quorum"]),
             STATE,
-            buffer.getbuffer(),
+            parts,
             lambda: self._check(quorum),
         )
 
@@ -430,9 +442,7 @@ class FaultTolerantOptimizer:
         if kind != STATE:
             raise PeerLost(f"group {donor} sent no state")
         device = self._params[0].device if self._params else torch.device("cpu")
-        loaded: dict[str, Any] = torch.load(
-            io.BytesIO(payload), map_location=device, weights_only=True
-        )
+        loaded: dict[str, Any] = unpack_state(payload, device)
         return loaded
 
     def _load_state(self, loaded: dict[str, Any]) -> None:
