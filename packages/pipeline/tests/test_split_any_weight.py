@@ -9,10 +9,17 @@ give the gradients of the whole model's full backward (float64), with every
 (before, every chunk with a weight other than an ``nn.Linear`` did, see
 :mod:`mpx.pipeline.retained`), and what a Conv1D chunk keeps for ``W`` is its
 products' inputs and output gradients, byte for byte.
+
+One process, no pipeline (:mod:`mpx.pipeline.graph_split`): a chunk whose weights
+are used by matrix products only runs its forward as it is, ``I`` leaves every
+product's weight gradient for ``W`` as a record, and ``I`` plus ``W`` give the full
+backward's gradients; a chunk with a weight used any other way computes that
+weight's gradient in ``I`` and captures from its next forward on, exactly too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -22,9 +29,8 @@ from torch.nn import functional as F
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline
-from mpx.pipeline.deferred import held_bytes
-
-pytestmark = pytest.mark.mpi
+from mpx.pipeline.deferred import Records, held_bytes, weight_grads
+from mpx.pipeline.graph_split import ChunkSplit
 
 VOCAB, WIDTH, HEADS, LENGTH = 11, 8, 2, 6
 TOL = 1e-13
@@ -147,6 +153,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv"])
 def test_split_of_any_weight_equals_the_full_backward_from_records(schedule: str) -> None:
     comm = world()
@@ -187,6 +194,7 @@ def test_split_of_any_weight_equals_the_full_backward_from_records(schedule: str
     assert pipe.deferred_bytes == 0
 
 
+@pytest.mark.mpi
 def test_a_conv1d_chunk_keeps_its_products_inputs_and_output_gradients_for_w() -> None:
     # Two chunks of GPT-2 blocks on one rank. Per block and micro-batch W needs,
     # for each of its four Conv1D products, the input and the output's gradient:
@@ -225,6 +233,7 @@ def test_a_conv1d_chunk_keeps_its_products_inputs_and_output_gradients_for_w() -
     assert pipe.deferred_bytes == 0
 
 
+@pytest.mark.mpi
 def test_a_compiled_chunk_splits_from_records_too() -> None:
     # torch.compile'd blocks: the graph holds one compiled node, not the
     # products (mpx.pipeline.graph_split), so a chunk's first I computes its
@@ -270,3 +279,189 @@ def test_a_compiled_chunk_splits_from_records_too() -> None:
         # has nothing left to do), its second captured; from then on, all capture.
         expected = [(False, False), (True, False)] * 2 if step == 0 else [(True, False)] * 4
         assert sorted(seen) == sorted(expected)
+
+
+# -- the split read from the graph, one process ------------------------------------
+
+
+class Tied(nn.Module):
+    """One bare matrix used by two products (``x @ W``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight) @ self.weight
+
+
+class Transposed(nn.Module):
+    """``x @ W.T`` and ``x @ W.transpose(0, 1)``: transposes written out, not ``F.linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(16, WIDTH) * 0.3)
+        self.second = nn.Parameter(torch.randn(WIDTH, 16) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.first.T) @ self.second.transpose(0, 1)
+
+
+class Regularised(nn.Module):
+    """A Linear layer whose weight is also used on its own (its sum): not a product only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x) + self.linear.weight.sum()
+        return out
+
+
+class Scaled(nn.Module):
+    """``addmm`` with ``alpha``: the weight's gradient needs the scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.3)
+        self.bias = nn.Parameter(torch.randn(WIDTH) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, WIDTH), self.weight, alpha=2.0)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, WIDTH, bias=False))
+
+
+def _first_stage() -> nn.Module:
+    # A first chunk's input needs no gradient: its first product runs in I for
+    # nothing but its output's gradient, which W needs.
+    return nn.Sequential(nn.Linear(WIDTH, 16, bias=False), nn.Tanh(), nn.Linear(16, WIDTH))
+
+
+def _conv() -> nn.Module:
+    return nn.Sequential(nn.Conv1d(5, 5, 3, padding=1), nn.Tanh())  # (batch, 5 channels, WIDTH)
+
+
+# name -> (chunk, products per forward, whether the input needs a gradient)
+GRAPH_CASES: dict[str, tuple[Callable[[], nn.Module], int, bool]] = {
+    "gpt2_conv1d_block": (GPT2Block, 4, True),
+    "linear_mlp": (_mlp, 2, True),
+    "first_stage_linear": (_first_stage, 2, False),
+    "matrix_used_twice": (Tied, 2, True),
+    "transposes_written_out": (Transposed, 2, True),
+    "multihead_attention": (Attention, 2, True),
+}
+
+
+def _full(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs: bool) -> list[torch.Tensor]:
+    chunk.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(needs)
+    chunk(xr).backward(grad)
+    found = [p.grad.clone() for p in chunk.parameters() if p.grad is not None]
+    return [*found, xr.grad.clone()] if needs and xr.grad is not None else found
+
+
+def _split(
+    split: ChunkSplit, chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs: bool
+) -> tuple[list[torch.Tensor], Records, list[bool]]:
+    """I then W; also the records I left and which weights had no gradient after I."""
+    chunk.zero_grad(set_to_none=True)
+    params = list(chunk.parameters())
+    xr = x.clone().requires_grad_(needs)
+    records = Records()
+    with split.forward(params, records):
+        out = chunk(xr)
+    split.input_backward([out], [grad], records)
+    left = [p.grad is None for p in params]
+    kept = Records()
+    kept.extend(records)
+    kept.ops.extend(records.ops)
+    kept.captured, kept.bytes = records.captured, records.bytes
+    weight_grads(records)
+    found = [p.grad.clone() for p in params if p.grad is not None]
+    return ([*found, xr.grad.clone()] if needs and xr.grad is not None else found), kept, left
+
+
+def _inputs(chunk: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(3, 5, WIDTH, dtype=torch.float64)
+    with torch.no_grad():
+        grad = torch.randn_like(chunk(x))
+    return x, grad
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
+def test_products_are_left_for_w_from_the_graph_and_the_gradients_are_the_full_backwards(
+    name: str,
+) -> None:
+    make, products, needs = GRAPH_CASES[name]
+    torch.manual_seed(0)
+    chunk = make().double()
+    split = ChunkSplit()
+    for _ in range(2):  # the second micro-batch takes the same path
+        x, grad = _inputs(chunk)
+        expected = _full(chunk, x, grad, needs)
+        got, records, left = _split(split, chunk, x, grad, needs)
+        assert not split.captures  # products only: no capture mode, ever
+        assert not records.captured
+        assert not records.ops
+        assert len(records) == products
+        # Each deferred weight had no gradient after I: W gave it, from its record.
+        deferred = {id(w) for _, _, w, _, _ in records}
+        params = list(chunk.parameters())
+        assert deferred
+        assert all(left[i] for i, p in enumerate(params) if id(p) in deferred)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def test_a_record_holds_the_products_input_and_output_gradient() -> None:
+    torch.manual_seed(1)
+    chunk = nn.Linear(WIDTH, 4, bias=False).double()
+    x = torch.randn(6, WIDTH, dtype=torch.float64)
+    grad = torch.randn(6, 4, dtype=torch.float64)
+    _, records, _ = _split(ChunkSplit(), chunk, x, grad, True)
+    ((kept_x, kept_grad, weight, bias, transposed),) = records
+    assert torch.equal(kept_x, x)
+    assert torch.equal(kept_grad, grad)
+    assert weight is chunk.weight
+    assert bias is None
+    assert not transposed
+    assert records.bytes == x.nbytes + grad.nbytes
+
+
+@pytest.mark.parametrize("make", [_conv, Regularised, Scaled], ids=["conv", "sum", "alpha"])
+def test_a_weight_used_otherwise_gets_its_gradient_in_i_then_the_chunk_captures(
+    make: Callable[[], nn.Module],
+) -> None:
+    torch.manual_seed(2)
+    chunk = make().double()
+    split = ChunkSplit()
+    x, grad = _inputs(chunk)
+    expected = _full(chunk, x, grad, True)
+    got, records, _ = _split(split, chunk, x, grad, True)
+    # The first micro-batch: that weight's whole gradient came from I (exact)...
+    assert not records.captured
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    # ...and the chunk's later forwards capture, which defers what the graph could not.
+    assert split.captures
+    x, grad = _inputs(chunk)
+    expected = _full(chunk, x, grad, True)
+    got, records, _ = _split(split, chunk, x, grad, True)
+    assert records.captured
+    assert records or records.ops
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def test_a_chunk_without_weights_runs_a_plain_backward() -> None:
+    chunk = nn.Tanh()
+    x = torch.randn(4, WIDTH, dtype=torch.float64)
+    grad = torch.randn(4, WIDTH, dtype=torch.float64)
+    got, records, _ = _split(ChunkSplit(), chunk, x, grad, True)
+    assert not records
+    torch.testing.assert_close(got[0], grad * (1 - torch.tanh(x) ** 2), rtol=0, atol=1e-15)
