@@ -65,6 +65,7 @@ from mpx.collectives.impl_mpi import mpi_op as op_for
 from mpx.collectives.policy import choose, current
 from mpx.collectives.shm_flags import CODES, FlagWindow
 from mpx.collectives.shm_flags import takes as flags_take
+from mpx.collectives.shm_flags import use_compiled as flags_compiled
 
 try:
     import cython
@@ -539,6 +540,7 @@ if cython.compiled:
     # Every CallBoard made from now on runs the protocol in C (the package's
     # __init__ imports this module before any communicator can be made).
     use_compiled(board_post, board_arrived, board_same, board_wait)
+    flags_compiled(flags_post, flags_arrived, flags_wait, flags_reduce)  # and shm_flags' kernel
 
 
 if not cython.compiled:

@@ -36,7 +36,16 @@ from mpi4py import MPI
 from mpx.collectives.handle import Pending, Requests, Steps
 from mpx.launch.settings import declare
 
-__all__ = ["AVAILABLE", "CODES", "FLAG_BYTES", "MAX_RANKS", "FlagWindow", "allreduce", "takes"]
+__all__ = [
+    "AVAILABLE",
+    "CODES",
+    "FLAG_BYTES",
+    "MAX_RANKS",
+    "FlagWindow",
+    "allreduce",
+    "takes",
+    "use_compiled",
+]
 
 FLAG_BYTES = declare(
     "MPX_SHM_FLAG_BYTES",
@@ -61,14 +70,25 @@ _HEADER = 64  # MPX_FLAGS_HEADER: the flag's cache line
 _SMALLEST = 64 << 10  # the first buffers' bytes
 
 
-def _compiled() -> bool:
-    from mpx.collectives import fast_path  # fast_path imports the policy, which imports us
-
-    return fast_path.COMPILED
+AVAILABLE = False
+"""Whether the C kernel is there: the compiled fast path hands it over (:func:`use_compiled`)."""
 
 
-AVAILABLE: bool | None = None
-"""Whether the C kernel is there (the package compiled); None until first asked."""
+class _Kernel:
+    """fast_path's wrappers of the C functions (it imports the policy, which imports this
+    module: it calls :func:`use_compiled` when the package is imported)."""
+
+    post: Any = None
+    arrived: Any = None
+    wait: Any = None
+    reduce: Any = None
+
+
+def use_compiled(post: Any, arrived: Any, wait: Any, reduce: Any) -> None:
+    """Takes the compiled kernel: ``fast_path.flags_post`` .. ``flags_reduce``."""
+    global AVAILABLE  # noqa: PLW0603 -- set once, when the package is imported
+    _Kernel.post, _Kernel.arrived, _Kernel.wait, _Kernel.reduce = post, arrived, wait, reduce
+    AVAILABLE = True
 
 
 def takes(
@@ -78,9 +98,6 @@ def takes(
 
     ``limit``: the policy's ``flag_bytes`` (``MPX_SHM_FLAG_BYTES``).
     """
-    global AVAILABLE  # noqa: PLW0603 -- looked up once, lazily (import order)
-    if AVAILABLE is None:
-        AVAILABLE = _compiled()
     return (
         AVAILABLE
         and 1 < size <= MAX_RANKS
@@ -159,27 +176,21 @@ class _Posted(Pending):
         return [r for r in range(w.size) if w.posted(r) < self.number]
 
     def test(self) -> bool:
-        from mpx.collectives import fast_path
-
-        return fast_path.flags_arrived(self.window.address, self.window.size, self.number)
+        return bool(_Kernel.arrived(self.window.address, self.window.size, self.number))
 
     def wait(self) -> None:
-        from mpx.collectives import fast_path
-
         w = self.window
-        fast_path.flags_wait(w.address, w.size, self.number, w.yielding)
+        _Kernel.wait(w.address, w.size, self.number, w.yielding)
 
 
 def allreduce(comm: Any, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     """The general path's steps of the protocol (the fast path runs it in one C call)."""
-    from mpx.collectives import fast_path
-
     window = yield from FlagWindow.ready(comm, t.nbytes)
     address = t.data_ptr()  # contiguous: check_tensor refuses others
-    number = fast_path.flags_post(window.address, window.rank, window.buffer, address, t.nbytes)
+    number = _Kernel.post(window.address, window.rank, window.buffer, address, t.nbytes)
     yield _Posted(window, number)
     w = window
-    fast_path.flags_reduce(w.address, w.size, w.buffer, number, address, t.numel(), CODES[t.dtype])
+    _Kernel.reduce(w.address, w.size, w.buffer, number, address, t.numel(), CODES[t.dtype])
     if op == "avg":
         t.div_(comm.size)
     return t
