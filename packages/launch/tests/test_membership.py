@@ -221,3 +221,11 @@ def test_a_vote_with_next_brings_the_next_quorum_at_the_step_the_voter_gives() -
         for f, c in zip(files, conns, strict=True):
             f.close()
             c.close()
+
+
+def test_a_group_is_listed_alive_once_every_rank_said_hello() -> None:
+    m = Membership(expected=1, join_timeout=30.0, heartbeat_timeout=0.5, now=0.0)
+    m.hello(0, 0, 2, "a", ["h", 1], now=0.0)
+    assert m.alive() == {}  # rank 1 still starting: a peer waiting for group 0 waits on
+    m.hello(0, 1, 2, "a", ["h", 2], now=0.1)
+    assert m.alive() == {0: "a"}

@@ -166,8 +166,15 @@ class Membership:
             found.finished_step = step
 
     def alive(self) -> dict[int, str]:
-        """The live groups and their incarnations."""
-        return {g: found.incarnation for g, found in self.groups.items() if found.alive}
+        """The live groups and their incarnations: a group counts from its last rank's
+        hello (its rank 0 asks for a quorum only then: a peer that waits for a
+        restarted group to come back then finds it asking a moment later, not its
+        other ranks still starting for seconds)."""
+        return {
+            g: found.incarnation
+            for g, found in self.groups.items()
+            if found.alive and len(found.addresses) >= found.size
+        }
 
     def _kill(self, group: int) -> None:
         self.groups[group].alive = False
