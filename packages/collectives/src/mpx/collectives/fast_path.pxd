@@ -118,29 +118,32 @@ cdef extern from *:
         return 1;
     }
 
-    /* Waits until every rank has posted call `number`. The wait spins, then
+    /* Waits until the int64 at `word` reaches `number`. The wait spins, then
        sched_yields; a yielding communicator's (an oversubscribed host) sleeps
-       after 0.5 ms, 20 us growing to 1 ms, like mpx_mpi_wait_yielding. */
+       after 0.5 ms, 20 us growing to 1 ms, like mpx_mpi_wait_yielding. The call
+       board (every rank has posted call `number`) and shm's flags wait so. */
+    static void mpx_wait_reaches(long long *word, long long number, int yielding) {
+        int spins = 0;
+        long sleep_ns = 20000;
+        double yield_until = 0.0;
+        while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < number) {
+            if (++spins == 51) yield_until = mpx_monotonic() + 500e-6;
+            if (spins <= 50) continue;
+            if (!yielding || mpx_monotonic() < yield_until) {
+                sched_yield();
+            } else {
+                struct timespec pause = {0, sleep_ns};
+                nanosleep(&pause, NULL);
+                sleep_ns = sleep_ns * 3 / 2 < 1000000 ? sleep_ns * 3 / 2 : 1000000;
+            }
+        }
+    }
+
     static void mpx_board_wait(long long *slots, int size, long long number, int yielding) {
         const long long half = number & 1;
         int p;
-        for (p = 0; p < size; p++) {
-            long long *slot = slots + ((long long)p * 2 + half) * 8;
-            int spins = 0;
-            long sleep_ns = 20000;
-            double yield_until = 0.0;
-            while (__atomic_load_n(&slot[0], __ATOMIC_ACQUIRE) < number) {
-                if (++spins == 51) yield_until = mpx_monotonic() + 500e-6;
-                if (spins <= 50) continue;
-                if (!yielding || mpx_monotonic() < yield_until) {
-                    sched_yield();
-                } else {
-                    struct timespec pause = {0, sleep_ns};
-                    nanosleep(&pause, NULL);
-                    sleep_ns = sleep_ns * 3 / 2 < 1000000 ? sleep_ns * 3 / 2 : 1000000;
-                }
-            }
-        }
+        for (p = 0; p < size; p++)
+            mpx_wait_reaches(slots + ((long long)p * 2 + half) * 8, number, yielding);
     }
 
     /* mpx_board_wait, then mpx_board_same: 1 when all agree, 0 when any differs. */
@@ -178,28 +181,12 @@ cdef extern from *:
         return 1;
     }
 
-    /* Waits as mpx_board_wait does: spin, sched_yield, and sleep once 0.5 ms
-       have passed where the communicator waits yielding. */
+    /* Waits until every rank's flag reads >= `number` (mpx_wait_reaches). */
     static void mpx_flags_wait(const long long *bases, int size, long long number,
                                int yielding) {
         int p;
-        for (p = 0; p < size; p++) {
-            long long *flag = (long long *)(size_t)bases[p];
-            int spins = 0;
-            long sleep_ns = 20000;
-            double yield_until = 0.0;
-            while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < number) {
-                if (++spins == 51) yield_until = mpx_monotonic() + 500e-6;
-                if (spins <= 50) continue;
-                if (!yielding || mpx_monotonic() < yield_until) {
-                    sched_yield();
-                } else {
-                    struct timespec pause = {0, sleep_ns};
-                    nanosleep(&pause, NULL);
-                    sleep_ns = sleep_ns * 3 / 2 < 1000000 ? sleep_ns * 3 / 2 : 1000000;
-                }
-            }
-        }
+        for (p = 0; p < size; p++)
+            mpx_wait_reaches((long long *)(size_t)bases[p], number, yielding);
     }
 
     /* dst[i] = src[0][i] + ... + src[size - 1][i], in blocks that stay in L1.
