@@ -435,6 +435,26 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+_AS_IS = object()  # a leaf function's answer for "not mine: walk into it"
+
+
+def _rebuilt(value: Any, leaf: Any) -> Any:
+    """``value`` with ``leaf(v)`` in place of each part ``v`` it answers for (not
+    :data:`_AS_IS`), dicts (an OrderedDict stays one, with a state_dict's
+    ``_metadata``: load_state_dict reads it), lists and tuples walked into."""
+    done = leaf(value)
+    if done is not _AS_IS:
+        return done
+    if isinstance(value, dict):
+        out = type(value)((k, _rebuilt(v, leaf)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list | tuple):
+        return type(value)(_rebuilt(v, leaf) for v in value)
+    return value
+
+
 def pack_state(tree: Any) -> list[memoryview]:
     """``tree`` (dicts, lists, tuples, tensors, plain values) as a frame's parts."""
     import io
@@ -446,24 +466,16 @@ def pack_state(tree: Any) -> list[memoryview]:
 
     def strip(value: Any) -> Any:
         nonlocal offset
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().to("cpu").contiguous()
-            tensors.append(tensor)
-            marker = (_TENSOR, offset, str(tensor.dtype).removeprefix("torch."), *tensor.shape)
-            offset = _aligned(offset + tensor.numel() * tensor.element_size())
-            return marker
-        if isinstance(value, dict):
-            # OrderedDict stays one, with a state_dict's _metadata (load_state_dict reads it).
-            out = type(value)((k, strip(v)) for k, v in value.items())
-            if hasattr(value, "_metadata"):
-                out._metadata = value._metadata  # type: ignore[attr-defined]
-            return out
-        if isinstance(value, list | tuple):
-            return type(value)(strip(v) for v in value)
-        return value
+        if not isinstance(value, torch.Tensor):
+            return _AS_IS
+        tensor = value.detach().to("cpu").contiguous()
+        tensors.append(tensor)
+        marker = (_TENSOR, offset, str(tensor.dtype).removeprefix("torch."), *tensor.shape)
+        offset = _aligned(offset + tensor.numel() * tensor.element_size())
+        return marker
 
     buffer = io.BytesIO()
-    torch.save(strip(tree), buffer)
+    torch.save(_rebuilt(tree, strip), buffer)
     skeleton = buffer.getbuffer()
     parts = [memoryview(_LENGTH.pack(len(skeleton))), skeleton]
     at = _LENGTH.size + len(skeleton)
@@ -493,26 +505,19 @@ def unpack_state(payload: bytearray, device: Any) -> Any:
     data = torch.frombuffer(payload, dtype=torch.uint8)[_aligned(_LENGTH.size + length) :]
 
     def dress(value: Any) -> Any:
-        if isinstance(value, tuple) and value[:1] == (_TENSOR,):
-            _, offset, dtype, *shape = value
-            kind = getattr(torch, str(dtype), None)
-            if not isinstance(kind, torch.dtype):
-                raise PeerLost(f"a peer's state named no dtype: {dtype!r}")
-            count = 1
-            for n in shape:
-                count *= n
-            nbytes = count * torch.empty(0, dtype=kind).element_size()
-            return data[offset : offset + nbytes].view(kind).view(shape).to(device)
-        if isinstance(value, dict):
-            out = type(value)((k, dress(v)) for k, v in value.items())
-            if hasattr(value, "_metadata"):
-                out._metadata = value._metadata  # type: ignore[attr-defined]
-            return out
-        if isinstance(value, list | tuple):
-            return type(value)(dress(v) for v in value)
-        return value
+        if not (isinstance(value, tuple) and value[:1] == (_TENSOR,)):
+            return _AS_IS
+        _, offset, dtype, *shape = value
+        kind = getattr(torch, str(dtype), None)
+        if not isinstance(kind, torch.dtype):
+            raise PeerLost(f"a peer's state named no dtype: {dtype!r}")
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = count * torch.empty(0, dtype=kind).element_size()
+        return data[offset : offset + nbytes].view(kind).view(shape).to(device)
 
     try:
-        return dress(tree)
+        return _rebuilt(tree, dress)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise PeerLost(f"a peer sent a malformed state: {exc}") from exc
