@@ -9,7 +9,9 @@ burst of load elsewhere hits every row alike): mpi4py's ``Allreduce`` in place
 and out of place (MPI's own), torch ``gloo``, and mpx's ``mpi``, ``ring``,
 ``shm``, ``auto`` with the built-in policy (also with shm's flag-based small
 allreduce off, ``MPX_SHM_FLAG_BYTES=0``) and ``auto`` with the tuned one, and
-``shm`` on a tensor from ``empty_shared`` (zero copy). A second table
+``shm`` on a tensor from ``empty_shared`` (zero copy), and, where DeepSpeed is
+installed and its CPU shared-memory op builds, DeepSpeed's
+``inference_all_reduce`` (a sum; ``MPX_BENCH_DEEPSPEED=0`` leaves it out). A second table
 puts each ``auto`` beside the fastest of mpx's implementations at that size,
 and a third times single blocking 4 KiB calls against mpi4py's own on a
 prepared buffer. Time is the best of the samples (each the slowest rank's), a sample
@@ -42,6 +44,39 @@ AUTOS = {"auto (built-in)": "none", "auto (tuned)": "tuned"}
 # below MPX_AUTO_SMALL_BYTES, shm's slots above -- the A/B of issue 46.
 FLAGS_OFF = {"auto (built-in, flags off)": "noflags"}
 ROUNDS = 5  # interleaved rounds over the contenders of one size
+DEEPSPEED_ROW = "DeepSpeed shm (inference_all_reduce)"
+
+
+def _deepspeed_allreduce(n_ranks: int) -> tuple[Callable[[Any], object] | None, str]:
+    """DeepSpeed's CPU shared-memory allreduce, or None and why it cannot run here.
+
+    An optional peer (issue 46): DeepSpeed JIT-builds its shm op on first use
+    (about two minutes, then cached under ~/.cache/torch_extensions) and falls
+    back to ``torch.distributed.all_reduce`` -- gloo here -- when the op did not
+    build or the CPU lacks AVX2; such a fallback is reported as a skip, never
+    timed under DeepSpeed's name. Runs after ``init_process_group("gloo")``:
+    DeepSpeed wraps the existing group.
+    """
+    if os.environ.get("MPX_BENCH_DEEPSPEED", "1") == "0":
+        return None, "left out (MPX_BENCH_DEEPSPEED=0)"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # the shm op sizes its segment by the ranks on this node
+    os.environ.setdefault("LOCAL_SIZE", str(n_ranks))
+    try:
+        import deepspeed
+        import deepspeed.comm as ds_comm
+    except ImportError as exc:
+        return None, f"not installed ({exc}); `pip install deepspeed` to add it"
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    backend = ds_comm.comm.cdb
+    if getattr(backend, "shm_comm_op", None) is None:
+        return None, "DeepSpeed's shm op did not build here (it would fall back to gloo)"
+    if getattr(backend, "shm_vector_kernel_level", 0) < 1:
+        return None, "DeepSpeed's fp32 shm kernel needs AVX2 (it would fall back to gloo)"
+    op = torch.distributed.ReduceOp.SUM
+    return (lambda x: ds_comm.inference_all_reduce(x, op)), f"DeepSpeed {deepspeed.__version__}"
 
 
 def _label(nbytes: int) -> str:
@@ -73,6 +108,9 @@ def measure(tuned: str) -> None:
     dist.init_process_group("gloo")
     n = comm.size
     raw = MPI.COMM_WORLD
+    ds_allreduce, ds_about = _deepspeed_allreduce(n)
+    if comm.rank == 0:
+        print(f"DEEPSPEED {n} ranks: {ds_about}", flush=True)
 
     # Callable[..., object]: the lambdas bind loop variables as defaults (x=x),
     # which mypy cannot fit to a Callable[[], object].
@@ -105,7 +143,8 @@ def measure(tuned: str) -> None:
         use_policy("none")
         return figures
 
-    summary = []
+    summary: list[str] = []
+    ds_rows: list[str] = []
     from mpx.launch.settings import parse_size
 
     for nbytes in (s for s in SIZES if s <= parse_size(MAX_BYTES)):
@@ -131,7 +170,15 @@ def measure(tuned: str) -> None:
             lambda s=shared: allreduce(s, impl="shm"),
             "none",
         )
+        if ds_allreduce is not None:
+            contenders[DEEPSPEED_ROW] = (lambda x=x, f=ds_allreduce: f(x), "none")
+            _check_same_sum(ds_allreduce, nbytes // 4, raw)
         times = timed(contenders, nbytes)
+        if ds_allreduce is not None:
+            auto, ds = times["mpx auto (built-in)"], times[DEEPSPEED_ROW]
+            ds_rows.append(
+                f"| {n} | {_label(nbytes)} | {ds * 1e3:.3f} | {auto * 1e3:.3f} | {auto / ds:.2f} |"
+            )
         best_name = min((f"mpx {i}" for i in IMPLS), key=times.__getitem__)
         mpi_best = min(times["MPI Allreduce"], times["MPI Allreduce, out of place"])
         summary.append(
@@ -181,7 +228,25 @@ def measure(tuned: str) -> None:
             print(f"SUMMARY {row}", flush=True)
         for row in latency:
             print(f"LATENCY | {n} {row}", flush=True)
+        for row in ds_rows:
+            print(f"DSROW {row}", flush=True)
     dist.destroy_process_group()
+
+
+def _check_same_sum(fn: Callable[[Any], object], count: int, raw: Any) -> None:
+    """A peer's row counts only if it computed the sum: checked against mpx's before timing."""
+    import torch
+    from mpi4py import MPI
+
+    from mpx.collectives import allreduce
+
+    mine = torch.arange(count, dtype=torch.float32).remainder_(97).add_(raw.Get_rank())
+    theirs = mine.clone()
+    fn(theirs)
+    allreduce(mine)
+    # every rank decides together: one rank leaving alone would hang the rest
+    if not raw.allreduce(bool(torch.equal(mine, theirs)), op=MPI.LAND):
+        raise SystemExit(f"{DEEPSPEED_ROW} gave another sum than mpx's at {count} floats")
 
 
 def _single_calls(comm: Any, raw: Any) -> list[str]:
@@ -252,7 +317,7 @@ def main() -> None:
         "| ÷ MPI | ÷ gloo |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    summaries, latencies, policies = [], [], []
+    summaries, latencies, policies, ds_rows, ds_about = [], [], [], [], []
     here = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as tmp:
         for nprocs in (int(n) for n in args.ranks.split(",")):
@@ -272,6 +337,10 @@ def main() -> None:
                     summaries.append(line.removeprefix("SUMMARY "))
                 elif line.startswith("LATENCY "):
                     latencies.append(line.removeprefix("LATENCY "))
+                elif line.startswith("DSROW "):
+                    ds_rows.append(line.removeprefix("DSROW "))
+                elif line.startswith("DEEPSPEED "):
+                    ds_about.append(line.removeprefix("DEEPSPEED "))
                 elif line.startswith("|"):
                     print(line)
     print(
@@ -297,6 +366,18 @@ def main() -> None:
     print("|---|---|---|---|")
     for row in latencies:
         print(row)
+    print(
+        "\n### Against DeepSpeed's CPU shared-memory allreduce\n\n"
+        "DeepSpeed's `inference_all_reduce` (its JIT-built shm op) in the same job as the rows "
+        "above, float32 sum; its result checked equal to mpx's before timing.\n"
+    )
+    for line in ds_about:
+        print(f"- {line}")
+    if ds_rows:
+        print("\n| ranks | size | DeepSpeed shm (ms) | mpx auto, built-in (ms) | mpx ÷ DeepSpeed |")
+        print("|---|---|---|---|---|")
+        for row in ds_rows:
+            print(row)
 
 
 if __name__ == "__main__":
