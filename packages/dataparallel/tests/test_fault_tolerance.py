@@ -76,8 +76,10 @@ PROGRAM = textwrap.dedent(
             if ft.step_count == int(ks):
                 # Only the lowest peer gets this rank's gradients: it can
                 # average them all, yet must discard the step with the rest.
+                # (On one host the frame only names the shared buffer holding them.)
                 first = min(links)
-                ft_optimizer.send_frame(links[first], quorum, kind, payload, check)
+                part = payload[first] if isinstance(payload, dict) else payload
+                ft_optimizer.send_frame(links[first], quorum, kind, part, check)
                 die(point)
             return exchange(links, quorum, kind, payload, check, *into)
         ft_optimizer.exchange = partial

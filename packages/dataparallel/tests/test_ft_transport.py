@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mpx.dataparallel import DataParallelTypeError, DataParallelValueError, FaultTolerantOptimizer
-from mpx.dataparallel.ft_optimizer import _sum_in_order
+from mpx.dataparallel.ft_optimizer import _sum_into
 from mpx.dataparallel.ft_transport import (
     GRAD,
     STATE,
@@ -125,19 +125,22 @@ def test_exchange_receives_into_the_buffers_given() -> None:
 
 
 @pytest.mark.parametrize("members", [2, 3, 4])
-def test_the_sum_is_the_same_bytes_whichever_member_computes_it(members: int) -> None:
-    """Each member writes the sum into its own buffer, adding in the members' order."""
+def test_the_sum_is_the_same_bytes_in_the_members_order_and_leaves_the_parts(
+    members: int,
+) -> None:
+    """The sum goes into a buffer of its own, adding in the members' order."""
     torch.manual_seed(0)
     grads = [torch.randn(1000) * 10 ** (3 * g) for g in range(members)]
     grads[0][0] = float("nan")
     expected = grads[0].clone()
     for g in grads[1:]:
         expected = expected + g
-    for mine in range(members):
-        parts = [g.clone() for g in grads]
-        _sum_in_order(parts, mine)
-        assert parts[mine].numpy().tobytes() == expected.numpy().tobytes(), mine
-        assert all(torch.equal(parts[k], grads[k]) for k in range(mine + 1, members))
+    parts = [g.clone() for g in grads]
+    out = torch.empty(1000)
+    assert _sum_into(parts, out) is out
+    assert out.numpy().tobytes() == expected.numpy().tobytes()
+    assert all(torch.equal(parts[k], grads[k]) for k in range(1, members))
+    assert torch.equal(parts[0][1:], grads[0][1:])
 
 
 def test_a_state_travels_as_raw_bytes_and_comes_back_equal() -> None:

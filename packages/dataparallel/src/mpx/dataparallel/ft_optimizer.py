@@ -21,7 +21,7 @@ import itertools
 import os
 import socket
 import uuid
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from mpx.dataparallel.errors import (
     DataParallelTypeError,
     DataParallelValueError,
 )
+from mpx.dataparallel.ft_shm import ANNOUNCE, PeerSegment, Segment, negotiate, shm_wanted
 from mpx.dataparallel.ft_transport import (
     GRAD,
     STATE,
@@ -170,13 +171,21 @@ class FaultTolerantOptimizer:
         # The next step's quorum, when the lighthouse sent it with the last vote's outcome.
         self._ahead: dict[str, Any] | None = None
         # The reduction's buffers, kept from step to step (see _reduce): after the
-        # first step a step allocates nothing (no zero-fill, no page faults).
-        self._flat: torch.Tensor | None = None
-        self._views: list[torch.Tensor] = []
+        # first step a step allocates nothing (no zero-fill, no page faults). Two
+        # gradient buffers, in a segment the peers on this host map (ft_shm), used
+        # in turn: a step's gradients are published in one, its average written
+        # into the other (a peer may still be reading the first).
+        self._segment = Segment(
+            sum(p.numel() for p in self._params), self._dtype, shared=shm_wanted()
+        )
+        self._cur = 0
+        self._views = [self._split(buffer) for buffer in self._segment.buffers]
         self._inbox: dict[int, torch.Tensor] = {}
+        # Each peer's segment, mapped, and the link it was agreed on (None: TCP).
+        self._shared: dict[int, tuple[socket.socket, PeerSegment | None]] = {}
         # Made (and their pages touched) now rather than in the first step: a
         # restarted group's first step is its rejoin's, and counts.
-        flat = self._buffer()
+        flat = self._segment.buffers[0]
         for g in range(int(_setting("MPX_REPLICA_GROUPS") or 0)):
             if g != self.group:
                 self._inbox[g] = torch.zeros_like(flat)
@@ -351,31 +360,40 @@ class FaultTolerantOptimizer:
         )
 
     def _gather(self) -> torch.Tensor:
-        """This rank's gradients in one flat CPU buffer, the same buffer every step.
+        """This rank's gradients in one flat CPU buffer (the current of the two).
 
         A CPU parameter's gradient is left a view of its slot by the last step
         (see _reduce): with ``zero_grad(set_to_none=False)`` backward accumulates
         in place there and nothing is copied; a fresh gradient is copied in once.
         """
-        flat = self._buffer()
         with torch.no_grad():
-            for p, view in zip(self._params, self._views, strict=True):
+            for p, view in zip(self._params, self._views[self._cur], strict=True):
                 if p.grad is None:
                     view.zero_()
                 elif p.grad is not view:
                     view.copy_(p.grad)
-        return flat
+        return self._segment.buffers[self._cur]
 
-    def _buffer(self) -> torch.Tensor:
-        """The flat gradient buffer and its per-parameter views, made once."""
-        if self._flat is None:
-            flat = self._flat = torch.zeros(sum(p.numel() for p in self._params), dtype=self._dtype)
-            offsets = itertools.accumulate((p.numel() for p in self._params), initial=0)
-            self._views = [
-                flat[o : o + p.numel()].view(p.shape)
-                for o, p in zip(offsets, self._params, strict=False)
-            ]
-        return self._flat
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat``'s per-parameter views."""
+        offsets = itertools.accumulate((p.numel() for p in self._params), initial=0)
+        return [
+            flat[o : o + p.numel()].view(p.shape)
+            for o, p in zip(offsets, self._params, strict=False)
+        ]
+
+    def _shared_with(
+        self, links: dict[int, socket.socket], qid: int, check: Callable[[], None]
+    ) -> dict[int, PeerSegment | None]:
+        """Each peer's mapped segment (None: its gradients come over TCP), agreed once a link."""
+        for g in [g for g, (sock, _) in self._shared.items() if links.get(g) is not sock]:
+            old = self._shared.pop(g)[1]
+            if old is not None:
+                old.close()
+        new = {g: sock for g, sock in links.items() if g not in self._shared}
+        for g, reader in negotiate(new, self.group, qid, self._segment, check).items():
+            self._shared[g] = (new[g], reader)
+        return {g: self._shared[g][1] for g in links}
 
     def _reduce(self, quorum: dict[str, Any]) -> None:
         members = [int(g) for g in quorum["members"]]
@@ -384,24 +402,38 @@ class FaultTolerantOptimizer:
         if len(members) > 1:
             check = lambda: self._check(quorum)  # noqa: E731
             links = {g: self._link(quorum, g) for g in members if g != self.group}
-            inbox = {g: self._inbox_for(g) for g in links}
-            # Every member sends its gradients to every other at once and sums
-            # them all in the members' order: the same bytes everywhere, in one
-            # transfer time, with no root whose death stalls the others.
+            shared = self._shared_with(links, qid, check)
+            # A peer on this host reads the gradients in place: its frame says only
+            # which buffer, and is sent after they are written (see ft_shm).
+            self._segment.stamp(self._cur, qid)
+            announce = ANNOUNCE.pack(qid, self._cur)
             got = exchange(
-                links, qid, GRAD, _bytes(flat), check, {g: _bytes(t) for g, t in inbox.items()}
+                links,
+                qid,
+                GRAD,
+                {g: announce if shared[g] else _bytes(flat) for g in links},
+                check,
+                {g: _bytes(self._inbox_for(g)) for g in links if shared[g] is None},
             )
             parts = []
             for g in members:
-                part = flat if g == self.group else torch.frombuffer(got[g], dtype=flat.dtype)
+                reader = shared.get(g)
+                if g == self.group:
+                    part = flat
+                elif reader is not None:
+                    if len(got[g]) != ANNOUNCE.size or ANNOUNCE.unpack(got[g])[0] != qid:
+                        raise PeerLost(f"group {g} announced no gradients of quorum {qid}")
+                    part = reader.read(ANNOUNCE.unpack(got[g])[1], qid)
+                else:
+                    part = torch.frombuffer(got[g], dtype=flat.dtype)
                 if part.numel() != flat.numel():
                     raise PeerLost(f"group {g} sent {part.numel()} gradients, not {flat.numel()}")
                 parts.append(part)
+            self._cur = 1 - self._cur
             with torch.no_grad():
-                _sum_in_order(parts, members.index(self.group))
-                flat.div_(len(members))
+                _sum_into(parts, self._segment.buffers[self._cur]).div_(len(members))
         with torch.no_grad():
-            for p, view in zip(self._params, self._views, strict=True):
+            for p, view in zip(self._params, self._views[self._cur], strict=True):
                 if p.device.type == "cpu":
                     # The average's slot becomes the gradient: nothing copied back.
                     p.grad = view
@@ -412,7 +444,7 @@ class FaultTolerantOptimizer:
 
     def _inbox_for(self, group: int) -> torch.Tensor:
         """Where ``group``'s gradients are received, kept from step to step."""
-        flat = self._buffer()
+        flat = self._segment.buffers[0]
         found = self._inbox.get(group)
         if found is None or found.numel() != flat.numel():
             found = self._inbox[group] = torch.empty_like(flat)
@@ -462,6 +494,11 @@ class FaultTolerantOptimizer:
             self._client.request({"op": "leave", "step": self.step_count})
         self._client.close()
         self._links.close()
+        for _, reader in self._shared.values():
+            if reader is not None:
+                reader.close()
+        self._shared.clear()
+        self._segment.close()
 
 
 def _address_towards(lighthouse: str) -> str:
@@ -472,19 +509,17 @@ def _address_towards(lighthouse: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def _sum_in_order(parts: list[torch.Tensor], mine: int) -> None:
-    """Writes ``(parts[0] + parts[1]) + ...`` into ``parts[mine]``, added in that order.
+def _sum_into(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out = (parts[0] + parts[1]) + ...``, added in that order, ``parts`` untouched.
 
-    Every member adds the same operands in the same order (so every replica
-    gets the same bytes, NaN included), in place: the partial sum runs in
-    ``parts[0]``'s buffer (a received one, free to overwrite, when ``mine > 0``)
-    until it reaches ``parts[mine]``, and in ``parts[mine]`` from there on.
+    Every member adds the same operands in the same order, so every replica
+    gets the same bytes (NaN included); ``out`` is none of the parts: a peer
+    may still be reading this rank's (see ft_shm).
     """
-    total = parts[0]
-    for k in range(1, len(parts)):
-        into = parts[mine] if k >= mine else parts[0]
-        torch.add(total, parts[k], out=into)
-        total = into
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        torch.add(out, part, out=out)
+    return out
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -30,6 +30,7 @@ from mpx.dataparallel.errors import DataParallelError
 
 __all__ = [
     "FRAME",
+    "SHM",
     "LighthouseClient",
     "PeerLinks",
     "PeerLost",
@@ -42,8 +43,9 @@ __all__ = [
 
 FRAME = struct.Struct("!4sqiQ")
 _MAGIC = b"MPXF"
-HELLO, GRAD, STATE = 1, 2, 3
+HELLO, GRAD, STATE, SHM = 1, 2, 3, 4  # SHM: a same-host handshake (ft_shm.negotiate)
 _SLICE_S = 0.05
+_SMALL = 4096  # bytes: a frame's payload up to this goes in one send with its header
 
 
 class PeerLost(DataParallelError):
@@ -221,11 +223,11 @@ def exchange(
     links: dict[int, socket.socket],
     quorum: int,
     kind: int,
-    payload: bytes | memoryview,
+    payload: bytes | memoryview | dict[int, bytes | memoryview],
     check: Callable[[], None],
     into: dict[int, memoryview] | None = None,
 ) -> dict[int, bytearray | memoryview]:
-    """Sends ``payload`` to every peer of ``links`` and receives theirs, all at once.
+    """Sends ``payload`` (or ``payload[peer]``) to every peer of ``links`` and receives theirs.
 
     Returns each peer's payload: received into ``into[peer]`` where given and of
     the frame's length (a buffer kept from step to step: no allocation, zero-fill
@@ -233,9 +235,15 @@ def exchange(
     peer is gone (its link closed, or ``check()`` said so) or sent a frame of
     another kind.
     """
-    data = memoryview(payload).cast("B")
-    header = FRAME.pack(_MAGIC, quorum, kind, len(data))
-    sending = {peer: [memoryview(header), data] for peer in links}
+    sending: dict[int, list[memoryview]] = {}
+    for peer in links:
+        data = memoryview(payload[peer] if isinstance(payload, dict) else payload).cast("B")
+        header = FRAME.pack(_MAGIC, quorum, kind, len(data))
+        # A small frame in one send: each send wakes the peer (on 2 loaded cores, a switch).
+        small = len(data) <= _SMALL
+        sending[peer] = [memoryview(header + data) if small else memoryview(header), data]
+        if small:
+            sending[peer].pop()
     receiving = {peer: _Incoming() for peer in links}
     got: dict[int, bytearray | memoryview] = {}
     buffers = into or {}
