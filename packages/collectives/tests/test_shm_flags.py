@@ -162,11 +162,15 @@ def test_the_fast_path_takes_it_once_the_window_is_there(comm: Communicator) -> 
     assert float(t[0]) == sum(range(1, comm.size + 1)) * comm.size**2
 
 
-def test_blocking_and_async_ranks_meet(comm: Communicator) -> None:
+# one piece; and three 128 KiB pieces, the last short (the fast path posts and sums
+# them one by one, the general path posts them all at once)
+@pytest.mark.parametrize("numel", [4096, (300 << 10) // 4 + 2])
+def test_blocking_and_async_ranks_meet(comm: Communicator, numel: int) -> None:
     """Even ranks block (the fast path, in C), odd ranks go async (steps): one protocol;
     a call with a deadline and one needing grad take the general path on their rank."""
     for k in range(6):
-        t = torch.full((4096,), float(comm.rank + k))
+        t = torch.full((numel,), float(comm.rank + k))
+        t[-1] = -float(comm.rank * k)  # the last piece's last element: its own value
         if comm.rank % 2 == 0:
             allreduce(t, comm=comm)
         elif k % 3 == 0:
@@ -177,7 +181,9 @@ def test_blocking_and_async_ranks_meet(comm: Communicator) -> None:
             t.requires_grad_(True)
             allreduce(t, comm=comm)
             t = t.detach()
-        assert torch.equal(t, torch.full((4096,), float(sum(r + k for r in range(comm.size)))))
+        expected = torch.full((numel,), float(sum(r + k for r in range(comm.size))))
+        expected[-1] = -float(sum(r * k for r in range(comm.size)))
+        assert torch.equal(t, expected)
     if _several(comm):
         assert _flags(comm).posted(comm.rank) == 6
 

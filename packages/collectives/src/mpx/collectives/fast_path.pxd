@@ -155,38 +155,51 @@ cdef extern from *:
     /* The flag-based shared-memory allreduce of small messages
        (mpx.collectives.shm_flags; DeepSpeed's CPU shm allreduce does the same):
        rank p's part of one shared window starts at bases[p] with its flag (an
-       int64, the number of its last posted call) in the first cache line, then
-       two buffers of `buffer` bytes. Call s copies the tensor into buffer s & 1
-       and stores s in the flag (release); when every flag reads >= s (acquire)
-       each rank sums the P buffers, in rank order (the same bits on every
-       rank), into its tensor. A rank overwrites buffer s & 1 again at call s + 2,
-       after it has seen every peer post s + 1, which a peer does only after it
-       has read call s: one wait per call, no second barrier. */
+       int64) in the first cache line, then two buffers of `buffer` bytes. Call
+       s copies the tensor into buffer s & 1 in pieces of MPX_FLAGS_PIECE bytes;
+       after piece k it stores s << MPX_FLAGS_SHIFT | k + 1 in the flag
+       (release); piece k is summed, every rank's buffer in rank order (the
+       same bits on every rank), once every flag reads >= that (acquire). The
+       pieces pipeline the copy, the wait and the sum: a piece is summed while
+       it is still in the caches its copy warmed, and a rank sums the first
+       piece while its peers still copy the last. A rank overwrites buffer s & 1
+       again at call s + 2, after it has seen every peer post all of s + 1,
+       which a peer starts only after it has summed all of call s: one wait a
+       piece, no second barrier. `reached` below is a call's last flag value:
+       s << MPX_FLAGS_SHIFT | its number of pieces. */
     #define MPX_FLAGS_HEADER 64
+    #define MPX_FLAGS_SHIFT 20
+    #define MPX_FLAGS_PIECE (128 << 10)
 
+    static long long mpx_flags_pieces(size_t nbytes) {
+        return nbytes ? (long long)((nbytes + MPX_FLAGS_PIECE - 1) / MPX_FLAGS_PIECE) : 1;
+    }
+
+    /* Posts the whole call at once (the general path); its `reached`. */
     static long long mpx_flags_post(const long long *bases, int me, long long buffer,
                                     size_t src, size_t nbytes) {
         long long *flag = (long long *)(size_t)bases[me];
-        long long number = *flag + 1;
+        long long number = (*flag >> MPX_FLAGS_SHIFT) + 1;
+        long long reached = number << MPX_FLAGS_SHIFT | mpx_flags_pieces(nbytes);
         memcpy((char *)flag + MPX_FLAGS_HEADER + (number & 1) * buffer, (const void *)src, nbytes);
-        __atomic_store_n(flag, number, __ATOMIC_RELEASE);
-        return number;
+        __atomic_store_n(flag, reached, __ATOMIC_RELEASE);
+        return reached;
     }
 
-    static int mpx_flags_arrived(const long long *bases, int size, long long number) {
+    static int mpx_flags_arrived(const long long *bases, int size, long long reached) {
         int p;
         for (p = 0; p < size; p++)
-            if (__atomic_load_n((long long *)(size_t)bases[p], __ATOMIC_ACQUIRE) < number)
+            if (__atomic_load_n((long long *)(size_t)bases[p], __ATOMIC_ACQUIRE) < reached)
                 return 0;
         return 1;
     }
 
-    /* Waits until every rank's flag reads >= `number` (mpx_wait_reaches). */
-    static void mpx_flags_wait(const long long *bases, int size, long long number,
+    /* Waits until every rank's flag reads >= `reached` (mpx_wait_reaches). */
+    static void mpx_flags_wait(const long long *bases, int size, long long reached,
                                int yielding) {
         int p;
         for (p = 0; p < size; p++)
-            mpx_wait_reaches((long long *)(size_t)bases[p], number, yielding);
+            mpx_wait_reaches((long long *)(size_t)bases[p], reached, yielding);
     }
 
     /* dst[i] = src[0][i] + ... + src[size - 1][i], in blocks that stay in L1.
@@ -209,17 +222,66 @@ cdef extern from *:
         }
 
     /* dtype: 0 float32, 1 float64, 2 int32, 3 int64 (shm_flags.CODES). */
-    static void mpx_flags_reduce(const long long *bases, int size, long long buffer,
-                                 long long number, size_t dst, size_t count, int dtype) {
-        const char *src[64];
-        int p;
-        for (p = 0; p < size; p++)
-            src[p] = (const char *)(size_t)bases[p] + MPX_FLAGS_HEADER + (number & 1) * buffer;
+    static void mpx_flags_sum(const char **src, int size, size_t dst, size_t count, int dtype) {
         switch (dtype) {
         case 0: MPX_FLAGS_SUM(float) break;
         case 1: MPX_FLAGS_SUM(double) break;
         case 2: MPX_FLAGS_SUM(int) break;
         default: MPX_FLAGS_SUM(long long) break;
+        }
+    }
+
+    /* Sums the buffers of the call whose last flag is `reached` into dst. */
+    static void mpx_flags_reduce(const long long *bases, int size, long long buffer,
+                                 long long reached, size_t dst, size_t count, int dtype) {
+        const char *src[64];
+        long long half = (reached >> MPX_FLAGS_SHIFT) & 1;
+        int p;
+        for (p = 0; p < size; p++)
+            src[p] = (const char *)(size_t)bases[p] + MPX_FLAGS_HEADER + half * buffer;
+        mpx_flags_sum(src, size, dst, count, dtype);
+    }
+
+    /* The whole call, piece by piece (the fast path), in two parts: the first
+       piece is posted under the package's lock (calls post in one order, as
+       the general path's do), the rest after it, without the lock: a wait
+       never holds it (the progress thread may need it to serve a peer). The
+       tensor at `address` is the source and the result: piece k of it is
+       copied out before it is summed into, and no later piece is touched
+       before its copy. The window is the call's until it returns (MPI's rule:
+       one thread's collectives on a communicator at a time). */
+    static long long mpx_flags_first(const long long *bases, int me, long long buffer,
+                                     size_t address, size_t nbytes) {
+        long long *flag = (long long *)(size_t)bases[me];
+        long long number = (*flag >> MPX_FLAGS_SHIFT) + 1;
+        size_t len = nbytes < MPX_FLAGS_PIECE ? nbytes : MPX_FLAGS_PIECE;
+        memcpy((char *)flag + MPX_FLAGS_HEADER + (number & 1) * buffer, (const void *)address, len);
+        __atomic_store_n(flag, number << MPX_FLAGS_SHIFT | 1, __ATOMIC_RELEASE);
+        return number;
+    }
+
+    static void mpx_flags_rest(const long long *bases, int me, int size, long long buffer,
+                               long long number, size_t address, size_t nbytes, size_t count,
+                               int dtype, int yielding) {
+        long long *flag = (long long *)(size_t)bases[me];
+        long long half = number & 1, k;
+        size_t item = nbytes / count, lo, len;
+        const char *src[64];
+        int p;
+        char *mine = (char *)flag + MPX_FLAGS_HEADER + half * buffer;
+        for (k = 0, lo = 0; lo < nbytes; k++, lo += len) {
+            long long reached = number << MPX_FLAGS_SHIFT | (k + 1);
+            len = nbytes - lo < MPX_FLAGS_PIECE ? nbytes - lo : MPX_FLAGS_PIECE;
+            if (k > 0) {
+                memcpy(mine + lo, (const char *)address + lo, len);
+                __atomic_store_n(flag, reached, __ATOMIC_RELEASE);
+            }
+            for (p = 0; p < size; p++) {
+                if (p != me)
+                    mpx_wait_reaches((long long *)(size_t)bases[p], reached, yielding);
+                src[p] = (const char *)(size_t)bases[p] + MPX_FLAGS_HEADER + half * buffer + lo;
+            }
+            mpx_flags_sum(src, size, address + lo, len / item, dtype);
         }
     }
     """
@@ -242,6 +304,11 @@ cdef extern from *:
     void mpx_flags_wait(const long long *bases, int size, long long number, int yielding) nogil
     void mpx_flags_reduce(const long long *bases, int size, long long buffer, long long number,
                           size_t dst, size_t count, int dtype) nogil
+    long long mpx_flags_first(const long long *bases, int me, long long buffer,
+                              size_t address, size_t nbytes) nogil
+    void mpx_flags_rest(const long long *bases, int me, int size, long long buffer,
+                        long long number, size_t address, size_t nbytes, size_t count,
+                        int dtype, int yielding) nogil
 
 cdef object _TENSOR
 cdef object _IN_PLACE

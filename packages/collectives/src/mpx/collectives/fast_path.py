@@ -395,7 +395,7 @@ def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
     try:
         if cython.compiled and call.flags:
             with cython.nogil:
-                number = mpx_flags_post(bases, call.rank, buffer, call.address, call.nbytes)
+                number = mpx_flags_first(bases, call.rank, buffer, call.address, call.nbytes)
         elif cython.compiled and call.direct:
             with cython.nogil:
                 err = mpx_mpi_start(
@@ -413,8 +413,18 @@ def _run_now(comm: Communicator, call: _Call, t: torch.Tensor) -> bool:
         _release()
     if cython.compiled and call.flags:
         with cython.nogil:
-            mpx_flags_wait(bases, call.size, number, call.yielding)
-            mpx_flags_reduce(bases, call.size, buffer, number, call.address, call.count, call.code)
+            mpx_flags_rest(
+                bases,
+                call.rank,
+                call.size,
+                buffer,
+                number,
+                call.address,
+                call.nbytes,
+                call.count,
+                call.code,
+                call.yielding,
+            )
     elif cython.compiled and call.direct:
         if err == 0:
             if call.yielding:
@@ -508,7 +518,8 @@ def board_wait(slots: int, size: int, number: int, yielding: bool) -> None:
 
 
 def flags_post(bases: int, me: int, buffer: int, src: int, nbytes: int) -> int:
-    """Copies ``nbytes`` at ``src`` into this rank's next buffer and posts it; its number."""
+    """Copies ``nbytes`` at ``src`` into this rank's next buffer and posts it all; the
+    flag value every rank reaches when it has posted the whole call."""
     table = cython.cast(cython.p_longlong, bases)
     with cython.nogil:
         number = mpx_flags_post(table, me, buffer, src, nbytes)
@@ -516,12 +527,12 @@ def flags_post(bases: int, me: int, buffer: int, src: int, nbytes: int) -> int:
 
 
 def flags_arrived(bases: int, size: int, number: int) -> bool:
-    """Whether every rank has posted call ``number`` (one look)."""
+    """Whether every rank's flag reads ``number`` (flags_post's value; one look)."""
     return bool(mpx_flags_arrived(cython.cast(cython.p_longlong, bases), size, number))
 
 
 def flags_wait(bases: int, size: int, number: int, yielding: bool) -> None:
-    """Waits (without the GIL) until every rank has posted call ``number``."""
+    """Waits (without the GIL) until every rank's flag reads ``number`` (flags_post's)."""
     table = cython.cast(cython.p_longlong, bases)
     with cython.nogil:
         mpx_flags_wait(table, size, number, yielding)
@@ -530,7 +541,8 @@ def flags_wait(bases: int, size: int, number: int, yielding: bool) -> None:
 def flags_reduce(
     bases: int, size: int, buffer: int, number: int, dst: int, count: int, code: int
 ) -> None:
-    """Sums call ``number``'s buffers of every rank into the ``count`` elements at ``dst``."""
+    """Sums the buffers of every rank of the call that flags_post numbered ``number``
+    into the ``count`` elements at ``dst``."""
     table = cython.cast(cython.p_longlong, bases)
     with cython.nogil:
         mpx_flags_reduce(table, size, buffer, number, dst, count, code)
@@ -546,55 +558,11 @@ if cython.compiled:
 if not cython.compiled:
     # Compiled, these are C functions of fast_path.pxd; as Python, never called.
 
-    def mpx_mpi_load(library: bytes) -> int:
+    def _compiled_only(*_: Any) -> Any:
         raise AssertionError("compiled only")
 
-    def mpx_mpi_start(
-        bcast: bool, address: int, count: int, datatype: int, target: int, comm: int, request: Any
-    ) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_mpi_wait(request: Any) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_mpi_wait_yielding(request: Any) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_board_post(
-        slots: Any,
-        me: int,
-        number: int,
-        op: int,
-        dtype: int,
-        count: int,
-        reduce: int,
-        root: int,
-        configuration: int,
-    ) -> None:
-        raise AssertionError("compiled only")
-
-    def mpx_board_arrived(slots: Any, size: int, number: int) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_board_same(slots: Any, size: int, me: int, number: int) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_board_wait(slots: Any, size: int, number: int, yielding: bool) -> None:
-        raise AssertionError("compiled only")
-
-    def mpx_board_meet(slots: Any, size: int, me: int, number: int, yielding: bool) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_flags_post(bases: Any, me: int, buffer: int, src: Any, nbytes: int) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_flags_arrived(bases: Any, size: int, number: int) -> int:
-        raise AssertionError("compiled only")
-
-    def mpx_flags_wait(bases: Any, size: int, number: int, yielding: bool) -> None:
-        raise AssertionError("compiled only")
-
-    def mpx_flags_reduce(
-        bases: Any, size: int, buffer: int, number: int, dst: Any, count: int, code: int
-    ) -> None:
-        raise AssertionError("compiled only")
+    mpx_mpi_load = mpx_mpi_start = mpx_mpi_wait = mpx_mpi_wait_yielding = _compiled_only
+    mpx_board_post = mpx_board_arrived = mpx_board_same = _compiled_only
+    mpx_board_wait = mpx_board_meet = _compiled_only
+    mpx_flags_post = mpx_flags_arrived = mpx_flags_wait = mpx_flags_reduce = _compiled_only
+    mpx_flags_first = mpx_flags_rest = _compiled_only

@@ -7,17 +7,22 @@ copying; MPICH took 90-130 µs on two ranks, DeepSpeed's flag-based shared-memor
 allreduce 42 µs). Each rank owns a flag and two buffers in one shared window::
 
     window:  rank 0: [flag | buf 0 | buf 1]   rank 1: [flag | buf 0 | buf 1]   ...
-    call s:  copy the tensor into buf s % 2; flag = s        (release)
-             wait until every rank's flag >= s               (acquire)
-             tensor = buf s % 2 of rank 0 + ... + rank P-1   (rank order: equal bits)
+    call s, for each 128 KiB piece k of the tensor:
+             copy piece k into buf s % 2; flag = s << 20 | k + 1   (release)
+             wait until every rank's flag >= s << 20 | k + 1       (acquire)
+             piece k = buf s % 2 of rank 0 + ... + rank P-1        (rank order: equal bits)
 
-A rank writes buffer s % 2 again at call s + 2, after every peer has posted
-s + 1, which it does only once it has read call s: one wait per call. The
-kernel is C (``fast_path.pxd``: ``mpx_flags_*``). The small-call fast path
-(:mod:`mpx.collectives.fast_path`) runs the whole call in C without the GIL;
-the general path (``async_op``, ``timeout=``, calls queued behind others)
-runs the same protocol as steps, so the two meet: a rank on either path
-matches its peers on the other.
+The pieces pipeline copy, wait and sum: a piece is summed while the caches its
+copy warmed still hold it, and a rank sums the first piece while its peers
+copy the last (BENCHMARKS.md, issue 46, session 17). A rank
+writes buffer s % 2 again at call s + 2, after every peer has posted all of
+s + 1, which it starts only once it has summed all of call s: one wait a
+piece, no second barrier. The kernel is C (``fast_path.pxd``:
+``mpx_flags_*``). The small-call fast path (:mod:`mpx.collectives.fast_path`)
+runs the whole call in C without the GIL; the general path (``async_op``,
+``timeout=``, calls queued behind others) posts every piece at once and then
+runs the same waits as steps, so the two meet: a rank on either path matches
+its peers on the other.
 
 The policy's ``shm<small`` entry picks this for ``auto``; ``impl="shm"``
 takes it for the same calls. Where the package is not compiled it is off
@@ -67,6 +72,7 @@ CODES: dict[torch.dtype, int] = {
 }
 MAX_RANKS = 64  # mpx_flags_reduce's table of sources
 _HEADER = 64  # MPX_FLAGS_HEADER: the flag's cache line
+_SHIFT = 20  # MPX_FLAGS_SHIFT: a flag is its call's number << 20 | the pieces posted
 _SMALLEST = 64 << 10  # the first buffers' bytes
 
 
@@ -149,11 +155,15 @@ class FlagWindow:
         comm.cache("shm_flags", window)
         return window
 
-    def posted(self, rank: int) -> int:
-        """The number of the last call rank ``rank`` posted (its flag; 0: none)."""
+    def flag(self, rank: int) -> int:
+        """Rank ``rank``'s flag: its last call's number << 20 | the pieces it posted."""
         if not self.address:
             return 0  # freed: the memory is MPI's again
         return ctypes.c_int64.from_address(int(self.bases[rank])).value
+
+    def posted(self, rank: int) -> int:
+        """The number of the last call rank ``rank`` began to post (0: none)."""
+        return self.flag(rank) >> _SHIFT
 
     def free(self) -> None:
         if self.address:
@@ -162,35 +172,36 @@ class FlagWindow:
 
 
 class _Posted(Pending):
-    """A step that waits until every rank has posted call ``number``."""
+    """A step that waits until every rank's flag reads ``reached`` (all of a call posted)."""
 
-    __slots__ = ("number", "window")
+    __slots__ = ("reached", "window")
 
-    def __init__(self, window: FlagWindow, number: int) -> None:
+    def __init__(self, window: FlagWindow, reached: int) -> None:
         self.window = window
-        self.number = number
+        self.reached = reached
 
     @property
     def peers(self) -> list[int]:  # type: ignore[override]  # computed when a timeout asks
         w = self.window
-        return [r for r in range(w.size) if w.posted(r) < self.number]
+        return [r for r in range(w.size) if w.flag(r) < self.reached]
 
     def test(self) -> bool:
-        return bool(_Kernel.arrived(self.window.address, self.window.size, self.number))
+        return bool(_Kernel.arrived(self.window.address, self.window.size, self.reached))
 
     def wait(self) -> None:
         w = self.window
-        _Kernel.wait(w.address, w.size, self.number, w.yielding)
+        _Kernel.wait(w.address, w.size, self.reached, w.yielding)
 
 
 def allreduce(comm: Any, t: torch.Tensor, op: str) -> Steps[torch.Tensor]:
     """The general path's steps of the protocol (the fast path runs it in one C call)."""
     window = yield from FlagWindow.ready(comm, t.nbytes)
     address = t.data_ptr()  # contiguous: check_tensor refuses others
-    number = _Kernel.post(window.address, window.rank, window.buffer, address, t.nbytes)
-    yield _Posted(window, number)
+    # every piece at once: `reached` is the call's last flag value
+    reached = _Kernel.post(window.address, window.rank, window.buffer, address, t.nbytes)
+    yield _Posted(window, reached)
     w = window
-    _Kernel.reduce(w.address, w.size, w.buffer, number, address, t.numel(), CODES[t.dtype])
+    _Kernel.reduce(w.address, w.size, w.buffer, reached, address, t.numel(), CODES[t.dtype])
     if op == "avg":
         t.div_(comm.size)
     return t
