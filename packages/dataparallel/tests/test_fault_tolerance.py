@@ -123,6 +123,9 @@ PROGRAM = textwrap.dedent(
         if not rejoined and ft.step_count >= hold:
             time.sleep(0.2)
     torch.save(model.state_dict(), f"{out}/final_g{group}_r{rank}.pt")
+    # Whether the gradients went through shared memory (ft_shm), as they do on one host.
+    shared = any(reader is not None for _, reader in ft._shared.values())
+    print(f"group {group} rank {rank} shared memory: {shared}", flush=True)
     assert ft.state["seen"] == steps, ft.state  # the data position came with the state
     print(f"group {group} rank {rank} done", flush=True)
     """
@@ -273,8 +276,17 @@ def test_two_groups_kill_in_backward(tmp_path: Path) -> None:
 @pytest.mark.extended
 def test_three_groups_root_killed_mid_reduction(tmp_path: Path) -> None:
     """Group 0 dies in the reduction after sending its gradients to group 1 only: group 1
-    can average all three, yet discards the step with group 2 (no partial update)."""
-    _survives(tmp_path, "0:0:4:reduce:0", ("killed reduce",), groups=3, nprocs=1, steps=12, hold=6)
+    can average all three, yet discards the step with group 2 (no partial update). On one
+    host group 1 reads them from group 0's shared memory, which outlives group 0's death."""
+    _survives(
+        tmp_path,
+        "0:0:4:reduce:0",
+        ("killed reduce", "group 1 rank 0 shared memory: True"),
+        groups=3,
+        nprocs=1,
+        steps=12,
+        hold=6,
+    )
 
 
 @pytest.mark.extended
