@@ -62,10 +62,10 @@ class MPXProcessGroup(GroupBase):
         combined = forms[0]
         if len(forms) > 1:
             combined = ReduceForm(tensors[0], _fold_local(forms), forms[0].op)
-        handle = self._allreduce_form(combined)
+        handles = self._allreduce_pieces(combined)
         if len(forms) == 1 and combined.tensor is combined.original:
             # DDP's bucket: reduced in its own memory, nothing to write back.
-            return self._work([handle], tensors, versions=versions)
+            return self._work(handles, tensors, versions=versions)
 
         def write_back() -> None:
             for form in forms:
@@ -73,7 +73,7 @@ class MPXProcessGroup(GroupBase):
                     form.tensor.copy_(combined.tensor)
                 form.write_back()
 
-        return self._work([handle], tensors, write_back, versions=versions)
+        return self._work(handles, tensors, write_back, versions=versions)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> MPXWork:
         """Each tensor reduced once, from its value before the call (as gloo's flat buffer)."""
