@@ -177,7 +177,7 @@ def measure(tuned: str) -> None:
         if ds_allreduce is not None:
             auto, ds = times["mpx auto (built-in)"], times[DEEPSPEED_ROW]
             ds_rows.append(
-                f"| {n} | {_label(nbytes)} | {ds * 1e3:.3f} | {auto * 1e3:.3f} | {auto / ds:.2f} |"
+                f"| {n} | {_label(nbytes)} | {ds * 1e3:.3f} | {auto * 1e3:.3f} | {auto / ds:.3g} |"
             )
         best_name = min((f"mpx {i}" for i in IMPLS), key=times.__getitem__)
         mpi_best = min(times["MPI Allreduce"], times["MPI Allreduce, out of place"])
