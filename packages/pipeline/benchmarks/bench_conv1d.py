@@ -232,6 +232,74 @@ def measure() -> None:
         report(rows, torch_error)
 
 
+def actions() -> None:
+    """``--actions``: CPU seconds per action of mpx's schedules, from the executor's own
+    trace timed with ``time.process_time`` (:attr:`mpx.pipeline.executor.Executor.clock`);
+    the schedules alternate step by step, ``ROUNDS`` steps each after one warm-up, and
+    every rank prints its medians. A receive's time is mostly its wait (MPI polls)."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from mpx.collectives import world
+    from mpx.pipeline import Pipeline, split_times
+    from mpx.pipeline.executor import Executor
+    from mpx.pipeline.partition import layer_times
+    from mpx.pipeline.schedule import placement, rank_of
+
+    loss_fn = importlib.import_module("bench_transformer").loss_fn
+    torch.set_num_threads(1)
+    comm = world()
+    raw = MPI.COMM_WORLD
+    rank, p = comm.rank, comm.size
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
+    y = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
+    times = layer_times(build(), x[: BATCH // CHUNKS], repeats=5) if rank == 0 else None
+    times = raw.bcast(times, 0)
+    pipes = {}
+    for schedule in ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"):
+        v = SCHEDULES[schedule][1]
+        owner = [rank_of(s, p, placement(schedule)) for s in range(p * v)]
+        opts: dict[str, Any] = {"stages_per_rank": v} if v > 1 else {}
+        balance = split_times(times, p * v, owner, CHUNKS)
+        pipe = Pipeline(build(), balance, chunks=CHUNKS, schedule=schedule, **opts)
+        pipes[schedule] = (pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3))
+    Executor.clock = time.process_time
+    kinds = ("F", "I", "W", "B", "SEND_F", "RECV_F", "RECV_B", "SEND_B")
+    cpu: dict[str, list[dict[str, tuple[float, int]]]] = {s: [] for s in pipes}
+    steps: dict[str, list[float]] = {s: [] for s in pipes}
+    for repeat in range(ROUNDS + 1):
+        for schedule, (pipe, opt) in pipes.items():
+            raw.Barrier()
+            start = time.process_time()
+            pipe.step(x, y, loss_fn, opt)
+            if repeat:
+                steps[schedule].append(time.process_time() - start)
+                per: dict[str, tuple[float, int]] = {}
+                for a, begin, end in pipe.trace:
+                    total, n = per.get(a.kind, (0.0, 0))
+                    per[a.kind] = (total + end - begin, n + 1)
+                cpu[schedule].append(per)
+    lines = []
+    for schedule in pipes:
+        cells = [f"{np.median(steps[schedule]) * 1e3:.1f}"]
+        for kind in kinds:
+            rows = [per[kind] for per in cpu[schedule] if kind in per]
+            if not rows:
+                cells.append("-")
+                continue
+            total, n = float(np.median([t for t, _ in rows])), rows[0][1]
+            cells.append(f"{total * 1e3:.1f} / {n} = {total / n * 1e3:.2f}")
+        lines.append(f"| {schedule} | {rank} | " + " | ".join(cells) + " |")
+    gathered = raw.gather(lines, 0)
+    if gathered is not None:  # rank 0
+        print("| schedule | rank | step CPU (ms) | " + " | ".join(kinds) + " |")
+        print("|---|---|---|" + "---|" * len(kinds))
+        for row in sorted(line for part in gathered for line in part):
+            print(row, flush=True)
+
+
 def report(rows: list[tuple[str, float, int]], torch_error: str) -> None:
     times = {label: t for label, t, _ in rows}
     one_f = times["mpx 1f1b"]
@@ -253,9 +321,15 @@ def main() -> None:
     parser.add_argument("--inner", action="store_true", help="run inside an mpxrun job")
     parser.add_argument("--stages", type=int, default=2, help="pipeline ranks (2)")
     parser.add_argument("--runs", type=int, default=3, help="jobs, one table each (3)")
+    parser.add_argument(
+        "--actions",
+        action="store_true",
+        help="instead: CPU ms per action of mpx's 1f1b, interleaved_1f1b, interleaved_zb, zbv "
+        "(each rank; the executor's trace timed with process_time; total / count = each)",
+    )
     args = parser.parse_args()
     if args.inner:
-        measure()
+        actions() if args.actions else measure()
         return
     mpxrun = shutil.which("mpxrun") or os.path.join(os.path.dirname(sys.executable), "mpxrun")
     print(
@@ -271,18 +345,19 @@ def main() -> None:
         load = subprocess.run(
             ["uptime"], check=False, capture_output=True, text=True
         ).stdout.strip()
-        print(f"\nRun {run + 1}, load: `{load}`\n")
-        print(
-            "| config | tokens/s | ms a step | ÷ mpx 1f1b | mpx ÷ torch (speed-up) | "
-            "peak activations (MiB, a rank) |\n|---|---|---|---|---|---|",
-            flush=True,
-        )
+        print(f"\nRun {run + 1}, load: `{load}`\n", flush=True)
+        if not args.actions:  # (--actions prints its own table)
+            print(
+                "| config | tokens/s | ms a step | ÷ mpx 1f1b | mpx ÷ torch (speed-up) | "
+                "peak activations (MiB, a rank) |\n|---|---|---|---|---|---|",
+                flush=True,
+            )
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
         ))  # fmt: skip
         subprocess.run(
             [mpxrun, "-n", str(args.stages), "--timeout", "1800", "--", sys.executable,
-             os.path.abspath(__file__), "--inner"],
+             os.path.abspath(__file__), "--inner", *(["--actions"] if args.actions else [])],
             check=True, env=env,
         )  # fmt: skip
 

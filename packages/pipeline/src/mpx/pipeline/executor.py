@@ -30,7 +30,7 @@ bubble of a call is ``1 − Σ busy / (ranks × span)`` over every rank's trace
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -106,6 +106,10 @@ class Executor:
     Attributes:
         trace: ``(action, start, end)`` of every action of the last call.
         live: micro-batches between their forward and their last backward pass.
+        clock: what :attr:`trace` is timed with: ``time.perf_counter`` (one clock for
+            every process of a node). A profile may set ``time.process_time`` on the
+            class for CPU seconds per action (``bench_conv1d.py --actions``);
+            :func:`measured_bubble` then means nothing.
 
     Example::
 
@@ -113,6 +117,8 @@ class Executor:
         losses = ex.run(rank_actions("1f1b", rank, p, m), SyncHooks(passes, 0, m, "never"),
                         inputs, targets, loss_fn)
     """
+
+    clock: Callable[[], float] = time.perf_counter
 
     def __init__(self, passes: StagePasses) -> None:
         self.passes = passes
@@ -155,7 +161,7 @@ class Executor:
         losses: list[float] = []
         self.trace = []
         self.stopped = None
-        clock = time.perf_counter
+        clock = type(self).clock
         # A call that splits backwards has its forwards record what W needs, but
         # those whose backward in this call is a full B (DualPipeV's pairs): they
         # need no records. (A forward whose backward comes in a later call, the
