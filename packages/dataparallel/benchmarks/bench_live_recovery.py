@@ -7,7 +7,9 @@ process. Three runs:
 * baseline: the same training without fault tolerance, ``mpxrun -n 2`` with
   ``DistributedOptimizer`` (MPI), median step time;
 * ft: ``FaultTolerantOptimizer`` over two replica groups, no failure, median
-  step time (the overhead is ft / baseline - 1);
+  step time (the overhead is ft / baseline - 1); the gradients go through
+  shared memory (both groups are on this host, see ft_shm); once more over
+  TCP alone (``MPX_FT_SHM=0``: the path between hosts);
 * kill: group 1 SIGKILLs itself in its backward at step ``KILL_AT`` and is
   restarted by ``--max-restarts``. Survivor stall: the gap between group 0's
   last commit before the kill and its first commit after, less a median step.
@@ -92,7 +94,7 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _job(out: Path, mode: str, steps: int, kill_at: int) -> None:
+def _job(out: Path, mode: str, steps: int, kill_at: int, shm: str = "1") -> None:
     script = out / "job.py"
     script.write_text(PROGRAM)
     mpxrun = str(Path(sys.executable).parent / "mpxrun")
@@ -101,7 +103,11 @@ def _job(out: Path, mode: str, steps: int, kill_at: int) -> None:
     else:
         command = [mpxrun, "--replica-groups", "2", "--max-restarts", "1", "--timeout", "600"]
     command += ["--", sys.executable, str(script), mode, str(steps), str(kill_at), str(out)]
-    env = dict(os.environ, MPX_FT_HEARTBEAT_TIMEOUT=os.environ.get("MPX_FT_HEARTBEAT_TIMEOUT", "2"))
+    env = dict(
+        os.environ,
+        MPX_FT_HEARTBEAT_TIMEOUT=os.environ.get("MPX_FT_HEARTBEAT_TIMEOUT", "2"),
+        MPX_FT_SHM=shm,
+    )
     subprocess.run(command, check=True, timeout=900, env=env)
 
 
@@ -146,16 +152,21 @@ def main() -> None:
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        for name in ("ddp", "ft", "kill"):
+        for name in ("ddp", "ft", "tcp", "kill"):
             (base / name).mkdir()
         _job(base / "ddp", "ddp", args.steps, -1)
         _job(base / "ft", "ft", args.steps, -1)
+        _job(base / "tcp", "ft", args.steps, -1, shm="0")
         _job(base / "kill", "ft", args.steps, KILL_AT)
         ddp = _median_step(_read(base / "ddp" / "ddp_0_0.jsonl")[1])
         ft = _median_step(_read(base / "ft" / "ft_0_0.jsonl")[1])
         rows.append(("step, DistributedOptimizer (MPI, no fault tolerance)", f"{ddp * 1e3:.1f} ms"))
         rows.append(("step, FaultTolerantOptimizer, 2 groups, no failure", f"{ft * 1e3:.1f} ms"))
         rows.append(("overhead without failures", f"{(ft / ddp - 1) * 100:+.0f} %"))
+        tcp = _median_step(_read(base / "tcp" / "ft_0_0.jsonl")[1])
+        rows.append(
+            ("step, FaultTolerantOptimizer over TCP only (MPX_FT_SHM=0)", f"{tcp * 1e3:.1f} ms")
+        )
         _, survivor = _read(base / "kill" / "ft_0_0.jsonl")
         committed = [e for e in survivor if e["ok"]]
         before = max(float(e["t"]) for e in committed if int(e["step"]) < KILL_AT)

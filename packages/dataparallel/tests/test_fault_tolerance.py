@@ -83,6 +83,14 @@ PROGRAM = textwrap.dedent(
                 die(point)
             return exchange(links, quorum, kind, payload, check, *into)
         ft_optimizer.exchange = partial
+        stamp = ft._segment.stamp
+        def stamped(index, quorum):
+            stamp(index, quorum)
+            if ft.step_count == int(ks):
+                # On one host no frame carries them: it dies after publishing its
+                # gradients in shared memory, before its vote.
+                die(point)
+        ft._segment.stamp = stamped
     if victim and point == "rejoin":
         send = ft_optimizer.send_frame
         def patched(sock, quorum, kind, payload, check):
@@ -275,9 +283,9 @@ def test_two_groups_kill_in_backward(tmp_path: Path) -> None:
 
 @pytest.mark.extended
 def test_three_groups_root_killed_mid_reduction(tmp_path: Path) -> None:
-    """Group 0 dies in the reduction after sending its gradients to group 1 only: group 1
-    can average all three, yet discards the step with group 2 (no partial update). On one
-    host group 1 reads them from group 0's shared memory, which outlives group 0's death."""
+    """Group 0 dies in the reduction after publishing its gradients in shared memory (over
+    TCP: after sending them to group 1 only), before its vote: groups 1 and 2 could
+    average all three, yet discard the step (no partial update)."""
     _survives(
         tmp_path,
         "0:0:4:reduce:0",
@@ -291,7 +299,8 @@ def test_three_groups_root_killed_mid_reduction(tmp_path: Path) -> None:
 
 @pytest.mark.extended
 def test_two_groups_kill_in_optimizer(tmp_path: Path) -> None:
-    """Group 1 dies in optimizer.step after the commit: group 0 keeps the committed step."""
+    """Group 1 dies in optimizer.step after the commit: group 0 keeps the committed step
+    (reading group 1's gradients from its shared memory, which outlives its death)."""
     _survives(
         tmp_path, "1:0:4:optimizer:0", ("killed optimizer",), groups=2, nprocs=1, steps=12, hold=6
     )

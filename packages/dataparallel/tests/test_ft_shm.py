@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.ft_shm import PeerSegment, Segment, negotiate
 from mpx.dataparallel.ft_transport import GRAD, PeerLost, exchange
 
@@ -40,12 +41,12 @@ def test_a_peer_maps_the_segment_and_sees_its_writes() -> None:
     peer = PeerSegment(where, 1000, torch.float32)
     mine.buffers[1].copy_(torch.arange(1000.0))
     mine.stamp(1, 7)
-    assert torch.equal(peer.read(1, 7), torch.arange(1000.0))
-    # Not the quorum the frame named (a stale or torn buffer): refused, not summed.
-    with pytest.raises(PeerLost, match="not of quorum 8"):
-        peer.read(1, 8)
-    with pytest.raises(PeerLost, match="not of quorum 7"):
-        peer.read(0, 7)
+    mine.stamp(0, 6)
+    assert torch.equal(peer.holding(7), torch.arange(1000.0))
+    assert peer.holding(6).data_ptr() == peer.buffers[0].data_ptr()
+    # A quorum neither buffer holds: an error naming the quorums it has, never a guess.
+    with pytest.raises(DataParallelError, match=r"quorum 8 are missing .*\[6, 7\]"):
+        peer.holding(8)
     peer.close()
     mine.close()
 
@@ -56,8 +57,10 @@ def test_a_segment_of_another_process_or_size_is_refused() -> None:
     assert where is not None
     with pytest.raises(ValueError, match="token differs"):
         PeerSegment({**where, "token": "00" * 16}, 1000, torch.float32)
-    with pytest.raises(ValueError, match="smaller"):
+    with pytest.raises(ValueError, match="a segment of 1000 gradients, not 5000"):
         PeerSegment(where, 5000, torch.float32)
+    with pytest.raises(ValueError, match="smaller"):
+        PeerSegment({**where, "numel": 5000}, 5000, torch.float32)
     mine.close()
 
 

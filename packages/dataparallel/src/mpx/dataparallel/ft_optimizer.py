@@ -33,7 +33,7 @@ from mpx.dataparallel.errors import (
     DataParallelTypeError,
     DataParallelValueError,
 )
-from mpx.dataparallel.ft_shm import ANNOUNCE, PeerSegment, Segment, negotiate, shm_wanted
+from mpx.dataparallel.ft_shm import PeerSegment, Segment, negotiate, shm_wanted
 from mpx.dataparallel.ft_transport import (
     GRAD,
     STATE,
@@ -183,6 +183,10 @@ class FaultTolerantOptimizer:
         self._inbox: dict[int, torch.Tensor] = {}
         # Each peer's segment, mapped, and the link it was agreed on (None: TCP).
         self._shared: dict[int, tuple[socket.socket, PeerSegment | None]] = {}
+        # What _average sums once the step commits: members, quorum, readers, TCP payloads.
+        self._pending: (
+            tuple[list[int], int, dict[int, PeerSegment | None], dict[int, Any]] | None
+        ) = None
         # Made (and their pages touched) now rather than in the first step: a
         # restarted group's first step is its rejoin's, and counts.
         flat = self._segment.buffers[0]
@@ -296,6 +300,9 @@ class FaultTolerantOptimizer:
 
     def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
         committed = self._vote(quorum, ok)
+        if committed:
+            self._average()
+        self._pending = None
         inner = self._group_dp
         if inner is None:
             if committed:
@@ -346,7 +353,12 @@ class FaultTolerantOptimizer:
         if client.last_aborted >= int(quorum["quorum"]):
             raise PeerLost(f"quorum {quorum['quorum']} was aborted")
         for g, incarnation in quorum["incarnations"].items():
-            if int(g) != self.group and client.alive.get(int(g)) != incarnation:
+            # Another incarnation: it restarted. Absent: either the last heartbeat's
+            # reply predates its hello (a discarded first step on a loaded machine,
+            # session 17), or it died, and then the lighthouse aborted this quorum
+            # in the same breath (last_aborted, above) unless it had voted already.
+            seen = client.alive.get(int(g), incarnation)
+            if int(g) != self.group and seen != incarnation:
                 raise PeerLost(f"group {g} is no longer a member")
 
     def _link(self, quorum: dict[str, Any], peer: int) -> Any:
@@ -396,44 +408,68 @@ class FaultTolerantOptimizer:
         return {g: self._shared[g][1] for g in links}
 
     def _reduce(self, quorum: dict[str, Any]) -> None:
+        """Publishes this rank's gradients (and receives its TCP peers'); the sum waits
+        for the commit (see _average)."""
         members = [int(g) for g in quorum["members"]]
         qid = int(quorum["quorum"])
         flat = self._gather()
+        self._pending = None
         if len(members) > 1:
             check = lambda: self._check(quorum)  # noqa: E731
             links = {g: self._link(quorum, g) for g in members if g != self.group}
             shared = self._shared_with(links, qid, check)
-            # A peer on this host reads the gradients in place: its frame says only
-            # which buffer, and is sent after they are written (see ft_shm).
+            # A peer on this host reads the gradients in place, after the commit:
+            # this rank votes only once they are written, so a commit says every
+            # member's are complete (see ft_shm). No frame, no wait here.
             self._segment.stamp(self._cur, qid)
-            announce = ANNOUNCE.pack(qid, self._cur)
-            got = exchange(
-                links,
-                qid,
-                GRAD,
-                {g: announce if shared[g] else _bytes(flat) for g in links},
-                check,
-                {g: _bytes(self._inbox_for(g)) for g in links if shared[g] is None},
+            tcp = {g: sock for g, sock in links.items() if shared[g] is None}
+            got = (
+                exchange(
+                    tcp,
+                    qid,
+                    GRAD,
+                    _bytes(flat),
+                    check,
+                    {g: _bytes(self._inbox_for(g)) for g in tcp},
+                )
+                if tcp
+                else {}
             )
-            parts = []
-            for g in members:
-                reader = shared.get(g)
-                if g == self.group:
-                    part = flat
-                elif reader is not None:
-                    if len(got[g]) != ANNOUNCE.size or ANNOUNCE.unpack(got[g])[0] != qid:
-                        raise PeerLost(f"group {g} announced no gradients of quorum {qid}")
-                    part = reader.read(ANNOUNCE.unpack(got[g])[1], qid)
-                else:
-                    part = torch.frombuffer(got[g], dtype=flat.dtype)
-                if part.numel() != flat.numel():
-                    raise PeerLost(f"group {g} sent {part.numel()} gradients, not {flat.numel()}")
-                parts.append(part)
-            self._cur = 1 - self._cur
-            with torch.no_grad():
-                _sum_into(parts, self._segment.buffers[self._cur]).div_(len(members))
+            for g, payload in got.items():
+                if len(payload) != flat.nbytes:
+                    raise PeerLost(
+                        f"group {g} sent {len(payload)} bytes of gradients, not {flat.nbytes}"
+                    )
+            self._pending = (members, qid, shared, got)
+            return
+        self._use(self._cur)
+
+    def _average(self) -> None:
+        """After a commit: the members' gradients summed in their order, divided, into the
+        other buffer, which becomes the gradients."""
+        if self._pending is None:
+            return
+        members, qid, shared, got = self._pending
+        self._pending = None
+        flat = self._segment.buffers[self._cur]
+        parts = []
+        for g in members:
+            reader = shared.get(g)
+            if g == self.group:
+                parts.append(flat)
+            elif reader is not None:
+                parts.append(reader.holding(qid))
+            else:
+                parts.append(torch.frombuffer(got[g], dtype=flat.dtype))
+        self._cur = 1 - self._cur
         with torch.no_grad():
-            for p, view in zip(self._params, self._views[self._cur], strict=True):
+            _sum_into(parts, self._segment.buffers[self._cur]).div_(len(members))
+        self._use(self._cur)
+
+    def _use(self, index: int) -> None:
+        """Buffer ``index`` becomes the gradients."""
+        with torch.no_grad():
+            for p, view in zip(self._params, self._views[index], strict=True):
                 if p.device.type == "cpu":
                     # The average's slot becomes the gradient: nothing copied back.
                     p.grad = view

@@ -1,23 +1,26 @@
 """The gradient exchange's same-host path: each rank's gradients in a shared-memory segment.
 
-Over TCP the failure-free step spent ~3.3 ms of CPU a step sending and
-receiving 5 MB (the bench's model, session 17's profile): the socket copies
-into and out of the kernel. When two groups' ranks share a host, each rank
-instead keeps its two gradient buffers (see ``FaultTolerantOptimizer._reduce``:
-one is published while the step's sum is written into the other) in one
-``memfd`` segment, and its peers map it through ``/proc/<pid>/fd/<fd>``.
+Over TCP the failure-free step spent ~3.3 ms a step sending and receiving
+5 MB (the bench's model, session 17's profile: the copies into and out of the
+kernel) and waited for the peers twice, at the exchange and at the vote. When
+two groups' ranks share a host, each rank instead keeps its two gradient
+buffers (see ``FaultTolerantOptimizer._reduce``: one is published while the
+step's sum is written into the other) in one ``memfd`` segment, and its peers
+map it through ``/proc/<pid>/fd/<fd>``: one wait a step, at the vote.
 
-The TCP link stays the liveness and ordering channel: a step's GRAD frame
-then carries only which buffer holds this step's gradients (a few bytes),
-sent after they are written, so a peer reads them only once complete (the
-send and the receive are system calls: the writes happen before the reads).
-A writer killed mid-write sends no frame; its peers see the closed link and
-the step is discarded. A writer rewrites a buffer only after the step that
-published it was decided by the lighthouse (a commit needs every member's
-vote, sent after its sum), so a peer that reads a buffer being rewritten is
-in a discarded step. An anonymous memfd leaves nothing behind in /dev/shm when
-a process is SIGKILLed. Off with ``MPX_FT_SHM=0``, or where a peer's segment
-cannot be opened (another host, another pid namespace): TCP then.
+No frame carries them: a rank stamps the buffer with the step's quorum and
+only then votes (the vote goes to the lighthouse over TCP, which answers
+once every member voted): a commit says every member's buffer of that quorum
+is complete, and the members read each other's after it (the send and receive
+system calls order the writes before the reads). A member killed before its
+vote never votes: the lighthouse sees its closed connections and the step is
+discarded; one killed after its vote leaves its mapped memory to the readers
+(a commit stands, as on TCP). A writer rewrites a buffer only after the next
+commit, which needs every reader's vote, sent after its last read of it. The
+TCP links stay the liveness channel and carry the handshake below; pairs that
+cannot map each other (another host, another pid namespace, ``MPX_FT_SHM=0``)
+exchange the bytes over TCP before the vote. An anonymous memfd leaves nothing
+behind in /dev/shm when a process is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -33,15 +36,15 @@ from typing import Any
 
 import torch
 
+from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.ft_transport import SHM, PeerLost, exchange
 
-__all__ = ["ANNOUNCE", "PeerSegment", "Segment", "negotiate", "shm_wanted"]
+__all__ = ["PeerSegment", "Segment", "negotiate", "shm_wanted"]
 
 # Header: a token (a peer checks it: the pid and fd it opened are this segment's,
 # not a reused pid's), then one stamp per buffer (the quorum its data is of).
 _HEADER = struct.Struct("16sqq")
 _DATA = 64  # the first buffer's offset (and the alignment of the second)
-ANNOUNCE = struct.Struct("!qq")  # a step's GRAD frame in shm mode: (quorum, buffer)
 
 
 def shm_wanted() -> bool:
@@ -101,7 +104,7 @@ class Segment:
         """What a peer needs to map it (None: not shared)."""
         if self._memory is None:
             return None
-        return {"pid": os.getpid(), "fd": self._fd, "token": self.token.hex()}
+        return {"pid": os.getpid(), "fd": self._fd, "token": self.token.hex(), "numel": self.numel}
 
     def stamp(self, index: int, quorum: int) -> None:
         """Marks buffer ``index`` as holding quorum ``quorum``'s gradients."""
@@ -121,6 +124,9 @@ class PeerSegment:
     """A peer's :class:`Segment`, mapped (raises OSError/ValueError if it cannot be)."""
 
     def __init__(self, where: dict[str, Any], numel: int, dtype: torch.dtype) -> None:
+        if int(where["numel"]) != numel:
+            # Another model: over TCP its frames' length says so, and every step is discarded.
+            raise ValueError(f"a segment of {where['numel']} gradients, not {numel}")
         path = f"/proc/{int(where['pid'])}/fd/{int(where['fd'])}"
         fd = os.open(path, os.O_RDWR)
         try:
@@ -136,11 +142,17 @@ class PeerSegment:
             raise ValueError("another process's segment (its token differs)")
         self.buffers = _tensors(self._memory, numel, dtype)
 
-    def read(self, index: int, quorum: int) -> torch.Tensor:
-        """Buffer ``index``, which the peer said holds quorum ``quorum``'s gradients."""
-        if index not in (0, 1) or _HEADER.unpack_from(self._memory)[1 + index] != quorum:
-            raise PeerLost(f"a peer's shared gradients are not of quorum {quorum}")
-        return self.buffers[index]
+    def holding(self, quorum: int) -> torch.Tensor:
+        """The buffer the peer stamped with ``quorum`` (read after that quorum committed)."""
+        stamps = _HEADER.unpack_from(self._memory)[1:]
+        if quorum not in stamps:
+            # The peer voted for this quorum after stamping: a missing stamp is a bug.
+            raise DataParallelError(
+                f"FaultTolerantOptimizer: a peer's shared gradients of quorum {quorum} are "
+                f"missing (its buffers hold quorums {list(stamps)}); report this with MPX_FT_SHM=0 "
+                "as a workaround"
+            )
+        return self.buffers[stamps.index(quorum)]
 
     def close(self) -> None:
         self.buffers = []
@@ -159,7 +171,7 @@ def negotiate(
 
     Two small exchanges: the segments' descriptions, then which of them each end
     could map. A pair uses shared memory only both ways, so that both ends agree
-    on what a GRAD frame between them carries.
+    on whether GRAD frames pass between them.
     """
     if not links:
         return {}
