@@ -4,9 +4,11 @@
 
 Under ``mpxrun --replica-groups R -n N`` each group is its own MPI world;
 this optimizer averages rank ``r``'s gradients over rank ``r`` of every live
-group (over TCP, :mod:`mpx.dataparallel.ft_transport`) and steps only when the
+group (through shared memory on one host, :mod:`mpx.dataparallel.ft_shm`, else
+over TCP, :mod:`mpx.dataparallel.ft_transport`) and steps only when the
 lighthouse (:mod:`mpx.launch.lighthouse`) commits the step, that is when every
-group of the step's membership finished its reduction. A step during which a
+group of the step's membership has its gradients published (or, over TCP,
+exchanged); the sum follows the commit. A step during which a
 group dies is discarded by every survivor (no partial update) and done again
 by the survivors alone; a restarted group loads the live weights, optimizer
 state, step count and the loop's data position from a peer and joins at the
