@@ -122,6 +122,34 @@ def _median_step(entries: list[dict[str, Any]]) -> float:
     return statistics.median(gaps)
 
 
+def recovery_rows(run: Path, mode: str, step: float) -> list[tuple[str, str]]:
+    """The kill run's figures from its logs (``{mode}_{group}_{attempt}.jsonl``; group 0
+    survives, group 1 is killed at ``KILL_AT`` and restarted once); ``step``: the median
+    step without failures. bench_torchft measures torchft with this too."""
+    _, survivor = _read(run / f"{mode}_0_0.jsonl")
+    committed = [e for e in survivor if e["ok"]]
+    before = max(float(e["t"]) for e in committed if int(e["step"]) < KILL_AT)
+    after = min(float(e["t"]) for e in committed if int(e["step"]) >= KILL_AT)
+    lost = sum(1 for e in survivor if not e["ok"])
+    ready, back = _read(run / f"{mode}_1_1.jsonl")
+    joint = min(float(e["t"]) for e in back if e["ok"] and len(e["members"]) == 2)
+    first_joint = min(
+        (e for e in committed if len(e["members"]) == 2 and int(e["step"]) > KILL_AT),
+        key=lambda e: float(e["t"]),
+    )
+    usual = statistics.median(float(e["t"]) - float(e["t0"]) for e in committed)
+    pause = float(first_joint["t"]) - float(first_joint["t0"]) - usual
+    return [
+        ("survivor stall after the SIGKILL", f"{(after - before - step) * 1e3:.0f} ms"),
+        ("steps discarded", str(lost)),
+        (
+            "rejoin: restarted group ready -> its first joint step",
+            f"{(joint - ready) * 1e3:.0f} ms",
+        ),
+        ("survivor's pause at the rejoin", f"{pause * 1e3:.0f} ms"),
+    ]
+
+
 def _curve(run: Path) -> None:
     """The loss of every group at every committed step: the survivor's curve goes on
     through the kill, the restarted group's picks up where the survivor is."""
@@ -167,28 +195,7 @@ def main() -> None:
         rows.append(
             ("step, FaultTolerantOptimizer over TCP only (MPX_FT_SHM=0)", f"{tcp * 1e3:.1f} ms")
         )
-        _, survivor = _read(base / "kill" / "ft_0_0.jsonl")
-        committed = [e for e in survivor if e["ok"]]
-        before = max(float(e["t"]) for e in committed if int(e["step"]) < KILL_AT)
-        after = min(float(e["t"]) for e in committed if int(e["step"]) >= KILL_AT)
-        lost = sum(1 for e in survivor if not e["ok"])
-        rows.append(("survivor stall after the SIGKILL", f"{(after - before - ft) * 1e3:.0f} ms"))
-        rows.append(("steps discarded", str(lost)))
-        ready, back = _read(base / "kill" / "ft_1_1.jsonl")
-        joint = min(float(e["t"]) for e in back if e["ok"])
-        rows.append(
-            (
-                "rejoin: restarted group ready -> its first joint step",
-                f"{(joint - ready) * 1e3:.0f} ms",
-            )
-        )
-        first_joint = min(
-            (e for e in committed if len(e["members"]) == 2 and int(e["step"]) > KILL_AT),
-            key=lambda e: float(e["t"]),
-        )
-        usual = statistics.median(float(e["t"]) - float(e["t0"]) for e in committed)
-        pause = float(first_joint["t"]) - float(first_joint["t0"]) - usual
-        rows.append(("survivor's pause at the rejoin", f"{pause * 1e3:.0f} ms"))
+        rows += recovery_rows(base / "kill", "ft", ft)
         if args.curve:
             _curve(base / "kill")
     print("| MLP 1.3 M parameters, 2 replica groups of 1 process | |")

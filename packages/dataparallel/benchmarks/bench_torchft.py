@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import itertools
-import json
+import importlib.util
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +41,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-KILL_AT = 30  # bench_live_recovery's
+
+def _sibling(name: str) -> Any:
+    """A script of this folder, loaded as a module (benchmarks are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The model, data, kill step and figures are bench_live_recovery's.
+RECOVERY = _sibling("bench_live_recovery")
+KILL_AT: int = RECOVERY.KILL_AT
+
 PROGRAM = textwrap.dedent(
     """
     import json, os, sys, time
@@ -121,7 +133,7 @@ PROGRAM = textwrap.dedent(
             os.kill(os.getpid(), 9)
         if mode == "gloo":
             inner.step()
-            ok, members = True, 2
+            ok, members = True, [0, 1]
         else:
             grads = [p.grad for p in model.parameters()]
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -133,7 +145,7 @@ PROGRAM = textwrap.dedent(
             ok = manager.should_commit()
             if ok:
                 inner.step()
-            members = manager.num_participants()
+            members = list(range(manager.num_participants()))
         entry = {"step": s, "ok": ok, "t0": t0, "t": time.monotonic(), "members": members,
                  "loss": loss.item()}
         log.write(json.dumps(entry) + "\\n")
@@ -193,16 +205,6 @@ def _job(out: Path, mode: str, steps: int, kill_at: int, lighthouse: str) -> Non
         time.sleep(0.01)
 
 
-def _read(path: Path) -> tuple[float, list[dict[str, Any]]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    return float(lines[0]["ready"]), lines[1:]
-
-
-def _median_step(entries: list[dict[str, Any]]) -> float:
-    times = [float(e["t"]) for e in entries]
-    return statistics.median(b - a for a, b in itertools.pairwise(times[5:]))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
@@ -239,34 +241,15 @@ def main() -> None:
                 )
             finally:
                 lighthouse.shutdown()
-        gloo = _median_step(_read(base / "gloo" / "gloo_0_0.jsonl")[1])
-        ft = _median_step(_read(base / "ft" / "ft_0_0.jsonl")[1])
+        gloo = RECOVERY._median_step(RECOVERY._read(base / "gloo" / "gloo_0_0.jsonl")[1])
+        ft = RECOVERY._median_step(RECOVERY._read(base / "ft" / "ft_0_0.jsonl")[1])
         rows.append(("step, torch DDP on gloo (no fault tolerance)", f"{gloo * 1e3:.1f} ms"))
         rows.append(("step, torchft, 2 groups, no failure", f"{ft * 1e3:.1f} ms"))
         rows.append(("overhead without failures", f"{(ft / gloo - 1) * 100:+.0f} %"))
-        _, survivor = _read(base / "kill" / "ft_0_0.jsonl")
-        committed = [e for e in survivor if e["ok"]]
-        before = max(float(e["t"]) for e in committed if int(e["step"]) < KILL_AT)
-        after = min(float(e["t"]) for e in committed if int(e["step"]) >= KILL_AT)
-        lost = sum(1 for e in survivor if not e["ok"])
-        rows.append(("survivor stall after the SIGKILL", f"{(after - before - ft) * 1e3:.0f} ms"))
-        rows.append(("steps discarded", str(lost)))
-        ready, back = _read(base / "kill" / "ft_1_1.jsonl")
-        joint = min(float(e["t"]) for e in back if e["ok"] and int(e["members"]) == 2)
-        rows.append(
-            (
-                "rejoin: restarted process ready -> its first joint step",
-                f"{(joint - ready) * 1e3:.0f} ms",
-            )
-        )
-        first_joint = min(
-            (e for e in committed if int(e["members"]) == 2 and int(e["step"]) > KILL_AT),
-            key=lambda e: float(e["t"]),
-        )
-        usual = statistics.median(float(e["t"]) - float(e["t0"]) for e in committed)
-        pause = float(first_joint["t"]) - float(first_joint["t0"]) - usual
-        rows.append(("survivor's pause at the rejoin", f"{pause * 1e3:.0f} ms"))
-        final = [_read(base / "kill" / f"ft_{g}_{a}.jsonl")[1][-1] for g, a in ((0, 0), (1, 1))]
+        rows += RECOVERY.recovery_rows(base / "kill", "ft", ft)
+        final = [
+            RECOVERY._read(base / "kill" / f"ft_{g}_{a}.jsonl")[1][-1] for g, a in ((0, 0), (1, 1))
+        ]
         rows.append(
             ("last committed step of each group", f"{final[0]['step']}, {final[1]['step']}")
         )
