@@ -64,11 +64,15 @@ PROGRAM = textwrap.dedent(
     log.write(json.dumps({"ready": time.monotonic()}) + "\\n")
     s = 0
     while s < steps:
-        if mode == "ft" and kill_at >= 0 and s == kill_at + 10 and who == 0:
+        if mode == "ft" and kill_at >= 0 and s >= kill_at + 10 and who == 0:
             # The survivor waits for the restarted group (Python and torch start:
             # seconds) so that it rejoins before the end; not counted anywhere.
             while len(opt.live_groups()) < 2:
                 time.sleep(0.01)
+            if len(opt.members) < 2:
+                # then steps slowly until it is a member: its hello comes before
+                # it has built its model, and 40 quick steps could end the run
+                time.sleep(0.005)
         t0 = time.monotonic()
         opt.zero_grad()
         if mode == "ft":
