@@ -50,9 +50,11 @@ PROGRAM = textwrap.dedent(
         print(f"group {group} rank {rank} killed {where}", flush=True)
         os.kill(os.getpid(), 9)
 
-    # FT_DP=1: data parallel inside each group too (DistributedOptimizer), one model
-    # per group; else each rank of a group has its own model (a column's).
-    dp_in_group = os.environ.get("FT_DP") == "1"
+    # FT_DP: data parallel inside each group too, one model per group, through
+    # DistributedOptimizer ("optimizer") or torch DDP on the mpx backend ("ddp");
+    # "" (none): each rank of a group has its own model (a column's).
+    dp_mode = os.environ.get("FT_DP", "")
+    dp_in_group = dp_mode != ""
 
     def make_model():
         torch.manual_seed(100 + (0 if dp_in_group else rank))  # every group alike
@@ -63,10 +65,18 @@ PROGRAM = textwrap.dedent(
         return torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen)
 
     model = make_model()
+    net = model  # what the forward runs
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    if dp_in_group:
+    if dp_mode == "optimizer":
         dp.init()
         opt = dp.DistributedOptimizer(opt, model, overlap=True)  # buckets fly in backward
+    elif dp_mode == "ddp":
+        import torch.distributed as dist
+        from mpx.launch import init_torch_env
+
+        init_torch_env()
+        dist.init_process_group("mpx")  # the group's own world: each group is one
+        net = nn.parallel.DistributedDataParallel(model)  # the group's mean in backward
     ft = dp.FaultTolerantOptimizer(opt, model, state={"seen": 0})
     log = open(f"{out}/log_g{group}_r{rank}_a{attempt}.jsonl", "w")
 
@@ -118,7 +128,7 @@ PROGRAM = textwrap.dedent(
         rejoined = rejoined or len(ft.members) == groups and ft.step_count >= hold
         step = ft.step_count
         x, y = batch(step, group)
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(net(x), y).backward()
         if victim and point == "backward" and step == int(ks):
             die(point)
         if victim and point == "hang" and step == int(ks):
@@ -155,7 +165,7 @@ def _run(
     steps: int,
     hold: int,
     beats: float = 20,
-    dp_in_group: bool = False,
+    data_parallel: str = "",
 ) -> str:
     script = tmp_path / "job.py"
     script.write_text(PROGRAM)
@@ -165,7 +175,7 @@ def _run(
         "FT_STEPS": str(steps),
         "FT_HOLD": str(hold),
         "FT_KILL": kill,
-        "FT_DP": "1" if dp_in_group else "0",
+        "FT_DP": data_parallel,
         # A loaded 2-core machine can pause a process for a while: a hang is
         # not what these tests kill, and a SIGKILL is seen by the closed socket.
         "MPX_FT_HEARTBEAT_TIMEOUT": str(beats),
@@ -263,14 +273,15 @@ def _survives(
     steps: int,
     hold: int,
     beats: float = 20,
-    dp_in_group: bool = False,
+    data_parallel: str = "",
 ) -> None:
     """Runs the job with ``kill``; its output says each of ``said``, the kill changed
-    the membership, which came back, and every group's weights equal the replay."""
-    out = _run(tmp_path, groups, nprocs, kill, steps, hold, beats, dp_in_group)
+    the membership, which came back, and every group's weights equal the replay.
+    ``data_parallel``: "optimizer" or "ddp" inside each group (see PROGRAM's FT_DP)."""
+    out = _run(tmp_path, groups, nprocs, kill, steps, hold, beats, data_parallel)
     for words in said:
         assert words in out
-    _check(tmp_path, groups, nprocs, steps, changed=True, dp_in_group=dp_in_group)
+    _check(tmp_path, groups, nprocs, steps, changed=True, dp_in_group=data_parallel != "")
 
 
 def test_two_groups_kill_in_backward(tmp_path: Path) -> None:
@@ -381,5 +392,23 @@ def test_two_groups_data_parallel_inside_each_group(tmp_path: Path) -> None:
         nprocs=2,
         steps=10,
         hold=5,
-        dp_in_group=True,
+        data_parallel="optimizer",
+    )
+
+
+@pytest.mark.extended
+def test_two_groups_ddp_on_the_mpx_backend_inside_each_group(tmp_path: Path) -> None:
+    """torch DDP on the mpx backend over each group's 2 ranks (init_process_group("mpx")
+    in the group's own world), FaultTolerantOptimizer across the groups: rank 0 of group
+    1 dies in its backward, mpxrun restarts the group, which builds DDP again and takes
+    the live state; the weights equal the replay of the global mean."""
+    _survives(
+        tmp_path,
+        "1:0:3:backward:0",
+        ("killed backward",),
+        groups=2,
+        nprocs=2,
+        steps=10,
+        hold=5,
+        data_parallel="ddp",
     )
