@@ -122,6 +122,27 @@ def build() -> nn.Sequential:
     return nn.Sequential(embedding, *[Block() for _ in range(DEPTH)], Head(embedding))
 
 
+def _inputs(before_bcast: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor, list[float]]:
+    """Inside the job: one intra-op thread, the world, the batch and its targets (the
+    same on every rank), and the layer times measured on rank 0, given to all;
+    ``before_bcast(raw)`` runs between the measurement and the broadcast."""
+    import torch
+    from mpi4py import MPI
+
+    from mpx.collectives import world
+    from mpx.pipeline.partition import layer_times
+
+    torch.set_num_threads(1)
+    comm = world()
+    raw = MPI.COMM_WORLD
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
+    y = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
+    times = layer_times(build(), x[: BATCH // CHUNKS], repeats=5) if comm.rank == 0 else None
+    before_bcast(raw)
+    return comm, raw, x, y, raw.bcast(times, 0)
+
+
 def measure() -> None:
     """Runs inside the job; rank 0 prints the table."""
     import numpy as np
@@ -129,10 +150,8 @@ def measure() -> None:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from mpx.collectives import world
     from mpx.launch import init_torch_env
     from mpx.pipeline import Pipeline, split_times
-    from mpx.pipeline.partition import layer_times
     from mpx.pipeline.schedule import placement, rank_of
 
     # The transformer's bench (this folder is on the path): its loss, its
@@ -140,17 +159,8 @@ def measure() -> None:
     shared = importlib.import_module("bench_transformer")
     loss_fn, SavedBytes, polite_barrier = shared.loss_fn, shared.SavedBytes, shared.polite_barrier
 
-    torch.set_num_threads(1)
-    comm = world()
-    raw = MPI.COMM_WORLD
+    comm, raw, x, y, times = _inputs(polite_barrier)
     rank, p = comm.rank, comm.size
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
-    y = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
-
-    times = layer_times(build(), x[: BATCH // CHUNKS], repeats=5) if rank == 0 else None
-    polite_barrier(raw)
-    times = raw.bcast(times, 0)
 
     def owners(v: int, style: str) -> list[int]:
         return [rank_of(s, p, style) for s in range(p * v)]
@@ -239,24 +249,14 @@ def actions() -> None:
     every rank prints its medians. A receive's time is mostly its wait (MPI polls)."""
     import numpy as np
     import torch
-    from mpi4py import MPI
 
-    from mpx.collectives import world
     from mpx.pipeline import Pipeline, split_times
     from mpx.pipeline.executor import Executor
-    from mpx.pipeline.partition import layer_times
     from mpx.pipeline.schedule import placement, rank_of
 
     loss_fn = importlib.import_module("bench_transformer").loss_fn
-    torch.set_num_threads(1)
-    comm = world()
-    raw = MPI.COMM_WORLD
+    comm, raw, x, y, times = _inputs(lambda raw: None)
     rank, p = comm.rank, comm.size
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
-    y = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=gen)
-    times = layer_times(build(), x[: BATCH // CHUNKS], repeats=5) if rank == 0 else None
-    times = raw.bcast(times, 0)
     pipes = {}
     for schedule in ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"):
         v = SCHEDULES[schedule][1]
