@@ -29,8 +29,8 @@ says so and exits 0. Usage: ``python bench_torchft.py [--steps N]``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
-import importlib.util
 import os
 import socket
 import subprocess
@@ -39,21 +39,10 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
-
-def _sibling(name: str) -> Any:
-    """A script of this folder, loaded as a module (benchmarks are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# The model, data, kill step and figures are bench_live_recovery's.
-RECOVERY = _sibling("bench_live_recovery")
+# The model, data, kill step and figures are bench_live_recovery's (this folder is
+# on the path when the script runs, as bench_conv1d takes bench_transformer's).
+RECOVERY = importlib.import_module("bench_live_recovery")
 KILL_AT: int = RECOVERY.KILL_AT
 
 PROGRAM = textwrap.dedent(
