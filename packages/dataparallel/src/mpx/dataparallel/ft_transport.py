@@ -241,9 +241,7 @@ def exchange(
         header = FRAME.pack(_MAGIC, quorum, kind, len(data))
         # A small frame in one send: each send wakes the peer (on 2 loaded cores, a switch).
         small = len(data) <= _SMALL
-        sending[peer] = [memoryview(header + data) if small else memoryview(header), data]
-        if small:
-            sending[peer].pop()
+        sending[peer] = [memoryview(header + data)] if small else [memoryview(header), data]
     receiving = {peer: _Incoming() for peer in links}
     got: dict[int, bytearray | memoryview] = {}
     buffers = into or {}

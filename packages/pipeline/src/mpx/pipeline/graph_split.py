@@ -98,9 +98,7 @@ def _consumers(roots: list[_Node]) -> tuple[dict[_Node, list[tuple[_Node, int]]]
     stack = list(used)
     while stack:
         node = stack.pop()
-        slot = -1
-        for nxt, _ in node.next_functions:
-            slot += 1
+        for slot, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
                 continue
             users = used.get(nxt)
