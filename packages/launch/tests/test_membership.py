@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -229,3 +230,55 @@ def test_a_group_is_listed_alive_once_every_rank_said_hello() -> None:
     assert m.alive() == {}  # rank 1 still starting: a peer waiting for group 0 waits on
     m.hello(0, 1, 2, "a", ["h", 2], now=0.1)
     assert m.alive() == {0: "a"}
+
+
+@pytest.mark.parametrize("dies", [False, True])
+def test_waiting_voters_get_the_next_quorum_from_the_deciding_vote_or_a_death(dies: bool) -> None:
+    """Over TCP, three groups: groups 0 and 1 vote with "next" and wait; the step is
+    decided by group 2's vote (the deciding thread asks for the waiting voters too) or
+    by group 2's death (the first waiting thread to wake asks for both). Either way both
+    waiting voters get the same next quorum, and the lighthouse keeps nothing of it."""
+    with Lighthouse(expected=3, heartbeat_timeout=60.0) as lh:
+        host, port = lh.address.rsplit(":", 1)
+        conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(3)]
+        files = [c.makefile("rwb") for c in conns]
+        for g, f in enumerate(files):
+            hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
+            assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+        replies: list[dict[str, Any]] = [{}, {}, {}]
+
+        def one(g: int, message: dict[str, Any]) -> None:
+            replies[g] = _ask(files[g], message)
+
+        threads = [
+            threading.Thread(target=one, args=(g, {"op": "quorum", "step": 4})) for g in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert [r["quorum"]["quorum"] for r in replies] == [1, 1, 1]
+        vote = {"op": "vote", "quorum": 1, "ok": True, "next": 4}
+        waiting = [threading.Thread(target=one, args=(g, vote)) for g in (0, 1)]
+        for t in waiting:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(lh._then.get(1, {})) < 2:  # both wait on their votes
+            assert time.monotonic() < deadline, "the votes never arrived"
+            time.sleep(0.01)
+        if dies:
+            files[2].close()
+            conns[2].close()
+        else:
+            one(2, vote)
+        for t in waiting:
+            t.join(timeout=20)
+        members, step = ([0, 1], 4) if dies else ([0, 1, 2], 5)
+        for g in (0, 1) if dies else (0, 1, 2):
+            assert replies[g]["outcome"] is not dies
+            assert (replies[g]["quorum"]["quorum"], replies[g]["quorum"]["step"]) == (2, step)
+            assert replies[g]["quorum"]["members"] == members
+        assert lh._then == {}
+        for f, c in zip(files, conns, strict=True):
+            f.close()
+            c.close()

@@ -373,18 +373,27 @@ class FaultTolerantOptimizer:
             lambda: self._check(quorum),
         )
 
-    def _gather(self) -> torch.Tensor:
-        """This rank's gradients in one flat CPU buffer (the current of the two).
+    def _gather(self, members: int) -> torch.Tensor:
+        """This rank's gradients divided by ``members``, in one flat CPU buffer (the
+        current of the two).
 
-        A CPU parameter's gradient is left a view of its slot by the last step
-        (see _reduce): with ``zero_grad(set_to_none=False)`` backward accumulates
-        in place there and nothing is copied; a fresh gradient is copied in once.
+        Divided here, in the copy it needs anyway, rather than after the sum: one
+        pass over the gradients less a step (the sum of the members' quotients,
+        added in the same order on every member, is the average). A CPU
+        parameter's gradient is left a view of its slot by the last step (see
+        _reduce): with ``zero_grad(set_to_none=False)`` backward accumulates in
+        place there and is divided in place; a fresh gradient is copied in once.
         """
         with torch.no_grad():
             for p, view in zip(self._params, self._views[self._cur], strict=True):
                 if p.grad is None:
                     view.zero_()
-                elif p.grad is not view:
+                elif p.grad is view:
+                    if members > 1:
+                        view.div_(members)
+                elif members > 1:
+                    torch.div(p.grad, members, out=view)
+                else:
                     view.copy_(p.grad)
         return self._segment.buffers[self._cur]
 
@@ -414,7 +423,7 @@ class FaultTolerantOptimizer:
         for the commit (see _average)."""
         members = [int(g) for g in quorum["members"]]
         qid = int(quorum["quorum"])
-        flat = self._gather()
+        flat = self._gather(len(members))
         self._pending = None
         if len(members) > 1:
             check = lambda: self._check(quorum)  # noqa: E731
@@ -447,8 +456,8 @@ class FaultTolerantOptimizer:
         self._use(self._cur)
 
     def _average(self) -> None:
-        """After a commit: the members' gradients summed in their order, divided, into the
-        other buffer, which becomes the gradients."""
+        """After a commit: the members' gradients (divided by their number already, see
+        _gather) summed in their order into the other buffer, which becomes the gradients."""
         if self._pending is None:
             return
         members, qid, shared, got = self._pending
@@ -465,7 +474,7 @@ class FaultTolerantOptimizer:
                 parts.append(torch.frombuffer(got[g], dtype=flat.dtype))
         self._cur = 1 - self._cur
         with torch.no_grad():
-            _sum_into(parts, self._segment.buffers[self._cur]).div_(len(members))
+            _sum_into(parts, self._segment.buffers[self._cur])
         self._use(self._cur)
 
     def _use(self, index: int) -> None:
