@@ -137,16 +137,22 @@ def _ask(file: Any, message: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+def _said_hello(lh: Lighthouse, groups: int) -> tuple[list[socket.socket], list[Any]]:
+    """Connections of ``groups`` groups of one rank each, their hellos answered."""
+    host, port = lh.address.rsplit(":", 1)
+    conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(groups)]
+    files = [c.makefile("rwb") for c in conns]
+    for g, f in enumerate(files):
+        hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
+        assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+    return conns, files
+
+
 def test_lighthouse_sees_a_closed_connection_at_once() -> None:
     """Over TCP: two groups commit a step; one's socket closes; the other's vote
     on the next quorum is answered, alone, without waiting for a heartbeat timeout."""
     with Lighthouse(expected=2, heartbeat_timeout=60.0) as lh:
-        host, port = lh.address.rsplit(":", 1)
-        conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(2)]
-        files = [c.makefile("rwb") for c in conns]
-        for g, f in enumerate(files):
-            hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
-            assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+        conns, files = _said_hello(lh, 2)
         replies: list[dict[str, Any]] = [{}, {}]
 
         def quorum(g: int) -> None:
@@ -185,12 +191,7 @@ def test_a_vote_with_next_brings_the_next_quorum_at_the_step_the_voter_gives() -
     step. A group whose join failed gives its old step, so the next quorum has it load
     a donor's state rather than count it at the live step."""
     with Lighthouse(expected=2, heartbeat_timeout=60.0) as lh:
-        host, port = lh.address.rsplit(":", 1)
-        conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(2)]
-        files = [c.makefile("rwb") for c in conns]
-        for g, f in enumerate(files):
-            hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
-            assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+        conns, files = _said_hello(lh, 2)
         replies: list[dict[str, Any]] = [{}, {}]
 
         def both(messages: list[dict[str, Any]]) -> None:
@@ -239,12 +240,7 @@ def test_waiting_voters_get_the_next_quorum_from_the_deciding_vote_or_a_death(di
     by group 2's death (the first waiting thread to wake asks for both). Either way both
     waiting voters get the same next quorum, and the lighthouse keeps nothing of it."""
     with Lighthouse(expected=3, heartbeat_timeout=60.0) as lh:
-        host, port = lh.address.rsplit(":", 1)
-        conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(3)]
-        files = [c.makefile("rwb") for c in conns]
-        for g, f in enumerate(files):
-            hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
-            assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+        conns, files = _said_hello(lh, 3)
         replies: list[dict[str, Any]] = [{}, {}, {}]
 
         def one(g: int, message: dict[str, Any]) -> None:
