@@ -17,7 +17,9 @@ and the end count; at most 10 minutes a command). Call 1 (``CALLS[1]``: 420 s
 of command time) installs this checkout with the CUDA kernels for the GPU's own
 architecture (``INSTALL_BUDGET_S``), then runs the parts that matter most
 first: the ``gpu`` tests in one process, the same at 2 ranks, the kernels'
-throughput, the CUDA allreduce paths. Call 2 (180 s) measures the 16 CPU
+throughput, the CUDA allreduce paths, then (on the CPU cores, while call 1
+has the time: the first window's call 1 took 113 s of 420) the pipeline
+schedules at 4 and 8 stages. Call 2 (180 s) measures the 16 CPU
 cores: layer-parallel MGRIT at 1-16 ranks against the serial network, then
 allreduce at 2-16 ranks. Each part has a time budget; a part whose budget
 exceeds what is left of its call is skipped with a line saying so, and a part
@@ -70,7 +72,12 @@ class Call:
 # ≤ 15 min; each call leaves a minute's margin under what DEVELOPERS.md gives
 # the device tool as timeout_s (480 s and 240 s).
 CALLS = {
-    1: Call(1, 420, "install (CUDA kernels for this GPU only), GPU tests, kernels, CUDA allreduce"),
+    1: Call(
+        1,
+        420,
+        "install (CUDA kernels for this GPU only), GPU tests, kernels, CUDA allreduce, "
+        "pipeline schedules on 4 and 8 CPU ranks",
+    ),
     2: Call(2, 180, "the 16 CPU cores: layer-parallel MGRIT and allreduce at 2-16 ranks"),
 }
 # What install() may take out of call 1. Measured here (2 cores at load ~16,
@@ -147,6 +154,12 @@ def _gpu_tests_env(smoke: bool) -> dict[str, str]:
 
 
 CPU_RANKS = (16, 8, 4, 2)  # 16 first: if the budget runs out, fewer ranks are lost
+# bench_transformer's rows at 4 and 8 stages: the targets' (zero bubble and async
+# against 1f1b and the best synchronous schedule of those timed), not torch's.
+PIPELINE_ROWS = "1f1b,interleaved_zb,zbv,async"
+# (stages, blocks, sequences a step): at 8 stages two chunks a rank need 16 virtual
+# stages, so 16 blocks (and m = 16 micro-batches of one sequence each).
+PIPELINE_RUNS = ((4, 8, 16), (8, 16, 16))
 SMOKE_CPU_RANKS = (2,)
 
 # Budgets: each part's time on --cpu-smoke here (its fixed cost: imports,
@@ -157,7 +170,7 @@ PARTS = [
         "gpu-tests",
         1,
         "`pytest -m 'gpu and not mpi'` (MPX_REQUIRE_GPU=1)",
-        60,
+        50,
         lambda smoke: [[sys.executable, *_pytest("gpu and not mpi")]],
         env=_gpu_tests_env,
         tables=pytest_outcomes,
@@ -166,7 +179,7 @@ PARTS = [
         "gpu-mpi-tests",
         1,
         "`mpxrun -n 2 pytest -m 'gpu and mpi'` (both ranks on the one GPU)",
-        75,
+        60,
         lambda smoke: [_mpxrun(2, *_pytest("gpu and mpi"))],
         env=_gpu_tests_env,
         tables=pytest_outcomes,
@@ -175,7 +188,7 @@ PARTS = [
         "quantize-kernels",
         1,
         "quantize/dequantize throughput vs the device-to-device copy and the pure-torch quantizer",
-        60,
+        30,
         lambda smoke: [
             [
                 sys.executable,
@@ -193,10 +206,32 @@ PARTS = [
         1,
         "CUDA allreduce, 2 ranks on the one GPU: staged, ipc, auto (CUDA-aware MPI if it is) "
         "vs gloo on CUDA tensors",
-        90,
+        45,
         lambda smoke: [
             _mpxrun(2, *_inner("allreduce", smoke, "--header", "--device", _gpu(smoke)))
         ],
+    ),
+    Part(
+        "pipeline-cpu",
+        1,
+        "pipeline schedules on 4 and 8 CPU ranks (bench_transformer: 1f1b, interleaved_zb, zbv, "
+        "async; no GPU): zero bubble's and async's gain where a 2-core machine cannot show it",
+        120,
+        lambda smoke: [
+            [
+                "env",
+                f"MPX_BENCH_DEPTH={depth}",
+                f"MPX_BENCH_BATCH={batch}",
+                sys.executable,
+                _bench("pipeline", "bench_transformer"),
+                "--stages",
+                str(stages),
+                "--only",
+                PIPELINE_ROWS,
+            ]
+            for stages, depth, batch in (((2, 2, 8),) if smoke else PIPELINE_RUNS)
+        ],
+        env=lambda smoke: {"MPX_BENCH_REPEATS": "1" if smoke else "2"},
     ),
     Part(
         "mgrit-cpu",

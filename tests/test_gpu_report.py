@@ -72,7 +72,7 @@ def test_the_plan_fits_the_15_minute_window() -> None:
     assert sum(c.limit_s for c in report.CALLS.values()) + 120 + 60 <= 15 * 60
     lines = report.plan_lines()
     assert lines[0].startswith("call 1 (")
-    assert "375 s of 420 s" in lines[0]
+    assert "395 s of 420 s" in lines[0]
     assert any(line.startswith("call 2 (") for line in lines)
 
 
@@ -85,6 +85,7 @@ def test_parts_are_ordered_by_importance() -> None:
         (1, "gpu-mpi-tests"),
         (1, "quantize-kernels"),
         (1, "allreduce-cuda"),
+        (1, "pipeline-cpu"),
         (2, "mgrit-cpu"),
         (2, "allreduce-cpu"),
     ]
@@ -278,6 +279,21 @@ def test_the_cpu_jobs_run_under_cpu_smoke(tmp_path: Path) -> None:
     assert re.search(r"\| mgrit-cpu \| 2 \| \d+ \| [\d.]+ \| passed \|", text)
 
 
+def test_the_pipeline_part_runs_under_cpu_smoke(tmp_path: Path) -> None:
+    """Call 1's CPU part (bench_transformer's target rows, at 2 stages here): the rows and
+    the targets' lines come back, the part passes."""
+    done = _run(
+        "--cpu-smoke", "--call", "1", "--only", "pipeline-cpu", "--out", str(tmp_path), timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = (tmp_path / "gpu-report.md").read_text()
+    for row in ("mpx 1f1b", "mpx interleaved_zb", "mpx zbv", "mpx async step_every=8"):
+        assert re.search(rf"^\| {re.escape(row)} \| 8 \| \d+ \|", text, re.MULTILINE), text
+    assert re.search(r"^\| interleaved_zb ≥ 1\.1× mpx 1f1b \(m=8\) \| [\d.]+× \|$", text, re.M)
+    assert "torch Schedule" not in text  # --only: the targets' rows, not torch's
+    assert re.search(r"\| pipeline-cpu \| 1 \| \d+ \| [\d.]+ \| passed \|", text), text
+
+
 def test_every_benchmark_option_the_report_passes_exists() -> None:
     """The report's benchmark commands use only options their benchmarks declare."""
     report = _module()
@@ -289,7 +305,7 @@ def test_every_benchmark_option_the_report_passes_exists() -> None:
                 if scripts:
                     after = command[command.index(scripts[0]) + 1 :]
                     wanted.setdefault(scripts[0], set()).update(w for w in after if w[:2] == "--")
-    assert len(wanted) == 2  # bench_quantize.py and the report's own jobs
+    assert len(wanted) == 3  # bench_quantize.py, bench_transformer.py, the report's own jobs
     for script, options in wanted.items():
         done = subprocess.run(
             [sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,

@@ -1,6 +1,6 @@
 """A transformer on S pipeline stages: every mpx schedule beside torch's schedule of the same name.
 
-``python bench_transformer.py [--stages S] [--variable]`` starts itself under
+``python bench_transformer.py [--stages S] [--variable] [--only ROWS]`` starts itself under
 ``mpxrun -n S`` (S = 2 by default; 3, 4 where the cores allow) and prints one
 markdown section (``nox -s bench -- bench_transformer`` writes it into
 BENCHMARKS.md). The model is a decoder-only transformer (token + position
@@ -75,6 +75,9 @@ REPEATS = int(os.environ.get("MPX_BENCH_REPEATS", "4"))
 STEPS = 2  # consecutive steps per sample: a barrier between steps would flush async
 STAGES = int(os.environ.get("MPX_BENCH_STAGES", "2"))
 VARIABLE = os.environ.get("MPX_BENCH_VARIABLE", "0") == "1"
+# --only: the rows to time (a window on the GPU machine's cores has time for a few
+# at 4 and 8 stages); empty: every row.
+ONLY = [name for name in os.environ.get("MPX_BENCH_ONLY", "").split(",") if name]
 # m: 8 micro-batches, raised to a multiple of the stages (interleaving) and to at
 # least 2 per stage (DualPipeV); two sequences each unless MPX_BENCH_BATCH says.
 CHUNKS = max(2 * STAGES, math.ceil(8 / STAGES) * STAGES)
@@ -230,6 +233,13 @@ def torch_schedule(
     return sched, params
 
 
+def _wanted(row: str) -> bool:
+    """Whether ``--only`` (``MPX_BENCH_ONLY``) keeps a row: a schedule's name, ``async``
+    (its four rows), ``single``, ``NAME:unit`` (a zero-bubble list laid out by unit
+    costs) or ``torch:NAME``; no ``--only``: every row."""
+    return not ONLY or row in ONLY
+
+
 def measure() -> None:
     """Runs inside the job on STAGES ranks; rank 0 prints the table."""
     import numpy as np
@@ -305,13 +315,19 @@ def measure() -> None:
     def deferred_of(pipe: Pipeline) -> Callable[[], int]:
         return lambda: pipe.deferred_bytes
 
-    configs.append(("single process (whole model)", None, serial_step, None, None, None, None))
+    if _wanted("single"):
+        configs.append(("single process (whole model)", None, serial_step, None, None, None, None))
     pipes = []
-    runs = [(k, v, False, "measured") for k, (_, v) in SCHEDULES.items()]
+    runs = [(k, v, False, "measured") for k, (_, v) in SCHEDULES.items() if _wanted(k)]
     # The zero-bubble lists as laid out with unit costs too (pass_costs="unit"),
     # beside the default layout by the measured times.
-    runs += [(k, 2, False, "unit") for k in TIMED]
-    asyncs = [("async", v, split, "measured") for v in (1, 2) for split in (False, True)]
+    runs += [(k, 2, False, "unit") for k in TIMED if _wanted(f"{k}:unit")]
+    asyncs = [
+        ("async", v, split, "measured")
+        for v in (1, 2)
+        for split in (False, True)
+        if _wanted("async")
+    ]
     for schedule, v, split_backward, pass_costs in [*runs, *asyncs]:
         opts: dict[str, Any] = {"step_every": CHUNKS} if schedule == "async" else {}
         if v > 1:
@@ -350,6 +366,8 @@ def measure() -> None:
     torch_error = ""
 
     for schedule, (name, v) in SCHEDULES.items():
+        if not _wanted(f"torch:{schedule}"):
+            continue
         try:
             owner = owners(v, placement(schedule))
             sched, params = torch_schedule(
@@ -430,8 +448,8 @@ def report(
     cuts: dict[tuple[int, str], list[int]],
 ) -> None:
     tokens = BATCH * (statistics.mean(LENGTHS) if VARIABLE else SEQUENCE)
-    t_single = rows[0][2]
     times = {r[0]: r[2] for r in rows}
+    t_single = times.get("single process (whole model)")
     for label, m, t, bubble, theory, cpu_share, peak in rows:
         kind = label.split()[1] if label.startswith("mpx") else ""
         peer = f"torch {SCHEDULES[kind][0]}" if kind in SCHEDULES else None
@@ -439,13 +457,13 @@ def report(
         bound = "-" if theory is None else f"{1 - theory:.2f}"
         print(
             f"| {label} | {m if m is not None else '-'} | {tokens / t:.0f} | "
-            f"{t_single / t:.2f} | {vs_torch} | "
+            f"{'-' if t_single is None else f'{t_single / t:.2f}'} | {vs_torch} | "
             f"{'-' if bubble is None else f'{bubble:.2f}'} | "
             f"{'-' if theory is None else f'{theory:.2f}'} | {bound} | "
             f"{peak / 2**20:.1f} | {cpu_share:.2f} |",
             flush=True,
         )
-    best_sync = min(times[f"mpx {k}"] for k in SCHEDULES if f"mpx {k}" in times)
+    best_sync = min((times[f"mpx {k}"] for k in SCHEDULES if f"mpx {k}" in times), default=None)
     one_f = times.get("mpx 1f1b")
     zb = times.get("mpx interleaved_zb")
     asy = min((t for label, t in times.items() if label.startswith("mpx async")), default=None)
@@ -456,8 +474,9 @@ def report(
             print(f"| mpx {kind} ≥ 1.0× torch's | {times[peer] / times[f'mpx {kind}']:.2f}× |")
     if one_f and zb:
         print(f"| interleaved_zb ≥ 1.1× mpx 1f1b (m={CHUNKS}) | {one_f / zb:.2f}× |")
-    if asy:
-        print(f"| async ≥ 1.1× the best synchronous schedule | {best_sync / asy:.2f}× |")
+    if asy and best_sync:
+        among = " (of those timed)" if ONLY else ""
+        print(f"| async ≥ 1.1× the best synchronous schedule{among} | {best_sync / asy:.2f}× |")
     shapes = {(1, "loop"): "one chunk a rank", (2, "loop"): "two, looped", (2, "v"): "two, a V"}
     print(
         "\nLayers per virtual stage (`split_times` over layer times measured on rank 0, "
@@ -474,10 +493,26 @@ def main() -> None:
     parser.add_argument("--inner", action="store_true", help="run inside an mpxrun job")
     parser.add_argument("--stages", type=int, default=STAGES, help="pipeline ranks (2)")
     parser.add_argument("--variable", action="store_true", help="a sequence length drawn per step")
+    parser.add_argument(
+        "--only",
+        default=os.environ.get("MPX_BENCH_ONLY", ""),
+        metavar="ROWS",
+        help="comma-separated rows to time (default all): schedule names, async, single, "
+        "NAME:unit, torch:NAME; e.g. 1f1b,interleaved_zb,zbv,async",
+    )
     args = parser.parse_args()
     if args.inner:
         measure()
         return
+    unknown = sorted(
+        set(filter(None, args.only.split(",")))
+        - {*SCHEDULES, "async", "single"}
+        - {f"{k}:unit" for k in SCHEDULES}  # the timed ones among them have such a row
+        - {f"torch:{k}" for k in SCHEDULES}
+    )
+    if unknown:
+        parser.error(f"--only: unknown rows {unknown}; see --help")
+    os.environ["MPX_BENCH_ONLY"] = args.only
     os.environ["MPX_BENCH_STAGES"] = str(args.stages)
     os.environ["MPX_BENCH_VARIABLE"] = "1" if args.variable else "0"
     mpxrun = shutil.which("mpxrun") or os.path.join(os.path.dirname(sys.executable), "mpxrun")
@@ -486,9 +521,14 @@ def main() -> None:
     m = max(2 * args.stages, math.ceil(8 / args.stages) * args.stages)
     batch = int(os.environ.get("MPX_BENCH_BATCH", str(2 * m)))
     lengths = f"a length drawn per step from {LENGTHS}" if args.variable else f"{SEQUENCE}"
+    rows = (
+        f"the rows {args.only}"
+        if args.only
+        else "every schedule beside torch.distributed.pipelining"
+    )
     print(
-        f"## mpx-pipeline: a transformer on {args.stages} stages, every schedule beside "
-        f"torch.distributed.pipelining{' (variable sequence lengths)' if args.variable else ''}\n"
+        f"## mpx-pipeline: a transformer on {args.stages} stages, {rows}"
+        f"{' (variable sequence lengths)' if args.variable else ''}\n"
     )
     print(
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
@@ -496,7 +536,8 @@ def main() -> None:
         f"{lengths}, vocabulary {VOCAB} ({params:.1f} M params), batch {batch} sequences, "
         f"m = {m}, 1 thread per rank, layers per virtual stage below the table; "
         f"`python {os.path.basename(__file__)} --stages {args.stages}"
-        f"{' --variable' if args.variable else ''}`. Step = forward + backward + SGD step; "
+        f"{' --variable' if args.variable else ''}{f' --only {args.only}' * bool(args.only)}`. "
+        "Step = forward + backward + SGD step; "
         f"the fastest of {REPEATS} samples of {STEPS} steps (each sample's slowest rank), "
         "each after a barrier and one untimed step."
         + (
