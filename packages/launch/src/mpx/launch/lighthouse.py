@@ -267,8 +267,9 @@ class Lighthouse:
             elif outcome is not None:
                 # The deciding vote asks for every member that waits on its own vote
                 # too, so the next quorum forms in this thread: each waiting thread
-                # then only wakes to write its reply (on this 2-core VM, session 18,
-                # a reply waited ~0.3 ms for the waiting threads to ask in turn).
+                # then only wakes to write its reply (this thread no longer waits for
+                # them to ask in turn: its vote took 55-60 us here instead of 100-140,
+                # session 18, this 2-core VM).
                 self._ask_for_waiting(quorum_id, outcome)
             self._changed.notify_all()
             while outcome is None and not self._closed.is_set():
