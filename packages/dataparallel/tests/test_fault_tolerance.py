@@ -401,20 +401,27 @@ def test_three_groups_of_two_ranks_donor_rank_dies_during_rejoin(tmp_path: Path)
     )
 
 
-@pytest.mark.extended
-def test_two_groups_data_parallel_inside_each_group(tmp_path: Path) -> None:
-    """DistributedOptimizer over each group's 2 ranks, FaultTolerantOptimizer across the
-    groups: rank 1 of group 1 dies; the weights equal the replay of the global mean."""
+def _inside_each_group(tmp_path: Path, kill: str, mode: str, atol: float = 1e-6) -> None:
+    """Two groups of 2 ranks, data parallel inside each (``mode``: PROGRAM's FT_DP), one
+    rank killed in its backward (``kill``): the job survives it (see _survives)."""
     _survives(
         tmp_path,
-        "1:1:3:backward:0",
+        kill,
         ("killed backward",),
         groups=2,
         nprocs=2,
         steps=10,
         hold=5,
-        data_parallel="optimizer",
+        data_parallel=mode,
+        atol=atol,
     )
+
+
+@pytest.mark.extended
+def test_two_groups_data_parallel_inside_each_group(tmp_path: Path) -> None:
+    """DistributedOptimizer over each group's 2 ranks, FaultTolerantOptimizer across the
+    groups: rank 1 of group 1 dies; the weights equal the replay of the global mean."""
+    _inside_each_group(tmp_path, "1:1:3:backward:0", "optimizer")
 
 
 @pytest.mark.extended
@@ -423,16 +430,7 @@ def test_two_groups_ddp_on_the_mpx_backend_inside_each_group(tmp_path: Path) -> 
     in the group's own world), FaultTolerantOptimizer across the groups: rank 0 of group
     1 dies in its backward, mpxrun restarts the group, which builds DDP again and takes
     the live state; the weights equal the replay of the global mean."""
-    _survives(
-        tmp_path,
-        "1:0:3:backward:0",
-        ("killed backward",),
-        groups=2,
-        nprocs=2,
-        steps=10,
-        hold=5,
-        data_parallel="ddp",
-    )
+    _inside_each_group(tmp_path, "1:0:3:backward:0", "ddp")
 
 
 @pytest.mark.extended
@@ -447,14 +445,4 @@ def test_two_groups_compressed_data_parallel_inside_each_group(tmp_path: Path) -
     per-step error e to at most 0.05 * e * sum(10 * (1 - 0.9**k), k = 1..10) = 2.07 e
     after 10 steps: 0.25."""
     pytest.importorskip("mpx.quantize")
-    _survives(
-        tmp_path,
-        "1:1:3:backward:0",
-        ("killed backward",),
-        groups=2,
-        nprocs=2,
-        steps=10,
-        hold=5,
-        data_parallel="optimizer-4bit",
-        atol=0.25,
-    )
+    _inside_each_group(tmp_path, "1:1:3:backward:0", "optimizer-4bit", atol=0.25)
