@@ -133,9 +133,8 @@ class Lighthouse:
         self._threads: list[threading.Thread] = []
         self._counted_out: list[int] = []
         # Quorum id -> the voters waiting for its outcome: group -> (incarnation, the step
-        # their vote asked the next quorum at); then the ones asked for (see vote).
+        # their vote asked the next quorum at), until the outcome asks for them (see vote).
         self._then: dict[int, dict[int, tuple[str, int]]] = {}
-        self._asked: dict[int, set[int]] = {}
 
     @property
     def address(self) -> str:
@@ -279,7 +278,10 @@ class Lighthouse:
                 self._say(f"step of quorum {quorum_id} discarded (a member failed or left)")
             # Decided by a death (no vote decided it): this thread asks for itself.
             self._ask_for_waiting(quorum_id, outcome)
-            asked = group in self._asked.get(quorum_id, ())
+            # Asked for already: this group waits for (or got) a quorum after this one.
+            asked = group in self.membership.pending or (
+                self.membership.assigned.get(group, quorum_id) > quorum_id
+            )
             reply: dict[str, Any] = {"outcome": bool(outcome)}
             if then is not None and not self._closed.is_set():
                 reply.update(self._quorum(group, incarnation, then + bool(outcome), asked))
@@ -290,13 +292,10 @@ class Lighthouse:
         waiting = self._then.pop(quorum_id, None)
         if outcome is None or waiting is None:
             return
-        asked = self._asked.setdefault(quorum_id, set())
         for g, (incarnation, then) in waiting.items():
-            if self.membership.request(g, incarnation, then + bool(outcome)):
-                asked.add(g)
-        for old in [q for q in (*self._asked, *self._then) if q < quorum_id - 8]:
-            self._asked.pop(old, None)
-            self._then.pop(old, None)
+            self.membership.request(g, incarnation, then + bool(outcome))
+        for old in [q for q in self._then if q < quorum_id - 8]:
+            del self._then[old]
 
     def leave(self, identity: tuple[int, int, str], step: int) -> dict[str, Any]:
         group, _, incarnation = identity
