@@ -163,8 +163,12 @@ class Product(torch.autograd.Function):
 
 def _accumulate(t: torch.Tensor, g: torch.Tensor) -> None:
     if t.grad is None:
-        # What AccumulateGrad would store: the parameter's own layout, not a view.
-        t.grad = g if g.is_contiguous() else g.contiguous()
+        # A tensor of its own, as AccumulateGrad stores, never ``g`` itself: where
+        # the weight's gradient is its operation's output gradient passed through
+        # (``x + W`` with W of the output's shape), ``g`` is the gradient the
+        # next stage sent, a pooled receive buffer that the next message refills
+        # after W (a second step's gradients came out wrong so).
+        t.grad = g.clone(memory_format=torch.contiguous_format)
     else:
         t.grad.add_(g)
 

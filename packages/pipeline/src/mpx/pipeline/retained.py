@@ -106,7 +106,9 @@ def _saver(start: _Start) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
 def _accumulate(w: torch.Tensor, gw: torch.Tensor) -> None:
     with torch.no_grad():
         if w.grad is None:
-            w.grad = gw
+            # A copy, never ``gw`` itself: it may be the output gradient passed
+            # through, a pooled receive buffer refilled after W (see deferred).
+            w.grad = gw.clone(memory_format=torch.contiguous_format)
         else:
             w.grad.add_(gw)
 
