@@ -14,9 +14,7 @@ per rank, it times a training step (forward, backward, SGD step) of: the whole
 model in one process (rank 0 alone); mpx ``gpipe``, ``1f1b``,
 ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``, ``zbv``,
 ``dualpipev`` (``interleaved_zb`` and ``zbv`` laid out by their measured
-pass times, the default, again by unit costs: ``pass_costs="unit"``, and again
-run exactly in their lists' order, ``Executor.fills_waits`` off: no ``W`` moved
-into a wait for a message) and
+pass times, the default, and again by unit costs: ``pass_costs="unit"``) and
 ``async`` (step_every = m: one optimizer step per batch, as
 the others; also with ``split_backward=True``, and both with two chunks per
 rank, ``stages_per_rank=2``: each chunk an asynchronous stage of its own, W
@@ -238,8 +236,7 @@ def torch_schedule(
 def _wanted(row: str) -> bool:
     """Whether ``--only`` (``MPX_BENCH_ONLY``) keeps a row: a schedule's name, ``async``
     (its four rows), ``single``, ``NAME:unit`` (a zero-bubble list laid out by unit
-    costs), ``NAME:static`` (a zero-bubble list run exactly in its order) or
-    ``torch:NAME``; no ``--only``: every row."""
+    costs) or ``torch:NAME``; no ``--only``: every row."""
     return not ONLY or row in ONLY
 
 
@@ -253,7 +250,7 @@ def measure() -> None:
     from mpx.collectives import world
     from mpx.launch import init_torch_env
     from mpx.pipeline import Pipeline, bubble_fraction, split_times
-    from mpx.pipeline.executor import Executor, measured_bubble
+    from mpx.pipeline.executor import measured_bubble
     from mpx.pipeline.partition import layer_times
     from mpx.pipeline.schedule import TIMED, placement, rank_of
 
@@ -321,20 +318,17 @@ def measure() -> None:
     if _wanted("single"):
         configs.append(("single process (whole model)", None, serial_step, None, None, None, None))
     pipes = []
-    runs = [(k, v, False, "measured", False) for k, (_, v) in SCHEDULES.items() if _wanted(k)]
+    runs = [(k, v, False, "measured") for k, (_, v) in SCHEDULES.items() if _wanted(k)]
     # The zero-bubble lists as laid out with unit costs too (pass_costs="unit"),
-    # beside the default layout by the measured times; and run exactly in their
-    # order (Executor.fills_waits off: no W moved into a wait the layout did not
-    # foresee).
-    runs += [(k, 2, False, "unit", False) for k in TIMED if _wanted(f"{k}:unit")]
-    runs += [(k, 2, False, "measured", True) for k in TIMED if _wanted(f"{k}:static")]
+    # beside the default layout by the measured times.
+    runs += [(k, 2, False, "unit") for k in TIMED if _wanted(f"{k}:unit")]
     asyncs = [
-        ("async", v, split, "measured", False)
+        ("async", v, split, "measured")
         for v in (1, 2)
         for split in (False, True)
         if _wanted("async")
     ]
-    for schedule, v, split_backward, pass_costs, static in [*runs, *asyncs]:
+    for schedule, v, split_backward, pass_costs in [*runs, *asyncs]:
         opts: dict[str, Any] = {"step_every": CHUNKS} if schedule == "async" else {}
         if v > 1:
             opts["stages_per_rank"] = v
@@ -349,18 +343,11 @@ def measure() -> None:
         label += " split_backward" if split_backward else ""
         label += f" stages_per_rank={v}" if schedule == "async" and v > 1 else ""
         label += " pass_costs=unit" if pass_costs == "unit" else ""
-        label += " static (no W moved into a wait)" if static else ""
         theory = None if schedule == "async" else bubble_fraction(schedule, p, CHUNKS, v)
 
-        def mpx_step(
-            pipe: Pipeline = pipe, popt: torch.optim.Optimizer = popt, static: bool = static
-        ) -> None:
+        def mpx_step(pipe: Pipeline = pipe, popt: torch.optim.Optimizer = popt) -> None:
             xs, ys = batch()
-            Executor.fills_waits = not static
-            try:
-                pipe.step(xs, ys, loss_fn, popt)
-            finally:
-                Executor.fills_waits = True
+            pipe.step(xs, ys, loss_fn, popt)
 
         configs.append(
             (
@@ -511,7 +498,7 @@ def main() -> None:
         default=os.environ.get("MPX_BENCH_ONLY", ""),
         metavar="ROWS",
         help="comma-separated rows to time (default all): schedule names, async, single, "
-        "NAME:unit, NAME:static, torch:NAME; e.g. 1f1b,interleaved_zb,zbv,async",
+        "NAME:unit, torch:NAME; e.g. 1f1b,interleaved_zb,zbv,async",
     )
     args = parser.parse_args()
     if args.inner:
@@ -520,7 +507,7 @@ def main() -> None:
     unknown = sorted(
         set(filter(None, args.only.split(",")))
         - {*SCHEDULES, "async", "single"}
-        - {f"{k}:{how}" for k in SCHEDULES for how in ("unit", "static")}  # the timed ones
+        - {f"{k}:unit" for k in SCHEDULES}  # the timed ones among them have such a row
         - {f"torch:{k}" for k in SCHEDULES}
     )
     if unknown:

@@ -37,7 +37,6 @@ import torch
 
 from mpx.pipeline.actions import COMPUTE, Action
 from mpx.pipeline.passes import LossFn, Micro, StagePasses
-from mpx.pipeline.transport import WAITED
 
 __all__ = ["Executor", "Hooks", "SyncHooks", "measured_bubble"]
 
@@ -107,9 +106,6 @@ class Executor:
     Attributes:
         trace: ``(action, start, end)`` of every action of the last call.
         live: micro-batches between their forward and their last backward pass.
-        fills_waits: whether a ``W`` may run early in a wait for a message
-            (:meth:`_fill`); False runs every list exactly in its order (the
-            same gradients either way; ``bench_transformer.py --static`` times both).
         clock: what :attr:`trace` is timed with: ``time.perf_counter`` (one clock for
             every process of a node). A profile may set ``time.process_time`` on the
             class for CPU seconds per action (``bench_conv1d.py --actions``);
@@ -123,7 +119,6 @@ class Executor:
     """
 
     clock: Callable[[], float] = time.perf_counter
-    fills_waits = True
 
     def __init__(self, passes: StagePasses) -> None:
         self.passes = passes
@@ -132,8 +127,6 @@ class Executor:
         # Where the last run raised: its list and the index of the action.
         self.stopped: tuple[list[Action], int] | None = None
         self._received: dict[tuple[int, int], Micro] = {}
-        # Per virtual stage, its last W's seconds: how long _fill waits before a W.
-        self._w_seconds: dict[int, float] = {}
 
     def reset(self) -> None:
         """Forgets the micro-batches in flight (after a failure)."""
@@ -151,7 +144,7 @@ class Executor:
         targets: dict[int, Any],
         loss_fn: LossFn | None,
     ) -> list[float]:
-        """Runs ``actions`` in order, but that a ``W`` may run early in a wait (:meth:`_fill`).
+        """Runs ``actions`` in order.
 
         Args:
             inputs, targets: by micro-batch, on the ranks holding the first and
@@ -175,13 +168,9 @@ class Executor:
         # asynchronous stream's, records; if that backward is full, B runs its W.)
         split = any(a.kind == "W" for a in actions)
         full = {(a.stage, a.mb) for a in actions if a.kind == "B"} if split else set()
-        order = list(actions)  # as run: a W may move ahead into a wait (see _fill)
         done = 0  # actions run: the index of the one that raises
         try:
-            while done < len(order):
-                if split and self.fills_waits and self._fill(order, done):
-                    continue  # a W moved to ``done``: it runs now
-                a = order[done]
+            for a in actions:
                 start = clock()
                 key = (a.stage, a.mb)
                 if a.kind == "RECV_F":
@@ -232,63 +221,12 @@ class Executor:
                     hooks.step(a)
                 else:
                     raise ValueError(f"internal: unknown action {a}")
-                end = clock()
-                self.trace.append((a, start, end))
-                if a.kind == "W":
-                    self._w_seconds[a.stage] = end - start
+                self.trace.append((a, start, clock()))
                 done += 1
         except BaseException:
-            self.stopped = (order, done)
+            self.stopped = (list(actions), done)
             raise
         return losses
-
-    def _waits(self, a: Action) -> bool:
-        """Whether ``a`` would wait for a message that has not arrived."""
-        passes = self.passes
-        if a.kind == "RECV_F" or (a.kind == "F" and (a.stage, a.mb) not in self._received):
-            return not passes.activation_arrived(a.stage, a.mb)
-        if a.kind in ("RECV_B", "I", "B"):
-            mb = self.live.get((a.stage, a.mb))
-            if mb is None or mb.grads_in is not None:
-                return False
-            return not passes.grads_arrived(a.stage, a.mb)
-        return False
-
-    def _fill(self, order: list[Action], i: int) -> bool:
-        """Moves this rank's next ``W`` to ``order[i]`` where ``order[i]`` would wait for a
-        message that is still missing after half a ``W`` (Zero Bubble's rule, W fills
-        the bubbles, applied to the bubbles the run meets rather than those the layout
-        predicted: a neighbour late by a few ms leaves a rank idle whose ``W`` are due).
-
-        Only the next ``W`` in the list moves, never past a ``STEP`` or another action of
-        its micro-batch: every weight's gradient still sums the micro-batches in the
-        list's order (the same bits), an optimizer step sees the same gradients, and a
-        ``SEND_B`` is never held back. The half ``W`` of patience keeps a message that
-        is about to come from waiting for a whole ``W``.
-        """
-        a = order[i]
-        if not self._waits(a):
-            return False
-        w = next((k for k in range(i + 1, len(order)) if order[k].kind in ("W", "STEP")), None)
-        if w is None or order[w].kind == "STEP":
-            return False
-        wkey = (order[w].stage, order[w].mb)
-        mb = self.live.get(wkey)
-        patience = self._w_seconds.get(wkey[0])
-        if mb is None or not mb.w_due or patience is None:
-            return False
-        if any((b.stage, b.mb) == wkey for b in order[i:w]):
-            return False
-        start = time.perf_counter()
-        deadline = start + patience / 2
-        try:
-            while time.perf_counter() < deadline:
-                if not self._waits(a):
-                    return False
-        finally:
-            WAITED[0] += time.perf_counter() - start
-        order.insert(i, order.pop(w))
-        return True
 
 
 def measured_bubble(traces: Sequence[Sequence[tuple[str, float, float]]]) -> float:

@@ -321,20 +321,6 @@ class StagePasses:
         with self._splits[part].forward(used, mb.records):
             return self.stage.run(mb.feed, g, weights, part)
 
-    def activation_arrived(self, s: int, j: int) -> bool:
-        """Whether micro-batch ``j``'s input to virtual stage ``s`` is here (or needs
-        no message: stage 0, or handed over on this rank)."""
-        if not self._remote_prev(s):
-            return True
-        return self.act_in[self.owner[s - 1]].arrived(self.key(s, j))
-
-    def grads_arrived(self, s: int, j: int) -> bool:
-        """Whether the gradients of micro-batch ``j``'s output of virtual stage ``s`` are
-        here (or need no message: the last stage, or handed over on this rank)."""
-        if not self._remote_next(s):
-            return True
-        return self.grad_in[self.owner[s + 1]].arrived(self.key(s, j))
-
     def _remote_next(self, s: int) -> bool:
         return s < self.virtual - 1 and self.owner[s + 1] != self.stage_id
 

@@ -193,12 +193,6 @@ class Inbox(_Box):
         spec, flags = message.note if message.note is not None else ("T", [])
         return Parcel(message.tensors, spec, flags)
 
-    def arrived(self, j: int) -> bool:
-        """Whether :meth:`get` of micro-batch ``j`` would return without waiting (makes
-        progress; True where no receive is posted: :meth:`get` raises then)."""
-        incoming = self._incoming.get(j)
-        return incoming is None or self.channel.ready(incoming)
-
     def release(self, tensors: list[torch.Tensor]) -> None:
         self.channel.release(tensors)
 
