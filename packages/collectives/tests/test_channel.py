@@ -19,7 +19,9 @@ from mpx.collectives import (
     MPXTypeError,
     MPXValueError,
     RemoteError,
+    bytes_communicated,
     channel_state,
+    channel_wire,
     world,
 )
 from mpx.collectives import channel as channel_module
@@ -95,6 +97,32 @@ def test_receive_buffers_are_reused(self_comm: Communicator) -> None:
     assert ch.buffers_allocated == 2  # one header buffer, one data buffer
     with pytest.raises(MPXValueError, match="already received"):
         ch.receive(incoming)
+
+
+def test_cpu_data_goes_straight_to_mpi_counted_and_a_short_buffer_is_named(
+    self_comm: Communicator,
+) -> None:
+    # A CPU tensor's message is the MPI call mpx.collectives.send/recv would make
+    # (channel_wire.DataRequest), counted in bytes_communicated as theirs are.
+    ch = Channel(self_comm, timeout=TIMEOUT_S)
+    x = torch.arange(12.0).view(3, 4)
+    before = bytes_communicated()
+    incoming = ch.expect(0, 2, like=[(x.shape, x.dtype)])
+    sent = ch.post(0, 2, x)
+    data = [handle for _, handle in sent.entries[1:]] + [h for _, h in incoming.entries]
+    assert len(data) == 2
+    assert all(isinstance(h, channel_wire.DataRequest) for h in data)
+    assert torch.equal(ch.receive(incoming).tensors[0], x)
+    ch.flush()
+    assert bytes_communicated() - before == 2 * x.nbytes  # the send's and the receive's
+    short = torch.zeros(2)
+    receive = channel_wire.receive_data(self_comm, short, 0, 9)
+    channel_wire.send_data(self_comm, torch.zeros(5), 0, 9).wait()
+    with pytest.raises(
+        MPXValueError,
+        match=r"rank 0, tag 9 is larger than the receive buffer \(float32\[2\], 8 bytes\)",
+    ):
+        receive.wait()
 
 
 def test_a_dropped_channel_keeps_its_messages_in_flight_alive(self_comm: Communicator) -> None:

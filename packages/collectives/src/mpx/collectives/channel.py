@@ -98,11 +98,14 @@ from mpx.collectives.channel_wire import (
     descriptor,
     encode,
     marker,
+    receive_data,
     receive_head,
+    send_data,
     send_head,
 )
 from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import CommLike, as_communicator
+from mpx.collectives.dispatch import count_payload
 from mpx.collectives.errors import (
     MPXError,
     MPXTypeError,
@@ -261,7 +264,7 @@ class Channel(Settling):
         self._sent[(peer, tag)] += 1
         self._sending.append(sent)  # first: a data send that raises leaves the ledger true
         for wire in wires:
-            sent.entries.append((wire, send(wire, peer, tag, comm=self.comm, async_op=True)))
+            sent.entries.append((wire, self._send(wire, peer, tag)))
             self._sent[(peer, tag)] += 1
         self._reap()
         return sent
@@ -426,8 +429,19 @@ class Channel(Settling):
                 f"Channel.{op}: tag must be an int in [0, {max_tag()}], got {tag!r}"
             )
 
-    def _recv(self, buf: torch.Tensor, peer: int, tag: int) -> Handle[torch.Tensor]:
-        handle = recv(buf, peer, tag, comm=self.comm, async_op=True)
+    def _send(self, wire: torch.Tensor, peer: int, tag: int) -> Handle[Any]:
+        if wire.is_cuda:
+            return send(wire, peer, tag, comm=self.comm, async_op=True)
+        # A CPU tensor: the MPI call ``send`` ends as, made here (channel_wire.DataRequest).
+        count_payload(wire.numel() * wire.element_size())
+        return send_data(self.comm, wire, peer, tag)
+
+    def _recv(self, buf: torch.Tensor, peer: int, tag: int) -> Handle[Any]:
+        if buf.is_cuda:
+            handle: Handle[Any] = recv(buf, peer, tag, comm=self.comm, async_op=True)
+        else:
+            count_payload(buf.numel() * buf.element_size())
+            handle = receive_data(self.comm, buf, peer, tag)
         self._posted[(peer, tag)] += 1
         return handle
 

@@ -42,6 +42,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.dtypes import numpy_view
 from mpx.collectives.errors import CollectiveTimeout, MPXValueError
 from mpx.collectives.handle import Backoff, Handle, Steps
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
@@ -52,6 +53,7 @@ __all__ = [
     "MARKER",
     "MAX_NOTE_BYTES",
     "MAX_TENSORS",
+    "DataRequest",
     "Head",
     "HeadRequest",
     "Metas",
@@ -62,7 +64,9 @@ __all__ = [
     "marker",
     "mismatch",
     "read_head",
+    "receive_data",
     "receive_head",
+    "send_data",
     "send_head",
 ]
 
@@ -306,6 +310,65 @@ class HeadRequest(Handle[int]):
                 raise CollectiveTimeout(self.op, self.impl, limit, [self._peer])
             backoff.pause()
         return self._result_or_raise()
+
+
+class DataRequest(HeadRequest):
+    """A CPU tensor of a message, sent or received straight through MPI: what
+    :func:`mpx.collectives.send` and ``recv`` end as for it (point to point runs on
+    MPI whatever the policy, :func:`mpx.collectives.policy.choose`), without their
+    checks, generator and handle: a 128 KiB activation's round trip through a
+    pipeline's channel took 190-260 us against mpi4py's 50 this way or not.
+
+    A receive into a buffer smaller than the message raises
+    :class:`~mpx.collectives.MPXValueError` naming both, as ``recv`` does.
+    """
+
+    def __init__(
+        self,
+        op: str,
+        request: MPI.Request,
+        tensor: torch.Tensor,
+        raw: np.ndarray,
+        peer: int,
+        tag: int,
+        timeout: float | None,
+    ) -> None:
+        super().__init__(op, request, raw, peer, timeout)
+        self._tensor, self._tag = tensor, tag
+
+    def _result_or_raise(self) -> int:
+        error = self._error
+        if isinstance(error, MPI.Exception) and error.Get_error_class() == MPI.ERR_TRUNCATE:
+            t = self._tensor
+            raise MPXValueError(
+                f"recv: the message from rank {self._peer}, tag {self._tag} is larger than the "
+                f"receive buffer ({str(t.dtype).replace('torch.', '')}{list(t.shape)}, "
+                f"{t.numel() * t.element_size()} bytes); receive into a tensor of the shape and "
+                "dtype the sender sent"
+            ) from None
+        return super()._result_or_raise()
+
+
+def send_data(comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> DataRequest:
+    """Sends a CPU tensor (contiguous, a dtype MPI moves) straight through MPI; returns at once."""
+    raw = numpy_view(t)
+    try:
+        request = comm.mpi.Isend(raw, dest=peer, tag=tag)
+    except MPI.Exception:
+        _usable(comm, "send")
+        raise
+    return DataRequest("send", request, t, raw, peer, tag, comm.timeout)
+
+
+def receive_data(comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> DataRequest:
+    """Receives into a CPU tensor (contiguous, ours) straight through MPI; returns at once."""
+    raw = numpy_view(t)
+    try:
+        request = comm.mpi.Irecv(raw, source=peer, tag=tag)
+    except MPI.Exception:
+        _usable(comm, "recv")
+        raise
+    return DataRequest("recv", request, t, raw, peer, tag, comm.timeout)
 
 
 def _usable(comm: Communicator, op: str) -> None:

@@ -75,6 +75,12 @@ def bytes_communicated() -> int:
     return _payload[0] + fast_path.payload()
 
 
+def count_payload(nbytes: int) -> None:
+    """Adds to :func:`bytes_communicated` what a caller handed to MPI itself (the channel's
+    CPU messages, :mod:`mpx.collectives.channel_wire`)."""
+    _payload[0] += nbytes
+
+
 def _run(
     op: str,
     comm: CommLike | None,
