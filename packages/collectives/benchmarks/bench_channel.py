@@ -58,9 +58,10 @@ def measure(rounds: int, trips: int) -> None:
     comm = world()
     raw = MPI.COMM_WORLD.Dup()
     rank, peer = comm.rank, 1 - comm.rank
-    for nbytes in SIZES:
-        x = torch.randn(nbytes // 4)
+
+    def variants_for(x: torch.Tensor) -> dict[str, Callable[[], None]]:
         out, back = x.numpy().copy(), x.numpy().copy()
+        like = [(x.shape, x.dtype)]
 
         def mpi4py_trips() -> None:
             for _ in range(trips):
@@ -73,8 +74,6 @@ def measure(rounds: int, trips: int) -> None:
                     raw.Isend(back, dest=peer, tag=2).Wait()
 
         def channel_trips(ch: Channel) -> Callable[[], None]:
-            like = [(x.shape, x.dtype)]
-
             def run() -> None:
                 for _ in range(trips):
                     if rank == 0:
@@ -90,13 +89,14 @@ def measure(rounds: int, trips: int) -> None:
 
             return run
 
-        variants = {
+        return {
             "mpi4py Isend/Irecv, prepared arrays": mpi4py_trips,
             "mpx Channel (CPU data straight to MPI)": channel_trips(Channel(comm)),
-            "mpx Channel, data through send/recv's general path": channel_trips(
-                GeneralPath(comm)
-            ),
+            "mpx Channel, data through send/recv's general path": channel_trips(GeneralPath(comm)),
         }
+
+    for nbytes in SIZES:
+        variants = variants_for(torch.randn(nbytes // 4))
         times: dict[str, list[float]] = {name: [] for name in variants}
         for run in variants.values():
             run()  # warm-up: connections, pooled buffers, the stream's first header
