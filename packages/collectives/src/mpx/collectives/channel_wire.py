@@ -351,24 +351,23 @@ class DataRequest(HeadRequest):
 
 def send_data(comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> DataRequest:
     """Sends a CPU tensor (contiguous, a dtype MPI moves) straight through MPI; returns at once."""
-    raw = numpy_view(t)
-    try:
-        request = comm.mpi.Isend(raw, dest=peer, tag=tag)
-    except MPI.Exception:
-        _usable(comm, "send")
-        raise
-    return DataRequest("send", request, t, raw, peer, tag, comm.timeout)
+    return _data("send", comm, t, peer, tag)
 
 
 def receive_data(comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> DataRequest:
     """Receives into a CPU tensor (contiguous, ours) straight through MPI; returns at once."""
+    return _data("recv", comm, t, peer, tag)
+
+
+def _data(op: str, comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> DataRequest:
     raw = numpy_view(t)
+    start = comm.mpi.Isend if op == "send" else comm.mpi.Irecv
     try:
-        request = comm.mpi.Irecv(raw, source=peer, tag=tag)
+        request = start(raw, peer, tag)  # dest or source, then tag
     except MPI.Exception:
-        _usable(comm, "recv")
+        _usable(comm, op)
         raise
-    return DataRequest("recv", request, t, raw, peer, tag, comm.timeout)
+    return DataRequest(op, request, t, raw, peer, tag, comm.timeout)
 
 
 def _usable(comm: Communicator, op: str) -> None:
