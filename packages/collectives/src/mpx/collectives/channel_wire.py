@@ -42,7 +42,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator
-from mpx.collectives.dtypes import numpy_view
+from mpx.collectives.dtypes import numpy_view, wire_view
 from mpx.collectives.errors import CollectiveTimeout, MPXValueError
 from mpx.collectives.handle import Backoff, Handle, Steps
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
@@ -328,13 +328,12 @@ class DataRequest(HeadRequest):
         op: str,
         request: MPI.Request,
         tensor: torch.Tensor,
-        raw: np.ndarray,
         peer: int,
         tag: int,
         timeout: float | None,
     ) -> None:
-        super().__init__(op, request, raw, peer, timeout)
-        self._tensor, self._tag = tensor, tag
+        super().__init__(op, request, _NO_HEAD, peer, timeout)
+        self._tensor, self._tag = tensor, tag  # the tensor: MPI's memory stays alive
 
     def _result_or_raise(self) -> int:
         error = self._error
@@ -359,15 +358,26 @@ def receive_data(comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> Da
     return _data("recv", comm, t, peer, tag)
 
 
+_NO_HEAD = np.empty(0, dtype=np.uint8)  # a data part's HeadRequest.raw: it has no first part
+_MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {}
+
+
 def _data(op: str, comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> DataRequest:
-    raw = numpy_view(t)
+    # The memory by its address, with the datatype mpi4py reads off the numpy view
+    # send/recv hand it (bfloat16 as int16): 0.3 us where making that view takes 3.5.
+    wire = wire_view(t)
+    kind = _MPI_TYPES.get(wire.dtype)
+    if kind is None:
+        code = numpy_view(torch.empty(0, dtype=wire.dtype)).dtype.char
+        kind = _MPI_TYPES[wire.dtype] = MPI.Datatype.fromcode(code)
+    message = [MPI.buffer.fromaddress(wire.data_ptr(), wire.nbytes), kind]
     start = comm.mpi.Isend if op == "send" else comm.mpi.Irecv
     try:
-        request = start(raw, peer, tag)  # dest or source, then tag
+        request = start(message, peer, tag)  # dest or source, then tag
     except MPI.Exception:
         _usable(comm, op)
         raise
-    return DataRequest(op, request, t, raw, peer, tag, comm.timeout)
+    return DataRequest(op, request, t, peer, tag, comm.timeout)
 
 
 def _usable(comm: Communicator, op: str) -> None:
