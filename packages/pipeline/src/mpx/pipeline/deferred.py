@@ -50,6 +50,7 @@ __all__ = [
     "Product",
     "Record",
     "Records",
+    "accumulate",
     "held_bytes",
     "weight_grads",
 ]
@@ -161,16 +162,19 @@ class Product(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-def _accumulate(t: torch.Tensor, g: torch.Tensor) -> None:
-    if t.grad is None:
-        # A tensor of its own, as AccumulateGrad stores, never ``g`` itself: where
-        # the weight's gradient is its operation's output gradient passed through
-        # (``x + W`` with W of the output's shape), ``g`` is the gradient the
-        # next stage sent, a pooled receive buffer that the next message refills
-        # after W (a second step's gradients came out wrong so).
-        t.grad = g.clone(memory_format=torch.contiguous_format)
-    else:
-        t.grad.add_(g)
+def accumulate(t: torch.Tensor, g: torch.Tensor) -> None:
+    """Adds a weight gradient ``W`` computed to ``t.grad`` (both W paths: records here,
+    a kept graph in :mod:`mpx.pipeline.retained`)."""
+    with torch.no_grad():
+        if t.grad is None:
+            # A tensor of its own, as AccumulateGrad stores, never ``g`` itself: where
+            # the weight's gradient is its operation's output gradient passed through
+            # (``x + W`` with W of the output's shape), ``g`` is the gradient the
+            # next stage sent, a pooled receive buffer that the next message refills
+            # after W (a second step's gradients came out wrong so).
+            t.grad = g.clone(memory_format=torch.contiguous_format)
+        else:
+            t.grad.add_(g)
 
 
 def _products(records: list[Record]) -> None:
@@ -183,7 +187,7 @@ def _products(records: list[Record]) -> None:
         else:
             weight.grad.addmm_(a, b)  # no temporary, one pass over .grad
         if bias is not None and bias.requires_grad:
-            _accumulate(bias, g2.sum(0))
+            accumulate(bias, g2.sum(0))
 
 
 def _locals(ops: list[Local]) -> None:
@@ -200,7 +204,7 @@ def _locals(ops: list[Local]) -> None:
     weights = [w for op in ops for w in op.weights]
     for w, g in zip(weights, got, strict=True):
         if g is not None:
-            _accumulate(w, g)
+            accumulate(w, g)
 
 
 def weight_grads(records: Records) -> None:

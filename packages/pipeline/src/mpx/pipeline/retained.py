@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from mpx.pipeline.deferred import accumulate
+
 __all__ = ["Kept", "input_grad", "weight_starts"]
 
 
@@ -103,16 +105,6 @@ def _saver(start: _Start) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
     return hook
 
 
-def _accumulate(w: torch.Tensor, gw: torch.Tensor) -> None:
-    with torch.no_grad():
-        if w.grad is None:
-            # A copy, never ``gw`` itself: it may be the output gradient passed
-            # through, a pooled receive buffer refilled after W (see deferred).
-            w.grad = gw.clone(memory_format=torch.contiguous_format)
-        else:
-            w.grad.add_(gw)
-
-
 def _from_starts(starts: list[_Start], weights: list[torch.Tensor]) -> None:
     """``W`` from the starts: in groups whose input-path children reach none of the
     group's weights (one autograd call per group, not per node: the nodes of
@@ -145,7 +137,7 @@ def _from_starts(starts: list[_Start], weights: list[torch.Tensor]) -> None:
         )
         for w, gw in zip(chosen, got, strict=True):
             if gw is not None:
-                _accumulate(w, gw)
+                accumulate(w, gw)
 
 
 @dataclass
@@ -173,7 +165,7 @@ class Kept:
             )
             for w, gw in zip(needs, got, strict=True):
                 if gw is not None:
-                    _accumulate(w, gw)
+                    accumulate(w, gw)
         self.starts, self.needs = [], []
 
 
