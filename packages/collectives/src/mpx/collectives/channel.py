@@ -105,7 +105,6 @@ from mpx.collectives.channel_wire import (
 )
 from mpx.collectives.checks import check_rank, check_tensor
 from mpx.collectives.communicator import CommLike, as_communicator
-from mpx.collectives.dispatch import count_payload
 from mpx.collectives.errors import (
     MPXError,
     MPXTypeError,
@@ -433,14 +432,12 @@ class Channel(Settling):
         if wire.is_cuda:
             return send(wire, peer, tag, comm=self.comm, async_op=True)
         # A CPU tensor: the MPI call ``send`` ends as, made here (channel_wire.DataRequest).
-        count_payload(wire.numel() * wire.element_size())
         return send_data(self.comm, wire, peer, tag)
 
     def _recv(self, buf: torch.Tensor, peer: int, tag: int) -> Handle[Any]:
         if buf.is_cuda:
             handle: Handle[Any] = recv(buf, peer, tag, comm=self.comm, async_op=True)
         else:
-            count_payload(buf.numel() * buf.element_size())
             handle = receive_data(self.comm, buf, peer, tag)
         self._posted[(peer, tag)] += 1
         return handle

@@ -42,9 +42,11 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives.communicator import Communicator
+from mpx.collectives.dispatch import count_payload
 from mpx.collectives.dtypes import numpy_view, wire_view
 from mpx.collectives.errors import CollectiveTimeout, MPXValueError
 from mpx.collectives.handle import Backoff, Handle, Steps
+from mpx.collectives.impl_mpi import truncated
 from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
 
 __all__ = [
@@ -338,14 +340,11 @@ class DataRequest(HeadRequest):
 
     def _result_or_raise(self) -> int:
         error = self._error
-        if isinstance(error, MPI.Exception) and error.Get_error_class() == MPI.ERR_TRUNCATE:
-            t = self._tensor
-            raise MPXValueError(
-                f"recv: the message from rank {self._peer}, tag {self._tag} is larger than the "
-                f"receive buffer ({str(t.dtype).replace('torch.', '')}{list(t.shape)}, "
-                f"{t.numel() * t.element_size()} bytes); receive into a tensor of the shape and "
-                "dtype the sender sent"
-            ) from None
+        if isinstance(error, MPI.Exception):
+            where = f"rank {self._peer}, tag {self._tag}"
+            clear = truncated(error, self._tensor, where)
+            if clear is not error:
+                raise clear from None
         return super()._result_or_raise()
 
 
@@ -378,6 +377,7 @@ def _data(op: str, comm: Communicator, t: torch.Tensor, peer: int, tag: int) -> 
     except MPI.Exception:
         _usable(comm, op)
         raise
+    count_payload(wire.nbytes)  # as send and recv count theirs
     return DataRequest(op, request, t, peer, tag, comm.timeout)
 
 

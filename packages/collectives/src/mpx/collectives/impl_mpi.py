@@ -167,6 +167,18 @@ def send(comm: Communicator, t: torch.Tensor, dest: int, tag: int) -> Steps[None
     yield Requests([comm.mpi.Isend(buf, dest=dest, tag=tag)], peers=[dest])
 
 
+def truncated(error: MPI.Exception, t: torch.Tensor, where: str) -> Exception:
+    """A receive's MPI ``error``, as the clear error it means where the message was
+    longer than the buffer ``t`` (``where``: "rank 1, tag 3")."""
+    if error.Get_error_class() != MPI.ERR_TRUNCATE:
+        return error
+    return MPXValueError(
+        f"recv: the message from {where} is larger than the receive buffer "
+        f"({str(t.dtype).replace('torch.', '')}{list(t.shape)}, {t.numel() * t.element_size()}"
+        " bytes); receive into a tensor of the shape and dtype the sender sent"
+    )
+
+
 class _Receive(Requests):
     """A receive whose message is longer than its buffer raises a clear error, not MPI's."""
 
@@ -178,14 +190,7 @@ class _Receive(Requests):
         self.where = f"rank {source}, tag {tag}"
 
     def _truncated(self, error: MPI.Exception) -> Exception:
-        if error.Get_error_class() != MPI.ERR_TRUNCATE:
-            return error
-        t = self.tensor
-        return MPXValueError(
-            f"recv: the message from {self.where} is larger than the receive buffer "
-            f"({str(t.dtype).replace('torch.', '')}{list(t.shape)}, {t.numel() * t.element_size()}"
-            " bytes); receive into a tensor of the shape and dtype the sender sent"
-        )
+        return truncated(error, self.tensor, self.where)
 
     def test(self) -> bool:
         try:
