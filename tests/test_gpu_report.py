@@ -290,6 +290,11 @@ def test_the_pipeline_part_runs_under_cpu_smoke(tmp_path: Path) -> None:
     for row in ("mpx 1f1b", "mpx interleaved_zb", "mpx zbv", "mpx async step_every=8"):
         assert re.search(rf"^\| {re.escape(row)} \| 8 \| \d+ \|", text, re.MULTILINE), text
     assert re.search(r"^\| interleaved_zb ≥ 1\.1× mpx 1f1b \(m=8\) \| [\d.]+× \|$", text, re.M)
+    # The ceiling at the measured pass costs, and each synchronous row's bound (ms; step ÷ it).
+    assert re.search(
+        r"^\| the most its layout gains at the measured pass costs .*\| [\d.]+× \|$", text, re.M
+    )
+    assert re.search(r"^\| mpx interleaved_zb \| 8 \|.*\| \d+ \([\d.]+×\) \|$", text, re.M), text
     assert "torch Schedule" not in text  # --only: the targets' rows, not torch's
     assert re.search(r"\| pipeline-cpu \| 1 \| \d+ \| [\d.]+ \| passed \|", text), text
 

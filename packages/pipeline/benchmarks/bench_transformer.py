@@ -32,7 +32,14 @@ bytes saved for backward alive at once on any rank, counted by
 ``torch.autograd.graph.saved_tensors_hooks``, parameters left out, plus for mpx
 what the split backward keeps for its W passes outside the graph:
 ``Pipeline.deferred_bytes``, sampled at each save), and each rank's CPU time
-over the wall time.
+over the wall time; and for mpx's synchronous rows the bound at the measured pass
+costs: the step's lists, as the executor ran them, timed against the data
+dependencies at that step's own per-pass times (``F``, ``B``, ``I``, ``W`` per
+virtual stage, the median over micro-batches; messages free), the median over
+samples, beside the step ÷ it (the executor's and the messages' share). 1f1b's
+bound over interleaved_zb's is the most the zero-bubble layout can gain over 1F1B
+at the costs this machine gave its passes, its split backward's own cost
+included: the ceiling of the ZB target's line.
 
 ``--variable``: every step draws its own sequence length (32, 64, 96 or 128
 tokens, the same on every rank). mpx's schedules take each as it comes (a
@@ -355,7 +362,7 @@ def measure() -> None:
                 CHUNKS,
                 mpx_step,
                 lambda pipe=pipe: pipe.busy_seconds,
-                lambda pipe=pipe: [(a.kind, s, e) for a, s, e in pipe.trace],
+                lambda pipe=pipe: [(a.kind, a.mb, a.stage, s, e) for a, s, e in pipe.trace],
                 theory,
                 counter(pipe.parameters(), deferred_of(pipe)),
             )
@@ -391,6 +398,7 @@ def measure() -> None:
 
     samples: list[list[float]] = [[] for _ in configs]
     bubbles: list[list[float]] = [[] for _ in configs]
+    bounds: list[list[float]] = [[] for _ in configs]  # the lists timed at the step's costs
     cpu_shares: list[list[float]] = [[] for _ in configs]
     for repeat in range(REPEATS + 1):  # the first round warms up
         for i, (label, _, fn, busy, trace, _, saved) in enumerate(configs):
@@ -418,12 +426,18 @@ def measure() -> None:
                 if busy is not None and "async" in label:
                     bubbles[i].append(1 - busy() / wall)
                 for mine in measured:  # the executor's own trace, every rank's
-                    bubbles[i].append(measured_bubble(raw.allgather(mine)))
+                    traces = raw.allgather(mine)
+                    bubbles[i].append(
+                        measured_bubble([[(k, s, e) for k, _, _, s, e in row] for row in traces])
+                    )
+                    bounds[i].append(pass_cost_bound(traces))
     for pipe, popt in pipes:
         pipe.flush(popt)
     dist.destroy_process_group()
 
-    rows: list[tuple[str, int | None, float, float | None, float | None, float, int]] = []
+    rows: list[
+        tuple[str, int | None, float, float | None, float | None, float, int, float | None]
+    ] = []
     for i, (label, m, _, _, _, theory, saved) in enumerate(configs):
         # Each sample's slowest rank, then the fastest sample: on a shared
         # machine the other jobs only ever add time, so the minimum is the
@@ -437,20 +451,46 @@ def measure() -> None:
             bubble = float(raw.allreduce(mine)) / p if "async" in label else mine
         cpu_share = float(raw.allreduce(statistics.median(cpu_shares[i]))) / p
         peak = int(raw.allreduce(0 if saved is None else saved.peak, op=MPI.MAX))
-        rows.append((label, m, t, bubble, theory, cpu_share, peak))
+        bound = statistics.median(bounds[i]) if bounds[i] else None
+        rows.append((label, m, t, bubble, theory, cpu_share, peak, bound))
     if rank == 0:
         report(rows, torch_error, cuts)
 
 
+def pass_cost_bound(traces: list[list[tuple[str, int, int, float, float]]]) -> float:
+    """The step's lists (every rank's compute actions, in the order they ran) timed
+    against the dependencies at the step's own pass costs (per kind and virtual
+    stage, the median over its micro-batches), sends and receives free: the
+    shortest step this layout allows at these costs. The executor's
+    overhead and the messages' latency are what the step takes beyond it; one
+    schedule's bound over another's is the most its layout can gain at these costs
+    (a zero-bubble layout pays its split backward's costs here too)."""
+    from mpx.pipeline.actions import COMPUTE, Action
+    from mpx.pipeline.timing import timeline
+
+    lists = [[Action(k, mb, s) for k, mb, s, _, _ in row if k in COMPUTE] for row in traces]
+    stages = 1 + max(a.stage for row in lists for a in row)
+    durations: dict[tuple[str, int], list[float]] = {}
+    for row in traces:
+        for k, _, s, start, end in row:
+            if k in COMPUTE:
+                durations.setdefault((k, s), []).append(end - start)
+    costs = {
+        k: [statistics.median(durations.get((k, s), [0.0])) for s in range(stages)] for k in COMPUTE
+    }
+    return max(end for row in timeline(lists, costs) for _, end, _ in row)
+
+
 def report(
-    rows: list[tuple[str, int | None, float, float | None, float | None, float, int]],
+    rows: list[tuple[str, int | None, float, float | None, float | None, float, int, float | None]],
     torch_error: str,
     cuts: dict[tuple[int, str], list[int]],
 ) -> None:
     tokens = BATCH * (statistics.mean(LENGTHS) if VARIABLE else SEQUENCE)
     times = {r[0]: r[2] for r in rows}
     t_single = times.get("single process (whole model)")
-    for label, m, t, bubble, theory, cpu_share, peak in rows:
+    bounds = {r[0]: r[7] for r in rows}
+    for label, m, t, bubble, theory, cpu_share, peak, at_costs in rows:
         kind = label.split()[1] if label.startswith("mpx") else ""
         peer = f"torch {SCHEDULES[kind][0]}" if kind in SCHEDULES else None
         vs_torch = f"{times[peer] / t:.2f}" if peer in times else "-"
@@ -460,7 +500,8 @@ def report(
             f"{'-' if t_single is None else f'{t_single / t:.2f}'} | {vs_torch} | "
             f"{'-' if bubble is None else f'{bubble:.2f}'} | "
             f"{'-' if theory is None else f'{theory:.2f}'} | {bound} | "
-            f"{peak / 2**20:.1f} | {cpu_share:.2f} |",
+            f"{peak / 2**20:.1f} | {cpu_share:.2f} | "
+            f"{'-' if at_costs is None else f'{at_costs * 1e3:.0f} ({t / at_costs:.2f}×)'} |",
             flush=True,
         )
     best_sync = min((times[f"mpx {k}"] for k in SCHEDULES if f"mpx {k}" in times), default=None)
@@ -474,6 +515,12 @@ def report(
             print(f"| mpx {kind} ≥ 1.0× torch's | {times[peer] / times[f'mpx {kind}']:.2f}× |")
     if one_f and zb:
         print(f"| interleaved_zb ≥ 1.1× mpx 1f1b (m={CHUNKS}) | {one_f / zb:.2f}× |")
+        one_f_bound, zb_bound = bounds.get("mpx 1f1b"), bounds.get("mpx interleaved_zb")
+        if one_f_bound and zb_bound:
+            print(
+                "| the most its layout gains at the measured pass costs (1f1b's bound ÷ "
+                f"interleaved_zb's) | {one_f_bound / zb_bound:.2f}× |"
+            )
     if asy and best_sync:
         among = " (of those timed)" if ONLY else ""
         print(f"| async ≥ 1.1× the best synchronous schedule{among} | {best_sync / asy:.2f}× |")
@@ -551,9 +598,9 @@ def main() -> None:
     print(
         "| config | m | tokens/s | × single process | mpx ÷ torch (same schedule) | "
         "measured bubble | theory | compute bound | peak activations (MiB, a rank) | "
-        "CPU time ÷ wall, per rank |"
+        "CPU time ÷ wall, per rank | bound at the measured pass costs (ms; step ÷ it) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
     subprocess.run(
         [mpxrun, "-n", str(args.stages), "--timeout", "1800", "--", sys.executable,
