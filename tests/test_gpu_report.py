@@ -295,6 +295,12 @@ def test_the_pipeline_part_runs_under_cpu_smoke(tmp_path: Path) -> None:
         r"^\| the most its layout gains at the measured pass costs .*\| [\d.]+× \|$", text, re.M
     )
     assert re.search(r"^\| mpx interleaved_zb \| 8 \|.*\| \d+ \([\d.]+×\) \|$", text, re.M), text
+    assert re.search(r"^\| mpx async step_every=8 \| 8 \|.*\| \d+ \([\d.]+×\) \|$", text, re.M), (
+        text
+    )
+    assert re.search(
+        r"^\| the most async gains at the measured pass costs .*\| [\d.]+× \|$", text, re.M
+    )
     assert "torch Schedule" not in text  # --only: the targets' rows, not torch's
     assert re.search(r"\| pipeline-cpu \| 1 \| \d+ \| [\d.]+ \| passed \|", text), text
 

@@ -36,10 +36,12 @@ over the wall time; and for mpx's synchronous rows the bound at the measured pas
 costs: the step's lists, as the executor ran them, timed against the data
 dependencies at that step's own per-pass times (``F``, ``B``, ``I``, ``W`` per
 virtual stage, the median over micro-batches; messages free), the median over
-samples, beside the step ÷ it (the executor's and the messages' share). 1f1b's
-bound over interleaved_zb's is the most the zero-bubble layout can gain over 1F1B
-at the costs this machine gave its passes, its split backward's own cost
-included: the ceiling of the ZB target's line.
+samples, beside the step ÷ it (the executor's and the messages' share); for
+``async`` rows, which never flush, the busiest rank's compute time of a step
+(``Pipeline.busy_seconds``). 1f1b's bound over interleaved_zb's is the most the
+zero-bubble layout can gain over 1F1B at the costs this machine gave its passes,
+its split backward's own cost included: the ceiling of the ZB target's line; the
+fastest synchronous row's bound over the fastest async row's is the async line's.
 
 ``--variable``: every step draws its own sequence length (32, 64, 96 or 128
 tokens, the same on every rank). mpx's schedules take each as it comes (a
@@ -425,6 +427,8 @@ def measure() -> None:
                 cpu_shares[i].append(cpu / wall)
                 if busy is not None and "async" in label:
                     bubbles[i].append(1 - busy() / wall)
+                    # A stream never flushes: at best a step takes its rank's compute.
+                    bounds[i].append(busy())
                 for mine in measured:  # the executor's own trace, every rank's
                     traces = raw.allgather(mine)
                     bubbles[i].append(
@@ -452,6 +456,8 @@ def measure() -> None:
         cpu_share = float(raw.allreduce(statistics.median(cpu_shares[i]))) / p
         peak = int(raw.allreduce(0 if saved is None else saved.peak, op=MPI.MAX))
         bound = statistics.median(bounds[i]) if bounds[i] else None
+        if "async" in label and bound is not None:  # per rank: the busiest one bounds
+            bound = float(raw.allreduce(bound, op=MPI.MAX))
         rows.append((label, m, t, bubble, theory, cpu_share, peak, bound))
     if rank == 0:
         report(rows, torch_error, cuts)
@@ -524,6 +530,14 @@ def report(
     if asy and best_sync:
         among = " (of those timed)" if ONLY else ""
         print(f"| async ≥ 1.1× the best synchronous schedule{among} | {best_sync / asy:.2f}× |")
+        best = next(label for label, t in times.items() if t == best_sync)
+        fastest = next(label for label, t in times.items() if t == asy)
+        sync_bound, async_bound = bounds.get(best), bounds.get(fastest)
+        if sync_bound and async_bound:
+            print(
+                f"| the most async gains at the measured pass costs ({best}'s bound ÷ "
+                f"{fastest.removeprefix('mpx ')}'s compute) | {sync_bound / async_bound:.2f}× |"
+            )
     shapes = {(1, "loop"): "one chunk a rank", (2, "loop"): "two, looped", (2, "v"): "two, a V"}
     print(
         "\nLayers per virtual stage (`split_times` over layer times measured on rank 0, "
