@@ -6,6 +6,8 @@ splits over ``world().size`` stages; nox runs the file under 1, 2 and 3 ranks.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -404,3 +406,51 @@ def test_pass_costs_move_the_w_passes_not_the_results(schedule: str) -> None:
     model, balance = make_model(n)
     with pytest.raises(PipelineError, match="pass_costs='fast' is not 'measured', 'unit'"):
         Pipeline(model, balance, chunks=chunks, schedule=schedule, pass_costs="fast")
+
+
+class Stall(nn.Module):
+    """Passes its input on, sleeping first while :attr:`on` is set (a disturbed call)."""
+
+    on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if Stall.on:
+            time.sleep(0.02)
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv"])
+def test_one_disturbed_call_does_not_set_the_measured_layout(schedule: str) -> None:
+    """pass_costs="measured": the passes' times are every pass's median over the calls
+    MEASURE_AT to MEASURE_AT + MEASURE_CALLS - 1; a call whose stage-0 forwards stalled
+    sets the layout only until the calls after it outvote it, and calls after those are
+    not timed."""
+    from mpi4py import MPI
+
+    from mpx.pipeline.pipeline import MEASURE_AT, MEASURE_CALLS
+
+    comm = world()
+    n = comm.size * 2
+    model, balance = make_model(n)
+    model, balance = nn.Sequential(Stall(), *model), [balance[0] + 1, *balance[1:]]
+    x, y = data()
+    chunks = 2 * comm.size
+    x, y = x[: 2 * chunks], y[: 2 * chunks]
+    pipe = Pipeline(model, balance, chunks=chunks, schedule=schedule, stages_per_rank=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    costs = []
+    try:
+        for call in range(1, MEASURE_AT + MEASURE_CALLS + 1):
+            Stall.on = call == MEASURE_AT
+            pipe.step(x, y, nn.functional.cross_entropy, opt)
+            costs.append(pipe.pass_costs)
+    finally:
+        Stall.on = False
+    stalled, settled = costs[MEASURE_AT - 1], costs[MEASURE_AT + MEASURE_CALLS - 2]
+    assert stalled is not None
+    assert settled is not None
+    # 20 ms a forward against a block's fraction of a millisecond: by far the dearest pass.
+    assert stalled["F"][0] > 10 * max(stalled["F"][1:]), stalled
+    assert settled["F"][0] < 10 * max(settled["F"][1:]), settled
+    assert costs[-1] == settled
+    assert MPI.COMM_WORLD.allgather(settled) == [settled] * comm.size

@@ -40,14 +40,14 @@ from mpx.pipeline.partition import (
 )
 from mpx.pipeline.passes import LossFn, StagePasses
 from mpx.pipeline.replicas import ReplicaGradients, compression_config, model_names
-from mpx.pipeline.runtime import MEASURE_AT, AsyncOptions, Runtime
+from mpx.pipeline.runtime import MEASURE_AT, MEASURE_CALLS, AsyncOptions, Runtime
 from mpx.pipeline.schedule import spec as schedule_spec
 from mpx.pipeline.schedule import stages_per_rank as _chunks_per_rank
 from mpx.pipeline.stage import Stage
 from mpx.pipeline.stale import AsyncHooks
 from mpx.pipeline.transport import wait_for
 
-__all__ = ["MEASURE_AT", "Pipeline"]
+__all__ = ["MEASURE_AT", "MEASURE_CALLS", "Pipeline"]
 
 CHECKPOINTS = ("never", "except_last", "always")
 """The values of ``Pipeline(checkpoint=...)`` (synchronous schedules)."""
@@ -83,10 +83,11 @@ class Pipeline(nn.Module):
             every chunk is an asynchronous stage of its own.
         pass_costs: ``interleaved_zb`` and ``zbv`` lay their ``W`` out by the
             passes' times (:data:`~mpx.pipeline.schedule.TIMED`):
-            ``"measured"`` (default) takes them from training call
-            :data:`MEASURE_AT`'s trace, the median ``F``, ``I`` and ``W`` of
-            each virtual stage, shared by every rank, and lays out the calls
-            after it with them; ``"unit"`` keeps the Zero Bubble paper's unit
+            ``"measured"`` (default) takes them from the traces of
+            :data:`MEASURE_CALLS` training calls from :data:`MEASURE_AT` on, the
+            median ``F``, ``I`` and ``W`` of each virtual stage, shared by every
+            rank, and after each of them lays out the calls after it by the
+            medians over the calls timed so far; ``"unit"`` keeps the Zero Bubble paper's unit
             costs; or a :data:`~mpx.pipeline.schedule.PassCosts` mapping. The
             layout changes when passes run, never what they compute (each
             stage runs its passes in micro-batch order): losses and gradients

@@ -35,11 +35,18 @@ from mpx.pipeline.stage import Stage
 from mpx.pipeline.stale import AsyncHooks
 from mpx.pipeline.timing import stopped_grid
 
-__all__ = ["MEASURE_AT", "AsyncOptions", "Runtime"]
+__all__ = ["MEASURE_AT", "MEASURE_CALLS", "AsyncOptions", "Runtime"]
 
 MEASURE_AT = 2
-"""``pass_costs="measured"``: the training call whose trace the passes' times come
+"""``pass_costs="measured"``: the first training call whose trace the passes' times come
 from (the first pays one-time costs: allocations, lazy initialisation)."""
+MEASURE_CALLS = 5
+"""``pass_costs="measured"``: the calls from :data:`MEASURE_AT` on that are timed; after
+each the lists are laid out again by every pass's median over the calls timed so far.
+One call's times alone set a layout for good: on a shared 2-core machine a
+disturbed call gave a layout up to 6 % longer at the passes' true times (a
+simulation with 10 % noise per pass), and the ZB-H1 layout's gain over 1F1B
+read 1.00-1.09x between runs."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,7 @@ class Runtime:
         self.costs = None if isinstance(pass_costs, str) else pass_costs
         self.measure = pass_costs == "measured" and spec.timed
         self.training_calls = 0  # successful synchronous ones (pass_costs="measured")
+        self.timings: list[torch.Tensor] = []  # the passes' times of each call timed
         # A schedule that cannot run these sizes (or bad costs) says so now, alike on every
         # rank. The list is kept: laying out a zero-bubble one takes milliseconds (68 at
         # 4 ranks and 16 micro-batches), every call would pay them.
@@ -242,7 +250,7 @@ class Runtime:
         self.sum_tied()
         undo.keep()
         self.training_calls += 1
-        if self.measure and self.training_calls == MEASURE_AT:
+        if self.measure and 0 <= self.training_calls - MEASURE_AT < MEASURE_CALLS:
             self.costs = self.measured_costs()
             self.actions = self.lay_out()
         self.replicas.average()
@@ -500,7 +508,8 @@ class Runtime:
         )
 
     def measured_costs(self) -> PassCosts:
-        """Every virtual stage's median ``F``, ``I`` and ``W`` of the last call, on every rank.
+        """Every virtual stage's median ``F``, ``I`` and ``W`` over the calls timed so far
+        (each call's the median over its micro-batches), on every rank.
 
         Each rank times its own stages and an allreduce shares them. They are
         rounded to quarters of the cheapest pass, so timing noise between
@@ -518,6 +527,8 @@ class Runtime:
                 ]
                 times[row, s] = float(torch.tensor(took).median()) if took else 0.0
         allreduce(times, "sum", comm=self.comm)
+        self.timings.append(times)
+        times = torch.stack(self.timings).median(dim=0).values  # alike on every rank
         quarter = float(times.min()) / 4
         if not quarter > 0:  # a pass that took no measurable time: keep the unit costs
             return {k: [1.0] * n for k in kinds}
