@@ -46,7 +46,7 @@ each the lists are laid out again by every pass's median over the calls timed so
 One call's times alone set a layout for good: on a shared 2-core machine a
 disturbed call gave a layout up to 6 % longer at the passes' true times (a
 simulation with 10 % noise per pass), and the ZB-H1 layout's gain over 1F1B
-read 1.00-1.09x between runs."""
+read 1.00-1.08x between runs."""
 
 
 @dataclass(frozen=True)
