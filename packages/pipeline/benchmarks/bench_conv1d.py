@@ -17,9 +17,13 @@ on gloo, with the same cut (``split_times`` over layer times measured on rank
 0) and m: the median over ``ROUNDS`` rounds of a training step's time (each
 round: a barrier, one untimed step, then ``STEPS`` steps timed; the slowest
 rank), taken round-robin over the configurations so that load changes hit
-all alike; tokens/s, the time over mpx's 1f1b, mpx ÷ torch, and the peak of
+all alike; tokens/s, the time over mpx's 1f1b, mpx ÷ torch, the peak of
 the bytes saved for backward alive at once on a rank plus (mpx) what the
-split backward keeps for ``W`` (``Pipeline.deferred_bytes``). One intra-op
+split backward keeps for ``W`` (``Pipeline.deferred_bytes``), and for mpx's
+rows the bound at the measured pass costs (``bench_transformer.pass_cost_bound``
+of each round's last step, the median over rounds) with the step ÷ it and the
+bound ÷ mpx 1f1b's: what the schedule's layout allows at the costs its passes
+took, the ceiling of the ``÷ mpx 1f1b`` column. One intra-op
 thread per rank. Progress goes to stderr.
 """
 
@@ -158,6 +162,7 @@ def measure() -> None:
     # saved-bytes counter, its barrier and its torch schedules.
     shared = importlib.import_module("bench_transformer")
     loss_fn, SavedBytes, polite_barrier = shared.loss_fn, shared.SavedBytes, shared.polite_barrier
+    pass_cost_bound = shared.pass_cost_bound
 
     comm, raw, x, y, times = _inputs(polite_barrier)
     rank, p = comm.rank, comm.size
@@ -171,7 +176,7 @@ def measure() -> None:
     def counter(params: Any, deferred: Any = lambda: 0) -> Any:
         return SavedBytes({q.untyped_storage().data_ptr() for q in params}, deferred)
 
-    configs: list[tuple[str, Any, Any]] = []
+    configs: list[tuple[str, Any, Any, Pipeline | None]] = []  # label, step, counter, pipe
     pipes = []
     for schedule, (_, v) in SCHEDULES.items():
         opts: dict[str, Any] = {"stages_per_rank": v} if v > 1 else {}
@@ -187,7 +192,7 @@ def measure() -> None:
         def deferred(pipe: Pipeline = pipe) -> int:
             return pipe.deferred_bytes
 
-        configs.append((f"mpx {schedule}", mpx_step, counter(pipe.parameters(), deferred)))
+        configs.append((f"mpx {schedule}", mpx_step, counter(pipe.parameters(), deferred), pipe))
 
     init_torch_env()
     dist.init_process_group("gloo")
@@ -211,13 +216,14 @@ def measure() -> None:
                 topt.step()
 
             torch_step()  # torch's stages exchange shapes here
-            configs.append((f"torch {schedule}", torch_step, counter(params)))
+            configs.append((f"torch {schedule}", torch_step, counter(params), None))
         except Exception as error:
             torch_error += f" {name}: {type(error).__name__}: {error}"[:200]
 
     samples: list[list[float]] = [[] for _ in configs]
+    bounds: list[list[float]] = [[] for _ in configs]  # mpx: the round's last step's bound
     for repeat in range(ROUNDS + 1):  # the first round warms up
-        for i, (label, fn, saved) in enumerate(configs):
+        for i, (label, fn, saved, traced) in enumerate(configs):
             if rank == 0:
                 print(f"round {repeat}/{ROUNDS}: {label}", file=sys.stderr, flush=True)
             polite_barrier(raw)
@@ -228,16 +234,20 @@ def measure() -> None:
                     fn()
             if repeat:
                 samples[i].append((time.perf_counter() - start) / STEPS)
+                if traced is not None:  # bench_transformer's bound at the measured pass costs
+                    trace = [(a.kind, a.mb, a.stage, b, e) for a, b, e in traced.trace]
+                    bounds[i].append(pass_cost_bound(raw.allgather(trace)))
     for pipe, popt in pipes:
         pipe.flush(popt)
     dist.destroy_process_group()
 
     rows = []
-    for i, (label, _, saved) in enumerate(configs):
+    for i, (label, _, saved, _) in enumerate(configs):
         slowest = np.array(samples[i])
         raw.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
         peak = int(raw.allreduce(saved.peak, op=MPI.MAX))
-        rows.append((label, float(np.median(slowest)), peak))
+        bound = float(np.median(bounds[i])) if bounds[i] else None
+        rows.append((label, float(np.median(slowest)), peak, bound))
     if rank == 0:
         report(rows, torch_error)
 
@@ -300,16 +310,20 @@ def actions() -> None:
             print(row, flush=True)
 
 
-def report(rows: list[tuple[str, float, int]], torch_error: str) -> None:
-    times = {label: t for label, t, _ in rows}
+def report(rows: list[tuple[str, float, int, float | None]], torch_error: str) -> None:
+    times = {label: t for label, t, _, _ in rows}
     one_f = times["mpx 1f1b"]
-    for label, t, peak in rows:
+    one_f_bound = next(bound for label, _, _, bound in rows if label == "mpx 1f1b")
+    for label, t, peak, bound in rows:
         kind = label.split()[1]
         other = times.get(f"{'torch' if label.startswith('mpx') else 'mpx'} {kind}")
         vs = "-" if other is None or label.startswith("torch") else f"{other / t:.2f}"
+        at_costs = "-"
+        if bound is not None and one_f_bound is not None:
+            at_costs = f"{bound * 1e3:.1f} ({t / bound:.2f}×; {bound / one_f_bound:.2f})"
         print(
             f"| {label} | {BATCH * SEQUENCE / t:.0f} | {t * 1e3:.1f} | {t / one_f:.2f} | "
-            f"{vs} | {peak / 2**20:.1f} |",
+            f"{vs} | {peak / 2**20:.1f} | {at_costs} |",
             flush=True,
         )
     if torch_error:
@@ -349,7 +363,8 @@ def main() -> None:
         if not args.actions:  # (--actions prints its own table)
             print(
                 "| config | tokens/s | ms a step | ÷ mpx 1f1b | mpx ÷ torch (speed-up) | "
-                "peak activations (MiB, a rank) |\n|---|---|---|---|---|---|",
+                "peak activations (MiB, a rank) | bound at the measured pass costs (ms; "
+                "step ÷ it; ÷ mpx 1f1b's) |\n|---|---|---|---|---|---|---|",
                 flush=True,
             )
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
