@@ -125,6 +125,19 @@ def test_cluster_is_removed_on_exit() -> None:
     assert cluster.bridge not in links
 
 
+@needs_netns
+def test_clusters_made_one_after_another_in_one_process() -> None:
+    """A cluster right after another in the same process: the first one's veth ends may
+    outlive its exit for a moment (the kernel removes a namespace in the background),
+    and the same interface names again failed with "File exists"."""
+    made = []
+    for nodes in (3, 2, 2):
+        with VirtualCluster(nodes) as cluster:
+            made.append((cluster.bridge, cluster.subnet))
+    assert len(set(made)) == 3, made
+    assert all(len(bridge) <= 15 for bridge, _ in made)
+
+
 def test_bad_node_counts_are_refused() -> None:
     with pytest.raises(UsageError, match="between 1 and 200"):
         VirtualCluster(0)

@@ -19,6 +19,7 @@ On a real cluster, the same job is ``mpxrun --hostfile hosts -n 4``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import stat
@@ -33,6 +34,7 @@ __all__ = ["MAX_NODES", "VirtualCluster"]
 
 # The nodes take addresses .1 to .MAX_NODES of one /24 subnet (the bridge has .254).
 MAX_NODES = 200
+_SERIALS = itertools.count()  # the clusters this process made
 
 
 def _ip(*args: str) -> None:
@@ -66,9 +68,13 @@ class VirtualCluster:
                 "--virtual-nodes needs root (network namespaces); use --hostfile on a cluster"
             )
         self.nodes = nodes
-        # Interface names are at most 15 characters: keep the id short.
-        self.id = f"{os.getpid() % 100000:05d}"
-        third = os.getpid() % 250
+        # Interface names are at most 15 characters ("mpx" + id + "v200"): an id of 8.
+        # The pid tells processes apart, the serial one process's clusters: the
+        # kernel removes a deleted namespace's veth in the background, so the same
+        # names again right after close() failed ("RTNETLINK answers: File exists").
+        serial = next(_SERIALS)
+        self.id = f"{os.getpid() % 100000:05d}{serial % 1000:03d}"
+        third = (os.getpid() + serial) % 250
         self.subnet = f"10.213.{third}"
         self.bridge = f"mpx{self.id}br"
         self.namespaces = [f"mpx{self.id}n{i + 1}" for i in range(nodes)]
