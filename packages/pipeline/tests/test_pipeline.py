@@ -408,6 +408,43 @@ def test_pass_costs_move_the_w_passes_not_the_results(schedule: str) -> None:
         Pipeline(model, balance, chunks=chunks, schedule=schedule, pass_costs="fast")
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_zb"])
+def test_a_loss_fn_may_keep_the_last_stage_output(schedule: str, checkpoint: str) -> None:
+    """A last stage that returns its input unchanged (``nn.Identity``) or as a view
+    (``nn.Flatten``): ``loss_fn`` gets a tensor of its own, not the pooled receive buffer
+    the next message refills; what it keeps (predictions for a metric) keeps its values."""
+    comm = world()
+    v = 2 if schedule == "interleaved_zb" else 1
+    n = comm.size * v
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(D, D).double() for _ in range(n - 1)]
+    model = nn.Sequential(*layers, nn.Flatten(0, -1) if n % 2 else nn.Identity())
+    pipe = Pipeline(
+        model,
+        [1] * n,
+        chunks=2,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        stages_per_rank=v if v > 1 else None,
+    )
+    kept: list[torch.Tensor] = []
+    seen: list[torch.Tensor] = []
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        kept.append(out.detach())
+        seen.append(out.detach().clone())
+        return ((out.reshape(target.shape) - target) ** 2).sum()
+
+    for seed in range(3):
+        x, _ = data(seed)
+        x = x[:4, :D].requires_grad_()  # one rank: the Identity is the whole model
+        pipe.step(x, torch.zeros(4, D, dtype=torch.float64), loss_fn)
+    assert len(kept) == (6 if pipe.last else 0) * (2 if checkpoint == "always" else 1)
+    for got, then in zip(kept, seen, strict=True):
+        assert torch.equal(got, then)
+
+
 class Stall(nn.Module):
     """Passes its input on, sleeping first while :attr:`on` is set (a disturbed call)."""
 

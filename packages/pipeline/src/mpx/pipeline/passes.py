@@ -57,6 +57,22 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target)``: the last stage's output and the target (tensors or structures)."""
 
 
+def _unpooled(y: Any, pins: list[_Pin]) -> Any:
+    """The last stage's output for ``loss_fn``, each tensor that shares memory with a
+    received buffer copied (differentiably). A last stage that returns its input, or a
+    view of it (``nn.Identity``, ``nn.Flatten``), would hand ``loss_fn`` a pooled
+    receive buffer that a later message refills: a ``loss_fn`` keeping its argument
+    (predictions for a metric) saw every kept tensor turn into the last one."""
+    pooled = {b.untyped_storage().data_ptr() for pin in pins for b in pin.bufs}
+    if not pooled:
+        return y
+    tensors, spec = flatten(y)
+    shared = [t.untyped_storage().data_ptr() in pooled for t in tensors]
+    if not any(shared):
+        return y
+    return unflatten(spec, [t.clone() if c else t for t, c in zip(tensors, shared, strict=True)])
+
+
 class _Pin:
     """Received buffers, given back to their inbox when no micro-batch chunk reads them.
 
@@ -337,6 +353,7 @@ class StagePasses:
             if s == self.virtual - 1:
                 if loss_fn is not None:
                     assert mb.target is not None
+                    y = _unpooled(y, mb.pins)
                     mb.loss = loss_fn(y, mb.target)
             elif not self._remote_next(s):
                 tensors, _ = flatten(y)
@@ -386,6 +403,7 @@ class StagePasses:
             mb.out = self._run(mb, g, mb.backward_weights)
             if mb.stage == self.virtual - 1 and loss_fn is not None:
                 assert mb.target is not None
+                mb.out = _unpooled(mb.out, mb.pins)
                 mb.loss = loss_fn(mb.out, mb.target)
 
     def _output_grads(self, j: int, mb: Micro, scale: float) -> list[tuple[torch.Tensor, Any]]:
