@@ -153,14 +153,19 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def two_chunks_a_rank(schedule: str) -> tuple[Pipeline, int]:
+    """The model on every rank's two chunks under ``schedule``, and its chunks (2 a rank)."""
+    ranks = world().size
+    pipe = Pipeline(
+        model(), balance(2 * ranks), chunks=2 * ranks, schedule=schedule, stages_per_rank=2
+    )
+    return pipe, 2 * ranks
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv"])
 def test_split_of_any_weight_equals_the_full_backward_from_records(schedule: str) -> None:
-    comm = world()
-    chunks = 2 * comm.size
-    pipe = Pipeline(
-        model(), balance(2 * comm.size), chunks=chunks, schedule=schedule, stages_per_rank=2
-    )
+    pipe, chunks = two_chunks_a_rank(schedule)
     passes = pipe._passes
     seen: list[tuple[bool, bool]] = []  # per W: records left by I, graph kept
     weight_grad = passes.weight_grad
@@ -201,11 +206,7 @@ def test_training_steps_of_the_split_equal_the_whole_models(schedule: str) -> No
     # From the second step on, chunks with a convolution or a weight used twice run
     # under the capture mode, the others from the graph: four SGD steps with momentum
     # (the batch changing every step) must stay the whole model's, weights and losses.
-    comm = world()
-    chunks = 2 * comm.size
-    pipe = Pipeline(
-        model(), balance(2 * comm.size), chunks=chunks, schedule=schedule, stages_per_rank=2
-    )
+    pipe, chunks = two_chunks_a_rank(schedule)
     ref = model()
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
