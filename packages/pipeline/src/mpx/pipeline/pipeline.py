@@ -87,8 +87,9 @@ class Pipeline(nn.Module):
             :data:`MEASURE_CALLS` training calls from :data:`MEASURE_AT` on, the
             median ``F``, ``I`` and ``W`` of each virtual stage, shared by every
             rank, and after each of them lays out the calls after it by the
-            medians over the calls timed so far; ``"unit"`` keeps the Zero Bubble paper's unit
-            costs; or a :data:`~mpx.pipeline.schedule.PassCosts` mapping. The
+            medians over the calls timed so far; ``"unit"`` keeps the Zero
+            Bubble paper's unit costs; or a
+            :data:`~mpx.pipeline.schedule.PassCosts` mapping. The
             layout changes when passes run, never what they compute (each
             stage runs its passes in micro-batch order): losses and gradients
             are bit for bit the same.
