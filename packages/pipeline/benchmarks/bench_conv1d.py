@@ -20,7 +20,7 @@ rank), taken round-robin over the configurations so that load changes hit
 all alike; tokens/s, the time over mpx's 1f1b, mpx ÷ torch, the peak of
 the bytes saved for backward alive at once on a rank plus (mpx) what the
 split backward keeps for ``W`` (``Pipeline.deferred_bytes``), and for mpx's
-rows the bound at the measured pass costs (``bench_transformer.pass_cost_bound``
+rows the bound at the measured pass costs (``step_measures.pass_cost_bound``
 of each round's last step, the median over rounds) with the step ÷ it and the
 bound ÷ mpx 1f1b's: what the schedule's layout allows at the costs its passes
 took, the ceiling of the ``÷ mpx 1f1b`` column. One intra-op
@@ -158,11 +158,12 @@ def measure() -> None:
     from mpx.pipeline import Pipeline, split_times
     from mpx.pipeline.schedule import placement, rank_of
 
-    # The transformer's bench (this folder is on the path): its loss, its
-    # saved-bytes counter, its barrier and its torch schedules.
+    # The transformer's bench (this folder is on the path): its loss, its barrier
+    # and its torch schedules.
     shared = importlib.import_module("bench_transformer")
-    loss_fn, SavedBytes, polite_barrier = shared.loss_fn, shared.SavedBytes, shared.polite_barrier
-    pass_cost_bound = shared.pass_cost_bound
+    loss_fn, polite_barrier = shared.loss_fn, shared.polite_barrier
+    measures = importlib.import_module("step_measures")  # and their step measures
+    SavedBytes, pass_cost_bound = measures.SavedBytes, measures.pass_cost_bound
 
     comm, raw, x, y, times = _inputs(polite_barrier)
     rank, p = comm.rank, comm.size
@@ -234,7 +235,7 @@ def measure() -> None:
                     fn()
             if repeat:
                 samples[i].append((time.perf_counter() - start) / STEPS)
-                if traced is not None:  # bench_transformer's bound at the measured pass costs
+                if traced is not None:  # the bound at the measured pass costs
                     trace = [(a.kind, a.mb, a.stage, b, e) for a, b, e in traced.trace]
                     bounds[i].append(pass_cost_bound(raw.allgather(trace)))
     for pipe, popt in pipes:

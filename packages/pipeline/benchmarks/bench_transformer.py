@@ -62,6 +62,7 @@ Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import platform
@@ -70,7 +71,6 @@ import statistics
 import subprocess
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -151,53 +151,6 @@ def build() -> nn.Sequential:
     )
 
 
-class SavedBytes:
-    """Bytes saved for backward alive at once (by storage; parameters left out)."""
-
-    def __init__(self, params: set[int], deferred: Callable[[], int] = lambda: 0) -> None:
-        self.params = params
-        # Bytes the split backward keeps for W outside the graph (mpx's
-        # Pipeline.deferred_bytes): counted beside the saved tensors.
-        self.deferred = deferred
-        self.live: dict[int, list[int]] = {}  # storage -> [bytes, saved copies]
-        self.now = self.peak = 0
-
-    def pack(self, t: Any) -> Any:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.params:
-            return t
-        holder = _Holder(t)
-        if key in self.live:
-            self.live[key][1] += 1
-        else:
-            self.live[key] = [storage.nbytes(), 1]
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now + self.deferred())
-        weakref.finalize(holder, self._drop, key)
-        return holder
-
-    def _drop(self, key: int) -> None:
-        entry = self.live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[key]
-
-    @staticmethod
-    def unpack(holder: Any) -> Any:
-        return holder.t if isinstance(holder, _Holder) else holder
-
-
-class _Holder:
-    __slots__ = ("__weakref__", "t")
-
-    def __init__(self, t: Any) -> None:
-        self.t = t
-
-
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     from torch import nn
 
@@ -264,6 +217,8 @@ def measure() -> None:
     from mpx.pipeline.partition import layer_times
     from mpx.pipeline.schedule import TIMED, placement, rank_of
 
+    # This folder is on the path (the script's own): what bench_conv1d counts the same way.
+    measures = importlib.import_module("step_measures")
     torch.set_num_threads(1)
     comm = world()
     raw = MPI.COMM_WORLD
@@ -319,8 +274,8 @@ def measure() -> None:
             loss_fn(serial(xs), ys).backward()
             sopt.step()
 
-    def counter(params: Any, deferred: Callable[[], int] = lambda: 0) -> SavedBytes:
-        return SavedBytes({q.untyped_storage().data_ptr() for q in params}, deferred)
+    def counter(params: Any, deferred: Callable[[], int] = lambda: 0) -> Any:
+        return measures.SavedBytes({q.untyped_storage().data_ptr() for q in params}, deferred)
 
     def deferred_of(pipe: Pipeline) -> Callable[[], int]:
         return lambda: pipe.deferred_bytes
@@ -436,7 +391,7 @@ def measure() -> None:
                     bubbles[i].append(
                         measured_bubble([[(k, s, e) for k, _, _, s, e in row] for row in traces])
                     )
-                    steps_bound.append(pass_cost_bound(traces))
+                    steps_bound.append(measures.pass_cost_bound(traces))
                 if steps_bound:  # per sample, as its time: the row reports its fastest's
                     bounds[i].append(statistics.mean(steps_bound))
     for pipe, popt in pipes:
@@ -468,30 +423,6 @@ def measure() -> None:
         rows.append((label, m, t, bubble, theory, cpu_share, peak, bound))
     if rank == 0:
         report(rows, torch_error, cuts)
-
-
-def pass_cost_bound(traces: list[list[tuple[str, int, int, float, float]]]) -> float:
-    """The step's lists (every rank's compute actions, in the order they ran) timed
-    against the dependencies at the step's own pass costs (per kind and virtual
-    stage, the median over its micro-batches), sends and receives free: the
-    shortest step this layout allows at these costs. The executor's
-    overhead and the messages' latency are what the step takes beyond it; one
-    schedule's bound over another's is the most its layout can gain at these costs
-    (a zero-bubble layout pays its split backward's costs here too)."""
-    from mpx.pipeline.actions import COMPUTE, Action
-    from mpx.pipeline.timing import timeline
-
-    lists = [[Action(k, mb, s) for k, mb, s, _, _ in row if k in COMPUTE] for row in traces]
-    stages = 1 + max(a.stage for row in lists for a in row)
-    durations: dict[tuple[str, int], list[float]] = {}
-    for row in traces:
-        for k, _, s, start, end in row:
-            if k in COMPUTE:
-                durations.setdefault((k, s), []).append(end - start)
-    costs = {
-        k: [statistics.median(durations.get((k, s), [0.0])) for s in range(stages)] for k in COMPUTE
-    }
-    return max(end for row in timeline(lists, costs) for _, end, _ in row)
 
 
 def report(
