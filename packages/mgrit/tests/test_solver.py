@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -71,9 +72,9 @@ def on_rank0(fn: Any, *args: Any) -> Any:
 # -- unit tests -----------------------------------------------------------------
 
 
-def test_layout_splits_coarsest_intervals_into_blocks() -> None:
+def test_layout_splits_the_fine_grid_into_blocks() -> None:
     lay = Layout(0.0, 5.0, nt=100, levels=2, cfactor=2, size=3, rank=1)
-    assert lay.blocks == [17, 17, 16]
+    assert lay.blocks == [34, 34, 32]  # whole fine C-intervals of 2 steps
     assert (lay.levels[0].first, lay.levels[0].count) == (34, 34)
     assert (lay.levels[1].first, lay.levels[1].count) == (17, 17)
     assert (lay.left, lay.right) == (0, 2)
@@ -81,32 +82,92 @@ def test_layout_splits_coarsest_intervals_into_blocks() -> None:
     np.testing.assert_array_equal(lay.levels[1].times, np.linspace(0, 5, 101)[::2][17:35])
 
 
+def test_every_rank_holds_fine_points_beyond_the_coarsest_intervals() -> None:
+    # 64 steps, 4 levels of cfactor 4: one coarsest interval, yet 3 ranks share the work.
+    lays = [Layout(0.0, 1.0, nt=64, levels=4, cfactor=4, size=3, rank=r) for r in range(3)]
+    assert [lay.blocks for lay in lays] == [[24, 20, 20]] * 3
+    assert [lay.levels[0].count for lay in lays] == [24, 20, 20]
+    # Level 1 (16 points): the coarse points inside each fine block.
+    assert [(lay.levels[1].first, lay.levels[1].count) for lay in lays] == [(0, 6), (6, 5), (11, 5)]
+    # Level 2 (4 points): rank 1 owns point 2 (fine 32), rank 2 points 3, 4.
+    assert [(lay.levels[2].first, lay.levels[2].count) for lay in lays] == [(0, 1), (1, 1), (2, 2)]
+    # The coarsest level (1 interval): only rank 2 owns a point, its ghost is t0.
+    assert [lay.levels[3].count for lay in lays] == [0, 0, 1]
+    assert (lays[2].levels[3].left, lays[0].levels[3].right) == (None, None)
+    # Row 0 of rank 1 on level 1 is point 6, an F-point (cfactor 4): its first C-point is row 2.
+    lv = lays[1].levels[1]
+    assert (lv.first_c, lv.c_count, lv.ends_on_c) == (2, 1, False)
+    assert lays[2].levels[1].ends_on_c
+    assert lays[0].c_counts(0) == [6, 5, 5]
+    assert [(lay.levels[2].left, lay.levels[2].right) for lay in lays] == [
+        (None, 1),
+        (0, 2),
+        (1, None),
+    ]
+
+
 def test_layout_leaves_ranks_without_points_out() -> None:
-    lays = [Layout(0.0, 1.0, nt=8, levels=3, cfactor=2, size=3, rank=r) for r in range(3)]
-    assert lays[0].blocks == [1, 1, 0]
-    assert not lays[2].active
-    assert lays[1].right is None
-    assert lays[2].left is None
-    assert lays[0].last_rank == 1
     # Explicit blocks (the adjoint's reversed layout): the first holder owns t0.
     lays = [
-        Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=r, blocks=[0, 2, 1])
+        Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=r, blocks=[0, 4, 2])
         for r in range(3)
     ]
+    assert not lays[0].active
     assert [lay.holds_start for lay in lays] == [False, True, False]
     assert list(lays[1].fine_indices()) == [0, 1, 2, 3, 4]
     assert list(lays[2].fine_indices()) == [5, 6]
-    with pytest.raises(MGRITConfigError, match="blocks=\\[1, 1, 0\\]"):
-        Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=0, blocks=[1, 1, 0])
+    assert (lays[1].left, lays[1].right, lays[2].left) == (None, 2, 1)
+    assert lays[0].last_rank == 2
+    for bad in ([2, 2, 0], [2, 2, 2, 1], [-2, 4, 4]):
+        with pytest.raises(MGRITConfigError, match=re.escape(f"blocks={bad}")):
+            Layout(0.0, 1.0, nt=6, levels=2, cfactor=2, size=3, rank=0, blocks=bad)
+
+
+def splits(nt: int, size: int) -> dict[str, list[int] | None]:
+    """Fine blocks of every kind a layout must handle, for ``size`` ranks."""
+    rng = np.random.default_rng(nt + size)
+    cuts = np.sort(rng.integers(0, nt + 1, size - 1))
+    return {
+        "even": None,
+        # Boundaries inside fine C-intervals, ranks of one step, empty ranks.
+        "one step each then the rest": [1] * (size - 1) + [nt - size + 1],
+        "random": np.diff(np.concatenate([[0], cuts, [nt]])).astype(int).tolist(),
+        "all on the last": [0] * (size - 1) + [nt],
+    }
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("nt", "levels", "cfactor"),
+    [(64, 4, 4), (64, 6, 2), (96, 3, [4, 3]), (128, 4, 2), (64, 2, 8)],
+)
+@pytest.mark.parametrize(("relax", "cycle_type", "nested"), [("F", "V", True), ("FCF", "F", False)])
+def test_any_split_gives_the_single_rank_history(
+    nt: int, levels: int, cfactor: int | list[int], relax: str, cycle_type: str, nested: bool
+) -> None:
+    # Ranks beyond the coarsest intervals, intervals that cross ranks on every level:
+    # the history and the solution are the single rank's, exactly.
+    kwargs: dict[str, Any] = {"levels": levels, "cfactor": cfactor, "relax": relax,
+                              "cycle_type": cycle_type, "skip_downcycle": nested,
+                              "max_iters": 6, "tol": 0.0}  # fmt: skip
+    alone = MGRIT(dahlquist, 0, 5, nt, comm=self_comm(), **kwargs)
+    alone.solve(torch.ones((), dtype=torch.float64))
+    for name, blocks in splits(nt, world().size).items():
+        s = MGRIT(dahlquist, 0, 5, nt, comm=world(), blocks=blocks, **kwargs)
+        final = s.solve(torch.ones((), dtype=torch.float64))
+        assert s.residuals == alone.residuals, name
+        assert torch.equal(final, alone.local_solution()[-1]), name
+        idx = list(s.local_indices())
+        assert torch.equal(s.local_solution(), alone.local_solution()[idx]), name
 
 
 @pytest.mark.mpi
 def test_blocks_with_empty_ranks_give_the_same_history() -> None:
-    # All coarsest intervals on the last rank: the ranks before it hold nothing.
+    # All time steps on the last rank: the ranks before it hold nothing.
     size = world().size
     alone = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=self_comm())
     alone.solve(torch.ones((), dtype=torch.float64))
-    blocks = [0] * (size - 1) + [16]
+    blocks = [0] * (size - 1) + [64]
     s = MGRIT(dahlquist, 0, 5, 64, levels=3, comm=world(), blocks=blocks)
     final = s.solve(torch.ones((), dtype=torch.float64))
     assert s.residuals == alone.residuals

@@ -29,7 +29,7 @@ import torch
 from mpx.collectives import broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITConfigError
-from mpx.mgrit.grid import coarsening_factors, split_evenly
+from mpx.mgrit.grid import coarsening_factors, fine_blocks
 from mpx.mgrit.gru_steps import GRUSteps
 from mpx.mgrit.options import MGRITOptions, MGRITSettings, check_int, resolve
 from mpx.mgrit.solver import MGRIT
@@ -54,12 +54,16 @@ Uses = Callable[[int], Sequence[int]]
 def shared_blocks(
     num_steps: int, cfactor: int | Sequence[int], fwd_levels: int, bwd_levels: int, size: int
 ) -> tuple[list[int], list[int]] | None:
-    """Coarsest intervals per rank of the forward and of the adjoint grid, in forward rank order.
+    """Fine steps per rank of the forward and of the adjoint grid, in forward rank order.
 
-    A step's layer lives on one rank, so both solves must give every rank the
-    same fine steps, although their coarsest intervals may differ in length.
-    The steps are split in units of the least common multiple of the two
-    coarsest intervals: with equal levels that is the forward grid's own split.
+    A step's layer lives on one rank, so both solves give every rank the same
+    fine steps. A network's coarse step from a point uses the layer (and, in the
+    adjoint, the forward state) *at* that point: for every such step to find its
+    layer on the rank that computes it, the blocks are whole coarsest intervals
+    of both grids (their least common multiple), as before the solver split the
+    fine grid freely. The solver itself takes any split (:class:`MGRIT`'s ``blocks``);
+    carrying the one layer a rank's coarse boundary step needs from its neighbour
+    is what would let networks use it too (issue 56).
     """
     spans = []
     for levels, name in ((fwd_levels, "fwd_levels"), (bwd_levels, "bwd_levels")):
@@ -75,8 +79,8 @@ def shared_blocks(
             f"adjoint grid (bwd_levels={bwd_levels}: {spans[1]} steps each); every coarse "
             f"point must be a fine point. Use num_steps a multiple of {unit}, or fewer levels"
         )
-    units = split_evenly(num_steps // unit, size)
-    return [u * unit // spans[0] for u in units], [u * unit // spans[1] for u in units]
+    blocks = fine_blocks(num_steps, unit, size)
+    return blocks, list(blocks)
 
 
 class Lease:
@@ -102,7 +106,7 @@ class TimeStepper:
             or as keywords (``**settings``: ``levels=3, fwd_iters=4, ...``), not both;
             the forward and the adjoint solve may use different grids and stop at
             different residuals (``fwd_levels``/``bwd_levels``, ``fwd_tol``/``bwd_tol``).
-        blocks: coarsest intervals per rank of the forward and of the adjoint grid, in
+        blocks: fine steps per rank of the forward and of the adjoint grid, in
             this communicator's rank order (default: :func:`shared_blocks`); a reversed
             copy of another stepper's blocks puts its steps on the mirrored ranks.
 

@@ -16,13 +16,14 @@ __all__ = ["Ghosts", "Shift", "mismatch"]
 class Ghosts:
     """Ghost rows from the neighbouring time blocks, on a :class:`mpx.collectives.Channel`.
 
-    Only C-point values cross ranks: after C-points change, each rank posts its
-    last point (always a C-point of the level) to the rank on its right, which
-    keeps it as the ghost row 0 of its block. One tag per level; the receive is
-    posted before the relaxation that does not need it; CUDA states travel
-    through the channel (MPI need not be CUDA-aware)::
+    Each rank posts its last point of a level to the next rank that owns points
+    on that level, which keeps it as the ghost row 0 of its block: a C-point as
+    soon as it changed, an F-point once the F-relaxation made it final (an
+    interval that crosses ranks is relaxed as a chain). One ``Ghosts`` per level,
+    one tag per level; the receive is posted before the relaxation that does not
+    need it; CUDA states travel through the channel (MPI need not be CUDA-aware)::
 
-        rank r-1: [g | ... F F C]  --- last C-point --->  rank r: [g | F F C ... ]
+        rank r-1: [g | ... F F C F]  --- last point --->  rank r: [g | F C F F C ... ]
                                                                   ^ ghost row 0
 
     Example::
@@ -32,8 +33,15 @@ class Ghosts:
         relax_all_but_the_first_interval(); shift.finish(); relax_the_first_interval()
     """
 
-    def __init__(self, comm: Communicator, left: int | None, right: int | None) -> None:
-        self.channel = Channel(comm)
+    def __init__(
+        self,
+        comm: Communicator,
+        left: int | None,
+        right: int | None,
+        channel: Channel | None = None,
+    ) -> None:
+        # One channel may serve every level (each its own tag): its buffers are shared.
+        self.channel = Channel(comm) if channel is None else channel
         self.left, self.right = left, right
 
     def start(self, last: torch.Tensor | None, ghost: torch.Tensor | None, tag: int) -> Shift:

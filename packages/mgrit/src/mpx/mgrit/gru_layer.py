@@ -61,12 +61,9 @@ def gru_step(
 
 def _owner(layout: Layout, step: int) -> int:
     """The rank (of the layout's communicator) whose block holds fine step ``step``."""
-    span = layout.nt // sum(layout.blocks)
-    start = 0
-    for rank, blocks in enumerate(layout.blocks):
-        if start <= step < start + blocks * span:
+    for rank in range(layout.size):
+        if layout.starts[rank] <= step < layout.starts[rank + 1]:
             return rank
-        start += blocks * span
     raise AssertionError(f"step {step} is outside the grid of {layout.nt} steps")
 
 
@@ -271,8 +268,7 @@ class Gather(torch.autograd.Function):
         comm = stepper.comm
         if comm.size == 1:
             return block.clone()
-        span = stepper.fwd.layout.nt // sum(stepper.fwd.layout.blocks)
-        counts = [b * span for b in stepper.fwd.layout.blocks]
+        counts = stepper.fwd.layout.blocks  # fine steps per rank
         padded = block.new_zeros((max(counts), *block.shape[1:]), device="cpu")
         padded[: block.shape[0]] = block
         every = allgather(padded, comm=comm)

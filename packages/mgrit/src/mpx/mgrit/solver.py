@@ -34,7 +34,6 @@ PyMGRIT's nested iteration; iteration 1 is then a full V-cycle.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpx.collectives import allgather, broadcast
+from mpx.collectives import Channel, allgather, broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITTypeError
 from mpx.mgrit.ghosts import Ghosts, Shift, mismatch
@@ -81,7 +80,8 @@ class MGRIT:
         skip_downcycle: build the initial guess coarse to fine (see the module doc).
         vectorized: ``step`` accepts a batch of states (leading dimension) with
             tensors ``t`` and ``dt``; relaxation then steps all intervals at once.
-        blocks: coarsest-grid intervals per rank (default: an even split).
+        blocks: fine time steps per rank, summing to ``nt`` (default: an even split in
+            whole fine C-intervals); a rank may hold none.
         float_times: with ``vectorized``, the sequential solve on the coarsest level
             (the one loop that cannot be batched) passes ``t`` and ``dt`` as Python
             floats with a batch of one state: fewer tensor operations per step for
@@ -138,7 +138,24 @@ class MGRIT:
         self.cycle_type = cycle_type
         self.vectorized = vectorized
         self.float_times = float_times
-        self.ghosts = Ghosts(self.comm, self.layout.left, self.layout.right)
+        # One exchange per level (its own neighbours: the ranks that own points there),
+        # all on one channel.
+        channel = Channel(self.comm)
+        self._ghosts = [
+            Ghosts(self.comm, lv.left, lv.right, channel=channel) for lv in self.layout.levels
+        ]
+        self.ghosts = self._ghosts[0]
+        # Restriction: whether this rank receives the coarse ghost row v[0] of level l+1
+        # from its left neighbour there (its row 0 on level l is no C-point, so v[0] is
+        # not here), and whether it sends its last v row to its right neighbour there.
+        self._v_recv = [False] * levels
+        self._v_send = [False] * levels
+        for lvl in range(levels - 1):
+            fine, coarse = self.layout.levels[lvl], self.layout.levels[lvl + 1]
+            self._v_recv[lvl + 1] = coarse.left is not None and fine.first % fine.cfactor != 0
+            if coarse.right is not None:
+                their_first = self.layout.span(coarse.right, fine.stride)[0]
+                self._v_send[lvl + 1] = their_first % fine.cfactor != 0
         #: residual norm after each iteration of the last solve
         self.residuals: list[float] = []
         self.iterations = 0
@@ -252,8 +269,10 @@ class MGRIT:
         # C-points and relaxes the F-points first). g is zero until restricted (_g_live).
         if self.num_levels > 1 and not self.skip_downcycle:
             self._u[0].zero_()
-        for u in self._u:
-            if self.layout.holds_start:
+        # Row 0 of a level whose block starts at t0 is u0 (never relaxed, on any rank);
+        # elsewhere it is a ghost, zero until exchanged.
+        for u, lv in zip(self._u, self.layout.levels, strict=True):
+            if lv.first == 0:
                 u[0] = u0
             else:
                 u[0].zero_()
@@ -266,7 +285,7 @@ class MGRIT:
             self._u.append(u)
             self._g.append(None if lv.index == 0 else torch.empty_like(u))
             self._v.append(None if lv.index == 0 else torch.empty_like(u))
-            self._scratch.append(u0.new_empty((lv.count // lv.cfactor, *u0.shape)))
+            self._scratch.append(u0.new_empty((lv.c_count, *u0.shape)))
 
     def _fine_tensor(self, u0: torch.Tensor) -> torch.Tensor:
         """The fine level's tensor: the spare one handed back, if it fits, or a new one."""
@@ -300,9 +319,9 @@ class MGRIT:
         last = self.num_levels - 1
         self._coarsest(last)
         for lvl in range(last - 1, -1, -1):
-            m = self.layout.levels[lvl].cfactor
-            self._u[lvl][m::m] = self._u[lvl + 1][1:]
-            self._exchange(lvl)
+            lv = self.layout.levels[lvl]
+            self._u[lvl][lv.first_c :: lv.cfactor] = self._u[lvl + 1][1:]
+            # The ghost row is refreshed by the F-relaxation that comes first on this level.
             if lvl > 0:
                 self._cycle(lvl, first=True)
 
@@ -335,100 +354,141 @@ class MGRIT:
         u, g = self._u[lvl], self._live_g(lvl)
         rows = u[start:stop:m]
         if self.step_into is not None:
-            src = slice(start - 1, stop, m)
+            src = slice(start - 1, stop - 1, m)
             self.step_into(u[src], self._tt[lvl][src], self._tdt[lvl][src], rows)
             if g is not None:
                 rows.add_(g[start:stop:m])
             return
-        new = self._phi(lvl, start - 1, stop, m)
+        new = self._phi(lvl, start - 1, stop - 1, m)
         if g is None:
             rows.copy_(new)
         else:
             torch.add(g[start:stop:m], new, out=rows)
 
-    def _f_relax(self, lvl: int, first: int = 0, last: int | None = None) -> None:
-        """F-relaxation of the C-intervals ``first..last-1`` (all by default)."""
+    def _f_relax(self, lvl: int, lead: bool = True, rest: bool = True) -> None:
+        """F-relaxation of this rank's F-points of level ``lvl``.
+
+        ``lead``: the leading ones, before the first owned C-point (they step from the
+        ghost row 0); ``rest``: those of the intervals that start at an owned C-point::
+
+            rows  [g | F F C F F F C F ]      (cfactor 4; row 0 may be an F-point)
+                     lead  '-- rest --'
+        """
         if lvl == 0:
             self._phi_c = None
-        n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
-        stop = n if last is None else last * m
-        if stop <= first * m:
+        lv = self.layout.levels[lvl]
+        n, m = lv.count, lv.cfactor
+        if n == 0 or m == 1:
             return
+        o = lv.first_c - m  # the row of the C-point that starts the leading interval (<= 0)
         for j in range(1, m):
-            self._relax_rows(lvl, first * m + j, stop, m)
+            start = o + j if lead and o + j >= 1 else o + j + m
+            stop = n + 1 if rest else min(o + j + 1, n + 1)
+            if start < stop:
+                self._relax_rows(lvl, start, stop, m)
 
     def _exchange_f_relax(self, lvl: int) -> None:
-        """Ghost exchange overlapped with F-relaxation of the intervals that do not need it.
+        """F-relaxation with the ghost exchange, overlapped where the dependencies allow.
 
-        ::
+        The last row goes right as soon as it is final: a C-point at once, an F-point
+        after the intervals that do not need the ghost. The leading F-points wait for
+        the ghost; a rank that owns no C-point relaxes all its points after it, then
+        passes its last one on (an interval crossing ranks is relaxed as a chain)::
 
-            [g | F F C | F F C | ... ]   the first interval waits for g; the rest start at once
+            [g | F F C | F F F C | F F ]   the rest at once; the lead after g arrives
         """
-        if not self.layout.active:
+        lv = self.layout.levels[lvl]
+        if lv.count == 0:
             return
-        u = self._u[lvl]
-        shift = self.ghosts.start(u[-1], u[0], tag=lvl)
-        if not shift.receives:
+        u, ghosts = self._u[lvl], self._ghosts[lvl]
+        early = lv.ends_on_c
+        incoming = ghosts.start(u[-1] if early else None, u[0], tag=lvl)
+        if not incoming.receives:  # row 0 is t0: nothing to wait for
             self._f_relax(lvl)
-            shift.finish()
+            if not early:
+                ghosts.start(u[-1], None, tag=lvl).finish()
+            incoming.finish()
             return
-        self._f_relax(lvl, first=1)
-        shift.finish()
-        self._f_relax(lvl, first=0, last=1)
+        late = None
+        if lv.c_count > 0:
+            self._f_relax(lvl, lead=False)
+            if not early:
+                late = ghosts.start(u[-1], None, tag=lvl)
+        incoming.finish()
+        self._f_relax(lvl, rest=False)
+        if late is None and not early:
+            late = ghosts.start(u[-1], None, tag=lvl)
+        if late is not None:
+            late.finish()
 
     def _c_relax(self, lvl: int) -> None:
+        """C-relaxation: each owned C-point from the F-point before it (maybe the ghost row,
+        which the F-relaxation before this one refreshed)."""
         if lvl == 0:
             self._phi_c = None
-        n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
-        if n == 0:
+        lv = self.layout.levels[lvl]
+        if lv.c_count == 0:
             return
-        self._relax_rows(lvl, m, n + 1, m)
-
-    def _exchange(self, lvl: int) -> None:
-        """Refreshes the ghost row 0 from the left neighbour's last point."""
-        u = self._u[lvl]
-        if not self.layout.active:
-            return
-        self.ghosts.start(u[-1], u[0], tag=lvl).finish()
+        self._relax_rows(lvl, lv.first_c, lv.count + 1, lv.cfactor)
 
     def _restrict(self, lvl: int) -> None:
         """FAS: inject u to the coarse level and form its right-hand side g (in place)."""
         u, g = self._u[lvl], self._live_g(lvl)
-        n, m = self.layout.levels[lvl].count, self.layout.levels[lvl].cfactor
+        lv = self.layout.levels[lvl]
+        n, m, c = lv.count, lv.cfactor, lv.first_c
         v, gc = self._v[lvl + 1], self._g[lvl + 1]
         assert v is not None
         assert gc is not None
-        v.copy_(u[0 : n + 1 : m])
-        self._u[lvl + 1].copy_(v)
         if n == 0:
+            return
+        v[1:] = u[c::m]
+        self._restricted_ghost(lvl, u, v)
+        self._u[lvl + 1].copy_(v)
+        if lv.c_count == 0:
             return
         scratch = self._scratch[lvl]
         # The residual of the last iteration stepped the same points (F-relaxation only).
         if lvl == 0 and self._phi_c is not None:
             fine = self._phi_c
         else:
-            fine = self._phi_into(lvl, m - 1, n, m, scratch)
+            fine = self._phi_into(lvl, c - 1, n, m, scratch)
         self._phi_c = None
         # Operation order as in PyMGRIT, so that the histories agree to rounding:
         # g_c = ((g - u) + fine + v) - coarse, each operation written into g_c.
         rhs = gc[1:]
         if g is None:
-            torch.sub(fine, u[m::m], out=rhs)
+            torch.sub(fine, u[c::m], out=rhs)
         else:
-            torch.sub(g[m::m], u[m::m], out=rhs)
+            torch.sub(g[c::m], u[c::m], out=rhs)
             rhs.add_(fine)
         rhs.add_(v[1:])
-        rhs.sub_(self._phi_into(lvl + 1, 0, n // m, 1, scratch))  # fine is spent: reuse it
+        rhs.sub_(self._phi_into(lvl + 1, 0, lv.c_count, 1, scratch))  # fine is spent: reuse
         self._g_live[lvl + 1] = True
 
+    def _restricted_ghost(self, lvl: int, u: torch.Tensor, v: torch.Tensor) -> None:
+        """v's row 0: the injected value of the coarse point before the owned ones. It is
+        here when row 0 of ``lvl`` is a C-point (the ghost, current since the last
+        F-relaxation) or when it is t0 on the coarse level (whose row 0 stays u0); else the
+        coarse level's left neighbour injected it, and sends it."""
+        lv = self.layout.levels[lvl]
+        recv, send = self._v_recv[lvl + 1], self._v_send[lvl + 1]
+        if not recv:
+            v[0] = u[0] if lv.first % lv.cfactor == 0 else self._u[lvl + 1][0]
+        if recv or send:
+            shift = self._ghosts[lvl + 1].start(
+                v[-1] if send else None, v[0] if recv else None, tag=lvl + 1
+            )
+            shift.finish()
+
     def _correct(self, lvl: int) -> None:
-        m = self.layout.levels[lvl].cfactor
+        lv = self.layout.levels[lvl]
         v = self._v[lvl + 1]
         assert v is not None
-        # u(C) += u_c - v, the difference formed in v (which this correction spends).
-        diff = v[1:]
-        torch.sub(self._u[lvl + 1][1:], diff, out=diff)
-        self._u[lvl][m::m].add_(diff)
+        if lv.c_count > 0:
+            # u(C) += u_c - v, the difference formed in v (which this correction spends).
+            diff = v[1:]
+            torch.sub(self._u[lvl + 1][1:], diff, out=diff)
+            self._u[lvl][lv.first_c :: lv.cfactor].add_(diff)
         if lvl == 0:
             self._phi_c = None
 
@@ -436,14 +496,15 @@ class MGRIT:
         """Sequential solve, passed from rank to rank: u_i = g_i + Phi(u_{i-1})."""
         u, g = self._u[lvl], self._live_g(lvl)
         n = self.layout.levels[lvl].count
-        if not self.layout.active:
+        if n == 0:
             return
-        self.ghosts.start(None, u[0], tag=lvl).finish()
+        ghosts = self._ghosts[lvl]
+        ghosts.start(None, u[0], tag=lvl).finish()
         if self.step_into is not None:
             self._march_into(lvl, u, g, n)
         else:
             u[1:] = self._march(lvl, u[0], g, n)
-        self.ghosts.start(u[-1], None, tag=lvl).finish()
+        ghosts.start(u[-1], None, tag=lvl).finish()
 
     def _step_times(self, lvl: int) -> tuple[Sequence[Any], Sequence[Any]]:
         """Each step's time and step size on ``lvl``: floats, or one-element tensor rows."""
@@ -491,7 +552,7 @@ class MGRIT:
             self._coarsest(lvl)
             return
         if first:
-            self._f_relax(lvl)
+            self._exchange_f_relax(lvl)
         for _ in range(self.ncf_per_level[lvl]):
             self._c_relax(lvl)
             self._exchange_f_relax(lvl)
@@ -506,12 +567,13 @@ class MGRIT:
 
     def _residual(self) -> float:
         """2-norm over fine C-points of ``step(u_{c-1}) - u_c``, the same on every rank."""
-        n, m = self.layout.levels[0].count, self.layout.levels[0].cfactor
-        if n > 0:
-            fine = self._phi_into(0, m - 1, n, m, self._scratch[0])
+        lv = self.layout.levels[0]
+        n, m, c = lv.count, lv.cfactor, lv.first_c
+        if lv.c_count > 0:
+            fine = self._phi_into(0, c - 1, n, m, self._scratch[0])
             # Kept for the next restriction, unless relaxation changes level 0 first.
             self._phi_c = fine
-            r = fine - self._u[0][m::m]
+            r = fine - self._u[0][c::m]
             flat = r.reshape(r.shape[0], -1)
             local = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).cpu()
         else:
@@ -529,5 +591,4 @@ class MGRIT:
 
     def _residual_counts(self) -> list[int]:
         """C-points of the finest level held by each rank (its rows of the residual)."""
-        per_block = math.prod(self.layout.factors) // self.layout.levels[0].cfactor
-        return [blocks * per_block for blocks in self.layout.blocks]
+        return self.layout.c_counts(0)
