@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 NT = 2**14
@@ -357,7 +356,8 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
             costs.message = r["message"]
             # The compute of this job shares the cores as measured in it (1 rank: none).
             costs.cores = p / r["contention"] if p > 1 else 1.0
-            t = predict(count(STEPS, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p), costs, p)
+            work = count(STEPS, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p, costs=costs)
+            t = predict(work, costs, p)
             model, error = f"{t * 1e3:.1f}", f"{(t - r['t_lp']) / r['t_lp']:+.0%}"
         w = r["work"]
         print(
@@ -373,42 +373,58 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
     costs.cores = float(1 << 30)  # a large machine: one core a rank
     per_step_serial = one["t_serial"] / STEPS
     print(
-        f"\nModel (`mpx.mgrit.model`): T(P) = Σ_kind (batched rows · row cost + single-row "
-        f"calls · call cost) + owned steps · rest + messages · t_msg, on the busiest rank, the "
-        f"coarsest level serial (its steps one call each, rank after rank). Costs from the "
-        f"1-rank job: a batched row {costs.row['forward'] * 1e6:.0f} µs forward, "
+        f"\nModel (`mpx.mgrit.model`): the training step replayed on every rank's clock "
+        f"(ghost rows waited for, intervals relaxed as chains across ranks, the coarsest "
+        f"level passed rank after rank, residual gathers); its critical path priced as "
+        f"Σ_kind (batched rows · row cost + single-row calls · call cost) + owned steps · "
+        f"rest + messages · t_msg. Costs from the 1-rank job: a batched row "
+        f"{costs.row['forward'] * 1e6:.0f} µs forward, "
         f"{costs.row['adjoint'] * 1e6:.0f} µs adjoint, {costs.row['linearize'] * 1e6:.0f} µs "
         f"linearise, {costs.row['gradient'] * 1e6:.0f} µs gradient; a single-row call "
         f"{costs.single['forward'] * 1e6:.0f} / {costs.single['adjoint'] * 1e6:.0f} µs; the "
         f"rest {costs.per_step * 1e6:.0f} µs per owned step; t_msg = "
         f"{rows[2]['message'] * 1e6:.0f} µs (2-rank job). Serial network: "
         f"{per_step_serial * 1e6:.0f} µs a step (forward + backward). Predictions assume one "
-        "core a rank.\n"
+        "core a rank. *fine*: the solver's split of the fine grid (whole fine C-intervals; "
+        "every rank works at every depth); *coarsest*: whole coarsest intervals (what "
+        "LayerParallel and ParallelGRU use today, and every layout before issue 56). Best: "
+        "the fastest of 2-6 levels, cfactor 4 (2 where 4 does not divide).\n"
     )
     print(
-        "| config | ranks P | model T(P) (ms) | serial (ms) | model speed-up "
-        "| torchbraid (published) |"
+        "| config | ranks P | layout | best levels | model T(P) (ms) | serial (ms) "
+        "| model speed-up | torchbraid (published) |"
     )
-    print("|---|---|---|---|---|---|")
-    configs: list[tuple[str, Callable[[int], int], int, int, int]] = [
-        (f"{STEPS} steps, 3 levels, cfactor 4, 1+1 V-cycles", lambda p: STEPS, 3, 1, 1),
-        ("1024 steps, 4 levels, cfactor 4, 2+1 V-cycles", lambda p: 1024, 4, 2, 1),
-        ("16·P steps, 3 levels, cfactor 4, 1+1 V-cycles", lambda p: 16 * p, 3, 1, 1),
-    ]
+    print("|---|---|---|---|---|---|---|---|")
     ref = "~10× (layer- and data-parallel, GPUs); 6.5× (parallel-in-time GRU)"
-    for name, steps, levels, fi, bi in configs:
-        for p in (16, 64, 256):
-            n = steps(p)
-            t = predict(count(n, levels, CFACTOR, fi, bi, p), costs, p)
-            print(f"| {name} | {p} | {t * 1e3:.1f} | {n * per_step_serial * 1e3:.1f} | "
-                  f"{n * per_step_serial / t:.2f} | {ref if p == 16 else ''} |")  # fmt: skip
+    for n, fi, bi in ((STEPS, 1, 1), (1024, 2, 1), (1024, 1, 1)):
+        for p in (16, 64, 256, 1024):
+            for layout in ("coarsest", "fine"):
+                t, levels = _best(n, fi, bi, p, layout, costs)
+                print(f"| {n} steps, {fi}+{bi} V-cycles | {p} | {layout} | {levels} | "
+                      f"{t * 1e3:.1f} | {n * per_step_serial * 1e3:.1f} | "
+                      f"{n * per_step_serial / t:.2f} | "
+                      f"{ref if p == 16 and layout == 'fine' else ''} |")  # fmt: skip
     print(
-        "\nWith cfactor 4 and 3 (4) levels, 256 (1024) steps have 16 coarsest intervals: ranks "
-        "beyond 16 hold nothing, so 64 and 256 ranks cost what 16 do. The coarsest level "
-        "(N/16 steps, run rank after rank as single-row calls) and the messages bound the "
-        "speed-up; with 16 steps a rank (weak scaling) the coarsest level grows with P.\n"
+        "\nOn the coarsest layout ranks beyond the coarsest intervals hold nothing, so more "
+        "ranks stop helping once they outnumber them; on the fine layout every rank holds "
+        "N / P fine steps and the coarsest level can be a handful of points.\n"
     )
     print(f"![residual histories]({RESIDUAL_PLOT})")
+
+
+def _best(n: int, fi: int, bi: int, p: int, layout: str, costs: Any) -> tuple[float, int]:
+    """The model's fastest time over 2-6 levels (cfactor 4) and that level count."""
+    from mpx.mgrit.model import count, predict
+
+    best: tuple[float, int] | None = None
+    for levels in range(2, 7):
+        if n % CFACTOR ** (levels - 1):
+            continue
+        t = predict(count(n, levels, CFACTOR, fi, bi, p, layout=layout, costs=costs), costs, p)
+        if best is None or t < best[0]:
+            best = (t, levels)
+    assert best is not None
+    return best
 
 
 def main() -> None:

@@ -1,27 +1,85 @@
-"""The performance model's work count, by hand (see test_work.py for the algorithm's count).
+"""The performance model: its work by hand at one rank, its replay against the solver's
+own rows on every rank (1-3 ranks), and the critical path's properties at many ranks.
 
-N = 16 steps, 3 levels, cfactor 2, one V-cycle each way: a rank with b coarsest
-intervals steps 21b rows in each solve, of which 3b are the coarsest level's
-(the nested start solves it twice, the iteration once). On the critical path
-the coarsest level is serial: all 4 of its steps, 3 times, whatever rank holds
-them: 21b + 3 (4 - b). The busiest rank holds b = 4 (1 rank) or 2 (2, 3 ranks).
+N = 16 steps, 3 levels, cfactor 2, one V-cycle each way: one rank steps 21 * 4
+rows in each solve (see test_work.py for the algorithm's count).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from mpx.mgrit import MGRITConfigError
+from mpx.collectives import world
+from mpx.mgrit import MGRIT, WORK_KINDS, MGRITConfigError
+from mpx.mgrit.grid import coarsening_factors
 from mpx.mgrit.model import Costs, count, predict
 
 
-@pytest.mark.parametrize(("size", "b"), [(1, 4), (2, 2), (3, 2)])
-def test_critical_path_work_by_hand(size: int, b: int) -> None:
-    work = count(16, levels=3, cfactor=2, fwd_iters=1, bwd_iters=1, size=size)
+def test_one_rank_work_by_hand() -> None:
+    work = count(16, levels=3, cfactor=2, fwd_iters=1, bwd_iters=1, size=1)
     for kind in ("forward", "adjoint"):
-        assert work.rows[kind] + work.singles[kind] == 21 * b + 3 * (4 - b), (kind, work)
+        assert work.rows[kind] + work.singles[kind] == 21 * 4, (kind, work)
         assert work.singles[kind] >= 3 * 4  # the coarsest steps, one call each
-    assert work.rows["linearize"] == work.rows["gradient"] == work.owned == 4 * b
+    assert work.rows["linearize"] == work.rows["gradient"] == work.owned == 16
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("relax", ["F", "FCF"])
+@pytest.mark.parametrize(("nt", "levels", "cfactor"), [(64, 4, 4), (64, 6, 2), (96, 3, 4)])
+def test_the_replay_steps_the_rows_the_solver_steps_on_every_rank(
+    nt: int, levels: int, cfactor: int, relax: str
+) -> None:
+    # The model replays the solver rank by rank: each rank's own rows in the replay
+    # (private: the per-rank count is not part of the model's API) equal the rows the
+    # solver stepped on that rank, for the even split and for blocks of one step.
+    from mpx.mgrit.model import _KINDS, _levels, _Path, _Solve
+
+    comm = world()
+    rows = [0]
+
+    def step(u: torch.Tensor, t: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        rows[0] += u.shape[0]
+        return u / (1 + dt.view(-1, 1))
+
+    for blocks in (None, [1] * (comm.size - 1) + [nt - comm.size + 1]):
+        rows[0] = 0
+        solver = MGRIT(step, 0, 1, nt, comm=comm, levels=levels, cfactor=cfactor, max_iters=2,
+                       tol=0.0, vectorized=True, relax=relax, blocks=blocks)  # fmt: skip
+        solver.solve(torch.ones(2, dtype=torch.float64))
+        costs = Costs(dict.fromkeys(_KINDS, 1.0), dict.fromkeys(_KINDS, 1.5), 0.5)
+        grid = _levels(solver.layout.blocks, coarsening_factors(cfactor, levels))
+        replay = _Solve(grid, [_Path() for _ in range(comm.size)], "forward",
+                        int(relax == "FCF"), costs)  # fmt: skip
+        replay.run(2)
+        assert replay.done[comm.rank] == rows[0], (blocks, replay.done, rows[0])
+
+
+def test_the_critical_path_holds_the_busiest_ranks_work() -> None:
+    free = Costs(dict.fromkeys(WORK_KINDS, 1.0), dict.fromkeys(WORK_KINDS, 1.0), message=0.0)
+    for size in (2, 3, 16, 64):
+        work = count(256, levels=4, cfactor=4, fwd_iters=1, bwd_iters=1, size=size, costs=free)
+        busiest = count(256, levels=4, cfactor=4, fwd_iters=1, bwd_iters=1, size=1, costs=free)
+        on_path = sum(work.rows.values()) + sum(work.singles.values())
+        assert on_path <= sum(busiest.rows.values()) + sum(busiest.singles.values())
+        assert work.owned == -(-(256 // 4) // size) * 4
+        assert on_path >= 2 * work.owned  # its own linearisation and gradients at least
+
+
+def test_ranks_beyond_the_coarsest_intervals_help_on_the_fine_layout_only() -> None:
+    row = dict.fromkeys(WORK_KINDS, 100e-6)
+    costs = Costs(row, dict.fromkeys(WORK_KINDS, 150e-6), message=50e-6, per_step=100e-6)
+
+    def seconds(size: int, layout: str) -> float:
+        work = count(1024, 4, 4, 2, 1, size, layout=layout, costs=costs)
+        return predict(work, costs, size)
+
+    # 4 levels of cfactor 4: 16 coarsest intervals.
+    assert seconds(64, "coarsest") == pytest.approx(seconds(16, "coarsest"), rel=0.02)
+    assert seconds(64, "fine") < 0.6 * seconds(16, "fine")
+    assert seconds(16, "fine") == pytest.approx(seconds(16, "coarsest"), rel=0.02)
+    with pytest.raises(MGRITConfigError, match="layout must be one of"):
+        count(64, 2, 2, 1, 1, 2, layout="coarse")
 
 
 def test_issue_config_at_one_rank() -> None:
