@@ -30,7 +30,8 @@ V-cycles, so a loose tolerance), and measures directly the per-layer costs that
 one state message between neighbours (2-rank job), and the contention of the 2 cores.
 For unbatched steps a batched row and a single-row call cost the same (one module call
 each), so the model gets the same cost for both. Its predicted time and speed-up over
-serial at 16 to 1024 ranks for 1024 steps (3 levels, and the best of 2 to 6 levels)
+serial at 16 to 1024 ranks for 1024 steps (3 levels, and the best of 2 to 6 levels), on
+LayerParallel's split (whole coarsest intervals a rank) and on the solver's finer one,
 follow the measured table, with its error at 1 and 2 ranks. ``--smoke`` runs a tiny
 configuration (16 steps, 4 channels, 8 x 8 images, 1 rank) in seconds, for the tests.
 """
@@ -52,6 +53,8 @@ from typing import Any
 LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, TF = 3, 4, 2, 1, 1.0
 KINDS = ("forward", "adjoint", "linearize", "gradient")
 PREDICT_STEPS, PREDICT_RANKS, LEVEL_CHOICES = 1024, (16, 64, 256, 1024), (2, 3, 4, 5, 6)
+#: fine: the solver's split (whole fine C-intervals); coarsest: LayerParallel's today
+LAYOUTS = ("coarsest", "fine")
 #: LayerParallel vs serial, relative: 2 forward / 1 adjoint V-cycle do not converge fully
 OUTPUT_TOL, GRADIENT_TOL = 1e-2, 1e-1
 
@@ -296,32 +299,36 @@ def model_costs(layer: dict[str, float], message: float, cores: float) -> Any:
     return Costs(row=dict(layer), single=dict(layer), message=message, cores=cores)
 
 
-def predicted(steps: int, levels: int, size: int, costs: Any) -> float | None:
-    """The model's seconds of one forward + backward, or None where the grid does not fit."""
+def predicted(steps: int, levels: int, size: int, costs: Any, layout: str) -> float | None:
+    """The model's seconds of one forward + backward on ``layout`` (its critical path under
+    ``costs``), or None where the grid does not fit."""
     from mpx.mgrit import MGRITConfigError
     from mpx.mgrit.model import count, predict
 
     try:
-        work = count(steps, levels, CFACTOR, FWD_ITERS, BWD_ITERS, size)
+        work = count(steps, levels, CFACTOR, FWD_ITERS, BWD_ITERS, size, layout=layout,
+                     costs=costs)  # fmt: skip
     except MGRITConfigError:
         return None
     return predict(work, costs, size)
 
 
 def prediction_rows(layer: dict[str, float], message: float, serial_step: float) -> list[str]:
-    """The predictions table's rows: 1024 steps at 16 to 1024 ranks, one core a rank."""
+    """The predictions table's rows: 1024 steps at 16 to 1024 ranks on each layout, one
+    core a rank."""
     costs = model_costs(layer, message, cores=float(1 << 30))
     serial = PREDICT_STEPS * serial_step
     rows = []
     for p in PREDICT_RANKS:
-        t = predicted(PREDICT_STEPS, LEVELS, p, costs)
-        assert t is not None
-        tried = [(lv, predicted(PREDICT_STEPS, lv, p, costs)) for lv in LEVEL_CHOICES]
-        best_lv, best = min(((lv, s) for lv, s in tried if s is not None), key=lambda c: c[1])
-        rows.append(
-            f"| {p} | {t * 1e3:.1f} | {serial * 1e3:.1f} | **{serial / t:.2f}** | {best_lv} | "
-            f"{best * 1e3:.1f} | {serial / best:.2f} |"
-        )
+        for layout in LAYOUTS:
+            t = predicted(PREDICT_STEPS, LEVELS, p, costs, layout)
+            assert t is not None
+            tried = [(lv, predicted(PREDICT_STEPS, lv, p, costs, layout)) for lv in LEVEL_CHOICES]
+            best_lv, best = min(((lv, s) for lv, s in tried if s is not None), key=lambda c: c[1])
+            rows.append(
+                f"| {p} | {layout} | {t * 1e3:.1f} | {serial * 1e3:.1f} | **{serial / t:.2f}** "
+                f"| {best_lv} | {best * 1e3:.1f} | {serial / best:.2f} |"
+            )
     return rows
 
 
@@ -330,7 +337,7 @@ MEASURED_HEADER = (
     "model error | work | output error | gradient error | load |"
 )
 PREDICTED_HEADER = (
-    "| ranks P | model T(P), 3 levels (ms) | serial (ms) | speed-up | best levels | "
+    "| ranks P | layout | model T(P), 3 levels (ms) | serial (ms) | speed-up | best levels | "
     "T at best (ms) | speed-up at best |"
 )
 
@@ -349,7 +356,8 @@ def report(cfg: Config, rows: list[dict[str, Any]], jobs: dict[int, dict[str, An
         p, n, job = r["size"], r["steps"], jobs[r["size"]]
         cores = p / job["contention"] if p > 1 else 1.0
         costs = model_costs(layer, job["message"], cores)
-        t = predict(count(n, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p), costs, p)
+        work = count(n, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p, layout="coarsest", costs=costs)
+        t = predict(work, costs, p)
         if p == 1 and n == max(cfg.steps):
             rest = (r["t_lp"] - t) / n
         ok = r["out_err"] <= OUTPUT_TOL and r["grad_err"] <= GRADIENT_TOL
@@ -374,13 +382,18 @@ def report(cfg: Config, rows: list[dict[str, Any]], jobs: dict[int, dict[str, An
         + ", ".join(f"{j['contention']:.2f} at {p}" for p, j in sorted(jobs.items()))
         + f". Serial network: {serial_step * 1e6:.0f} µs a step (forward + backward). "
         "Not priced: the solver's own work (restriction, correction, copies, Python), "
-        + (f"{rest * 1e6:.0f} µs per step at 1 rank (measured − model). " if rest else "")
+        + (f"{rest * 1e6:.0f} µs per step at 1 rank (measured − model). " if rest is not None
+           else "")
         + f"Model at P ranks: `mpx.mgrit.model.count({PREDICT_STEPS}, levels, {CFACTOR}, "
-        f"{FWD_ITERS}, {BWD_ITERS}, P)` priced with these costs, one core a rank; best "
-        f"levels: the fastest of {LEVEL_CHOICES[0]}-{LEVEL_CHOICES[-1]}.\n"
-    )
+        f"{FWD_ITERS}, {BWD_ITERS}, P, layout=..., costs=...)` (the step replayed on every "
+        "rank's clock, its critical path) priced with these costs, one core a rank; "
+        "*coarsest*: whole coarsest intervals a rank (LayerParallel's split today, and the "
+        "measured rows' model); *fine*: the solver's split of the fine grid in whole fine "
+        "C-intervals (every rank works at any P up to N / cfactor), which networks do not use "
+        f"yet. Best levels: the fastest of {LEVEL_CHOICES[0]}-{LEVEL_CHOICES[-1]}.\n"
+    )  # fmt: skip
     print(PREDICTED_HEADER)
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for line in prediction_rows(layer, message, serial_step):
         print(line)
     stacked = any(r["stacked"] for r in rows)
@@ -445,8 +458,9 @@ def main() -> None:
         + "/".join(str(r) for r in cfg.repeats)
         + " samples, slowest rank; serial = `net.serial()` (plain autograd) on rank 0 alone, "
         "timed after each layer-parallel sample; LP ÷ serial: the median of the samples' own "
-        "ratios (lower is better). Model: `mpx.mgrit.model` priced with the per-layer costs "
-        "below (the smallest job's), at 2 ranks with that job's message time and contention. "
+        "ratios (lower is better). Model: `mpx.mgrit.model` (coarsest layout: LayerParallel's "
+        "split) priced with the per-layer costs below (the smallest job's), at 2 ranks with "
+        "that job's message time and contention. "
         "Work: forward/adjoint/linearise/gradient layer evaluations of the busiest rank "
         "(`mpx.mgrit.work`). Errors: LayerParallel vs serial, max |Δoutput| / max |output| "
         "and the largest ‖Δgrad‖ / ‖grad‖ of a parameter. Load: 1-minute load average.\n"

@@ -68,9 +68,11 @@ def test_the_smoke_run_prints_both_tables_and_agrees_with_serial() -> None:
     assert float(row[8]) <= BENCH.OUTPUT_TOL
     assert float(row[9]) <= BENCH.GRADIENT_TOL
     predicted = _table(lines, BENCH.PREDICTED_HEADER)
-    assert [int(row[0]) for row in predicted] == list(BENCH.PREDICT_RANKS)
+    assert [(int(row[0]), row[1]) for row in predicted] == [
+        (p, layout) for p in BENCH.PREDICT_RANKS for layout in BENCH.LAYOUTS
+    ]
     for row in predicted:
-        t, serial_t, speedup, best, t_best, speedup_best = (float(c) for c in row[1:])
+        t, serial_t, speedup, best, t_best, speedup_best = (float(c) for c in row[2:])
         assert t > 0
         assert serial_t > 0
         assert speedup > 0
@@ -87,10 +89,10 @@ def test_the_model_rows_price_unbatched_steps_alike() -> None:
     costs = BENCH.model_costs(layer, message=1e-4, cores=float(1 << 30))
     assert costs.row == costs.single == layer
     rows = [row.strip("|").split("|") for row in BENCH.prediction_rows(layer, 1e-4, 5e-3)]
-    assert [int(row[0]) for row in rows] == list(BENCH.PREDICT_RANKS)
+    assert len(rows) == len(BENCH.PREDICT_RANKS) * len(BENCH.LAYOUTS)
     for row in rows:
-        t, serial, speedup = float(row[1]), float(row[2]), float(row[3].strip(" *"))
+        t, serial, speedup = float(row[2]), float(row[3]), float(row[4].strip(" *"))
         assert serial == pytest.approx(BENCH.PREDICT_STEPS * 5.0)  # ms
         assert speedup == pytest.approx(serial / t, rel=0.01)
         assert speedup > 1
-    assert BENCH.predicted(1000, 3, 1, costs) is None  # 1000 steps: not a multiple of 16
+    assert BENCH.predicted(1000, 3, 1, costs, "fine") is None  # not a multiple of 16
