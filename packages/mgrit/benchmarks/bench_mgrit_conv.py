@@ -18,8 +18,8 @@ forward and 1 adjoint V-cycle: torchbraid's usual settings) forward + backward o
 every rank, and the serial network (``net.serial()``, plain autograd) on rank 0 alone,
 sample by sample, at 64 and 256 steps; it checks once per step count that the layer-
 parallel output and gradients agree with the serial ones (inexact on purpose: 2 + 1
-V-cycles, so a loose tolerance), and measures directly the per-layer costs that
-:mod:`mpx.mgrit.model` prices the work with:
+V-cycles, so a loose tolerance), and measures directly, on rank 0 beside every timed
+sample (the same load), the per-layer costs that :mod:`mpx.mgrit.model` prices the work with:
 
 * forward: one step ``x + h f(x)`` without autograd (a forward relaxation step);
 * adjoint: one step with a graph and its vector-Jacobian product in x (an unbatched
@@ -195,7 +195,10 @@ def _row(cfg: Config, steps: int, repeats: int, comm: Any) -> dict[str, Any]:
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
 
-    lp_samples, serial_samples = [], []
+    # The per-layer costs are measured beside every sample, under the same load (rank 0
+    # alone, the others asleep: one core's costs, as the model prices them).
+    step, state = net.local_steps[0], net.open_layer(x).detach()
+    lp_samples, serial_samples, cost_samples = [], [], []
     for _ in range(repeats):
         comm.mpi.Barrier()
         start = time.perf_counter()
@@ -206,6 +209,7 @@ def _row(cfg: Config, steps: int, repeats: int, comm: Any) -> dict[str, Any]:
             start = time.perf_counter()
             run(serial)
             t_one = time.perf_counter() - start
+            cost_samples.append(layer_costs(step, state, TF / steps, repeats=5))
         _wait_politely(comm)
         serial_samples.append(float(comm.mpi.bcast(t_one, root=0)))
     counted = comm.mpi.allgather(work(net))
@@ -215,6 +219,8 @@ def _row(cfg: Config, steps: int, repeats: int, comm: Any) -> dict[str, Any]:
         "ratio": statistics.median(a / b for a, b in zip(lp_samples, serial_samples, strict=True)),
         "out_err": out_err, "grad_err": grad_err, "stacked": net.stepper.stacked is not None,
         "work": max(counted, key=lambda c: sum(c.values())), "load": os.getloadavg()[0],
+        "costs": {k: statistics.median(c[k] for c in cost_samples) for k in KINDS}
+        if cost_samples else {},
     }  # fmt: skip
     net.close()
     return record
@@ -263,8 +269,8 @@ def _contention(step: Any, x: Any, comm: Any, repeats: int = 9) -> float:
 
 
 def inside(cfg: Config) -> None:
-    """Inside ``mpxrun -n P``: prints ``ROW`` json lines (one per step count) and one
-    ``JOB`` line (the per-layer costs, the message time, the contention) on rank 0."""
+    """Inside ``mpxrun -n P``: prints ``ROW`` json lines (one per step count, with the
+    per-layer costs) and one ``JOB`` line (the message time, the contention) on rank 0."""
     import torch
 
     from mpx.collectives import world
@@ -278,11 +284,7 @@ def inside(cfg: Config) -> None:
     net = build(cfg, cfg.steps[0], comm)
     step = net.local_steps[0]
     x = net.open_layer(torch.randn(cfg.batch, 1, cfg.size, cfg.size)).detach()
-    costs: dict[str, float] = {}
-    if comm.rank == 0:  # rank 0 alone, the others asleep: the costs of one core
-        costs = layer_costs(step, x, TF / cfg.steps[0])
-    _wait_politely(comm)
-    record = {"size": comm.size, "costs": costs, "message": _message(cfg, comm),
+    record = {"size": comm.size, "message": _message(cfg, comm),
               "contention": _contention(step, x, comm)}  # fmt: skip
     net.close()
     if comm.rank == 0:
@@ -334,7 +336,7 @@ def prediction_rows(layer: dict[str, float], message: float, serial_step: float)
 
 MEASURED_HEADER = (
     "| steps | ranks | layer-parallel (ms) | serial (ms) | LP ÷ serial | model (ms) | "
-    "model error | work | output error | gradient error | load |"
+    "model error | layer costs (µs) | work | output error | gradient error | load |"
 )
 PREDICTED_HEADER = (
     "| ranks P | layout | model T(P), 3 levels (ms) | serial (ms) | speed-up | best levels | "
@@ -346,16 +348,14 @@ def report(cfg: Config, rows: list[dict[str, Any]], jobs: dict[int, dict[str, An
     """Prints the measured table and the model's; returns whether LP agreed with serial."""
     from mpx.mgrit.model import count, predict
 
-    base = jobs[min(jobs)]  # the per-layer costs: the smallest job's (rank 0 alone)
-    layer: dict[str, float] = base["costs"]
     message = jobs[2]["message"] if 2 in jobs else 0.0
     print(MEASURED_HEADER)
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     agreed, rest = True, None
     for r in sorted(rows, key=lambda r: (r["steps"], r["size"])):
         p, n, job = r["size"], r["steps"], jobs[r["size"]]
         cores = p / job["contention"] if p > 1 else 1.0
-        costs = model_costs(layer, job["message"], cores)
+        costs = model_costs(r["costs"], job["message"], cores)  # the row's own costs
         work = count(n, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p, layout="coarsest", costs=costs)
         t = predict(work, costs, p)
         if p == 1 and n == max(cfg.steps):
@@ -366,15 +366,22 @@ def report(cfg: Config, rows: list[dict[str, Any]], jobs: dict[int, dict[str, An
         print(
             f"| {n} | {p} | {r['t_lp'] * 1e3:.0f} | {r['t_serial'] * 1e3:.0f} | "
             f"**{r['ratio']:.2f}** | {t * 1e3:.0f} | {(t - r['t_lp']) / r['t_lp']:+.0%} | "
-            f"{w['forward']}/{w['adjoint']}/{w['linearize']}/{w['gradient']} | "
+            + "/".join(f"{r['costs'][k] * 1e6:.0f}" for k in KINDS)
+            + f" | {w['forward']}/{w['adjoint']}/{w['linearize']}/{w['gradient']} | "
             f"{r['out_err']:.1e} | {r['grad_err']:.1e}{'' if ok else ' **FAILED**'} | "
             f"{r['load']:.1f} |"
         )
-    top = [r for r in rows if r["size"] == min(jobs) and r["steps"] == max(cfg.steps)]
-    serial_step = top[0]["t_serial"] / top[0]["steps"]
+    # The predictions: the costs of the smallest job's longest row (one core a rank).
+    top = next(r for r in rows if r["size"] == min(jobs) and r["steps"] == max(cfg.steps))
+    layer: dict[str, float] = top["costs"]
+    serial_step = top["t_serial"] / top["steps"]
     us = {k: f"{v * 1e6:.0f}" for k, v in layer.items()}
     print(
-        f"\nCosts measured directly (one step layer, rank 0 alone, median of 15): forward "
+        "\nLayer costs (µs, forward/adjoint/linearise/gradient) measured directly on one step "
+        "layer, rank 0 alone and the other ranks asleep, 5 calls after each layer-parallel "
+        "sample, the median: each row's model prices its work with the row's own costs, so "
+        "that a load drifting between rows does not show as model error. "
+        f"The {top['steps']}-step {top['size']}-rank row's (for the predictions): forward "
         f"{us['forward']} µs, adjoint (a linearisation and its product in x) {us['adjoint']} "
         f"µs, linearise {us['linearize']} µs, gradient (products in x and the parameters) "
         f"{us['gradient']} µs; t_msg = {message * 1e6:.0f} µs (one state between two ranks, "
