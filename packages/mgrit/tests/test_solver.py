@@ -142,8 +142,17 @@ def splits(nt: int, size: int) -> dict[str, list[int] | None]:
     [(64, 4, 4), (64, 6, 2), (96, 3, [4, 3]), (128, 4, 2), (64, 2, 8)],
 )
 @pytest.mark.parametrize(("relax", "cycle_type", "nested"), [("F", "V", True), ("FCF", "F", False)])
+@pytest.mark.parametrize("boundary_steps", [False, True])
+@pytest.mark.parametrize("vectorized", [False, True])
 def test_any_split_gives_the_single_rank_history(
-    nt: int, levels: int, cfactor: int | list[int], relax: str, cycle_type: str, nested: bool
+    nt: int,
+    levels: int,
+    cfactor: int | list[int],
+    relax: str,
+    cycle_type: str,
+    nested: bool,
+    boundary_steps: bool,
+    vectorized: bool,
 ) -> None:
     # Ranks beyond the coarsest intervals, intervals that cross ranks on every level:
     # the history and the solution are the single rank's, exactly.
@@ -153,12 +162,42 @@ def test_any_split_gives_the_single_rank_history(
     alone = MGRIT(dahlquist, 0, 5, nt, comm=self_comm(), **kwargs)
     alone.solve(torch.ones((), dtype=torch.float64))
     for name, blocks in splits(nt, world().size).items():
-        s = MGRIT(dahlquist, 0, 5, nt, comm=world(), blocks=blocks, **kwargs)
+        s = MGRIT(dahlquist, 0, 5, nt, comm=world(), blocks=blocks, vectorized=vectorized,
+                  boundary_steps=boundary_steps, **kwargs)  # fmt: skip
         final = s.solve(torch.ones((), dtype=torch.float64))
         assert s.residuals == alone.residuals, name
         assert torch.equal(final, alone.local_solution()[-1]), name
         idx = list(s.local_indices())
         assert torch.equal(s.local_solution(), alone.local_solution()[idx]), name
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("nt", "levels", "cfactor"), [(64, 4, 4), (64, 6, 2)])
+def test_boundary_steps_keep_every_step_on_its_block(nt: int, levels: int, cfactor: int) -> None:
+    # A network's step k is layer k: with boundary_steps a rank only steps from points
+    # of its fine block or its last point (the next block's first layer); without, its
+    # coarse row 0 may lie far left of its block.
+    comm, dt = world(), 5.0 / nt
+    outside: dict[bool, int] = {}
+    for boundary_steps in (False, True):
+        for blocks in splits(nt, comm.size).values():
+            starts: list[int] = []
+
+            def step(u: torch.Tensor, t: Any, h: Any) -> torch.Tensor:
+                ts = t.tolist() if isinstance(t, torch.Tensor) else [t]
+                starts.extend(round(x / dt) for x in ts)
+                return dahlquist(u, t, h)
+
+            s = MGRIT(step, 0, 5, nt, comm=comm, blocks=blocks, levels=levels, cfactor=cfactor,
+                      vectorized=True, boundary_steps=boundary_steps, max_iters=2)  # fmt: skip
+            s.solve(torch.ones((), dtype=torch.float64))
+            lo, hi = s.layout.starts[comm.rank], s.layout.starts[comm.rank + 1]
+            bad = [k for k in starts if not lo <= k <= hi]
+            outside[boundary_steps] = outside.get(boundary_steps, 0) + len(bad)
+    every = comm.mpi.allgather(outside)
+    assert all(o[True] == 0 for o in every), every
+    if comm.size > 2:  # the random and even splits put coarse row 0s left of blocks
+        assert any(o[False] > 0 for o in every), every
 
 
 @pytest.mark.mpi

@@ -41,12 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpx.collectives import Channel, allgather, broadcast
+from mpx.collectives import allgather, broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
+from mpx.mgrit.boundaries import Boundaries
 from mpx.mgrit.errors import MGRITTypeError
 from mpx.mgrit.ghosts import Ghosts, Shift, mismatch
 from mpx.mgrit.grid import Layout
 from mpx.mgrit.options import CYCLES, RELAXATIONS, check_choice, check_int, check_tol
+from mpx.mgrit.sequential import march, march_into, step_once
 
 __all__ = ["MGRIT", "Ghosts", "Shift", "Step", "check_tol", "mismatch"]
 
@@ -82,6 +84,11 @@ class MGRIT:
             tensors ``t`` and ``dt``; relaxation then steps all intervals at once.
         blocks: fine time steps per rank, summing to ``nt`` (default: an even split in
             whole fine C-intervals); a rank may hold none.
+        boundary_steps: where a rank's row 0 on a coarse level lies before its fine block,
+            its left neighbour computes the step from that point and sends the result
+            (see :mod:`mpx.mgrit.boundaries`): every step then starts inside the rank's
+            fine block or at its last point. Networks need it (a step is a layer);
+            the history is the same either way.
         float_times: with ``vectorized``, the sequential solve on the coarsest level
             (the one loop that cannot be batched) passes ``t`` and ``dt`` as Python
             floats with a batch of one state: fewer tensor operations per step for
@@ -113,6 +120,7 @@ class MGRIT:
         float_times: bool = False,
         fine_relax: str | None = None,
         cycle_type: str = "V",
+        boundary_steps: bool = False,
     ) -> None:
         # The checks of MGRITOptions, which the networks' settings pass through.
         check_choice(cycle_type, "cycle_type", CYCLES, " (as PyMGRIT names them)")
@@ -140,22 +148,9 @@ class MGRIT:
         self.float_times = float_times
         # One exchange per level (its own neighbours: the ranks that own points there),
         # all on one channel.
-        channel = Channel(self.comm)
-        self._ghosts = [
-            Ghosts(self.comm, lv.left, lv.right, channel=channel) for lv in self.layout.levels
-        ]
+        self._bounds = Boundaries(self.comm, self.layout, boundary_steps)
+        self._ghosts = self._bounds.ghosts
         self.ghosts = self._ghosts[0]
-        # Restriction: whether this rank receives the coarse ghost row v[0] of level l+1
-        # from its left neighbour there (its row 0 on level l is no C-point, so v[0] is
-        # not here), and whether it sends its last v row to its right neighbour there.
-        self._v_recv = [False] * levels
-        self._v_send = [False] * levels
-        for lvl in range(levels - 1):
-            fine, coarse = self.layout.levels[lvl], self.layout.levels[lvl + 1]
-            self._v_recv[lvl + 1] = coarse.left is not None and fine.first % fine.cfactor != 0
-            if coarse.right is not None:
-                their_first = self.layout.span(coarse.right, fine.stride)[0]
-                self._v_send[lvl + 1] = their_first % fine.cfactor != 0
         #: residual norm after each iteration of the last solve
         self.residuals: list[float] = []
         self.iterations = 0
@@ -276,6 +271,11 @@ class MGRIT:
                 u[0] = u0
             else:
                 u[0].zero_()
+        # A stepped row 0 that is t0 (see mpx.mgrit.boundaries): step(u0) of that level.
+        self._bounds.t0_steps(
+            lambda lvl: self._step_from(u0, self.layout.t0, self._bounds.first_dt[lvl]),
+            [u[0] for u in self._u],
+        )
 
     def _allocate(self, u0: torch.Tensor) -> None:
         self._u, self._g, self._v, self._scratch = [], [], [], []
@@ -338,7 +338,16 @@ class MGRIT:
 
     def _phi_into(self, lvl: int, start: int, stop: int, stride: int, out: torch.Tensor) -> Any:
         """The step of rows ``start:stop:stride``, written into ``out`` with ``step_into``
-        (else a new tensor)."""
+        (else a new tensor). A stepped row 0 is its own step (see :mod:`.boundaries`)."""
+        if start == 0 and self._bounds.stepped[lvl]:
+            first = self._u[lvl][0:1]
+            if stop <= stride:
+                return out.copy_(first) if self.step_into is not None else first.clone()
+            if self.step_into is None:
+                return torch.cat([first, self._phi(lvl, stride, stop, stride)])
+            out[0] = first[0]
+            self._phi_into(lvl, stride, stop, stride, out[1:])
+            return out
         if self.step_into is None:
             return self._phi(lvl, start, stop, stride)
         sl = slice(start, stop, stride)
@@ -352,6 +361,15 @@ class MGRIT:
     def _relax_rows(self, lvl: int, start: int, stop: int, m: int) -> None:
         """``u_i = g_i + Phi(u_{i-1})`` for rows ``start:stop:m``, written in place."""
         u, g = self._u[lvl], self._live_g(lvl)
+        if start == 1 and self._bounds.stepped[lvl]:
+            # Row 0 holds the left neighbour's step from its point: row 1 = g_1 + it.
+            if g is None:
+                u[1] = u[0]
+            else:
+                torch.add(g[1], u[0], out=u[1])
+            start += m
+            if start >= stop:
+                return
         rows = u[start:stop:m]
         if self.step_into is not None:
             src = slice(start - 1, stop - 1, m)
@@ -402,22 +420,22 @@ class MGRIT:
             return
         u, ghosts = self._u[lvl], self._ghosts[lvl]
         early = lv.ends_on_c
-        incoming = ghosts.start(u[-1] if early else None, u[0], tag=lvl)
+        incoming = ghosts.start(self._outgoing(lvl) if early else None, u[0], tag=lvl)
         if not incoming.receives:  # row 0 is t0: nothing to wait for
             self._f_relax(lvl)
             if not early:
-                ghosts.start(u[-1], None, tag=lvl).finish()
+                ghosts.start(self._outgoing(lvl), None, tag=lvl).finish()
             incoming.finish()
             return
         late = None
         if lv.c_count > 0:
             self._f_relax(lvl, lead=False)
             if not early:
-                late = ghosts.start(u[-1], None, tag=lvl)
+                late = ghosts.start(self._outgoing(lvl), None, tag=lvl)
         incoming.finish()
         self._f_relax(lvl, rest=False)
         if late is None and not early:
-            late = ghosts.start(u[-1], None, tag=lvl)
+            late = ghosts.start(self._outgoing(lvl), None, tag=lvl)
         if late is not None:
             late.finish()
 
@@ -469,16 +487,26 @@ class MGRIT:
         """v's row 0: the injected value of the coarse point before the owned ones. It is
         here when row 0 of ``lvl`` is a C-point (the ghost, current since the last
         F-relaxation) or when it is t0 on the coarse level (whose row 0 stays u0); else the
-        coarse level's left neighbour injected it, and sends it."""
+        coarse level's left neighbour injected it, and sends it (or the step from it)."""
         lv = self.layout.levels[lvl]
-        recv, send = self._v_recv[lvl + 1], self._v_send[lvl + 1]
-        if not recv:
-            v[0] = u[0] if lv.first % lv.cfactor == 0 else self._u[lvl + 1][0]
+        recv, send = self._bounds.v_recv[lvl + 1], self._bounds.v_send[lvl + 1]
+        if not recv:  # t0 (or its step) on the coarse level, else row 0 here is that point
+            v[0] = self._u[lvl + 1][0] if lv.first // lv.cfactor == 0 else u[0]
         if recv or send:
-            shift = self._ghosts[lvl + 1].start(
-                v[-1] if send else None, v[0] if recv else None, tag=lvl + 1
-            )
-            shift.finish()
+            last = self._outgoing(lvl + 1, v[-1]) if send else None
+            self._ghosts[lvl + 1].start(last, v[0] if recv else None, tag=lvl + 1).finish()
+
+    def _outgoing(self, lvl: int, row: torch.Tensor | None = None) -> torch.Tensor:
+        """What goes right from this rank's last row of ``lvl``: the row, or the step from it
+        where the right neighbour's row 0 is stepped (see :mod:`mpx.mgrit.boundaries`)."""
+        row = self._u[lvl][-1] if row is None else row
+        if not self._bounds.sends_steps[lvl]:
+            return row
+        return self._step_from(row, self._bounds.last_time[lvl], self._bounds.last_dt[lvl])
+
+    def _step_from(self, row: torch.Tensor, t: float, dt: float) -> torch.Tensor:
+        """One step of one state from time ``t``, in the form the step takes."""
+        return step_once(self.step, self.step_into, self.vectorized, row, t, dt)
 
     def _correct(self, lvl: int) -> None:
         lv = self.layout.levels[lvl]
@@ -500,51 +528,23 @@ class MGRIT:
             return
         ghosts = self._ghosts[lvl]
         ghosts.start(None, u[0], tag=lvl).finish()
+        begin = 0
+        if self._bounds.stepped[lvl]:  # row 0 is the left's step: row 1 = g_1 + it
+            self._relax_rows(lvl, 1, 2, 1)
+            begin = 1
+        ts, dts = self._step_times(lvl)
         if self.step_into is not None:
-            self._march_into(lvl, u, g, n)
+            march_into(self.step_into, ts, dts, u, g, n, begin)
         else:
-            u[1:] = self._march(lvl, u[0], g, n)
-        ghosts.start(u[-1], None, tag=lvl).finish()
+            u[1 + begin :] = march(self.step, self.vectorized, ts, dts, u[begin], g, n, begin)
+        ghosts.start(self._outgoing(lvl), None, tag=lvl).finish()
 
     def _step_times(self, lvl: int) -> tuple[Sequence[Any], Sequence[Any]]:
-        """Each step's time and step size on ``lvl``: floats, or one-element tensor rows."""
-        if self.float_times:
+        """Each step's time and step size on ``lvl``: floats (scalar steps, ``float_times``),
+        or one-element tensor rows."""
+        if self.float_times or not self.vectorized:
             return self._t[lvl], self._dt[lvl]
         return self._tt[lvl].view(-1, 1).unbind(0), self._tdt[lvl].view(-1, 1).unbind(0)
-
-    def _march_into(self, lvl: int, u: torch.Tensor, g: torch.Tensor | None, n: int) -> None:
-        """:meth:`_march` with ``step_into``: each step written into the next row of u."""
-        ts, dts = self._step_times(lvl)
-        rows = u.unsqueeze(1).unbind(0)  # views of one row each
-        gs = None if g is None else g.unsqueeze(1).unbind(0)
-        into = self.step_into
-        assert into is not None
-        for i in range(n):
-            into(rows[i], ts[i], dts[i], rows[i + 1])
-            if gs is not None:
-                rows[i + 1].add_(gs[i + 1])
-
-    def _march(self, lvl: int, x: torch.Tensor, g: torch.Tensor | None, n: int) -> torch.Tensor:
-        """n sequential steps from x (the hot loop of the coarsest level: lists, no indexing)."""
-        step, out = self.step, []
-        if self.vectorized:
-            ts, dts = self._step_times(lvl)
-            gs = None if g is None else g[1:].unsqueeze(1).unbind(0)
-            y = x.unsqueeze(0)
-            for i in range(n):
-                y = step(y, ts[i], dts[i])
-                if gs is not None:
-                    y = gs[i] + y
-                out.append(y)
-            return torch.cat(out) if out else x.new_zeros((0, *x.shape))
-        t, dt = self._t[lvl], self._dt[lvl]
-        grows = None if g is None else g[1:].unbind(0)
-        for i in range(n):
-            x = step(x, t[i], dt[i])
-            if grows is not None:
-                x = grows[i] + x
-            out.append(x)
-        return torch.stack(out) if out else x.new_zeros((0, *x.shape))
 
     def _cycle(self, lvl: int, first: bool, kind: str = "V") -> None:
         """One cycle on level ``lvl``; ``first``: begin with an F-relaxation (PyMGRIT's first_f)."""
