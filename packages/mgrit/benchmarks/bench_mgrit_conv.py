@@ -251,6 +251,9 @@ def _contention(step: Any, x: Any, comm: Any, repeats: int = 9) -> float:
     """A step's forward with every rank computing ÷ rank 0 alone (the cores are shared)."""
     import torch
 
+    if comm.size == 1:
+        return 1.0  # nothing shares the cores with rank 0 but other jobs
+
     def median(everyone: bool) -> float:
         samples = []
         for _ in range(repeats):
@@ -386,7 +389,8 @@ def report(cfg: Config, rows: list[dict[str, Any]], jobs: dict[int, dict[str, An
         f"µs, linearise {us['linearize']} µs, gradient (products in x and the parameters) "
         f"{us['gradient']} µs; t_msg = {message * 1e6:.0f} µs (one state between two ranks, "
         f"{'2-rank job' if 2 in jobs else 'no 2-rank job: 0'}); contention "
-        + ", ".join(f"{j['contention']:.2f} at {p}" for p, j in sorted(jobs.items()))
+        + (", ".join(f"{j['contention']:.2f} at {p}" for p, j in sorted(jobs.items()) if p > 1)
+           or "not measured (1 rank)")
         + f". Serial network: {serial_step * 1e6:.0f} µs a step (forward + backward). "
         "Not priced: the solver's own work (restriction, correction, copies, Python), "
         + (f"{rest * 1e6:.0f} µs per step at 1 rank (measured − model). " if rest is not None
