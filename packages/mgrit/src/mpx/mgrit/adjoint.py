@@ -31,6 +31,7 @@ from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, fine_blocks
 from mpx.mgrit.gru_steps import GRUSteps
+from mpx.mgrit.halo import LayerHalo
 from mpx.mgrit.options import MGRITOptions, MGRITSettings, check_int, resolve
 from mpx.mgrit.solver import MGRIT
 from mpx.mgrit.stacked import StackedSteps
@@ -52,7 +53,12 @@ Uses = Callable[[int], Sequence[int]]
 
 
 def shared_blocks(
-    num_steps: int, cfactor: int | Sequence[int], fwd_levels: int, bwd_levels: int, size: int
+    num_steps: int,
+    cfactor: int | Sequence[int],
+    fwd_levels: int,
+    bwd_levels: int,
+    size: int,
+    fine: bool = False,
 ) -> tuple[list[int], list[int]] | None:
     """Fine steps per rank of the forward and of the adjoint grid, in forward rank order.
 
@@ -61,9 +67,8 @@ def shared_blocks(
     adjoint, the forward state) *at* that point: for every such step to find its
     layer on the rank that computes it, the blocks are whole coarsest intervals
     of both grids (their least common multiple), as before the solver split the
-    fine grid freely. The solver itself takes any split (:class:`MGRIT`'s ``blocks``);
-    carrying the one layer a rank's coarse boundary step needs from its neighbour
-    is what would let networks use it too (issue 56).
+    fine grid freely. With ``fine`` (a network that carries its neighbours' boundary
+    layers, :mod:`mpx.mgrit.halo`) the split is the solver's: whole fine C-intervals.
     """
     spans = []
     for levels, name in ((fwd_levels, "fwd_levels"), (bwd_levels, "bwd_levels")):
@@ -79,6 +84,9 @@ def shared_blocks(
             f"adjoint grid (bwd_levels={bwd_levels}: {spans[1]} steps each); every coarse "
             f"point must be a fine point. Use num_steps a multiple of {unit}, or fewer levels"
         )
+    if fine:
+        deepest = max(fwd_levels, bwd_levels)
+        unit = coarsening_factors(cfactor, deepest)[0] if deepest > 1 else 1
     blocks = fine_blocks(num_steps, unit, size)
     return blocks, list(blocks)
 
@@ -131,6 +139,7 @@ class TimeStepper:
         *,
         options: MGRITOptions | None = None,
         blocks: tuple[Sequence[int], Sequence[int]] | None = None,
+        fine_split: bool = False,
         **settings: Unpack[MGRITSettings],
     ) -> None:
         self.phi, self.uses = phi, uses
@@ -139,8 +148,9 @@ class TimeStepper:
         self.comm = as_communicator(comm)
         self.N, self.h = num_steps, float(Tf) / num_steps
         shared = shared_blocks(
-            num_steps, opts.cfactor, opts.forward_levels, opts.adjoint_levels, self.comm.size
-        )
+            num_steps, opts.cfactor, opts.forward_levels, opts.adjoint_levels, self.comm.size,
+            fine=fine_split,
+        )  # fmt: skip
         if blocks is not None:
             shared = (list(blocks[0]), list(blocks[1]))
         fwd_blocks, bwd_blocks = (None, None) if shared is None else shared
@@ -151,6 +161,7 @@ class TimeStepper:
             "skip_downcycle": opts.skip_downcycle,
             "fine_relax": opts.fine_relax,
             "cycle_type": opts.cycle_type,
+            "boundary_steps": fine_split,
         }
         self.fwd = MGRIT(
             self._step, 0.0, Tf, num_steps, self.comm, levels=opts.forward_levels,
@@ -183,6 +194,8 @@ class TimeStepper:
         #: backward: see :data:`WORK_KINDS`
         self.work: dict[str, int] = dict.fromkeys(WORK_KINDS, 0)
         self.stacked: StackedSteps | GRUSteps | None = None
+        #: the neighbours' boundary layers and state (fine split; see :meth:`use_halo`)
+        self.halo: LayerHalo | None = None
         #: seconds of the last forward and backward inside the stacked steps, per kind,
         #: batched calls apart from single-row ones (``"forward_single"``...): the costs
         #: the performance model (:mod:`mpx.mgrit.model`) prices the work with (CPU)
@@ -212,6 +225,12 @@ class TimeStepper:
                 f"{owner} was closed: close() freed its MGRIT communicators, so it cannot "
                 "solve any more; build a new one (and close() it when done)"
             )
+
+    def use_halo(self, halo: LayerHalo) -> None:
+        """Refreshes ``halo`` before each forward solve and shares the state before the
+        block after it: on the fine split ``phi`` is called for steps ``first - 1`` (adjoint)
+        and ``stop`` (forward) too, whose layers ``halo`` holds."""
+        self.halo = halo
 
     def use_stacked(self, stacked: StackedSteps | GRUSteps) -> None:
         """Runs this rank's steps as ``stacked`` (batched over the C-intervals, see
@@ -285,13 +304,19 @@ class TimeStepper:
     def _adjoint_step(self, lam: torch.Tensor, t: float, dt: float) -> torch.Tensor:
         k = self.N - 1 - self._index(t)
         assert self._states is not None
+        if k < self.first:  # the previous block's last step (fine split: see use_halo)
+            assert self.halo is not None
+            assert self.halo.state is not None
+            x_k = self.halo.state
+        else:
+            x_k = self._states[k - self.first]
         if self._forcing is not None:
             # The loss reads x_{k+1} too: lam_{k+1} = nu_{k+1} + dL/dx_{k+1} (see adjoint()).
             lam = lam + self._forcing[k - self.first]
         self.work["linearize"] += 1
         self.work["adjoint"] += 1
         with torch.enable_grad():
-            x = self._states[k - self.first].detach().requires_grad_(True)
+            x = x_k.detach().requires_grad_(True)
             (g,) = torch.autograd.grad(self.phi(k, x, dt), x, lam, allow_unused=True)
         return torch.zeros_like(lam) if g is None else g
 
@@ -308,9 +333,14 @@ class TimeStepper:
         spare = self._returned()
         if spare is not None:
             self.fwd.reuse_fine(spare)
+        if self.halo is not None:
+            self.halo.refresh()
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
         states = self.fwd.detach_fine()
+        if self.halo is not None:
+            count = self.stop - self.first
+            self.halo.share_state(states[count - 1] if count > 0 else None)
         lease = Lease()
         self._leased = [(t, ref) for t, ref in self._leased if ref() is not None]
         self._leased.append((states, weakref.ref(lease)))
@@ -389,7 +419,9 @@ class TimeStepper:
             with torch.no_grad():
                 if n > 0:
                     start = time.perf_counter()
-                    stacked.linearize(self._states)
+                    stacked.linearize(
+                        self._states, None if self.halo is None else self.halo.state
+                    )
                     self.seconds["linearize"] = time.perf_counter() - start
                     self.work["linearize"] += n
                 self.bwd.solve(gN.detach())

@@ -17,6 +17,12 @@ level and every adjoint iteration: an adjoint step is one ``bmm``,
 are one more (``h (lam_{k+1} * D_k)^T x_k``), with no forward replayed.
 The adjoint runs in reversed time, so its data are kept in reversed order
 (row r is step ``stop - 1 - r``): its slices are then plain strided views.
+
+On the fine split (see :mod:`mpx.mgrit.halo`) a rank also steps from its last
+point (layer ``stop``, the next block's first) in the forward solve and from
+``first - 1`` (the previous block's last) in the adjoint: with those layers
+given (``after``, ``before``), the forward weights have one row past the local
+ones and the reversed data one row past theirs.
 """
 
 from __future__ import annotations
@@ -102,8 +108,16 @@ class StackedSteps:
         y = stacked.step(x_rows, 0, 2, dt)    # steps 0, 2, 4, ... of the local layers
     """
 
-    def __init__(self, linears: list[nn.Linear], act: nn.Module | None) -> None:
+    def __init__(
+        self,
+        linears: list[nn.Linear],
+        act: nn.Module | None,
+        before: nn.Linear | None = None,
+        after: nn.Linear | None = None,
+    ) -> None:
         self.linears, self.act = linears, act
+        #: the layers of steps ``first - 1`` (adjoint) and ``stop`` (forward), if stepped
+        self.before, self.after = before, after
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
         #: how many times the weights were stacked (once per change of any of them)
@@ -114,6 +128,7 @@ class StackedSteps:
         # reversed weights are kept with the stacked ones, for the same key.
         self._w_rev = torch.empty(0)
         self._w_rev_key: tuple[tuple[int, int], ...] | None = None
+        self._b_rev: torch.Tensor | None = None
         self._x_rev = torch.empty(0)
         self._d_rev: torch.Tensor | None = None
         # Scratch tensors of the adjoint's ``lam * act'(z)``, one per shape.
@@ -121,9 +136,15 @@ class StackedSteps:
         self._act_ = _in_place(act)
 
     @staticmethod
-    def of(layers: Sequence[nn.Module]) -> StackedSteps | None:
-        """The stacked form of ``layers``, or None if they cannot be stacked."""
-        parts = [_split(layer) for layer in layers]
+    def of(
+        layers: Sequence[nn.Module],
+        before: nn.Module | None = None,
+        after: nn.Module | None = None,
+    ) -> StackedSteps | None:
+        """The stacked form of ``layers`` (and of the neighbours' ``before`` and ``after``
+        copies, which must stack with them), or None if they cannot be stacked."""
+        halo = [m for m in (before, after) if m is not None]
+        parts = [_split(layer) for layer in [*layers, *halo]]
         if not parts or any(p is None for p in parts) or any(_hooked(m) for m in layers):
             return None
         linears = [p[0] for p in parts if p is not None]
@@ -145,10 +166,20 @@ class StackedSteps:
         describe = [(type(a), a.extra_repr()) if a is not None else None for a in acts]
         if any(d != describe[0] for d in describe):
             return None
-        return StackedSteps(linears, act)
+        n = len(layers)
+        rest = linears[n:]
+        return StackedSteps(
+            linears[:n],
+            act,
+            before=rest.pop(0) if before is not None else None,
+            after=rest.pop(0) if after is not None else None,
+        )
+
+    def _all(self) -> list[nn.Linear]:
+        return [*self.linears, *(m for m in (self.before, self.after) if m is not None)]
 
     def _parameters(self) -> list[torch.Tensor]:
-        return [p for lin in self.linears for p in (lin.weight, lin.bias) if p is not None]
+        return [p for lin in self._all() for p in (lin.weight, lin.bias) if p is not None]
 
     def refresh(self) -> bool:
         """Stacks the layers' weights if any changed since the last stacking.
@@ -164,9 +195,10 @@ class StackedSteps:
         key = tuple((p.data_ptr(), version(p)) for p in params)
         if key == self._key and self.weight.numel() > 0:
             return False
+        forward = [*self.linears, *([self.after] if self.after is not None else [])]
         with torch.no_grad():
-            self.weight = torch.stack([lin.weight.detach() for lin in self.linears])
-            biases = [lin.bias.detach() for lin in self.linears if lin.bias is not None]
+            self.weight = torch.stack([lin.weight.detach() for lin in forward])
+            biases = [lin.bias.detach() for lin in forward if lin.bias is not None]
             self.bias = torch.stack(biases) if biases else None
         self._key, self.stacks = key, self.stacks + 1
         return True
@@ -197,15 +229,25 @@ class StackedSteps:
         self._act_(o3)
         _axpy(x3, o3, dt, n)
 
-    def linearize(self, states: torch.Tensor) -> None:
-        """Keeps ``act'(z_k)`` at the states of the local steps (rows ``0..n-1`` of ``states``)."""
+    def linearize(self, states: torch.Tensor, before: torch.Tensor | None = None) -> None:
+        """Keeps ``act'(z_k)`` at the states of the local steps (rows ``0..n-1`` of ``states``)
+        and, given ``before`` (the state ``x_{first-1}``), of the step before them."""
         n, w = len(self.linears), self.weight.shape[-1]
         if self._w_rev_key != self._key or self._w_rev.numel() == 0:
-            self._w_rev, self._w_rev_key = self.weight.flip(0), self._key
+            rev = [*self.linears[::-1], *([self.before] if self.before is not None else [])]
+            with torch.no_grad():
+                self._w_rev = torch.stack([lin.weight.detach() for lin in rev])
+                biases = [lin.bias.detach() for lin in rev if lin.bias is not None]
+            self._b_rev = torch.stack(biases) if biases else None
+            self._w_rev_key = self._key
         self._x_rev = states[:n].reshape(n, -1, w).flip(0)
-        z = torch.bmm(self._x_rev, self._w_rev.transpose(1, 2))
-        if self.bias is not None:
-            z += self.bias.flip(0).unsqueeze(1)
+        rows = n
+        if before is not None and self.before is not None:
+            self._x_rev = torch.cat([self._x_rev, before.reshape(1, -1, w)])
+            rows = n + 1
+        z = torch.bmm(self._x_rev, self._w_rev[:rows].transpose(1, 2))
+        if self._b_rev is not None:
+            z += self._b_rev[:rows].unsqueeze(1)
         if self.act is None or type(self.act) is nn.Identity:
             self._d_rev = None
             return
@@ -258,7 +300,7 @@ class StackedSteps:
         n, w = len(self.linears), self.weight.shape[-1]
         lam3 = lams[:n].reshape(n, -1, w)
         d = self._dlam(lam3, slice(0, n))
-        g_w = torch.bmm(d.transpose(1, 2), self._x_rev).mul_(h)
+        g_w = torch.bmm(d.transpose(1, 2), self._x_rev[:n]).mul_(h)
         g_b = d.sum(1).mul_(h) if self.bias is not None else None
         grads = []
         for k in range(n):

@@ -1,0 +1,128 @@
+"""The layers next to a rank's block: what its boundary steps need from its neighbours.
+
+With the fine grid split freely over the ranks (see :mod:`mpx.mgrit.grid` and
+:mod:`mpx.mgrit.boundaries`), every step a rank computes starts inside its
+block ``[a, b)`` of steps, or at ``b`` (the forward solve: the step from its
+last point, which it sends to its right neighbour), or at ``a - 1`` (the
+adjoint, in reversed time: the same from the other side). So besides its own
+layers a rank needs two copies, refreshed from their owners before every
+forward pass (the owners' optimizer changes them), and in the adjoint the
+forward state the step ``a - 1`` starts from::
+
+    rank r-1: [... layer a-1]   rank r: [layer a ... layer b-1]   rank r+1: [layer b ...]
+              --- copy of a-1 --->                  <--- copy of b ---
+              --- x_{a-1} after the forward solve --->
+
+The copies are not parameters of the network (they would appear in its
+``state_dict`` and its optimizer twice); their values follow the owners' at
+the start of each forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpx.collectives import Channel, Communicator
+
+__all__ = ["LayerHalo", "module_tensors"]
+
+# Message tags of the copies, apart from the solvers' (one per level and step of t0).
+_TAG_FIRST, _TAG_LAST, _TAG_STATE = 30001, 30002, 30003
+
+
+def module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A module's parameters and buffers, in ``state_dict`` order (what a copy needs)."""
+    return [t.detach() for t in module.state_dict(keep_vars=True).values()]
+
+
+class LayerHalo:
+    """Copies of the neighbours' boundary layers, and the forward state before the block.
+
+    Args:
+        comm: the network's communicator.
+        left, right: the ranks of the blocks before and after this one (None: none).
+        first, last: this rank's first and last layer (sent left and right).
+        before, after: modules shaped as layers ``a - 1`` and ``b`` (they receive the
+            copies; None where there is no such neighbour).
+
+    Example::
+
+        halo = LayerHalo(comm, left, right, layers[0], layers[-1], before, after)
+        halo.refresh()                 # before each forward: the neighbours' layers now
+        halo.share_state(states[-2])   # after it: x_{b-1} right, x_{a-1} from the left
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        left: int | None,
+        right: int | None,
+        first: nn.Module,
+        last: nn.Module,
+        before: nn.Module | None,
+        after: nn.Module | None,
+    ) -> None:
+        self.channel = Channel(comm)
+        self.left, self.right = left, right
+        self.first, self.last = first, last
+        self.before = before if left is not None else None
+        self.after = after if right is not None else None
+        #: the forward state ``x_{a-1}`` of the last forward pass (None: none yet, or no left)
+        self.state: torch.Tensor | None = None
+
+    def _follow(self, module: nn.Module, like: nn.Module) -> None:
+        """Puts ``module`` on ``like``'s device and floating dtype (the network was moved)."""
+        ref = next(iter(module_tensors(like)), None)
+        if ref is None:
+            return
+        mine = next(iter(module_tensors(module)), None)
+        if mine is not None and (mine.device, mine.dtype) != (ref.device, ref.dtype):
+            if ref.is_floating_point():
+                module.to(device=ref.device, dtype=ref.dtype)
+            else:
+                module.to(device=ref.device)
+
+    def refresh(self) -> None:
+        """Sends this rank's first layer left and last layer right; copies the neighbours'
+        into ``after`` and ``before``. Collective between neighbours."""
+        incoming = []
+        for module, peer, tag in ((self.after, self.right, _TAG_FIRST),
+                                  (self.before, self.left, _TAG_LAST)):  # fmt: skip
+            if module is None or peer is None:
+                continue
+            self._follow(module, self.first)
+            like = [(t.shape, t.dtype) for t in module_tensors(module)]
+            device = next(iter(module_tensors(module)), torch.empty(0)).device
+            incoming.append((module, self.channel.expect(peer, tag, like, device=device)))
+        sent = []
+        if self.left is not None:
+            sent.append(self.channel.post(self.left, _TAG_FIRST, module_tensors(self.first)))
+        if self.right is not None:
+            sent.append(self.channel.post(self.right, _TAG_LAST, module_tensors(self.last)))
+        with torch.no_grad():
+            for module, pending in incoming:
+                message = self.channel.receive(pending)
+                # copy_ bumps the version counters: stacked weights see the change.
+                for mine, theirs in zip(module_tensors(module), message.tensors, strict=True):
+                    mine.copy_(theirs)
+                self.channel.release(message.tensors)
+        for s in sent:
+            self.channel.wait(s)
+
+    def share_state(self, last_state: torch.Tensor | None) -> None:
+        """Sends ``x_{b-1}`` (this rank's last step's start) right and keeps the left
+        neighbour's as :attr:`state` (the start of step ``a - 1``)."""
+        pending = None
+        if self.left is not None and last_state is not None:
+            like = [(last_state.shape, last_state.dtype)]
+            pending = self.channel.expect(self.left, _TAG_STATE, like, device=last_state.device)
+        sent = None
+        if self.right is not None and last_state is not None:
+            sent = self.channel.post(self.right, _TAG_STATE, last_state.contiguous())
+        if pending is not None:
+            message = self.channel.receive(pending)
+            self.state = message.tensors[0].clone()
+            self.channel.release(message.tensors)
+        if sent is not None:
+            self.channel.wait(sent)
