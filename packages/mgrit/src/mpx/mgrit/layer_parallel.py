@@ -14,12 +14,23 @@ same loss. Then the output is the same on every rank, the open and close
 layers (replicated) get the same gradients on every rank, and each step layer
 lives on exactly one rank, which alone holds its gradient. A coarse level uses
 the layer at its start point with the longer step ``h * stride``.
+
+Running statistics (BatchNorm, InstanceNorm with ``track_running_stats``) in
+step layers: MGRIT calls a step many times per forward pass (every relaxation,
+every level, each with its own step size, and again in the adjoint), so a
+BatchNorm left alone would fold all those calls into its running mean and
+variance. In training, the calls of the solves normalize with the batch's
+statistics and leave the running ones alone; once the forward solve is done,
+each step layer runs once more on its solved state ``x_k``, which updates its
+running statistics once per forward pass, from the states the serial network
+would give it (to the solve's tolerance). Eval mode then normalizes with them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Unpack
 
 import torch
@@ -65,6 +76,40 @@ def _step_layers(
             "give one module per step, a single module to copy, or a factory"
         )
     return [layers[k] for k in owned]
+
+
+#: The buffers of a module that keeps running statistics (BatchNorm, InstanceNorm).
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _with_statistics(layer: nn.Module) -> list[nn.Module]:
+    """The modules of ``layer`` that update running statistics in training (BatchNorm,
+    InstanceNorm with ``track_running_stats=True``): a MGRIT solve must not update them."""
+    return [
+        m
+        for m in layer.modules()
+        if getattr(m, "track_running_stats", False)
+        and isinstance(getattr(m, "running_mean", None), torch.Tensor)
+    ]
+
+
+@contextlib.contextmanager
+def _statistics_held(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside, the training ``modules`` normalize with the batch's statistics and update
+    no running ones (their buffers are set aside: torch's norms then neither read nor
+    write them); eval ones are untouched (they normalize with the running statistics)."""
+    held: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for m in modules:
+        if m.training:
+            own = dict(m.named_buffers(recurse=False))
+            held.extend((m, name, own[name]) for name in _STATISTICS if own.get(name) is not None)
+    for m, name, _ in held:
+        setattr(m, name, None)
+    try:
+        yield
+    finally:
+        for m, name, buffer in held:
+            setattr(m, name, buffer)
 
 
 class SerialResNet(nn.Module):
@@ -179,6 +224,8 @@ class LayerParallel(nn.Module):
         self.local_steps = nn.ModuleList(_step_layers(step_layers, num_steps, owned))
         self._param_index: list[list[int]] = []
         self._params: list[nn.Parameter] = []
+        # Per local step: its modules with running statistics (see the module doc).
+        self._statistics = [_with_statistics(layer) for layer in self.local_steps]
         for layer in self.local_steps:
             start = len(self._params)
             self._params.extend(p for p in layer.parameters() if p.requires_grad)
@@ -194,8 +241,23 @@ class LayerParallel(nn.Module):
 
     def _phi(self, k: int, x: torch.Tensor, dt: float) -> torch.Tensor:
         layer = self.local_steps[k - self.first_step]
-        out: torch.Tensor = x + dt * layer(x)
+        statistics = self._statistics[k - self.first_step]
+        if not statistics:
+            out: torch.Tensor = x + dt * layer(x)
+            return out
+        with _statistics_held(statistics):
+            out = x + dt * layer(x)
         return out
+
+    def _update_statistics(self, states: torch.Tensor) -> None:
+        """Runs each local step layer with running statistics once, on its solved state
+        ``x_k`` (row ``k - first`` of ``states``): their one update of this forward pass."""
+        with torch.no_grad():
+            for i, (layer, statistics) in enumerate(
+                zip(self.local_steps, self._statistics, strict=True)
+            ):
+                if any(m.training for m in statistics):
+                    layer(states[i])
 
     def _uses(self, k: int) -> list[int]:
         return self._param_index[k - self.first_step]
@@ -217,7 +279,13 @@ class LayerParallel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_open()
         x0 = self.open_layer(x)
-        xN = self.stepper.apply(x0, self._params)
+        if any(m.training for statistics in self._statistics for m in statistics):
+            # Running statistics: updated once, from the solved states (see the module doc).
+            xN: torch.Tensor = _SolveUpdatingStatistics.apply(  # type: ignore[no-untyped-call]
+                self, x0, *self._params
+            )
+        else:
+            xN = self.stepper.apply(x0, self._params)
         out: torch.Tensor = self.close_layer(xN)
         return out
 
@@ -250,3 +318,21 @@ class LayerParallel(nn.Module):
             self.Tf,
         )  # fmt: skip
         return net if device is None else net.to(device)
+
+
+class _SolveUpdatingStatistics(torch.autograd.Function):
+    """``TimeStepper.apply`` that also hands the solved states to
+    :meth:`LayerParallel._update_statistics` (the one place they exist: the forward
+    solve keeps them for the adjoint only)."""
+
+    @staticmethod
+    def forward(ctx: Any, net: LayerParallel, x0: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        ctx.stepper, ctx.tensors = net.stepper, tensors
+        xN, ctx.states, ctx.lease = net.stepper.forward(x0)
+        net._update_statistics(ctx.states)
+        return xN
+
+    @staticmethod
+    def backward(ctx: Any, gN: torch.Tensor) -> Any:
+        lam0, grads = ctx.stepper.backward(gN, ctx.tensors, ctx.states)
+        return (None, lam0, *grads)
