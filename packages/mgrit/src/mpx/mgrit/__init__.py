@@ -14,6 +14,7 @@ from mpx.mgrit.gru import ParallelGRU
 from mpx.mgrit.layer_parallel import LayerParallel, SerialResNet
 from mpx.mgrit.options import MGRITOptions
 from mpx.mgrit.refine import refine
+from mpx.mgrit.replicas import ReplicaGroups, split_replicas
 from mpx.mgrit.solver import MGRIT, Step
 from mpx.mgrit.work import WORK_KINDS, work
 
@@ -26,10 +27,12 @@ __all__ = [
     "MGRITOptions",
     "MGRITTypeError",
     "ParallelGRU",
+    "ReplicaGroups",
     "SerialResNet",
     "Step",
     "__version__",
     "refine",
+    "split_replicas",
     "work",
 ]
 
