@@ -187,6 +187,45 @@ def test_more_ranks_than_coarse_intervals() -> None:
     assert max(errors.values()) <= 1e-12, errors
 
 
+@pytest.mark.parametrize(
+    ("n", "levels", "cfactor"), [(64, 4, 4), (64, 6, 2), (48, 3, [4, 3]), (32, 5, 2)]
+)
+@pytest.mark.parametrize("batched", [True, False])
+def test_inexact_solves_equal_the_single_rank_network(
+    n: int, levels: int, cfactor: Any, batched: bool
+) -> None:
+    # Ranks beyond the coarsest intervals, coarse intervals cut by rank boundaries: each
+    # rank's boundary steps use its neighbours' layers (carried, not owned), and two
+    # inexact V-cycles give what one rank gives (to rounding: batched products of other
+    # sizes).
+    kw: dict[str, Any] = {"levels": levels, "cfactor": cfactor, "fwd_iters": 2,
+                          "bwd_iters": 1, "tol": 0.0, "batched": batched}  # fmt: skip
+    nets = [build(n, comm=comm, **kw) for comm in (MPI.COMM_WORLD, MPI.COMM_SELF)]
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for step in range(2):  # a second step after SGD: the carried layers follow the owners
+        outs = []
+        for net in nets:
+            net.zero_grad()
+            y = net(x)
+            y.square().sum().backward()
+            outs.append(y.detach())
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+        mine, alone = dict(nets[0].named_parameters()), dict(nets[1].named_parameters())
+        for name, p in mine.items():
+            other = serial_name(nets[0], name).replace("steps.", "local_steps.", 1)
+            torch.testing.assert_close(
+                _grad(p), _grad(alone[other if other in alone else name]), rtol=0, atol=1e-12
+            )
+        for net in nets:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * _grad(p)
+    residuals = [net.fwd_stats()["residuals"] for net in nets]
+    torch.testing.assert_close(torch.tensor(residuals[0]), torch.tensor(residuals[1]))
+    for net in nets:
+        net.close()
+
+
 @pytest.mark.gpu
 def test_cuda_network_equals_serial() -> None:
     net = build(8, levels=2, fwd_iters=8, bwd_iters=8, tol=0.0).cuda()

@@ -183,7 +183,7 @@ def test_boundary_steps_keep_every_step_on_its_block(nt: int, levels: int, cfact
         for blocks in splits(nt, comm.size).values():
             starts: list[int] = []
 
-            def step(u: torch.Tensor, t: Any, h: Any) -> torch.Tensor:
+            def step(u: torch.Tensor, t: Any, h: Any, starts: list[int] = starts) -> torch.Tensor:
                 ts = t.tolist() if isinstance(t, torch.Tensor) else [t]
                 starts.extend(round(x / dt) for x in ts)
                 return dahlquist(u, t, h)

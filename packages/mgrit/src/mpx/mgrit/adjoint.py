@@ -328,13 +328,13 @@ class TimeStepper:
         self.check_open()
         self.work["forward"] = 0
         self.seconds = {}
+        if self.halo is not None:  # first: the stacked weights include its layers
+            self.halo.refresh()
         if self.stacked is not None:
             self.stacked.refresh()
         spare = self._returned()
         if spare is not None:
             self.fwd.reuse_fine(spare)
-        if self.halo is not None:
-            self.halo.refresh()
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
         states = self.fwd.detach_fine()
@@ -419,9 +419,7 @@ class TimeStepper:
             with torch.no_grad():
                 if n > 0:
                     start = time.perf_counter()
-                    stacked.linearize(
-                        self._states, None if self.halo is None else self.halo.state
-                    )
+                    stacked.linearize(self._states, None if self.halo is None else self.halo.state)
                     self.seconds["linearize"] = time.perf_counter() - start
                     self.work["linearize"] += n
                 self.bwd.solve(gN.detach())

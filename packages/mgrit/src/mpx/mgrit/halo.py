@@ -103,9 +103,11 @@ class LayerHalo:
         with torch.no_grad():
             for module, pending in incoming:
                 message = self.channel.receive(pending)
-                # copy_ bumps the version counters: stacked weights see the change.
+                # copy_ bumps the version counters, so stacked weights restack: only where
+                # the owner's values changed (its optimizer stepped), once per change.
                 for mine, theirs in zip(module_tensors(module), message.tensors, strict=True):
-                    mine.copy_(theirs)
+                    if not torch.equal(mine, theirs):
+                        mine.copy_(theirs)
                 self.channel.release(message.tensors)
         for s in sent:
             self.channel.wait(s)

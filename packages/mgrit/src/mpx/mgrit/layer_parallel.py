@@ -39,6 +39,7 @@ from torch import nn
 from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
+from mpx.mgrit.halo import LayerHalo
 from mpx.mgrit.options import MGRITOptions, MGRITSettings, resolve
 from mpx.mgrit.stacked import StackedSteps
 
@@ -48,7 +49,7 @@ __all__ = ["LayerParallel", "SerialResNet"]
 def _step_layers(
     step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module],
     num_steps: int,
-    owned: range,
+    owned: Sequence[int],
 ) -> list[nn.Module]:
     """The ``owned`` step layers: a module copied, picked from a list, or made by a factory."""
     if isinstance(step_layers, nn.Module):
@@ -196,9 +197,12 @@ class LayerParallel(nn.Module):
         self.options = resolve("LayerParallel", options, settings, self.defaults)
         self.comm = as_communicator(comm)
         self.num_steps, self.Tf = num_steps, float(Tf)
+        # The fine grid split over the ranks: every rank works at any depth. A rank's
+        # boundary steps use its neighbours' boundary layers (mpx.mgrit.halo).
         self.stepper = TimeStepper(
-            self._phi, self._uses, num_steps, Tf, comm=self.comm, options=self.options
-        )
+            self._phi, self._uses, num_steps, Tf, comm=self.comm, options=self.options,
+            fine_split=True,
+        )  # fmt: skip
         self.open_layer = open_layer
         self.close_layer = close_layer
         try:
@@ -221,7 +225,24 @@ class LayerParallel(nn.Module):
         num_steps = self.num_steps
         owned = self.stepper.owned_steps()
         self.first_step = owned.start
-        self.local_steps = nn.ModuleList(_step_layers(step_layers, num_steps, owned))
+        fine = self.stepper.fwd.layout.levels[0]
+        # The neighbours' boundary layers: step first - 1 (adjoint) and stop (forward).
+        halo_steps = [k for k, peer in ((owned.start - 1, fine.left), (owned.stop, fine.right))
+                      if peer is not None and len(owned) > 0]  # fmt: skip
+        picked = _step_layers(step_layers, num_steps, [*owned, *halo_steps])
+        self.local_steps = nn.ModuleList(picked[: len(owned)])
+        # Copies, not parameters of this network (see mpx.mgrit.halo): a plain dict.
+        self._halo_layers = {
+            k: copy.deepcopy(m) for k, m in zip(halo_steps, picked[len(owned) :], strict=True)
+        }
+        self._halo_statistics = {k: _with_statistics(m) for k, m in self._halo_layers.items()}
+        before = self._halo_layers.get(owned.start - 1)
+        after = self._halo_layers.get(owned.stop)
+        if self._halo_layers:
+            self.stepper.use_halo(
+                LayerHalo(self.comm, fine.left, fine.right, picked[0], picked[len(owned) - 1],
+                          before, after)
+            )  # fmt: skip
         self._param_index: list[list[int]] = []
         self._params: list[nn.Parameter] = []
         # Per local step: its modules with running statistics (see the module doc).
@@ -231,7 +252,7 @@ class LayerParallel(nn.Module):
             self._params.extend(p for p in layer.parameters() if p.requires_grad)
             self._param_index.append(list(range(start, len(self._params))))
         # Layers of one stackable structure run batched over the C-intervals.
-        stacked = StackedSteps.of(list(self.local_steps)) if batched else None
+        stacked = StackedSteps.of(list(self.local_steps), before, after) if batched else None
         if stacked is not None:
             self.stepper.use_stacked(stacked)
 
@@ -240,8 +261,12 @@ class LayerParallel(nn.Module):
         return self.stepper.owned_steps()
 
     def _phi(self, k: int, x: torch.Tensor, dt: float) -> torch.Tensor:
-        layer = self.local_steps[k - self.first_step]
-        statistics = self._statistics[k - self.first_step]
+        i = k - self.first_step
+        if 0 <= i < len(self.local_steps):
+            layer: nn.Module = self.local_steps[i]
+            statistics = self._statistics[i]
+        else:  # a neighbour's boundary layer (the fine split's boundary steps)
+            layer, statistics = self._halo_layers[k], self._halo_statistics[k]
         if not statistics:
             out: torch.Tensor = x + dt * layer(x)
             return out
@@ -258,6 +283,13 @@ class LayerParallel(nn.Module):
             ):
                 if any(m.training for m in statistics):
                     layer(states[i])
+
+    def train(self, mode: bool = True) -> LayerParallel:
+        """As ``nn.Module.train``; the neighbours' boundary layers (not submodules) follow."""
+        super().train(mode)
+        for layer in self._halo_layers.values():
+            layer.train(mode)
+        return self
 
     def _uses(self, k: int) -> list[int]:
         return self._param_index[k - self.first_step]
