@@ -31,7 +31,8 @@ one state message between neighbours (2-rank job), and the contention of the 2 c
 For unbatched steps a batched row and a single-row call cost the same (one module call
 each), so the model gets the same cost for both. Its predicted time and speed-up over
 serial at 16 to 1024 ranks for 1024 steps (3 levels, and the best of 2 to 6 levels), on
-LayerParallel's split (whole coarsest intervals a rank) and on the solver's finer one,
+the split LayerParallel used before issue 56 (whole coarsest intervals a rank) and on
+its fine split (whole fine C-intervals),
 follow the measured table, with its error at 1 and 2 ranks. ``--smoke`` runs a tiny
 configuration (16 steps, 4 channels, 8 x 8 images, 1 rank) in seconds, for the tests.
 """
@@ -53,7 +54,7 @@ from typing import Any
 LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, TF = 3, 4, 2, 1, 1.0
 KINDS = ("forward", "adjoint", "linearize", "gradient")
 PREDICT_STEPS, PREDICT_RANKS, LEVEL_CHOICES = 1024, (16, 64, 256, 1024), (2, 3, 4, 5, 6)
-#: fine: the solver's split (whole fine C-intervals); coarsest: LayerParallel's today
+#: fine: LayerParallel's split (whole fine C-intervals); coarsest: its split before issue 56
 LAYOUTS = ("coarsest", "fine")
 #: LayerParallel vs serial, relative: 2 forward / 1 adjoint V-cycle do not converge fully
 OUTPUT_TOL, GRADIENT_TOL = 1e-2, 1e-1
@@ -359,7 +360,7 @@ def report(cfg: Config, rows: list[dict[str, Any]], jobs: dict[int, dict[str, An
         p, n, job = r["size"], r["steps"], jobs[r["size"]]
         cores = p / job["contention"] if p > 1 else 1.0
         costs = model_costs(r["costs"], job["message"], cores)  # the row's own costs
-        work = count(n, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p, layout="coarsest", costs=costs)
+        work = count(n, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS, p, layout="fine", costs=costs)
         t = predict(work, costs, p)
         if p == 1 and n == max(cfg.steps):
             rest = (r["t_lp"] - t) / n
@@ -398,10 +399,10 @@ def report(cfg: Config, rows: list[dict[str, Any]], jobs: dict[int, dict[str, An
         + f"Model at P ranks: `mpx.mgrit.model.count({PREDICT_STEPS}, levels, {CFACTOR}, "
         f"{FWD_ITERS}, {BWD_ITERS}, P, layout=..., costs=...)` (the step replayed on every "
         "rank's clock, its critical path) priced with these costs, one core a rank; "
-        "*coarsest*: whole coarsest intervals a rank (LayerParallel's split today, and the "
-        "measured rows' model); *fine*: the solver's split of the fine grid in whole fine "
-        "C-intervals (every rank works at any P up to N / cfactor), which networks do not use "
-        f"yet. Best levels: the fastest of {LEVEL_CHOICES[0]}-{LEVEL_CHOICES[-1]}.\n"
+        "*fine*: the fine grid split in whole fine C-intervals (LayerParallel's split, and the "
+        "measured rows' model: every rank works at any P up to N / cfactor); *coarsest*: "
+        "whole coarsest intervals a rank (every network's split before issue 56). "
+        f"Best levels: the fastest of {LEVEL_CHOICES[0]}-{LEVEL_CHOICES[-1]}.\n"
     )  # fmt: skip
     print(PREDICTED_HEADER)
     print("|---|---|---|---|---|---|---|---|")
@@ -469,7 +470,7 @@ def main() -> None:
         + "/".join(str(r) for r in cfg.repeats)
         + " samples, slowest rank; serial = `net.serial()` (plain autograd) on rank 0 alone, "
         "timed after each layer-parallel sample; LP ÷ serial: the median of the samples' own "
-        "ratios (lower is better). Model: `mpx.mgrit.model` (coarsest layout: LayerParallel's "
+        "ratios (lower is better). Model: `mpx.mgrit.model` (fine layout: LayerParallel's "
         "split) priced with each row's own per-layer costs (below), at 2 ranks with that "
         "job's message time and contention. "
         "Work: forward/adjoint/linearise/gradient layer evaluations of the busiest rank "
