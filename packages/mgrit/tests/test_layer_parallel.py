@@ -202,7 +202,7 @@ def test_inexact_solves_equal_the_single_rank_network(
                           "bwd_iters": 1, "tol": 0.0, "batched": batched}  # fmt: skip
     nets = [build(n, comm=comm, **kw) for comm in (MPI.COMM_WORLD, MPI.COMM_SELF)]
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    for step in range(2):  # a second step after SGD: the carried layers follow the owners
+    for _ in range(2):  # a second step after SGD: the carried layers follow the owners
         outs = []
         for net in nets:
             net.zero_grad()
@@ -219,7 +219,7 @@ def test_inexact_solves_equal_the_single_rank_network(
         for net in nets:
             with torch.no_grad():
                 for p in net.parameters():
-                    p -= 0.1 * _grad(p)
+                    p.sub_(0.1 * _grad(p))
     residuals = [net.fwd_stats()["residuals"] for net in nets]
     torch.testing.assert_close(torch.tensor(residuals[0]), torch.tensor(residuals[1]))
     for net in nets:
