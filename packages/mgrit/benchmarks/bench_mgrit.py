@@ -28,6 +28,7 @@ writes it into BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import os
@@ -111,7 +112,7 @@ RESIDUAL_PLOT = "docs/figures/mgrit_residuals.png"
 KINDS = ("forward", "adjoint", "linearize", "gradient")
 
 
-def _contention(comm: Any, rows: int = 16, repeats: int = 9) -> float:
+def _contention(comm: Any, rows: int = 16) -> float:
     """How much slower a batched step runs with every rank computing than on rank 0
     alone (measured: other ranks and other jobs share the cores)."""
     import torch
@@ -125,30 +126,16 @@ def _contention(comm: Any, rows: int = 16, repeats: int = 9) -> float:
     stacked.refresh()
     x = torch.randn(rows, BATCH, WIDTH)
 
-    def median(everyone: bool) -> float:
-        samples = []
-        for _ in range(repeats):
-            comm.mpi.Barrier()
-            start = time.perf_counter()
-            if everyone or comm.rank == 0:
-                with torch.no_grad():
-                    stacked.step(x, 0, 1, 0.1)
-            samples.append(time.perf_counter() - start)
-            done = comm.mpi.Ibarrier()  # the idle ranks sleep, not poll, meanwhile
-            while not done.Test():
-                time.sleep(0.001)
-        return statistics.median(samples)
+    def work() -> None:
+        with torch.no_grad():
+            stacked.step(x, 0, 1, 0.1)
 
-    alone, shared = median(False), median(True)
-    return float(comm.mpi.bcast(max(1.0, shared / alone), root=0))
+    return float(_measures().contention(comm, work))
 
 
-def _wait_politely(comm: Any) -> None:
-    """Waits for every rank sleeping, not polling MPI: while rank 0 times the serial network
-    alone, a polling rank would take a core from it on a loaded machine."""
-    done = comm.mpi.Ibarrier()
-    while not done.Test():
-        time.sleep(0.002)
+def _measures() -> Any:
+    """lp_measures, from this script's folder (on the path: the script's own)."""
+    return importlib.import_module("lp_measures")
 
 
 def layer_parallel() -> None:
@@ -161,7 +148,7 @@ def layer_parallel() -> None:
     from mpi4py import MPI
     from torch import nn
 
-    from mpx.collectives import recv, send, world
+    from mpx.collectives import world
     from mpx.mgrit import LayerParallel, work
 
     comm = world()
@@ -215,7 +202,7 @@ def layer_parallel() -> None:
             start = time.perf_counter()
             run_serial()
             t_one = time.perf_counter() - start
-        _wait_politely(comm)
+        _measures().wait_politely(comm)
         serial_samples.append(float(comm.mpi.bcast(t_one, root=0)))
     t_lp, t_serial = statistics.median(lp_samples), statistics.median(serial_samples)
     ratio = statistics.median(a / b for a, b in zip(lp_samples, serial_samples, strict=True))
@@ -224,21 +211,7 @@ def layer_parallel() -> None:
     counted = comm.mpi.allgather(work(net))
     t_unbatched = timed(step_of(make(FWD_ITERS, BWD_ITERS, batched=False)), 3)
     # One activation message (batch x width float32) between neighbours, one way.
-    message = 0.0
-    if comm.size > 1:
-        buf = torch.zeros(BATCH, WIDTH)
-        rounds = 200
-        comm.mpi.Barrier()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            if comm.rank == 0:
-                send(buf, 1, comm=comm)
-                recv(buf, 1, comm=comm)
-            elif comm.rank == 1:
-                recv(buf, 0, comm=comm)
-                send(buf, 0, comm=comm)
-        message = (time.perf_counter() - start) / (2 * rounds)
-        message = float(comm.mpi.bcast(message, root=0))
+    message = float(_measures().message_seconds(comm, torch.zeros(BATCH, WIDTH), rounds=200))
     contention = _contention(comm)
     # Convergence factor: a forward solve run to 8 iterations, residual ratios.
     # (float64: in float32 the residual stalls near 1e-5, at rounding level.)

@@ -40,6 +40,7 @@ configuration (16 steps, 4 channels, 8 x 8 images, 1 rank) in seconds, for the t
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -84,12 +85,9 @@ def config(smoke: bool, channels: int, batch: int) -> Config:
 # -- inside mpxrun -----------------------------------------------------------------------
 
 
-def _wait_politely(comm: Any) -> None:
-    """Every rank waits sleeping, not polling MPI: a polling rank would take a core from
-    rank 0 while it times alone on a loaded machine."""
-    done = comm.mpi.Ibarrier()
-    while not done.Test():
-        time.sleep(0.002)
+def _measures() -> Any:
+    """lp_measures, from this script's folder (on the path: the script's own)."""
+    return importlib.import_module("lp_measures")
 
 
 def _median_time(fn: Any, repeats: int) -> float:
@@ -211,7 +209,7 @@ def _row(cfg: Config, steps: int, repeats: int, comm: Any) -> dict[str, Any]:
             run(serial)
             t_one = time.perf_counter() - start
             cost_samples.append(layer_costs(step, state, TF / steps, repeats=5))
-        _wait_politely(comm)
+        _measures().wait_politely(comm)
         serial_samples.append(float(comm.mpi.bcast(t_one, root=0)))
     counted = comm.mpi.allgather(work(net))
     record = {
@@ -227,49 +225,24 @@ def _row(cfg: Config, steps: int, repeats: int, comm: Any) -> dict[str, Any]:
     return record
 
 
-def _message(cfg: Config, comm: Any, rounds: int = 50) -> float:
+def _message(cfg: Config, comm: Any) -> float:
     """One state (batch x C x size x size float32) between ranks 0 and 1, one way."""
     import torch
 
-    from mpx.collectives import recv, send
-
-    if comm.size < 2:
-        return 0.0
     buf = torch.zeros(cfg.batch, cfg.channels, cfg.size, cfg.size)
-    comm.mpi.Barrier()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        if comm.rank == 0:
-            send(buf, 1, comm=comm)
-            recv(buf, 1, comm=comm)
-        elif comm.rank == 1:
-            recv(buf, 0, comm=comm)
-            send(buf, 0, comm=comm)
-    return float(comm.mpi.bcast((time.perf_counter() - start) / (2 * rounds), root=0))
+    return float(_measures().message_seconds(comm, buf))
 
 
-def _contention(step: Any, x: Any, comm: Any, repeats: int = 9) -> float:
+def _contention(step: Any, x: Any, comm: Any) -> float:
     """A step's forward with every rank computing ÷ rank 0 alone (the cores are shared)."""
     import torch
 
-    if comm.size == 1:
-        return 1.0  # nothing shares the cores with rank 0 but other jobs
+    def work() -> None:
+        with torch.no_grad():
+            for _ in range(3):
+                x + step(x)
 
-    def median(everyone: bool) -> float:
-        samples = []
-        for _ in range(repeats):
-            comm.mpi.Barrier()
-            start = time.perf_counter()
-            if everyone or comm.rank == 0:
-                with torch.no_grad():
-                    for _ in range(3):
-                        x + step(x)
-            samples.append(time.perf_counter() - start)
-            _wait_politely(comm)
-        return statistics.median(samples)
-
-    alone, shared = median(False), median(True)
-    return float(comm.mpi.bcast(max(1.0, shared / alone), root=0))
+    return float(_measures().contention(comm, work))
 
 
 def inside(cfg: Config) -> None:
