@@ -652,9 +652,10 @@ class MGRITConfig:
 
 # 1024 residual steps of a 128-wide Linear + tanh on a batch of 128 (a step of
 # ~0.3 ms on one core, against a 64 KiB message between neighbours of ~20 µs:
-# costly enough to parallelise); 4 levels of cfactor 4 leave 16 coarsest
-# points, one per rank at 16. 16 ranks first: if time runs out, the rows that
-# matter least (fewer ranks) are the ones lost.
+# costly enough to parallelise); 4 levels of cfactor 4 (the model's best level
+# count at 16 ranks: mpx.mgrit.model). LayerParallel splits the fine grid, so
+# any rank count up to 1024 / 4 works. 16 ranks first: if time runs out, the
+# rows that matter least (fewer ranks) are the ones lost.
 MGRIT_FULL = MGRITConfig(1024, 128, 128, 4, 4, (16, 8, 4, 2, 1), 3)
 MGRIT_SMOKE = MGRITConfig(32, 16, 8, 3, 4, (2, 1), 2)
 
@@ -684,6 +685,24 @@ def mgrit_job(smoke: bool) -> None:
             nn.Linear(cfg.width, 10), num_steps=cfg.steps, Tf=cfg.steps / 64,
             comm=sub, levels=cfg.levels, cfactor=cfg.cfactor, fwd_iters=2, bwd_iters=1, tol=0.0,
         )  # fmt: skip
+
+    def message_time(rounds: int = 50) -> float:
+        """One state (batch x width float32) between ranks 0 and 1, one way (the model's)."""
+        from mpx.collectives import recv, send
+
+        if comm.size < 2:
+            return 0.0
+        buf = torch.zeros(cfg.batch, cfg.width)
+        comm.mpi.Barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            if comm.rank == 0:
+                send(buf, 1, comm=comm)
+                recv(buf, 1, comm=comm)
+            elif comm.rank == 1:
+                recv(buf, 0, comm=comm)
+                send(buf, 0, comm=comm)
+        return float(comm.mpi.bcast((time.perf_counter() - start) / (2 * rounds), root=0))
 
     def median_time(net: nn.Module, sub: Communicator) -> float:
         """Median seconds of a training step's forward + backward, slowest rank of ``sub``."""
@@ -718,14 +737,53 @@ def mgrit_job(smoke: bool) -> None:
         _say(f"| serial | — | {serial_s * 1e3:.1f} | 1.00 |")
         solo.free()
     serial_s = float(comm.mpi.bcast(serial_s, root=0))
+    measured: dict[int, float] = {}
+    one_rank: dict[str, float] = {}
     for p in (p for p in cfg.rank_counts if p <= comm.size):
         sub = comm.split(0 if comm.rank < p else None)
         if sub is not None:
-            t = median_time(make(sub), sub)
+            net = make(sub)
+            t = median_time(net, sub)
+            measured[p] = t
+            if p == 1:  # the model's costs: the time inside the stacked steps, by kind
+                one_rank = dict(net.stepper.seconds)
             if sub.rank == 0:
                 _say(f"| {p} | {t * 1e3:.1f} | {serial_s * 1e3:.1f} | {serial_s / t:.2f} |")
+            net.close()
             sub.free()
         comm.mpi.Barrier()
+    message = message_time()
+    if comm.rank == 0 and one_rank and 1 in measured:
+        _mgrit_model(cfg, measured, one_rank, message, serial_s)
+
+
+def _mgrit_model(
+    cfg: MGRITConfig,
+    measured: dict[int, float],
+    seconds: dict[str, float],
+    message: float,
+    serial_s: float,
+) -> None:
+    """The measured rows beside ``mpx.mgrit.model``'s (costs from the 1-rank row), and its
+    predictions beyond this machine's cores."""
+    from mpx.mgrit.model import costs_of, count, predict
+
+    def work(p: int, costs: Any = None) -> Any:
+        return count(cfg.steps, cfg.levels, cfg.cfactor, 2, 1, p, costs=costs)
+
+    costs = costs_of(seconds, work(1), measured[1], message=message)
+    _say(
+        f"\nModel (`mpx.mgrit.model`: the step replayed on every rank's clock, its critical "
+        f"path priced with the 1-rank row's costs and a {message * 1e6:.0f} µs message):\n"
+    )
+    _say("| ranks | measured (ms) | model (ms) | model error | model speed-up |")
+    _say("|---|---|---|---|---|")
+    for p in sorted({*measured, 64, 256}):
+        t = predict(work(p, costs), costs, p)
+        got = measured.get(p)
+        shown = f"{got * 1e3:.1f}" if got is not None else "—"
+        error = f"{(t - got) / got:+.0%}" if got is not None else "—"
+        _say(f"| {p} | {shown} | {t * 1e3:.1f} | {error} | {serial_s / t:.2f} |")
 
 
 def _mpi_max() -> Any:
