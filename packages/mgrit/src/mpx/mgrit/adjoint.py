@@ -64,11 +64,11 @@ def shared_blocks(
 
     A step's layer lives on one rank, so both solves give every rank the same
     fine steps. A network's coarse step from a point uses the layer (and, in the
-    adjoint, the forward state) *at* that point: for every such step to find its
-    layer on the rank that computes it, the blocks are whole coarsest intervals
-    of both grids (their least common multiple), as before the solver split the
-    fine grid freely. With ``fine`` (a network that carries its neighbours' boundary
-    layers, :mod:`mpx.mgrit.halo`) the split is the solver's: whole fine C-intervals.
+    adjoint, the forward state) *at* that point. Without ``fine`` (ParallelGRU) the
+    blocks are whole coarsest intervals of both grids (their least common multiple),
+    so that every such step finds its layer on the rank that computes it. With
+    ``fine`` (a network that carries its neighbours' boundary layers,
+    :mod:`mpx.mgrit.halo`) the split is the solver's: whole fine C-intervals.
     """
     spans = []
     for levels, name in ((fwd_levels, "fwd_levels"), (bwd_levels, "bwd_levels")):

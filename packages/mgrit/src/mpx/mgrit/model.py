@@ -16,9 +16,9 @@ is priced with measured costs (:class:`Costs`, :func:`costs_of`)::
 Which path is critical depends on the costs: :func:`count` follows the path
 under the costs it is given (default: a row 1, a single-row call 1.5, a
 message 0.5). ``layout="fine"`` splits the fine grid in whole fine C-intervals
-(the solver's default; every rank works at every rank count up to N / cfactor);
-``layout="coarsest"`` in whole coarsest intervals (the split networks use today,
-and every layout before issue 56: ranks beyond the coarsest intervals idle).
+(MGRIT's and LayerParallel's; every rank works at every rank count up to N / cfactor);
+``layout="coarsest"`` in whole coarsest intervals (ParallelGRU's split, and every
+network's before issue 56: ranks beyond the coarsest intervals idle).
 The model covers V-cycles of :class:`~mpx.mgrit.LayerParallel` with stacked
 (batched) step layers; its forward and its adjoint solve, the linearisation and
 the gradient sweep.
