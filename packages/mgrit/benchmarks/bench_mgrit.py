@@ -416,6 +416,10 @@ def main() -> None:
     )
     parser.add_argument("--skip-lp", action="store_true", help="no layer-parallel table")
     parser.add_argument(
+        "--timeout", type=int, default=600, metavar="S",
+        help="each inner mpxrun job's limit in seconds (default 600; more on a loaded machine)",
+    )  # fmt: skip
+    parser.add_argument(
         "--cycles", default="V,F", help="cycle types of the solver rows: V, F or V,F (default)"
     )
     args = parser.parse_args()
@@ -434,7 +438,7 @@ def main() -> None:
     mpxrun = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 
     def job(nprocs: int, what: str) -> None:
-        cmd = [mpxrun, "-n", str(nprocs), "--timeout", "600", "--", sys.executable]
+        cmd = [mpxrun, "-n", str(nprocs), "--timeout", str(args.timeout), "--", sys.executable]
         inner = [os.path.abspath(__file__), "--inside", what, "--cycles", ",".join(cycles)]
         subprocess.run([*cmd, *inner], check=True)
 
@@ -456,7 +460,7 @@ def main() -> None:
         sys.stdout.flush()
         job(1, "solvers")
     if not args.skip_lp:
-        _layer_parallel_section(mpxrun, args.ranks)
+        _layer_parallel_section(mpxrun, args.ranks, args.timeout)
     if args.gru:
         print(
             f"\nParallelGRU beside torch.nn.GRU (same weights; input {GRU_INPUT}, hidden "
@@ -475,7 +479,7 @@ def main() -> None:
         job(1, "gru")
 
 
-def _layer_parallel_section(mpxrun: str, ranks: str) -> None:
+def _layer_parallel_section(mpxrun: str, ranks: str, timeout: int) -> None:
     print(
         f"\nLayer-parallel forward + backward ({STEPS} residual steps x + h·tanh(Wx + b) of width "
         f"{WIDTH}, batch {BATCH}, float32, {LEVELS} levels, cfactor {CFACTOR}, {FWD_ITERS} "
@@ -501,7 +505,7 @@ def _layer_parallel_section(mpxrun: str, ranks: str) -> None:
     sys.stdout.flush()
     rows: dict[int, dict[str, Any]] = {}
     for nprocs in (int(n) for n in ranks.split(",")):
-        cmd = [mpxrun, "-n", str(nprocs), "--timeout", "600", "--", sys.executable]
+        cmd = [mpxrun, "-n", str(nprocs), "--timeout", str(timeout), "--", sys.executable]
         done = subprocess.run(
             [*cmd, os.path.abspath(__file__), "--inside", "lp"],
             check=True, capture_output=True, text=True,
