@@ -36,6 +36,7 @@ from mpx.collectives.checks import as_limit, check_timeout
 from mpx.collectives.errors import (
     CommunicatorBroken,
     MismatchError,
+    MPXError,
     MPXTypeError,
     MPXValueError,
 )
@@ -185,10 +186,29 @@ class Communicator(Agreement, CallChecks):
             raise MPXValueError(
                 f"split: color must be >= 0 or None (None leaves this rank out), got {color}"
             )
-        new = self.mpi.Split(
-            MPI.UNDEFINED if color is None else color, self.rank if key is None else key
-        )
-        return None if new == MPI.COMM_NULL else Communicator(MPI.Intracomm(new), self.timeout)
+        try:
+            new = self.mpi.Split(
+                MPI.UNDEFINED if color is None else color, self.rank if key is None else key
+            )
+            if new == MPI.COMM_NULL:
+                return None
+            try:
+                return Communicator(MPI.Intracomm(new), self.timeout)
+            except MPI.Exception:
+                new.Free()  # its node communicator could not be made: give it back
+                raise
+        except MPI.Exception as err:
+            # MPICH gives a process ~2048 context ids (a split takes several): the usual
+            # cause is communicators split off and never freed. Every rank of the split
+            # fails alike (the ids are agreed collectively), so every rank raises this.
+            if "Too many communicators" not in str(err):
+                raise
+            raise MPXError(
+                "split: MPI has no communicators left in this process (MPICH: about 2048 "
+                "context ids, several a communicator); free the ones split off when done: "
+                "Communicator.free(), and close() on every mpx network or pipeline that split "
+                "its own (LayerParallel, ParallelGRU, TimeStepper, Pipeline)"
+            ) from err
 
     def node(self) -> Communicator:
         """The ranks of this group that share this node's memory. Collective."""
