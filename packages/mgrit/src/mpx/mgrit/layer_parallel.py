@@ -42,6 +42,7 @@ from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
 from mpx.mgrit.halo import LayerHalo
 from mpx.mgrit.options import MGRITOptions, MGRITSettings, resolve
 from mpx.mgrit.stacked import StackedSteps
+from mpx.mgrit.torchbraid_setters import TorchbraidSetters
 
 __all__ = ["LayerParallel", "SerialResNet"]
 
@@ -140,7 +141,7 @@ class SerialResNet(nn.Module):
         return out
 
 
-class LayerParallel(nn.Module):
+class LayerParallel(TorchbraidSetters, nn.Module):
     """``open -> num_steps residual steps x + h f_k(x) -> close``, steps split over ranks.
 
     Args:
@@ -205,6 +206,9 @@ class LayerParallel(nn.Module):
         )  # fmt: skip
         self.open_layer = open_layer
         self.close_layer = close_layer
+        self._batched = batched
+        # The torchbraid setters rebuild the solver: only before the first forward pass.
+        self._forwarded = False
         try:
             self._place(step_layers, batched)
         except MGRITConfigError:
@@ -219,9 +223,13 @@ class LayerParallel(nn.Module):
         return self.options.as_dict()
 
     def _place(
-        self, step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module], batched: bool
+        self,
+        step_layers: nn.Module | Sequence[nn.Module] | Callable[[], nn.Module] | None,
+        batched: bool,
+        chosen: dict[int, nn.Module] | None = None,
     ) -> None:
-        """Keeps this rank's step layers (and, if they stack, runs them batched)."""
+        """Keeps this rank's step layers (and, if they stack, runs them batched); ``chosen``:
+        the layers by step, instead of ``step_layers`` (the ones kept by _reconfigure)."""
         num_steps = self.num_steps
         owned = self.stepper.owned_steps()
         self.first_step = owned.start
@@ -229,7 +237,12 @@ class LayerParallel(nn.Module):
         # The neighbours' boundary layers: step first - 1 (adjoint) and stop (forward).
         halo_steps = [k for k, peer in ((owned.start - 1, fine.left), (owned.stop, fine.right))
                       if peer is not None and len(owned) > 0]  # fmt: skip
-        picked = _step_layers(step_layers, num_steps, [*owned, *halo_steps])
+        wanted = [*owned, *halo_steps]
+        if chosen is not None:
+            picked = [chosen[k] for k in wanted]
+        else:
+            assert step_layers is not None
+            picked = _step_layers(step_layers, num_steps, wanted)
         self.local_steps = nn.ModuleList(picked[: len(owned)])
         # Copies, not parameters of this network (see mpx.mgrit.halo): a plain dict.
         self._halo_layers = {
@@ -259,6 +272,35 @@ class LayerParallel(nn.Module):
     def owned_steps(self) -> range:
         """The global indices of the steps whose layers live on this rank."""
         return self.stepper.owned_steps()
+
+    def _reconfigure(self, options: MGRITOptions) -> None:
+        """The solver rebuilt with ``options`` (torchbraid's setters). Collective; where the
+        split changes, the layers are gathered and placed again (weights kept)."""
+        if options == self.options:
+            return
+        self._check_open()
+        if self._forwarded:
+            raise MGRITConfigError(
+                "torchbraid's setters rebuild the solver and may move layers between ranks: "
+                "call them before the first forward pass (and before building the optimizer), "
+                "or give the settings when building the network (options= or keywords)"
+            )
+        stepper = TimeStepper(
+            self._phi, self._uses, self.num_steps, self.Tf, comm=self.comm, options=options,
+            fine_split=True,
+        )  # fmt: skip
+        if stepper.fwd.layout.blocks == self.stepper.fwd.layout.blocks:
+            chosen = dict(zip(self.owned_steps(), self.local_steps, strict=True))
+            chosen.update(self._halo_layers)
+        else:  # the same blocks on every rank or on none: every rank gathers
+            like = next(self.parameters(), None)
+            chosen = {
+                k: layer if like is None else layer.to(like.device)
+                for k, layer in enumerate(self.gather_steps())
+            }
+        self.stepper.close()
+        self.stepper, self.options = stepper, options
+        self._place(None, self._batched, chosen)
 
     def _phi(self, k: int, x: torch.Tensor, dt: float) -> torch.Tensor:
         i = k - self.first_step
@@ -318,6 +360,12 @@ class LayerParallel(nn.Module):
             )
         else:
             xN = self.stepper.apply(x0, self._params)
+        self._forwarded = True
+        if self.print_level >= 1 and self.comm.rank == 0:
+            # torchbraid's setPrintLevel: this forward's solve, and the last backward's.
+            fwd, bwd = self.fwd_stats()["residuals"], self.bwd_stats()["residuals"]
+            print(f"LayerParallel: forward residuals {[f'{r:.2e}' for r in fwd]}; last "
+                  f"backward {[f'{r:.2e}' for r in bwd]}", flush=True)  # fmt: skip
         out: torch.Tensor = self.close_layer(xN)
         return out
 
