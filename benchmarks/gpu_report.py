@@ -686,24 +686,6 @@ def mgrit_job(smoke: bool) -> None:
             comm=sub, levels=cfg.levels, cfactor=cfg.cfactor, fwd_iters=2, bwd_iters=1, tol=0.0,
         )  # fmt: skip
 
-    def message_time(rounds: int = 50) -> float:
-        """One state (batch x width float32) between ranks 0 and 1, one way (the model's)."""
-        from mpx.collectives import recv, send
-
-        if comm.size < 2:
-            return 0.0
-        buf = torch.zeros(cfg.batch, cfg.width)
-        comm.mpi.Barrier()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            if comm.rank == 0:
-                send(buf, 1, comm=comm)
-                recv(buf, 1, comm=comm)
-            elif comm.rank == 1:
-                recv(buf, 0, comm=comm)
-                send(buf, 0, comm=comm)
-        return float(comm.mpi.bcast((time.perf_counter() - start) / (2 * rounds), root=0))
-
     def median_time(net: nn.Module, sub: Communicator) -> float:
         """Median seconds of a training step's forward + backward, slowest rank of ``sub``."""
 
@@ -752,9 +734,19 @@ def mgrit_job(smoke: bool) -> None:
             net.close()
             sub.free()
         comm.mpi.Barrier()
-    message = message_time()
+    # One state (batch x width float32) between ranks 0 and 1, one way: the model's
+    # message, measured as the layer-parallel benchmarks measure it.
+    message = _lp_measures().message_seconds(comm, torch.zeros(cfg.batch, cfg.width))
     if comm.rank == 0 and one_rank and 1 in measured:
         _mgrit_model(cfg, measured, one_rank, message, serial_s)
+
+
+def _lp_measures() -> Any:
+    """mpx-mgrit's benchmarks' shared measurements (packages/mgrit/benchmarks/lp_measures.py)."""
+    folder = str(ROOT / "packages" / "mgrit" / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("lp_measures")
 
 
 def _mgrit_model(
