@@ -92,20 +92,22 @@ class LayerHalo:
             if module is None or peer is None:
                 continue
             self._follow(module, self.first)
-            like = [(t.shape, t.dtype) for t in module_tensors(module)]
-            device = next(iter(module_tensors(module)), torch.empty(0)).device
-            incoming.append((module, self.channel.expect(peer, tag, like, device=device)))
+            tensors = module_tensors(module)
+            like = [(t.shape, t.dtype) for t in tensors]
+            device = tensors[0].device if tensors else torch.device("cpu")
+            pending = self.channel.expect(peer, tag, like, device=device)
+            incoming.append((tensors, pending))
         sent = []
         if self.left is not None:
             sent.append(self.channel.post(self.left, _TAG_FIRST, module_tensors(self.first)))
         if self.right is not None:
             sent.append(self.channel.post(self.right, _TAG_LAST, module_tensors(self.last)))
         with torch.no_grad():
-            for module, pending in incoming:
+            for tensors, pending in incoming:
                 message = self.channel.receive(pending)
                 # copy_ bumps the version counters, so stacked weights restack: only where
                 # the owner's values changed (its optimizer stepped), once per change.
-                for mine, theirs in zip(module_tensors(module), message.tensors, strict=True):
+                for mine, theirs in zip(tensors, message.tensors, strict=True):
                     if not torch.equal(mine, theirs):
                         mine.copy_(theirs)
                 self.channel.release(message.tensors)
