@@ -17,7 +17,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpx.collectives import Communicator, world
+from mpx.collectives import Communicator, MismatchError, world
 from mpx.mgrit import MGRIT, MGRITConfigError, MGRITError, MGRITTypeError
 from mpx.mgrit.grid import Layout
 
@@ -198,6 +198,20 @@ def test_boundary_steps_keep_every_step_on_its_block(nt: int, levels: int, cfact
     assert all(o[True] == 0 for o in every), every
     if comm.size > 2:  # the random and even splits put coarse row 0s left of blocks
         assert any(o[False] > 0 for o in every), every
+
+
+@pytest.mark.mpi
+def test_ranks_with_other_grids_raise_on_every_rank() -> None:
+    # Every rank but the last puts its steps elsewhere: caught when the solver is made.
+    comm = world()
+    blocks = [64] + [0] * (comm.size - 1)
+    if comm.rank == comm.size - 1 and comm.size > 1:
+        blocks = [0] * (comm.size - 1) + [64]
+    if comm.size == 1:
+        MGRIT(dahlquist, 0, 5, 64, levels=3, comm=comm, blocks=blocks)  # nothing to disagree
+        return
+    with pytest.raises(MismatchError, match="MGRIT: ranks disagree on blocks"):
+        MGRIT(dahlquist, 0, 5, 64, levels=3, comm=comm, blocks=blocks)
 
 
 @pytest.mark.mpi

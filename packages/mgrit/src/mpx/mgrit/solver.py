@@ -134,6 +134,12 @@ class MGRIT:
         self.step = step
         self.comm = as_communicator(comm)
         self.layout = Layout(t0, tf, nt, levels, cfactor, self.comm.size, self.comm.rank, blocks)
+        # Other grids on other ranks: a silent wrong solve or a hang (MPX_CHECK=0 skips it).
+        self.comm.check_same("MGRIT", {
+            "t0, tf, nt": (float(t0), float(tf), nt), "cfactor": tuple(self.layout.factors),
+            "blocks": tuple(self.layout.blocks), "boundary_steps": bool(boundary_steps),
+            "relax": (relax, nrelax, fine_relax, cycle_type, skip_downcycle),
+        })  # fmt: skip
         self.nt = nt
         self.num_levels = levels
         self.max_iters = max_iters
