@@ -358,9 +358,9 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
         f"rest {costs.per_step * 1e6:.0f} µs per owned step; t_msg = "
         f"{rows[2]['message'] * 1e6:.0f} µs (2-rank job). Serial network: "
         f"{per_step_serial * 1e6:.0f} µs a step (forward + backward). Predictions assume one "
-        "core a rank. *fine*: the fine grid split in whole fine C-intervals (MGRIT's and "
-        "LayerParallel's: every rank works at every depth); *coarsest*: whole coarsest "
-        "intervals (ParallelGRU's, and every network's before issue 56). Best: "
+        "core a rank. *fine*: the fine grid split in whole fine C-intervals (MGRIT's, "
+        "LayerParallel's and ParallelGRU's: every rank works at every depth); *coarsest*: "
+        "whole coarsest intervals (every network's before issue 56). Best: "
         "the fastest of 2-6 levels, cfactor 4 (2 where 4 does not divide).\n"
     )
     print(

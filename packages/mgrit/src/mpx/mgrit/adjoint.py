@@ -31,7 +31,7 @@ from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.errors import MGRITConfigError
 from mpx.mgrit.grid import coarsening_factors, fine_blocks
 from mpx.mgrit.gru_steps import GRUSteps
-from mpx.mgrit.halo import LayerHalo
+from mpx.mgrit.halo import StateHalo
 from mpx.mgrit.options import MGRITOptions, MGRITSettings, check_int, resolve
 from mpx.mgrit.solver import MGRIT
 from mpx.mgrit.stacked import StackedSteps
@@ -64,11 +64,12 @@ def shared_blocks(
 
     A step's layer lives on one rank, so both solves give every rank the same
     fine steps. A network's coarse step from a point uses the layer (and, in the
-    adjoint, the forward state) *at* that point. Without ``fine`` (ParallelGRU) the
-    blocks are whole coarsest intervals of both grids (their least common multiple),
-    so that every such step finds its layer on the rank that computes it. With
-    ``fine`` (a network that carries its neighbours' boundary layers,
-    :mod:`mpx.mgrit.halo`) the split is the solver's: whole fine C-intervals.
+    adjoint, the forward state) *at* that point. Without ``fine`` (a step that reads
+    nothing of its neighbours) the blocks are whole coarsest intervals of both grids
+    (their least common multiple), so that every such step finds its layer on the rank
+    that computes it. With ``fine`` (LayerParallel and ParallelGRU, which carry their
+    neighbours' boundary layers or input rows, :mod:`mpx.mgrit.halo`) the split is the
+    solver's: whole fine C-intervals.
     """
     spans = []
     for levels, name in ((fwd_levels, "fwd_levels"), (bwd_levels, "bwd_levels")):
@@ -195,7 +196,7 @@ class TimeStepper:
         self.work: dict[str, int] = dict.fromkeys(WORK_KINDS, 0)
         self.stacked: StackedSteps | GRUSteps | None = None
         #: the neighbours' boundary layers and state (fine split; see :meth:`use_halo`)
-        self.halo: LayerHalo | None = None
+        self.halo: StateHalo | None = None
         #: seconds of the last forward and backward inside the stacked steps, per kind,
         #: batched calls apart from single-row ones (``"forward_single"``...): the costs
         #: the performance model (:mod:`mpx.mgrit.model`) prices the work with (CPU)
@@ -226,10 +227,12 @@ class TimeStepper:
                 "solve any more; build a new one (and close() it when done)"
             )
 
-    def use_halo(self, halo: LayerHalo) -> None:
+    def use_halo(self, halo: StateHalo) -> None:
         """Refreshes ``halo`` before each forward solve and shares the state before the
-        block after it: on the fine split ``phi`` is called for steps ``first - 1`` (adjoint)
-        and ``stop`` (forward) too, whose layers ``halo`` holds."""
+        block (and, in :meth:`adjoint`, the source there) before each adjoint solve: on
+        the fine split ``phi`` is called for steps ``first - 1`` (adjoint) and ``stop``
+        (forward) too, whose layers (a :class:`~mpx.mgrit.halo.LayerHalo`) or inputs
+        ``halo`` holds."""
         self.halo = halo
 
     def use_stacked(self, stacked: StackedSteps | GRUSteps) -> None:
@@ -308,11 +311,13 @@ class TimeStepper:
             assert self.halo is not None
             assert self.halo.state is not None
             x_k = self.halo.state
+            source = None if self._forcing is None else self.halo.forcing
         else:
             x_k = self._states[k - self.first]
-        if self._forcing is not None:
+            source = None if self._forcing is None else self._forcing[k - self.first]
+        if source is not None:
             # The loss reads x_{k+1} too: lam_{k+1} = nu_{k+1} + dL/dx_{k+1} (see adjoint()).
-            lam = lam + self._forcing[k - self.first]
+            lam = lam + source
         self.work["linearize"] += 1
         self.work["adjoint"] += 1
         with torch.enable_grad():
@@ -338,13 +343,19 @@ class TimeStepper:
         with torch.no_grad():
             xN = self.fwd.solve(x0.detach())
         states = self.fwd.detach_fine()
-        if self.halo is not None:
-            count = self.stop - self.first
-            self.halo.share_state(states[count - 1] if count > 0 else None)
         lease = Lease()
         self._leased = [(t, ref) for t, ref in self._leased if ref() is not None]
         self._leased.append((states, weakref.ref(lease)))
         return xN, states, lease
+
+    def _share_state(self, states: torch.Tensor) -> None:
+        """Before an adjoint solve about ``states``: the left neighbour's ``x_{a-1}`` in the
+        halo. Shared here, not after the forward solve, because the halo belongs to the
+        stepper, not to one pass: ParallelGRU runs every layer on one stepper, so the
+        last forward's state is the last layer's when an earlier layer's adjoint runs."""
+        if self.halo is not None:
+            count = self.stop - self.first
+            self.halo.share_state(states[count - 1] if count > 0 else None)
 
     def _returned(self) -> torch.Tensor | None:
         """A state tensor whose lease has ended (for the solver to write again), if any."""
@@ -361,15 +372,25 @@ class TimeStepper:
         the final point's gradient included). The adjoint ``lam_k = J_k^T lam_{k+1} +
         dL/dx_k`` is solved for ``nu_k = lam_k - dL/dx_k``, which starts from 0 at
         ``x_N``, and whose step ``nu_k = J_k^T (nu_{k+1} + dL/dx_{k+1})`` reads the
-        forcing at the step's start: a point this rank owns, so no forcing crosses ranks.
+        forcing at the step's start: a point this rank owns, except for the step before
+        its block on the fine split (its last point is the left neighbour's: the halo
+        brings it).
         """
         self.check_open()
         self._states, self._forcing = states, forcing
         self._reset_backward_work()
+        self._share_state(states)
+        before = None
+        if self.halo is not None:
+            n = self.stop - self.first
+            self.halo.share_forcing(forcing[n - 1] if n > 0 else None)
+            if self.halo.state is not None:
+                assert self.halo.forcing is not None
+                before = (self.halo.state, self.halo.forcing)
         batched = self.stacked if isinstance(self.stacked, GRUSteps) else None
         try:
             if batched is not None:
-                batched.begin_adjoint(states, forcing)
+                batched.begin_adjoint(states, forcing, before)
             with torch.no_grad():
                 self.bwd.solve(states.new_zeros(states.shape[1:]))
         finally:
@@ -400,6 +421,7 @@ class TimeStepper:
         self.check_open()
         self._states = states
         self._reset_backward_work()
+        self._share_state(states)
         try:
             if isinstance(self.stacked, StackedSteps):
                 return self._stacked_backward(gN, tensors, self.stacked)

@@ -21,11 +21,20 @@ the same block, so only the last layer's states are gathered (the output)::
     layer 0:   rank 0         rank 1        rank 2       -> states stay on their rank
     layer 1:   rank 0         rank 1        rank 2       -> output gathered, h_n broadcast
 
+The fine grid is split evenly over the ranks (whole fine C-intervals,
+:mod:`mpx.mgrit.grid`), so any rank count up to the number of fine
+C-intervals works at any depth. A rank also takes the steps at its block's
+edges (from its last point forward, and the step before its block in the
+adjoint, :mod:`mpx.mgrit.boundaries`), so it holds one input row of each
+neighbour besides its block: layer l+1's inputs are its block of layer l's
+states with the left neighbour's last row and the right neighbour's first row.
+
 **Any length.** The grid needs whole coarsest intervals (every coarse point is a
 fine point), so a sequence of T steps is padded to P, the next multiple of the
 coarsest interval, with *identity* steps at positions T..P-1. An identity step is
 exact on every level (a coarse step over padding only is the identity too, and
-one that reaches into the padding steps only over its real part), so the
+one that reaches into the padding steps only over its real part, with the gates
+of its own position: a zero input's where that is padding), so the
 converged solve is still the serial loop and the padding costs P - T cheap steps
 instead of a ragged last window, which would need a non-uniform coarse grid and
 a second kind of coarse step.
@@ -299,28 +308,49 @@ class ParallelGRU(nn.Module):
         inputs: torch.Tensor = x
         offset: int | None = None
         finals = []
+        block = x  # each layer's output on this rank's block (its last: the output)
         for layer in range(self.num_layers):
             outs = []
             for d, direction in enumerate(grid):
                 weights = self.layer_weights(layer, direction.reverse)
                 params = [w for w in weights if w is not None]
-                block, h_last = Layer.apply(  # type: ignore[no-untyped-call]
+                rows, h_last = Layer.apply(  # type: ignore[no-untyped-call]
                     direction, weights, inputs, offset, hx[layer * dirs + d], *params
                 )
                 # The reverse direction's rows run backwards in position.
-                outs.append(block.flip(0) if direction.reverse else block)
+                outs.append(rows.flip(0) if direction.reverse else rows)
                 finals.append(h_last)
-            inputs = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
-            if self.training and self.dropout > 0 and layer < self.num_layers - 1:
-                inputs = self._drop(inputs, grid[0].stepper.first, seq_len)
-            offset = grid[0].stepper.first
+            block = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
+            if layer < self.num_layers - 1:
+                if self.training and self.dropout > 0:
+                    block = self._drop(block, grid[0].stepper.first, seq_len)
+                inputs, offset = self._with_edges(grid[0], block)
         stepper = grid[0].stepper
-        gathered: torch.Tensor = Gather.apply(stepper, inputs)  # type: ignore[no-untyped-call]
+        gathered: torch.Tensor = Gather.apply(stepper, block)  # type: ignore[no-untyped-call]
         output = gathered[:seq_len]
         h_n = torch.stack(finals)
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
         return (output.transpose(0, 1) if self.batch_first else output), h_n
+
+    @staticmethod
+    def _with_edges(forward: Direction, block: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's block of a layer's output with the rows its boundary steps read
+        (the left neighbour's last, the right one's first: the next layer's inputs at
+        positions ``first - 1`` and ``stop``), and the position of the first row."""
+        first = forward.stepper.first
+        if forward.halo is None or block.shape[0] == 0:
+            return block, first
+        before, after = forward.halo.share_edges(block[0], block[-1])
+        parts = [block]
+        if before is not None:
+            parts.insert(0, before.unsqueeze(0))
+            first -= 1
+        if after is not None:
+            parts.append(after.unsqueeze(0))
+        # The edge rows carry no gradient back: only the MGRIT iterations read them,
+        # and the final fine sweep differentiates this rank's own steps alone.
+        return torch.cat(parts), first
 
     def _drop(self, block: torch.Tensor, first: int, seq_len: int) -> torch.Tensor:
         """Dropout on this rank's rows (positions ``first...``) of a layer's output.

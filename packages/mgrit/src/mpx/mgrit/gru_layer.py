@@ -21,6 +21,7 @@ from mpx.collectives import Communicator, allgather, allreduce, broadcast
 from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.grid import Layout
 from mpx.mgrit.gru_steps import GRUSteps
+from mpx.mgrit.halo import StateHalo
 from mpx.mgrit.options import MGRITOptions
 
 __all__ = ["Direction", "Gather", "Layer", "Weights", "gru_step"]
@@ -72,7 +73,14 @@ class Direction:
 
     Step ``k`` of the forward direction reads position ``k``; step ``j`` of the
     reverse one reads position ``P - 1 - j``. Steps that read no position (the
-    padding: steps outside ``[lo, hi)``) are the identity.
+    padding: steps outside ``[lo, hi)``) are the identity; a coarse step from
+    padding into real steps reads a zero input (its position holds none).
+
+    The fine grid is split over the ranks (:mod:`mpx.mgrit.grid`): besides its own
+    steps ``[first, stop)`` a rank steps from its last point (step ``stop``) and,
+    in the adjoint, the step ``first - 1`` before its block. Their input rows come
+    with the inputs (see :class:`Layer`); the forward state and the adjoint's
+    source at ``first - 1`` come through :attr:`halo`.
     """
 
     def __init__(
@@ -92,19 +100,26 @@ class Direction:
         self.current: tuple[Weights, torch.Tensor, int] | None = None
         self.stepper = TimeStepper(
             self.phi, lambda k: [], padded, float(padded), comm=comm, blocks=blocks,
-            options=options,
+            options=options, fine_split=True,
         )  # fmt: skip
         st = self.stepper
+        fine = st.fwd.layout.levels[0]
+        #: the neighbours' rows (None: this rank's block has no neighbour)
+        self.halo: StateHalo | None = None
+        if fine.left is not None or fine.right is not None:
+            self.halo = StateHalo(st.comm, fine.left, fine.right)
+            st.use_halo(self.halo)
         #: the batched steps (see mpx.mgrit.gru_steps), or None: one phi call per step
         self.steps = GRUSteps(st.first, st.stop, self.lo, self.hi, st.work) if batched else None
         if self.steps is not None:
             st.use_stacked(self.steps)
 
     def prepare(self, weights: Weights, inputs: torch.Tensor, offset: int) -> torch.Tensor | None:
-        """The batched steps' input gates of this rank's steps (None unbatched)."""
+        """The batched steps' input gates of this rank's steps and its boundary steps
+        (None unbatched)."""
         if self.steps is None:
             return None
-        real = self.real_steps()
+        real = self.stepped_steps(inputs, offset)
         a, b = self.rows(real, offset)
         rows = inputs[a:b].flip(0) if self.reverse else inputs[a:b]
         detached = tuple(None if w is None else w.detach() for w in weights)
@@ -116,20 +131,36 @@ class Direction:
         return self.padded - 1 - step if self.reverse else step
 
     def phi(self, k: int, h: torch.Tensor, dt: float) -> torch.Tensor:
-        # A coarse step over [k, k + dt) steps only over its real part, with the gates
-        # of its first real position (the padding adds nothing).
+        # A coarse step over [k, k + dt) steps only over its real part (the padding adds
+        # nothing), with the gates of its own position: a zero input's where that is
+        # padding, so that no step needs an input row of a block beyond its neighbours'.
         a, b = max(k, self.lo), min(k + round(dt), self.hi)
         if b <= a:
             return h.clone()
         assert self.current is not None
         weights, inputs, offset = self.current
-        return gru_step(weights, inputs[self.position(a) - offset], h, float(b - a))
+        real = k >= self.lo
+        x = inputs[self.position(k) - offset] if real else inputs.new_zeros(inputs.shape[1:])
+        return gru_step(weights, x, h, float(b - a))
 
     def real_steps(self) -> range:
         """This rank's steps that read a position, in step order."""
         own = self.stepper.owned_steps()
         start = max(own.start, self.lo)
         return range(start, max(start, min(own.stop, self.hi)))
+
+    def stepped_steps(self, inputs: torch.Tensor, offset: int) -> range:
+        """The steps this rank may step that read a position in ``inputs`` (first row at
+        position ``offset``): its own and its boundary steps ``first - 1`` and ``stop``."""
+        st = self.stepper
+        if st.stop == st.first:
+            return range(st.first, st.first)
+        if self.reverse:  # position P - 1 - k in [offset, offset + len)
+            have = range(self.padded - offset - inputs.shape[0], self.padded - offset)
+        else:
+            have = range(offset, offset + inputs.shape[0])
+        start = max(st.first - 1, self.lo, have.start)
+        return range(start, max(start, min(st.stop + 1, self.hi, have.stop)))
 
     def rows(self, steps: range, offset: int) -> tuple[int, int]:
         """The rows ``[a, b)`` of inputs (first row at position ``offset``) that ``steps`` read.

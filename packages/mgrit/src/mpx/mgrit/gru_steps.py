@@ -9,7 +9,15 @@ position computed once per layer as one matrix product (as torch.nn.GRU does)::
 
 The steps are :mod:`mpx.mgrit.gru`'s: the cell for a step of size 1, the implicit
 coarse step ``(h + a n) / (1 + a)``, ``a = m (1 - z)``, for size m, the identity
-over padding, and a coarse step reaching into the padding of size its real part.
+over padding, and a coarse step reaching into the padding of size its real part
+(with the gates of its own position: a zero input's where that is padding).
+
+On the fine split a rank also steps from its last point (step ``stop``, the
+next block's first, in the forward solve) and, in the adjoint, the step before
+its block (``first - 1``, from the left neighbour's last point): the gates are
+kept for local steps ``-1 .. n`` (row ``k + 1`` for local step k), and the
+adjoint's linearisation of step -1 reads the state and source the halo
+(:class:`mpx.mgrit.halo.StateHalo`) brought.
 
 The adjoint step at reversed point j is the vector-Jacobian product of step
 ``k = N-1-j`` of the level's size at the stored forward state ``h_k``. Its
@@ -50,6 +58,7 @@ class GRUSteps:
 
         steps = GRUSteps(stepper.first, stepper.stop, lo, hi, stepper.work)
         stepper.use_stacked(steps)
+        gi = steps.local_gates(weights, rows, real)   # rows: the inputs of steps `real`
         steps.prepare(weights, gi)        # before a forward solve or an adjoint
     """
 
@@ -61,11 +70,16 @@ class GRUSteps:
         self.work = work
         self._w_hh = torch.empty(0)
         self._b_hh: torch.Tensor | None = None
-        self._gi = torch.empty(0)
+        self._gi = torch.empty(0)  # row k + 1: local step k, for k in -1 .. n
         self._states = torch.empty(0)
         self._forcing: torch.Tensor | None = None
-        # Per step size: (A, C, forcing) of the steps the adjoint reads at that size.
-        self._lin: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        # The state and source of the step before the block (local -1), on the fine split.
+        self._before: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Per (step size, first reversed row): (A, C, forcing) of the steps the adjoint
+        # reads at that size (the rows of one level: one phase per size).
+        self._lin: dict[
+            tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+        ] = {}
 
     # -- the forward ----------------------------------------------------------
 
@@ -78,11 +92,15 @@ class GRUSteps:
         return out.view(*x.shape[:-1], w_ih.shape[0])
 
     def local_gates(self, weights: Weights, rows: torch.Tensor, real: range) -> torch.Tensor:
-        """The input gates of every local step (zero at padding steps), from ``rows``: the
-        inputs of the ``real`` steps in step order."""
-        gi = rows.new_zeros((self.n, *rows.shape[1:-1], weights[0].shape[0]))
+        """The input gates of local steps ``-1 .. n`` (row ``k + 1``), from ``rows``: the
+        inputs of the ``real`` steps (global, in ``[first - 1, stop]``) in step order;
+        every other step's are a zero input's (``b_ih``: padding, or unread)."""
+        gi = rows.new_zeros((self.n + 2, *rows.shape[1:-1], weights[0].shape[0]))
+        if weights[2] is not None:
+            gi += weights[2]
         if len(real) > 0:
-            gi[real.start - self.first : real.stop - self.first] = self.input_gates(weights, rows)
+            at = real.start - self.first + 1
+            gi[at : at + len(real)] = self.input_gates(weights, rows)
         return gi
 
     def prepare(self, weights: Weights, gi: torch.Tensor) -> None:
@@ -102,16 +120,15 @@ class GRUSteps:
         is a whole real step of ``size``, the real part of each (0: identity)."""
         last = k0 + (n - 1) * stride
         if k0 >= self.lo and last + size <= self.hi:
-            return self._gi[k0 : last + 1 : stride], None
+            return self._gi[k0 + 1 : last + 2 : stride], None
         ks = torch.arange(k0, last + 1, stride)
         return self._gathered(ks, size)
 
     def _gathered(self, ks: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # A step over [k, k + size) steps over its real part with the gates of its first
-        # real position (gru.py's _Direction.phi).
-        start = ks.clamp(min=self.lo)
-        real = ((ks + size).clamp(max=self.hi) - start).clamp(min=0)
-        gates = self._gi.index_select(0, start.clamp(max=max(self.n - 1, 0)).to(self._gi.device))
+        # A step over [k, k + size) steps over its real part with the gates of its own
+        # position (gru.py's Direction.phi): a zero input's where k is padding.
+        real = ((ks + size).clamp(max=self.hi) - ks.clamp(min=self.lo)).clamp(min=0)
+        gates = self._gi.index_select(0, (ks + 1).to(self._gi.device))
         return gates, real
 
     def _gates(
@@ -152,26 +169,42 @@ class GRUSteps:
 
     # -- the adjoint ----------------------------------------------------------
 
-    def begin_adjoint(self, states: torch.Tensor, forcing: torch.Tensor | None) -> None:
-        """The forward states (rows ``0..n-1``: the states the local steps start from) and the
-        adjoint's source at each step's end (see TimeStepper.adjoint)."""
-        self._states, self._forcing, self._lin = states, forcing, {}
+    def begin_adjoint(
+        self,
+        states: torch.Tensor,
+        forcing: torch.Tensor | None,
+        before: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """The forward states (rows ``0..n-1``: the states the local steps start from), the
+        adjoint's source at each step's end (see TimeStepper.adjoint) and, on the fine
+        split, the state and source of the step before the block (None: no such step)."""
+        self._states, self._forcing, self._before, self._lin = states, forcing, before, {}
 
     def release(self) -> None:
         """Drops the linearisations and the solve's data."""
-        self._states, self._forcing, self._lin = torch.empty(0), None, {}
+        self._states, self._forcing, self._before, self._lin = torch.empty(0), None, None, {}
 
-    def _linearize(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _linearize(
+        self, size: int, phase: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A and C (module doc) of the steps of ``size`` the adjoint reads: reversed rows
-        ``0, size, 2 size, ...``, i.e. local steps ``n-1, n-1-size, ...``."""
-        got = self._lin.get(size)
+        ``phase, phase + size, ...``, i.e. local steps ``n-1-phase, n-1-phase-size, ...``,
+        down to -1 (the step before the block) where the halo brought its state."""
+        got = self._lin.get((size, phase))
         if got is not None:
             return got
-        ks = torch.arange(self.n - 1, -1, -size)
+        ks = torch.arange(self.n - 1 - phase, -1 if self._before is None else -2, -size)
         m, hidden = ks.shape[0], self._states.shape[-1]
         gates, real = self._gathered(ks, size)
-        idx = ks.to(self._states.device)
+        inner = ks[ks >= 0]  # descending: only the last one may be -1
+        idx = inner.to(self._states.device)
         h = self._states.index_select(0, idx)
+        forcing = None if self._forcing is None else self._forcing.index_select(0, idx)
+        if inner.shape[0] < m:
+            assert self._before is not None
+            h = torch.cat([h, self._before[0].unsqueeze(0)])
+            if forcing is not None:
+                forcing = torch.cat([forcing, self._before[1].unsqueeze(0)])
         h2 = h.reshape(-1, hidden)
         h_n, r, z, new = self._gates(h2, gates.reshape(h2.shape[0], -1))
         e = real.to(h).repeat_interleave(h2.shape[0] // m).unsqueeze(1)
@@ -190,11 +223,10 @@ class GRUSteps:
             dn = torch.where(cell, (1 - z) * dtanh, dn)
             dz = torch.where(cell, (h2 - new) * z * (1 - z), dz)
         C = torch.cat([dn * h_n * r * (1 - r), dz, dn * r], dim=1)
-        forcing = None if self._forcing is None else self._forcing.index_select(0, idx)
         self.work["linearize"] += m
         shape = h.shape
         got = (A.view(shape), C.view(*shape[:-1], 3 * hidden), forcing)
-        self._lin[size] = got
+        self._lin[(size, phase)] = got
         return got
 
     def adjoint_into(
@@ -203,10 +235,10 @@ class GRUSteps:
         """``J_k^T (lam + forcing_k)`` for reversed rows ``r0, r0 + stride, ...`` (step
         ``k = n-1-r`` of size ``dt``), into ``out``."""
         n, size, hidden = lam.shape[0], _size(dt), lam.shape[-1]
-        A, C, forcing = self._linearize(size)
-        assert r0 % size == 0, (r0, size)  # the rows of a level of this step size
-        assert n == 1 or stride % size == 0, (stride, size)
-        c0, cs = r0 // size, max(stride // size, 1)
+        phase = r0 % size  # where this rank's block starts among the level's points
+        A, C, forcing = self._linearize(size, phase)
+        assert n == 1 or stride % size == 0, (stride, size)  # the rows of one level
+        c0, cs = (r0 - phase) // size, max(stride // size, 1)
         rs = slice(c0, c0 + (n - 1) * cs + 1, cs)
         lamf = lam if forcing is None else lam + forcing[rs]
         weighted = C[rs].view(n, -1, 3, hidden) * lamf.reshape(n, -1, 1, hidden)

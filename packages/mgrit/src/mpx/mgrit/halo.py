@@ -16,6 +16,12 @@ forward state the step ``a - 1`` starts from::
 The copies are not parameters of the network (they would appear in its
 ``state_dict`` and its optimizer twice); their values follow the owners' at
 the start of each forward pass.
+
+A ParallelGRU's steps share one set of weights: what its boundary steps need
+is not a layer but the input row of the step (:meth:`StateHalo.share_edges`,
+once per layer) and, in the adjoint, the forward state and the loss's
+gradient at the point the step ``a - 1`` ends on (:meth:`StateHalo.share_forcing`).
+:class:`StateHalo` carries those rows; :class:`LayerHalo` adds the layer copies.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from torch import nn
 
 from mpx.collectives import Channel, Communicator
 
-__all__ = ["LayerHalo", "module_tensors"]
+__all__ = ["LayerHalo", "StateHalo", "module_tensors"]
 
 # Message tags of the copies, apart from the solvers' (one per level and step of t0).
 _TAG_FIRST, _TAG_LAST, _TAG_STATE = 30001, 30002, 30003
+_TAG_FORCING, _TAG_EDGE_LEFT, _TAG_EDGE_RIGHT = 30004, 30005, 30006
 
 
 def module_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -36,7 +43,75 @@ def module_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t.detach() for t in module.state_dict(keep_vars=True).values()]
 
 
-class LayerHalo:
+class StateHalo:
+    """The rows a rank's boundary steps need from its neighbours: the forward state
+    before its block, the adjoint's source there, and (ParallelGRU) input rows.
+
+    Args:
+        comm: the solver's communicator.
+        left, right: the ranks of the blocks before and after this one (None: none).
+
+    Example::
+
+        halo = StateHalo(comm, left, right)
+        halo.share_state(states[-2])          # before an adjoint: x_{a-1} in .state
+        halo.share_forcing(forcing[-1])       # before an adjoint: dL/dx_a in .forcing
+        before, after = halo.share_edges(rows[0], rows[-1])
+    """
+
+    def __init__(self, comm: Communicator, left: int | None, right: int | None) -> None:
+        self.channel = Channel(comm)
+        self.left, self.right = left, right
+        #: the forward state ``x_{a-1}`` of the running adjoint (None: none yet, or no left)
+        self.state: torch.Tensor | None = None
+        #: the loss's gradient at ``x_a`` (the left's last point) of the running adjoint
+        self.forcing: torch.Tensor | None = None
+
+    def refresh(self) -> None:
+        """Before a forward solve: nothing (rows are shared as they are made; a
+        :class:`LayerHalo` refreshes its layer copies here)."""
+
+    def _shift(self, row: torch.Tensor | None, tag: int, to_right: bool) -> torch.Tensor | None:
+        """Sends ``row`` to the right (or left) neighbour; returns the one the other sends."""
+        source, target = (self.left, self.right) if to_right else (self.right, self.left)
+        pending = None
+        if source is not None and row is not None:
+            like = [(row.shape, row.dtype)]
+            pending = self.channel.expect(source, tag, like, device=row.device)
+        sent = None
+        if target is not None and row is not None:
+            sent = self.channel.post(target, tag, row.detach().contiguous())
+        got = None
+        if pending is not None:
+            message = self.channel.receive(pending)
+            got = message.tensors[0].clone()
+            self.channel.release(message.tensors)
+        if sent is not None:
+            self.channel.wait(sent)
+        return got
+
+    def share_state(self, last_state: torch.Tensor | None) -> None:
+        """Sends ``x_{b-1}`` (this rank's last step's start) right and keeps the left
+        neighbour's as :attr:`state` (the start of step ``a - 1``)."""
+        self.state = self._shift(last_state, _TAG_STATE, to_right=True)
+
+    def share_forcing(self, last_forcing: torch.Tensor | None) -> None:
+        """Sends ``dL/dx_b`` (the source at this rank's last point) right and keeps the
+        left neighbour's as :attr:`forcing` (the source step ``a - 1`` reads)."""
+        self.forcing = self._shift(last_forcing, _TAG_FORCING, to_right=True)
+
+    def share_edges(
+        self, first_row: torch.Tensor | None, last_row: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(before, after)``: the left neighbour's last row and the right one's first,
+        for this rank's first row sent left and last row sent right (None: no such
+        neighbour). Not differentiable: the boundary steps are never differentiated."""
+        before = self._shift(last_row, _TAG_EDGE_RIGHT, to_right=True)
+        after = self._shift(first_row, _TAG_EDGE_LEFT, to_right=False)
+        return before, after
+
+
+class LayerHalo(StateHalo):
     """Copies of the neighbours' boundary layers, and the forward state before the block.
 
     Args:
@@ -50,7 +125,7 @@ class LayerHalo:
 
         halo = LayerHalo(comm, left, right, layers[0], layers[-1], before, after)
         halo.refresh()                 # before each forward: the neighbours' layers now
-        halo.share_state(states[-2])   # after it: x_{b-1} right, x_{a-1} from the left
+        halo.share_state(states[-2])   # before an adjoint: x_{b-1} right, x_{a-1} from the left
     """
 
     def __init__(
@@ -63,13 +138,10 @@ class LayerHalo:
         before: nn.Module | None,
         after: nn.Module | None,
     ) -> None:
-        self.channel = Channel(comm)
-        self.left, self.right = left, right
+        super().__init__(comm, left, right)
         self.first, self.last = first, last
         self.before = before if left is not None else None
         self.after = after if right is not None else None
-        #: the forward state ``x_{a-1}`` of the last forward pass (None: none yet, or no left)
-        self.state: torch.Tensor | None = None
 
     def _follow(self, module: nn.Module, like: nn.Module) -> None:
         """Puts ``module`` on ``like``'s device and floating dtype (the network was moved)."""
@@ -113,20 +185,3 @@ class LayerHalo:
                 self.channel.release(message.tensors)
         for s in sent:
             self.channel.wait(s)
-
-    def share_state(self, last_state: torch.Tensor | None) -> None:
-        """Sends ``x_{b-1}`` (this rank's last step's start) right and keeps the left
-        neighbour's as :attr:`state` (the start of step ``a - 1``)."""
-        pending = None
-        if self.left is not None and last_state is not None:
-            like = [(last_state.shape, last_state.dtype)]
-            pending = self.channel.expect(self.left, _TAG_STATE, like, device=last_state.device)
-        sent = None
-        if self.right is not None and last_state is not None:
-            sent = self.channel.post(self.right, _TAG_STATE, last_state.contiguous())
-        if pending is not None:
-            message = self.channel.receive(pending)
-            self.state = message.tensors[0].clone()
-            self.channel.release(message.tensors)
-        if sent is not None:
-            self.channel.wait(sent)

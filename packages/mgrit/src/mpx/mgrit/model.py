@@ -16,9 +16,10 @@ is priced with measured costs (:class:`Costs`, :func:`costs_of`)::
 Which path is critical depends on the costs: :func:`count` follows the path
 under the costs it is given (default: a row 1, a single-row call 1.5, a
 message 0.5). ``layout="fine"`` splits the fine grid in whole fine C-intervals
-(MGRIT's and LayerParallel's; every rank works at every rank count up to N / cfactor);
-``layout="coarsest"`` in whole coarsest intervals (ParallelGRU's split, and every
-network's before issue 56: ranks beyond the coarsest intervals idle).
+(MGRIT's, LayerParallel's and ParallelGRU's; every rank works at every rank count up
+to N / cfactor); ``layout="coarsest"`` in whole coarsest intervals (a TimeStepper without
+``fine_split``, and every network's before issue 56: ranks beyond the coarsest
+intervals idle).
 The model covers V-cycles of :class:`~mpx.mgrit.LayerParallel` with stacked
 (batched) step layers; its forward and its adjoint solve, the linearisation and
 the gradient sweep.
@@ -42,7 +43,8 @@ from mpx.mgrit.grid import coarsening_factors, fine_blocks
 
 __all__ = ["LAYOUTS", "Costs", "Work", "costs_of", "count", "predict"]
 
-#: the splits :func:`count` models: the solver's (fine) and the networks' today (coarsest)
+#: the splits :func:`count` models: the fine split (the solver's and the networks') and
+#: whole coarsest intervals (the networks' before issue 56)
 LAYOUTS = ("fine", "coarsest")
 _KINDS = ("forward", "adjoint", "linearize", "gradient")
 
