@@ -46,7 +46,8 @@ def test_tune_writes_a_policy_that_auto_follows(
     program.write_text(
         "import logging, os, torch\n"
         "logging.basicConfig(level=logging.DEBUG)\n"
-        "from mpx.collectives import allreduce, policy, world\n"
+        "from mpx.collectives import allreduce, world\n"
+        "from mpx.collectives.core import policy\n"
         "t = torch.ones(1024); allreduce(t)\n"
         "assert float(t[0]) == world().size\n"
         # One write() per line: print() under PYTHONUNBUFFERED writes its parts

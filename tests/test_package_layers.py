@@ -23,9 +23,15 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _layers() -> list[set[str]]:
-    """The layers contract's layers, top first, as distribution names (mpx-pipeline)."""
+    """The layers contract's layers, top first, as distribution names (mpx-pipeline).
+
+    The contract between the packages: the layers contracts with ``containers``
+    are each the layers inside one package (issue 57), not between packages.
+    """
     (contract,) = (
-        c for c in PYPROJECT["tool"]["importlinter"]["contracts"] if c["type"] == "layers"
+        c
+        for c in PYPROJECT["tool"]["importlinter"]["contracts"]
+        if c["type"] == "layers" and "containers" not in c
     )
     return [
         {"mpx-" + module.strip().removeprefix("mpx.") for module in layer.split("|")}
@@ -133,3 +139,54 @@ def test_the_whole_product_tests_hold_no_mpi_test() -> None:
 
     marked = [p.name for p in (ROOT / "tests").rglob("test_*.py") if mpi_marked(p.read_text())]
     assert marked == [], f"move these to a package's tests, or run tests/ under mpxrun: {marked}"
+
+
+def private_reaches(package_dir: Path, name: str) -> list[str]:
+    """Imports of ``mpx.<name>.<sub>.<module>`` from outside subpackage ``<sub>``.
+
+    Issue 57: a subpackage's names are used from outside it only through its
+    ``__init__``, so its modules can move and split without touching the rest.
+    ``package_dir`` is ``.../mpx/<name>``; returns ``"file: module"`` lines.
+    """
+    subpackages = {p.name for p in package_dir.iterdir() if (p / "__init__.py").is_file()}
+    found = []
+    for source in sorted(package_dir.rglob("*.py")):
+        inside = source.relative_to(package_dir).parts[0]
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if (
+                    len(parts) >= 4
+                    and parts[:2] == ["mpx", name]
+                    and parts[2] in subpackages
+                    and parts[2] != inside
+                ):
+                    found.append(f"{source.relative_to(package_dir)}: {module}")
+    return found
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_subpackages_are_entered_through_their_init(package: str) -> None:
+    name = package.removeprefix("mpx-")
+    assert private_reaches(ROOT / "packages" / name / "src" / "mpx" / name, name) == []
+
+
+def test_a_reach_inside_a_subpackage_is_caught(tmp_path: Path) -> None:
+    package = tmp_path / "mpx" / "demo"
+    (package / "core").mkdir(parents=True)
+    (package / "core" / "__init__.py").write_text("from mpx.demo.core.engine import run\n")
+    (package / "core" / "engine.py").write_text("run = 1\n")
+    (package / "api.py").write_text("from mpx.demo.core import run\n")
+    assert private_reaches(package, "demo") == []
+    (package / "top.py").write_text("import mpx.demo.core.engine\n")
+    (package / "other.py").write_text("from mpx.demo.core.engine import run\n")
+    assert private_reaches(package, "demo") == [
+        "other.py: mpx.demo.core.engine",
+        "top.py: mpx.demo.core.engine",
+    ]

@@ -15,7 +15,7 @@ mpx.collectives.settings):
                     copies an earlier editable install left in src/, which
                     Python would load instead)
 
-``mpx.collectives.fast_path.COMPILED`` tells which one is installed. The
+``mpx.collectives.core.fast_path.COMPILED`` tells which one is installed. The
 compiled module needs no MPI headers: it finds the MPI library's functions
 at run time (see fast_path.py).
 """
@@ -31,7 +31,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # Modules compiled with Cython, where they can be (see each one's docstring).
-COMPILED = ["mpx.collectives.fast_path"]
+COMPILED = ["mpx.collectives.core.fast_path"]
 
 # The build-time setting of mpx.collectives.settings.BUILD_CYTHON. This file
 # cannot import mpx.launch (it is not installed while building), so it reads

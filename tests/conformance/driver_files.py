@@ -70,7 +70,7 @@ def _on_backend(backend: str, made: list[int]) -> None:
     import torch.distributed.distributed_c10d as c10d
 
     from mpx.collectives import register_torch_backend
-    from mpx.collectives.torch_backend import MPXProcessGroup
+    from mpx.collectives.torch.backend import MPXProcessGroup
 
     register_torch_backend()
     original_init = MPXProcessGroup.__init__

@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("conformance-results/files"))
     parser.add_argument("--sample", action="store_true", help="only the tests of SAMPLE")
     args = parser.parse_args(argv)
-    from mpx.collectives.torch_backend import BACKEND_NAME  # noqa: F401  (mpx installed)
+    from mpx.collectives.torch.backend import BACKEND_NAME  # noqa: F401  (mpx installed)
 
     if args.sample:
         found, missing = find_files(args.torch_tests, list(SAMPLE))

@@ -33,7 +33,8 @@ def measure(delay: float, rounds: int) -> None:
     """Runs inside the job: rank 0 prints one line per way of waiting."""
     import torch
 
-    from mpx.collectives import allreduce, policy, world
+    from mpx.collectives import allreduce, world
+    from mpx.collectives.core import policy
 
     comm = world()
     board = comm.call_board

@@ -9,7 +9,7 @@ one markdown section (``nox -s bench`` writes it into BENCHMARKS.md). A
   fast path makes, with none of its work -- the reference of the ratio;
 - mpi4py's blocking ``Allreduce(IN_PLACE, numpy_array)`` (``Bcast``);
 - mpx's public ``allreduce(t)`` (``broadcast(t, 0)``) with the fast path
-  compiled (``mpx.collectives.fast_path.COMPILED``), and with the same
+  compiled (``mpx.collectives.core.fast_path.COMPILED``), and with the same
   source run as Python (loaded from ``fast_path.py`` under another name and
   put in its place for those rounds).
 
@@ -52,7 +52,8 @@ def measure(rounds: int, calls: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from mpx.collectives import allreduce, broadcast, fast_path, ops, world
+    from mpx.collectives import allreduce, broadcast, world
+    from mpx.collectives.core import fast_path, ops
     from mpx.launch.settings import reload as reload_settings
 
     comm = world()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpx.collectives import handle as handle_module
-from mpx.collectives.handle import Backoff, Handle, Pending, Steps
+from mpx.collectives.base import handle as handle_module
+from mpx.collectives.base.handle import Backoff, Handle, Pending, Steps
 
 
 class ReadyAfter(Pending):

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpx.collectives import Communicator, fast_path, world
-from mpx.collectives.call_board import CallBoard, CompiledProtocol, compiled_protocol
-from mpx.collectives.consistency import encode
+from mpx.collectives import Communicator, world
+from mpx.collectives.core import fast_path
+from mpx.collectives.core.consistency import encode
+from mpx.collectives.node.call_board import CallBoard, CompiledProtocol, compiled_protocol
 
 
 def _extension_built() -> bool:

@@ -20,11 +20,10 @@ from mpx.collectives import (
     MPXValueError,
     RemoteError,
     bytes_communicated,
-    channel_state,
-    channel_wire,
     world,
 )
-from mpx.collectives import channel as channel_module
+from mpx.collectives.p2p import channel as channel_module
+from mpx.collectives.p2p import channel_state, channel_wire
 
 TIMEOUT_S = 60.0
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from mpx.collectives import Channel, Communicator, MPXValueError, RemoteError
-from mpx.collectives import channel_wire as wire
-from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
+from mpx.collectives.p2p import channel_wire as wire
+from mpx.collectives.p2p.tensor_header import HEADER_LEN, decode_header, encode_header
 
 TIMEOUT_S = 30.0
 TAG = 11

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpx.collectives import allgather, allreduce, broadcast, send
-from mpx.collectives.checks import check_tensor
+from mpx.collectives.base.checks import check_tensor
 from mpx.launch.settings import reload as reload_settings
 
 

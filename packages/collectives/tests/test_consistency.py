@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from mpx.collectives import Communicator, MismatchError, allreduce, broadcast, world
-from mpx.collectives.consistency import (
+from mpx.collectives.core.consistency import (
     call_of,
-    calls_differ,
     decode,
     encode,
     fields_differ,
     first_difference,
     signature_of,
 )
+from mpx.collectives.node.call_board import calls_differ
 from mpx.launch.settings import reload as reload_settings
 
 
@@ -57,7 +57,7 @@ def _every_rank_raises(comm: Communicator, call: object, match: str) -> None:
 
 def test_rows_are_shared_read_only_and_their_cache_is_bounded() -> None:
     """A repeated call reuses its row (~3 us of numpy less); varying shapes stay bounded."""
-    from mpx.collectives import consistency
+    from mpx.collectives.core import consistency
 
     first = encode(("allreduce", "float32", 10, "sum", -1))
     assert encode(("allreduce", "float32", 10, "sum", -1)) is first

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mpx.collectives import allreduce, world
-from mpx.collectives.dtypes import REDUCE_OPS, SUPPORTED_DTYPES
-from mpx.collectives.registry import all_implementations
+from mpx.collectives.base.dtypes import REDUCE_OPS, SUPPORTED_DTYPES
+from mpx.collectives.core.registry import all_implementations
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 

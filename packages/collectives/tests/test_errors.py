@@ -22,14 +22,14 @@ from mpx.collectives import (
     allreduce,
     broadcast,
     empty_shared,
-    impl_hier,
-    impl_ipc,
-    impl_staged,
     world,
 )
-from mpx.collectives._torch_private import export_cuda_storage
-from mpx.collectives.checks import check_tensor
-from mpx.collectives.torch_forms import reduce_form, reduce_op
+from mpx.collectives.base._torch_private import export_cuda_storage
+from mpx.collectives.base.checks import check_tensor
+from mpx.collectives.impl import hier as impl_hier
+from mpx.collectives.impl import ipc as impl_ipc
+from mpx.collectives.impl import staged as impl_staged
+from mpx.collectives.torch.forms import reduce_form, reduce_op
 
 
 def public_errors(module: ModuleType) -> list[type[BaseException]]:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpx.collectives import Communicator, allreduce, broadcast, fast_path, ops, world
+from mpx.collectives import Communicator, allreduce, broadcast, world
+from mpx.collectives.core import fast_path, ops
 from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi

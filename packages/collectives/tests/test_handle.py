@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mpx.collectives import Handle, allgather, allreduce, broadcast, recv, send, world
-from mpx.collectives.handle import Done, Queue, Steps
-from mpx.collectives.progress import enabled
+from mpx.collectives.base.handle import Done, Queue, Steps
+from mpx.collectives.base.progress import enabled
 
 pytestmark = pytest.mark.mpi
 
@@ -105,8 +105,8 @@ def test_progress_thread_completes_what_waits_on_operations() -> None:
     one that raises does not stop the thread from completing the next."""
     import threading
 
-    from mpx.collectives import progress
-    from mpx.collectives.handle import LOCK
+    from mpx.collectives.base import progress
+    from mpx.collectives.base.handle import LOCK
 
     comm = world()
     seen: list[tuple[str, bool]] = []

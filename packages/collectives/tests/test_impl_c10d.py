@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpx.collectives import allgather, allreduce, alltoall, broadcast, reduce, reduce_scatter, world
-from mpx.collectives.policy import PolicyError, choose
+from mpx.collectives.core.policy import PolicyError, choose
 
 pytestmark = pytest.mark.mpi
 

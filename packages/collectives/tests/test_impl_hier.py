@@ -20,7 +20,7 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, allreduce, broadcast
-from mpx.collectives.policy import choose
+from mpx.collectives.core.policy import choose
 from mpx.launch.settings import reload
 from mpx.launch.virtual_cluster import VirtualCluster
 

@@ -11,13 +11,13 @@ from mpx.collectives import (
     allgather,
     allreduce,
     broadcast,
-    policy,
     recv,
     reduce_scatter,
     send,
     world,
 )
-from mpx.collectives.policy import choose
+from mpx.collectives.core import policy
+from mpx.collectives.core.policy import choose
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 

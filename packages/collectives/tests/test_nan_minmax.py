@@ -29,9 +29,9 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, allreduce, reduce, reduce_scatter, world
-from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.collectives.policy import PolicyError, current
-from mpx.collectives.registry import Implementation, all_implementations
+from mpx.collectives.base.dtypes import SUPPORTED_DTYPES
+from mpx.collectives.core.policy import PolicyError, current
+from mpx.collectives.core.registry import Implementation, all_implementations
 from mpx.launch.settings import reload
 
 # Every implementation the registry has that takes CPU tensors (the built-in

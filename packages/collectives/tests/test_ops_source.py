@@ -1,7 +1,7 @@
 """The operations are generated from the table of op specs, and their API is unchanged.
 
 ``ops.py``'s operations (signatures, overloads, bodies) are rendered from
-``registry.OP_SPECS`` by ``mpx.collectives.ops_source``. Checked here: the
+``op_specs.OP_SPECS`` by ``mpx.collectives.core.ops_source``. Checked here: the
 section in ``ops.py`` is what the table renders; every op keeps its public
 parameters, defaults and result types (this file is type-checked by mypy:
 each ``assert_type`` below is a promise to strict mypy users, checked
@@ -24,15 +24,14 @@ from mpx.collectives import (
     alltoall,
     barrier,
     broadcast,
-    ops,
-    ops_source,
     recv,
     reduce,
     reduce_scatter,
     send,
     world,
 )
-from mpx.collectives.registry import OP_SPECS, OpSpec
+from mpx.collectives.core import ops, ops_source
+from mpx.collectives.core.op_specs import OP_SPECS, OpSpec
 
 # The public API before the ops were generated (0.1.0): name -> the parameters
 # (name, kind, default) after which comm/impl/async_op/timeout follow.
@@ -57,7 +56,7 @@ def test_the_generated_section_is_what_the_table_renders() -> None:
     source = Path(str(ops.__file__)).read_text()
     assert ops_source.normalized(ops_source.section(source)) == ops_source.normalized(
         ops_source.render()
-    ), "run: python -m mpx.collectives.ops_source && ruff format ops.py"
+    ), "run: python -m mpx.collectives.core.ops_source && ruff format ops.py"
 
 
 def test_a_new_spec_renders_an_operation_of_its_own() -> None:
@@ -75,7 +74,7 @@ def test_every_operation_keeps_its_public_parameters() -> None:
     assert set(_API) == set(OP_SPECS)
     for name, own in _API.items():
         function = getattr(mpx.collectives, name)
-        assert function.__module__ == "mpx.collectives.ops"
+        assert function.__module__ == "mpx.collectives.core.ops"
         assert inspect.getdoc(function) == inspect.cleandoc(OP_SPECS[name].doc)
         params = list(inspect.signature(function).parameters.values())
         common = [("comm", None), ("async_op", False), ("timeout", None)]

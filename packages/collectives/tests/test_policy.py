@@ -13,8 +13,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpx.collectives import Communicator, MismatchError, allreduce, policy, world
-from mpx.collectives.policy import ORDER, PolicyError, choose, layout_key, small_bytes
+from mpx.collectives import Communicator, MismatchError, allreduce, world
+from mpx.collectives.core import policy
+from mpx.collectives.core.policy import ORDER, PolicyError, choose, layout_key, small_bytes
 from mpx.collectives.tune import TIE, bands_from
 from mpx.collectives.tune import main as tune_main
 from mpx.launch import settings
@@ -187,7 +188,7 @@ def test_tune_writes_the_policy_auto_reads(
 
 def test_each_implementation_declares_what_its_module_runs() -> None:
     """The registry's declarations against the modules: every op declared exists, no other."""
-    from mpx.collectives.registry import BUILT_IN, all_implementations, get
+    from mpx.collectives.core.registry import BUILT_IN, all_implementations, get
 
     assert [i.name for i in BUILT_IN] == list(policy.IMPLEMENTATIONS)
     assert set(policy.IMPLEMENTATIONS) <= set(all_implementations())
@@ -204,14 +205,14 @@ def test_each_implementation_declares_what_its_module_runs() -> None:
 
 
 def test_the_op_specs_describe_the_functional_api_and_torch() -> None:
-    """registry.OP_SPECS: the one table the check, the queue and the policy read."""
+    """op_specs.OP_SPECS: the one table the check, the queue and the policy read."""
     import inspect
 
     import torch.distributed as dist
 
     import mpx.collectives
-    from mpx.collectives.consistency import CHECKED_OPS
-    from mpx.collectives.registry import OP_SPECS
+    from mpx.collectives.core.consistency import CHECKED_OPS
+    from mpx.collectives.core.op_specs import OP_SPECS
 
     assert tuple(OP_SPECS) == policy.OPS
     assert (
@@ -239,7 +240,7 @@ def test_the_op_specs_describe_the_functional_api_and_torch() -> None:
 def _one_node(ranks: int, gpus_shared: bool) -> Any:
     from types import SimpleNamespace
 
-    from mpx.collectives.policy import ChoiceCache
+    from mpx.collectives.core.policy import ChoiceCache
 
     return SimpleNamespace(
         size=ranks, num_nodes=1, node_size=ranks, single_node=True,
@@ -265,7 +266,7 @@ def test_auto_takes_only_what_the_registry_marks_automatic(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The registry's ``automatic`` is what ``auto`` reads: unmarked, a listed entry is skipped."""
-    from mpx.collectives import registry
+    from mpx.collectives.core import registry
 
     shared = _one_node(2, gpus_shared=True)
     assert choose("allreduce", False, 1 << 28, shared) == "shm"
@@ -281,7 +282,7 @@ def test_auto_takes_only_what_the_registry_marks_automatic(
 
 def test_every_listed_implementation_is_automatic_and_no_other() -> None:
     """The lists and the registry say the same: what auto may take is marked ``automatic``."""
-    from mpx.collectives import registry
+    from mpx.collectives.core import registry
 
     listed = {entry.impl for entries in ORDER.values() for entry in entries}
     automatic = {impl.name for impl in registry.BUILT_IN if impl.automatic}
@@ -294,8 +295,8 @@ def test_readme_shows_the_lists_the_policy_walks() -> None:
     section = readme.split("### How `auto` decides", 1)[1]
     block = section.split("```\n", 2)[1]
     assert block.rstrip("\n") == policy.order_table(), (
-        "the README's lists differ from mpx.collectives.policy.ORDER; paste "
-        "python -c 'from mpx.collectives import policy; print(policy.order_table())'"
+        "the README's lists differ from mpx.collectives.core.policy.ORDER; paste "
+        "python -c 'from mpx.collectives.core import policy; print(policy.order_table())'"
     )
 
 
@@ -326,11 +327,11 @@ def test_gpus_are_shared_only_when_every_rank_sees_the_same_devices(
 
 def _narrow(**declared: Any) -> Any:
     """A CPU allreduce implementation (MPI's functions) that declares narrow acceptance."""
-    from mpx.collectives.registry import Implementation
+    from mpx.collectives.core.registry import Implementation
 
     return Implementation(
         "narrow",
-        "mpx.collectives.impl_mpi",
+        "mpx.collectives.impl.mpi",
         frozenset({"allreduce"}),
         frozenset({"cpu"}),
         automatic=False,
@@ -341,7 +342,7 @@ def _narrow(**declared: Any) -> Any:
 @pytest.fixture
 def narrow(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Registers ``narrow``: float32 only, sum/avg only, at most 1 KiB."""
-    from mpx.collectives import registry
+    from mpx.collectives.core import registry
 
     found = _narrow(
         dtypes=frozenset({torch.float32}), reduce_ops=frozenset({"sum", "avg"}), max_bytes=1024
@@ -354,7 +355,7 @@ def test_auto_passes_by_an_implementation_that_declines_the_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The walk skips an entry whose implementation's declarations do not accept the call."""
-    from mpx.collectives import registry
+    from mpx.collectives.core import registry
 
     big = 1 << 24  # shm's size on one node of two ranks
     assert choose("allreduce", False, big, _one_node(2, False), None, torch.bfloat16) == "shm"
@@ -397,7 +398,7 @@ def test_a_default_implementation_that_declines_a_call_leaves_it_to_auto(
 
 
 def test_declarations_are_checked_when_an_implementation_is_made() -> None:
-    from mpx.collectives.registry import RegistryError
+    from mpx.collectives.core.registry import RegistryError
 
     with pytest.raises(RegistryError, match=r"requires_grad must be one of .*got 'sometimes'"):
         _narrow(requires_grad="sometimes")
@@ -430,7 +431,7 @@ _GOT_GRAD: list[bool] = []
 
 def allreduce_recording(comm: Any, t: torch.Tensor, op: str) -> Any:
     """An op function that records whether it got a tensor requiring grad (``as is``)."""
-    from mpx.collectives import impl_mpi
+    from mpx.collectives.impl import mpi as impl_mpi
 
     _GOT_GRAD.append(t.requires_grad)
     return (yield from impl_mpi.allreduce(comm, t.detach(), op))
@@ -442,8 +443,8 @@ def test_what_an_implementation_gets_for_a_tensor_that_requires_grad(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``requires_grad="detached"`` (every built-in one): ``t.data``; ``"as is"``: ``t``."""
-    from mpx.collectives import registry
-    from mpx.collectives.registry import Implementation
+    from mpx.collectives.core import registry
+    from mpx.collectives.core.registry import Implementation
 
     for name, handling in (("detaching", "detached"), ("keeping", "as is")):
         found = Implementation(

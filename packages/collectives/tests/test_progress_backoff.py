@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from mpx.collectives.handle import Handle, Pending, Steps
-from mpx.collectives.progress import ProgressThread
+from mpx.collectives.base.handle import Handle, Pending, Steps
+from mpx.collectives.base.progress import ProgressThread
 
 
 class _Late(Pending):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpx.collectives.progress import enabled
+from mpx.collectives.base.progress import enabled
 
 # A completion still running on the progress thread when the program ends. A
 # daemon thread is cut off by finalization (and one inside torch's C++ future
@@ -18,7 +18,7 @@ from mpx.collectives.progress import enabled
 PROGRAM = textwrap.dedent(
     """
     import sys, time
-    from mpx.collectives import progress
+    from mpx.collectives.base import progress
 
     class Slow:
         def ready(self) -> bool:

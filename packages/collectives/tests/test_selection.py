@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpx.collectives import allreduce, world
-from mpx.collectives.policy import choose, small_bytes
+from mpx.collectives.core.policy import choose, small_bytes
 from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi

@@ -15,7 +15,7 @@ from mpx.collectives import (
     free_shared,
     world,
 )
-from mpx.collectives.shared_memory import SharedBuffers
+from mpx.collectives.core.shared_memory import SharedBuffers
 
 pytestmark = pytest.mark.mpi
 

@@ -1,4 +1,4 @@
-"""shm's flag-based small allreduce (mpx.collectives.shm_flags): chosen, taken, equal to numpy.
+"""shm's flag-based small allreduce (mpx.collectives.node.shm_flags): chosen, taken, equal to numpy.
 
 Every rank builds every rank's input from (rank, case), so numpy sums them
 all: an independent reference. Which path a rank takes (the fast path's C call,
@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from mpx.collectives import Communicator, MismatchError, allreduce, fast_path, shm_flags, world
-from mpx.collectives.policy import choose
-from mpx.collectives.shm_flags import FlagWindow, takes
+from mpx.collectives import Communicator, MismatchError, allreduce, world
+from mpx.collectives.core import fast_path
+from mpx.collectives.core.policy import choose
+from mpx.collectives.node import shm_flags
+from mpx.collectives.node.shm_flags import FlagWindow, takes
 from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi

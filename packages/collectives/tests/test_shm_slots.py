@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mpx.collectives import impl_shm
+from mpx.collectives.impl import shm as impl_shm
 from mpx.launch.settings import reload as reload_settings
 
 

@@ -37,7 +37,7 @@ from mpx.collectives import (
     send,
     world,
 )
-from mpx.collectives.errors import MPXTypeError, MPXValueError
+from mpx.collectives.base.errors import MPXTypeError, MPXValueError
 
 pytestmark = pytest.mark.mpi
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpx.collectives import shm_flags, world
-from mpx.collectives.torch_work import MPXWork
+from mpx.collectives import world
+from mpx.collectives.node import shm_flags
+from mpx.collectives.torch.work import MPXWork
 from mpx.launch.settings import reload as reload_settings
 
 pytestmark = pytest.mark.mpi

@@ -22,7 +22,8 @@ def test_recv_from_any_source_runs_the_registrys_recv_and_names_the_sender(
     function runs it, with ``MPI.ANY_SOURCE``, and the work still names the
     rank whose message arrived.
     """
-    from mpx.collectives import impl_mpi, registry
+    from mpx.collectives.core import registry
+    from mpx.collectives.impl import mpi as impl_mpi
 
     sources: list[int] = []
     original = impl_mpi.recv

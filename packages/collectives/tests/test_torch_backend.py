@@ -620,13 +620,13 @@ def test_allgather_of_several_inputs_per_rank_matches_gloo(
 
 
 def test_every_op_of_the_table_has_its_process_group_method() -> None:
-    """registry.OP_SPECS names the c10d method each op backs: MPXProcessGroup defines each one.
+    """op_specs.OP_SPECS names the c10d method each op backs: MPXProcessGroup defines each one.
 
     An op added to the one table of op specs without its torch method here
     would reach ``dist.ProcessGroup``'s C++ default ("not supported") instead.
     """
-    from mpx.collectives.registry import OP_SPECS
-    from mpx.collectives.torch_backend import MPXProcessGroup
+    from mpx.collectives.core.op_specs import OP_SPECS
+    from mpx.collectives.torch.backend import MPXProcessGroup
 
     # Defined by mpx's classes (the group and its base), not inherited from torch's.
     defined = {

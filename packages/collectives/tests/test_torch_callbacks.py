@@ -149,7 +149,7 @@ def test_builtin_fp16_hook_trains_to_gloos_losses(groups: dict[str, dist.Process
 @pytest.mark.timeout(60)
 def test_futures_to_cpp_carry_the_work_error(groups: dict[str, dist.ProcessGroup]) -> None:
     """A failed work fails the tensor-list future torch's C++ gets, as the Python one."""
-    from mpx.collectives.torch_futures import tensor_list_future
+    from mpx.collectives.torch.futures import tensor_list_future
 
     t = torch.ones(2)
     ok, complete_ok = tensor_list_future([t])
@@ -171,7 +171,7 @@ def test_ddp_without_builtin_hook_gets_no_tensor_list_futures(
     (DDP on mpx went from 0.70-0.75x to 0.76-0.84x gloo's step time); only a
     group with a C++ reader of lists (a built-in hook) pays it.
     """
-    from mpx.collectives import torch_futures
+    from mpx.collectives.torch import futures as torch_futures
 
     made: list[int] = []
     original = torch_futures.tensor_list_future
@@ -181,7 +181,7 @@ def test_ddp_without_builtin_hook_gets_no_tensor_list_futures(
         return original(tensors)
 
     monkeypatch.setattr(torch_futures, "tensor_list_future", counted)
-    from mpx.collectives import torch_work  # MPXWork's module, which makes them
+    from mpx.collectives.torch import work as torch_work  # MPXWork's module, which makes them
 
     monkeypatch.setattr(torch_work, "tensor_list_future", counted)
     group = dist.new_group(backend="mpx")

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from mpx.collectives import _torch_private
-from mpx.collectives._torch_private import on_builtin_comm_hook
+from mpx.collectives.base import _torch_private
+from mpx.collectives.base._torch_private import on_builtin_comm_hook
 
 # torch's private names that mpx-collectives relies on (see _torch_private's docstring).
 PRIVATE_TORCH_NAMES = [
@@ -25,7 +25,8 @@ PRIVATE_TORCH_NAMES = [
     "_Options",
     "create_device",  # gloo's transport device, ProcessGroupGloo.create_device
 ]
-SOURCES = Path(_torch_private.__file__).parent
+# The package's every module, in every subpackage.
+SOURCES = Path(_torch_private.__file__).parents[1]
 
 
 def _names_in_code(path: Path) -> set[str]:
@@ -42,12 +43,12 @@ def _names_in_code(path: Path) -> set[str]:
 @pytest.mark.parametrize("name", PRIVATE_TORCH_NAMES)
 def test_private_torch_names_appear_only_in_torch_private(name: str) -> None:
     users = sorted(
-        path.name
-        for path in SOURCES.glob("*.py")
+        str(path.relative_to(SOURCES))
+        for path in SOURCES.rglob("*.py")
         if path.name != "_torch_private.py" and name in _names_in_code(path)
     )
     assert users == [], f"{name} used outside _torch_private.py, in {users}"
-    assert name in _names_in_code(SOURCES / "_torch_private.py")
+    assert name in _names_in_code(SOURCES / "base" / "_torch_private.py")
 
 
 def test_builtin_comm_hook_listeners_hear_the_group_before_torch_registers(

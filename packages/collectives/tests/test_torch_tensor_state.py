@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpx.collectives.dtypes import numpy_view
+from mpx.collectives.base.dtypes import numpy_view
 
 # What a case gives back: the caller's tensors to inspect, and what runs the operation.
 Case = Callable[

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mpx.collectives.handle import Handle, Pending, Steps
-from mpx.collectives.torch_backend import MPXWork
+from mpx.collectives.base.handle import Handle, Pending, Steps
+from mpx.collectives.torch.backend import MPXWork
 
 
 class _Never(Pending):

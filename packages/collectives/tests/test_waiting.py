@@ -18,8 +18,8 @@ import torch
 from mpi4py import MPI
 
 from mpx.collectives import Communicator, allreduce, barrier
-from mpx.collectives import communicator as communicator_module
-from mpx.collectives.communicator import waits_yielding
+from mpx.collectives.core import communicator as communicator_module
+from mpx.collectives.core.communicator import waits_yielding
 from mpx.launch.settings import reload as reload_settings
 
 _LATE_S = 2.0  # rank 0 arrives this late

@@ -9,7 +9,7 @@ process. Three runs:
 * ft: ``FaultTolerantOptimizer`` over two replica groups, no failure, median
   step time (the overhead is ft / baseline - 1, baseline and ft alternated
   ``--rounds`` times: the median of the rounds' ratios); the gradients go through
-  shared memory (both groups are on this host, see ft_shm); once more over
+  shared memory (both groups are on this host, see recovery.shm); once more over
   TCP alone (``MPX_FT_SHM=0``: the path between hosts);
 * kill: group 1 SIGKILLs itself in its backward at step ``KILL_AT`` and is
   restarted by ``--max-restarts``. Survivor stall: the gap between group 0's

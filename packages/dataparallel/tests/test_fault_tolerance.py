@@ -28,7 +28,7 @@ PROGRAM = textwrap.dedent(
     import torch
     from torch import nn
     import mpx.dataparallel as dp
-    from mpx.dataparallel import ft_optimizer
+    from mpx.dataparallel.recovery import optimizer as ft_optimizer
     from mpi4py import MPI
 
     group = int(os.environ["MPX_REPLICA_GROUP"])
@@ -148,7 +148,7 @@ PROGRAM = textwrap.dedent(
         if not rejoined and ft.step_count >= hold:
             time.sleep(0.2)
     torch.save(model.state_dict(), f"{out}/final_g{group}_r{rank}.pt")
-    # Whether the gradients went through shared memory (ft_shm), as they do on one host.
+    # Whether the gradients went through shared memory (recovery.shm), as they do on one host.
     shared = any(reader is not None for _, reader in ft._shared.values())
     print(f"group {group} rank {rank} shared memory: {shared}", flush=True)
     assert ft.state["seen"] == steps, ft.state  # the data position came with the state

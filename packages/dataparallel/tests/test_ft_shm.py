@@ -1,4 +1,4 @@
-"""The gradient exchange's same-host path (ft_shm): segments, the handshake, and end to end
+"""The gradient exchange's same-host path (recovery.shm): segments, the handshake, and end to end
 the same bytes as over TCP."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mpx.dataparallel.errors import DataParallelError
-from mpx.dataparallel.ft_shm import PeerSegment, Segment, negotiate
-from mpx.dataparallel.ft_transport import GRAD, PeerLost, exchange
+from mpx.dataparallel.recovery.links import GRAD, PeerLost, exchange
+from mpx.dataparallel.recovery.shm import PeerSegment, Segment, negotiate
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd (Linux)")
 

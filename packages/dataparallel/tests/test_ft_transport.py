@@ -10,17 +10,16 @@ import torch
 from torch import nn
 
 from mpx.dataparallel import DataParallelTypeError, DataParallelValueError, FaultTolerantOptimizer
-from mpx.dataparallel.ft_optimizer import _sum_into
-from mpx.dataparallel.ft_transport import (
+from mpx.dataparallel.recovery.links import (
     GRAD,
     STATE,
     PeerLost,
     exchange,
-    pack_state,
     recv_frame,
     send_frame,
-    unpack_state,
 )
+from mpx.dataparallel.recovery.optimizer import _sum_into
+from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:

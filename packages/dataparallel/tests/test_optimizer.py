@@ -284,7 +284,7 @@ def test_overlap_auto_uses_idle_hardware_only(monkeypatch: pytest.MonkeyPatch) -
     import os
     from types import SimpleNamespace as NS
 
-    from mpx.dataparallel.optimizer import overlap_pays
+    from mpx.dataparallel.synchronous.optimizer import overlap_pays
 
     cpu, gpu = [NS(device=torch.device("cpu"))], [NS(device=torch.device("cuda", 0))]
     one_node = NS(size=2, single_node=True, node_size=2)
@@ -514,11 +514,12 @@ def test_impl_that_declines_a_bucket_is_refused_at_construction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The implementation's registry declarations (dtypes, reduce ops) decide, before backward."""
-    from mpx.collectives import Implementation, registry
+    from mpx.collectives import Implementation
+    from mpx.collectives.core import registry
 
     narrow = Implementation(
         "narrow",
-        "mpx.collectives.impl_mpi",
+        "mpx.collectives.impl.mpi",
         frozenset({"allreduce"}),
         frozenset({"cpu"}),
         automatic=False,

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from mpx.dataparallel.reduction import (
+from mpx.dataparallel.synchronous.reduction import (
     REDUCTIONS,
     check_choice,
     choose,

@@ -28,7 +28,7 @@ plain ``mpiexec`` or ``srun`` does not::
 Variables already set are honoured (torchrun-style jobs are untouched), and
 MPI starts only in that case, when the group is made. Wrapping the ``env``
 handler needs torch's handler table, a private name: it is here and not in
-:mod:`mpx.collectives._torch_private` because that module's package starts
+:mod:`mpx.collectives.base._torch_private` because that module's package starts
 MPI when imported, which ``import torch`` must not.
 """
 
@@ -40,11 +40,12 @@ from typing import Any
 
 __all__ = ["register"]
 
-BACKEND_NAME = "mpx"  # mpx.collectives.torch_backend.BACKEND_NAME
+BACKEND_NAME = "mpx"  # mpx.collectives.torch.backend.BACKEND_NAME
 
 
 def _create(options: Any, backend_options: Any = None) -> Any:
-    from mpx.collectives import torch_backend  # here, not at import: see the docstring
+    # Here, not at import: see the docstring.
+    from mpx.collectives.torch import backend as torch_backend
 
     return torch_backend._create(options, backend_options)
 

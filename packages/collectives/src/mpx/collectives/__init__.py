@@ -12,34 +12,39 @@ the other modules are internal: other packages must not import them.
 
 from importlib import metadata as _metadata
 
-from mpx.collectives.channel import Channel
-from mpx.collectives.communicator import CommLike, Communicator, as_communicator, world
-from mpx.collectives.errors import (
+from mpx.collectives.base import (
     CollectiveTimeout,
     CommunicatorBroken,
+    Handle,
     MismatchError,
     MPXError,
     MPXTypeError,
     MPXValueError,
     RemoteError,
 )
-from mpx.collectives.handle import Handle
-from mpx.collectives.ops import (
+from mpx.collectives.core import (
+    IMPLEMENTATIONS,
+    CommLike,
+    Communicator,
+    Implementation,
+    all_implementations,
     allgather,
     allreduce,
     alltoall,
+    as_communicator,
     barrier,
     broadcast,
     bytes_communicated,
+    empty_shared,
+    free_shared,
     recv,
     reduce,
     reduce_scatter,
     send,
+    world,
 )
-from mpx.collectives.policy import IMPLEMENTATIONS
-from mpx.collectives.registry import Implementation, all_implementations
-from mpx.collectives.shared_memory import empty_shared, free_shared
-from mpx.collectives.torch_backend import init_process_group, register_torch_backend
+from mpx.collectives.p2p import Channel
+from mpx.collectives.torch import init_process_group, register_torch_backend
 
 __all__ = [
     "IMPLEMENTATIONS",

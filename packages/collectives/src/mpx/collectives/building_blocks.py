@@ -45,7 +45,7 @@ pipeline does, and polls its handles between layers); when
 must poll ``handle.done()`` now and then for operations to advance.
 
 Cross-rank agreement on errors (:meth:`Communicator.agree`,
-``with comm.agreement(...)``) and :class:`~mpx.collectives.errors.RemoteError`
+``with comm.agreement(...)``) and :class:`~mpx.collectives.base.errors.RemoteError`
 are in ``mpx.collectives`` itself.
 
 Example::
@@ -57,16 +57,18 @@ Example::
 
 from __future__ import annotations
 
-from mpx.collectives import progress
-from mpx.collectives.communicator import usable_cores
-from mpx.collectives.dtypes import SUPPORTED_DTYPES
-from mpx.collectives.handle import Backoff
-from mpx.collectives.policy import current as current_policy
-from mpx.collectives.policy import small_bytes
-from mpx.collectives.registry import Implementation, blocking
-from mpx.collectives.shared_memory import empty_shared, free_shared
-from mpx.collectives.tensor_header import HEADER_LEN, decode_header, encode_header
-from mpx.collectives.torch_backend import MPXProcessGroup, MPXWork
+from mpx.collectives.base import SUPPORTED_DTYPES, Backoff, progress
+from mpx.collectives.core import (
+    Implementation,
+    blocking,
+    current_policy,
+    empty_shared,
+    free_shared,
+    small_bytes,
+)
+from mpx.collectives.node import usable_cores
+from mpx.collectives.p2p import HEADER_LEN, decode_header, encode_header
+from mpx.collectives.torch import MPXProcessGroup, MPXWork
 
 __all__ = [
     "HEADER_LEN",

@@ -13,9 +13,7 @@ import time
 
 import torch
 
-from mpx.collectives.communicator import world
-from mpx.collectives.ops import allreduce, broadcast
-from mpx.collectives.policy import choose
+from mpx.collectives.core import allreduce, broadcast, choose, world
 
 __all__ = ["main"]
 

@@ -41,7 +41,7 @@ __all__ = [
 
 _PACKAGE = "collectives"
 
-# The built-in implementations (mpx.collectives.registry declares them; other
+# The built-in implementations (mpx.collectives.core.registry declares them; other
 # packages add theirs, so the setting is checked against the registry when used).
 IMPL_NAMES = ("auto", "mpi", "ring", "shm", "hier", "staged", "ipc", "gloo", "nccl")
 
@@ -87,7 +87,7 @@ POLICY_FILE = declare(
     "str",
     "",
     "tuned policy that impl='auto' reads (default: the file mpxrun --tune writes, see "
-    "mpx.collectives.policy; none: the built-in rules)",
+    "mpx.collectives.core.policy; none: the built-in rules)",
     package=_PACKAGE,
 )
 XDG_CACHE_HOME = declare(

@@ -5,13 +5,13 @@ Run it under any launcher, with the ranks the jobs will have::
     mpxrun -n 4 --tune             # = mpxrun -n 4 -- python -m mpx.collectives.tune
     mpiexec -n 4 python -m mpx.collectives.tune --max-size 64M --output policy.json
 
-For each op of :data:`mpx.collectives.policy.TUNABLE` and each size from
+For each op of :data:`mpx.collectives.core.policy.TUNABLE` and each size from
 4 KiB to ``--max-size`` (x4 steps), it times every CPU implementation that
 can run the op on this layout (the best of bursts of calls lasting >= 10 ms,
 each burst the slowest rank's, as the benchmarks do), prints the table, and writes the winner of
 each size band into the policy file: the file ``auto`` reads
 (``MPX_POLICY_FILE``, or ``~/.cache/mpx/policy-<host>.json``; see
-:func:`mpx.collectives.policy.default_policy_file`). Band edges lie halfway
+:func:`mpx.collectives.core.policy.default_policy_file`). Band edges lie halfway
 (geometrically) between measured sizes. Layouts already in the file (other
 rank counts) are kept; the one measured is replaced.
 """
@@ -33,16 +33,20 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpx.collectives.communicator import Communicator, world
-from mpx.collectives.ops import allgather, allreduce, broadcast, reduce_scatter
-from mpx.collectives.policy import (
+from mpx.collectives.core import (
     COMPARE_ONLY,
     IMPLEMENTATIONS,
     TUNABLE,
+    Communicator,
     PolicyError,
+    allgather,
+    allreduce,
+    broadcast,
     choose,
     default_policy_file,
     layout_key,
+    reduce_scatter,
+    world,
 )
 from mpx.launch.settings import parse_size
 

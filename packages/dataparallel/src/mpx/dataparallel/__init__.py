@@ -5,13 +5,27 @@ Example::
     import mpx.dataparallel as dp
     dp.init(); model = dp.synchronize(model)
     opt = dp.DistributedOptimizer(torch.optim.Adam(model.parameters()), model)
+
+Every public name is here; the subpackages hold the roles (see the README's
+Layout): ``synchronous`` (FluxMPI's data parallelism), ``asynchronous``
+(TorchMPI's parameter server, Downpour, EASGD), ``checkpoints`` (agreed
+checkpoints, resuming after a restart) and ``recovery`` (live recovery across
+replica groups), over ``runtime`` (``init`` and the rank queries) and
+``errors``, which every role uses. ``fluxmpi`` is FluxMPI.jl's names with
+FluxMPI's meanings, for ported code.
 """
 
 from importlib import metadata as _metadata
 
-from mpx.dataparallel.async_sgd import EASGD, DownpourSGD
-from mpx.dataparallel.checkpoint import load_checkpoint, save_checkpoint
-from mpx.dataparallel.data import DistributedDataContainer
+from mpx.dataparallel.asynchronous import EASGD, RULES, DownpourSGD, ParameterServer, PSHandle
+from mpx.dataparallel.checkpoints import (
+    ResumePoint,
+    latest_checkpoint,
+    load_checkpoint,
+    resume,
+    save_checkpoint,
+    save_resumable,
+)
 from mpx.dataparallel.errors import (
     DataParallelError,
     DataParallelMismatchError,
@@ -20,13 +34,15 @@ from mpx.dataparallel.errors import (
     DataParallelValueError,
     ParameterServerError,
 )
-from mpx.dataparallel.ft_optimizer import FaultTolerantOptimizer
-from mpx.dataparallel.gradients import allreduce_gradients
-from mpx.dataparallel.optimizer import DistributedOptimizer
-from mpx.dataparallel.parameter_server import RULES, ParameterServer, PSHandle
-from mpx.dataparallel.resume import ResumePoint, latest_checkpoint, resume, save_resumable
+from mpx.dataparallel.recovery import FaultTolerantOptimizer
 from mpx.dataparallel.runtime import init, is_root, local_rank, rank, world_size
-from mpx.dataparallel.synchronize import broadcast_tensors, synchronize
+from mpx.dataparallel.synchronous import (
+    DistributedDataContainer,
+    DistributedOptimizer,
+    allreduce_gradients,
+    broadcast_tensors,
+    synchronize,
+)
 
 __all__ = [
     "EASGD",

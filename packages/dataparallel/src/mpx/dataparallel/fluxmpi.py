@@ -34,11 +34,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mpx.dataparallel.data import DistributedDataContainer
-from mpx.dataparallel.gradients import allreduce_gradients
-from mpx.dataparallel.optimizer import DistributedOptimizer as DistributedOptimiser
 from mpx.dataparallel.runtime import init, rank, world_size
-from mpx.dataparallel.synchronize import synchronize
+from mpx.dataparallel.synchronous import (
+    DistributedDataContainer,
+    allreduce_gradients,
+    synchronize,
+)
+from mpx.dataparallel.synchronous import DistributedOptimizer as DistributedOptimiser
 
 __all__ = [
     "DistributedDataContainer",

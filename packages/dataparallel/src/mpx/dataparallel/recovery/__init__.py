@@ -1,0 +1,20 @@
+"""Live recovery: data parallelism across replica groups that survives a group's death.
+
+What lives here: :class:`FaultTolerantOptimizer` (``optimizer``: averages the
+gradients over the live groups and steps when the lighthouse commits the step;
+hands a returning group the live state) and what it talks over, none of it
+MPI (MPI cannot outlive a peer's death): ``links`` (TCP links between the
+groups and their frames), ``shm`` (the same-host path: gradients in a shared
+memory segment), ``lighthouse_client`` (membership and heartbeats) and
+``state_payload`` (the live state as a frame's payload). See
+docs/live-recovery.md.
+
+What it may import: ``mpx.dataparallel.errors`` and
+``mpx.dataparallel.synchronous`` (a ``DistributedOptimizer`` inside each
+group), mpi4py (within a group), and mpx-launch's lighthouse protocol only
+through the wire. Not ``asynchronous`` or ``checkpoints``: the roles beside it.
+"""
+
+from mpx.dataparallel.recovery.optimizer import FaultTolerantOptimizer
+
+__all__ = ["FaultTolerantOptimizer"]

@@ -1,0 +1,572 @@
+"""Data parallelism across replica groups that survives a group's death.
+
+:class:`FaultTolerantOptimizer`:
+
+Under ``mpxrun --replica-groups R -n N`` each group is its own MPI world;
+this optimizer averages rank ``r``'s gradients over rank ``r`` of every live
+group (through shared memory on one host, :mod:`mpx.dataparallel.recovery.shm`, else
+over TCP, :mod:`mpx.dataparallel.recovery.links`) and steps only when the
+lighthouse (:mod:`mpx.launch.lighthouse`) commits the step, that is when every
+group of the step's membership has its gradients published (or, over TCP,
+exchanged); the sum follows the commit. A step during which a
+group dies is discarded by every survivor (no partial update) and done again
+by the survivors alone; a restarted group loads the live weights, optimizer
+state, step count and the loop's data position from a peer and joins at the
+next step. See docs/live-recovery.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import socket
+import uuid
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from mpx.dataparallel.errors import (
+    DataParallelError,
+    DataParallelTypeError,
+    DataParallelValueError,
+)
+from mpx.dataparallel.recovery.lighthouse_client import LighthouseClient
+from mpx.dataparallel.recovery.links import (
+    GRAD,
+    STATE,
+    PeerLinks,
+    PeerLost,
+    exchange,
+    recv_frame,
+    send_frame,
+)
+from mpx.dataparallel.recovery.shm import PeerSegment, Segment, negotiate, shm_wanted
+from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
+from mpx.dataparallel.synchronous import DistributedOptimizer
+
+__all__ = ["FaultTolerantOptimizer"]
+
+# The keys of a quorum request's reply (see mpx.launch.lighthouse): a vote's reply
+# that has one of them carries the next step's quorum.
+_ANSWERS = frozenset({"quorum", "member", "finished"})
+
+
+def _setting(name: str) -> str | None:
+    # Set by mpxrun --replica-groups and declared in mpx.launch.replica_groups;
+    # mpx-dataparallel does not list mpx-launch among its requirements, so it
+    # reads them here rather than through that module's Setting objects.
+    return os.environ.get(name)  # noqa: TID251
+
+
+class FaultTolerantOptimizer:
+    """Wraps ``optimizer`` to average gradients across replica groups and step only on commit.
+
+    Use it as :class:`DistributedOptimizer` is used: ``zero_grad()`` (which starts
+    the step: the membership, and for a restarted group the peer's state),
+    forward, backward, ``step()``, which returns True if the step committed and
+    the weights changed, False if it was discarded (a group died during it; do
+    the same step again: ``step_count`` did not move).
+
+    Args:
+        optimizer: the wrapped optimizer over ``model``'s parameters.
+        model: the module whose parameters' gradients are averaged and whose
+            ``state_dict`` a restarted peer receives.
+        state: a dict the training loop keeps its data position in (epoch,
+            index...); a restarted group's is replaced, in place, by its donor's.
+        lighthouse: ``host:port``; default ``MPX_LIGHTHOUSE`` (set by mpxrun).
+        group: this process's replica group; default ``MPX_REPLICA_GROUP``.
+        comm: the group's MPI communicator (default the world: a group is an MPI
+            world of its own); its ranks agree on every step's outcome.
+
+    ``optimizer`` may be a :class:`DistributedOptimizer` over the group's ranks (data
+    parallel inside the group as well): ``step()`` then averages over the group
+    first, then each rank over its column, and steps the optimizer it wraps.
+        host: the address this rank's peers reach it at; default the address this
+            host reaches the lighthouse from (127.0.0.1 for a local job).
+
+    Raises:
+        DataParallelTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``,
+            ``model`` not an ``nn.Module``, or ``state`` not a dict.
+        DataParallelValueError: no lighthouse (not under ``mpxrun --replica-groups``),
+            or parameters of more than one dtype.
+
+    Example::
+
+        ft = FaultTolerantOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                    state={"epoch": 0})
+        while ft.step_count < steps:
+            ft.zero_grad()                       # may load a peer's state
+            loss_fn(model(batch(ft.step_count, ft.members))).backward()
+            ft.step()                            # False: discarded, redo this step
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        state: MutableMapping[str, Any] | None = None,
+        *,
+        lighthouse: str | None = None,
+        group: int | None = None,
+        comm: Any = None,
+        host: str | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise DataParallelTypeError(
+                f"FaultTolerantOptimizer: optimizer must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}; pass e.g. torch.optim.SGD(model.parameters())"
+            )
+        if not isinstance(model, nn.Module):
+            raise DataParallelTypeError(
+                f"FaultTolerantOptimizer: model must be an nn.Module, got {type(model).__name__}"
+            )
+        if state is not None and not isinstance(state, MutableMapping):
+            raise DataParallelTypeError(
+                f"FaultTolerantOptimizer: state must be a dict (the loop's data position), got "
+                f"{type(state).__name__}"
+            )
+        address = lighthouse if lighthouse is not None else _setting("MPX_LIGHTHOUSE")
+        if not address or ":" not in address:
+            raise DataParallelValueError(
+                f"FaultTolerantOptimizer: lighthouse={address!r} is not host:port; run under "
+                "mpxrun --replica-groups R (it sets MPX_LIGHTHOUSE) or pass lighthouse="
+            )
+        self.group = int(group if group is not None else _setting("MPX_REPLICA_GROUP") or 0)
+        self.optimizer = optimizer
+        # Data parallel inside the group too: its reduction runs first, in step().
+        self._group_dp = optimizer if isinstance(optimizer, DistributedOptimizer) else None
+        self.model = model
+        self.state: MutableMapping[str, Any] = state if state is not None else {}
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self._params}
+        if len(dtypes) > 1:
+            raise DataParallelValueError(
+                "FaultTolerantOptimizer: the model's parameters have dtypes "
+                f"{sorted(map(str, dtypes))}; this first version averages one dtype: cast "
+                "the model to one"
+            )
+        self._dtype = dtypes.pop() if dtypes else torch.float32
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        # One per start of the whole group: its ranks are one member to the lighthouse.
+        self.incarnation = uuid.uuid4().hex
+        if self.size > 1:
+            self.incarnation = self.comm.bcast(self.incarnation, root=0)
+        self._links = PeerLinks(self.group, host or _address_towards(address))
+        self._client = LighthouseClient(
+            address, self.group, self.rank, self.size, self.incarnation, self._links.address
+        )
+        if self.size > 1:
+            self.comm.Barrier()  # every rank said hello before rank 0 asks for a quorum
+        self.step_count = 0
+        self.members: list[int] = []
+        self.quorum_id = 0
+        self.recovered = False
+        self._quorum: dict[str, Any] | None = None
+        # The next step's quorum, when the lighthouse sent it with the last vote's outcome.
+        self._ahead: dict[str, Any] | None = None
+        # The reduction's buffers, kept from step to step (see _reduce): after the
+        # first step a step allocates nothing (no zero-fill, no page faults). Two
+        # gradient buffers, in a segment the peers on this host map (see shm), used
+        # in turn: a step's gradients are published in one, its average written
+        # into the other (a peer may still be reading the first).
+        self._segment = Segment(
+            sum(p.numel() for p in self._params), self._dtype, shared=shm_wanted()
+        )
+        self._cur = 0
+        self._views = [self._split(buffer) for buffer in self._segment.buffers]
+        self._inbox: dict[int, torch.Tensor] = {}
+        # Each peer's segment, mapped, and the link it was agreed on (None: TCP).
+        self._shared: dict[int, tuple[socket.socket, PeerSegment | None]] = {}
+        # What _average sums once the step commits: members, quorum, readers, TCP payloads.
+        self._pending: (
+            tuple[list[int], int, dict[int, PeerSegment | None], dict[int, Any]] | None
+        ) = None
+        # Made (and their pages touched) now rather than in the first step: a
+        # restarted group's first step is its rejoin's, and counts.
+        flat = self._segment.buffers[0]
+        for g in range(int(_setting("MPX_REPLICA_GROUPS") or 0)):
+            if g != self.group:
+                self._inbox[g] = torch.zeros_like(flat)
+        self._closed = False
+        atexit.register(self.close)
+
+    def live_groups(self) -> list[int]:
+        """The groups alive now, as the lighthouse's last heartbeat reply said (a group
+        restarting is listed once it has built its optimizer, before it takes part)."""
+        return sorted(self._client.alive)
+
+    # -- the step --
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Starts the step (see :meth:`begin_step`) and clears the gradients."""
+        self.begin_step()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def begin_step(self) -> None:
+        """Joins the next step's membership; a group behind it first loads a peer's state.
+
+        Called by :meth:`zero_grad`; call it yourself before the forward if you
+        clear gradients another way. Does nothing if the step has begun.
+        """
+        self.recovered = False
+        while self._quorum is None:
+            reply, self._ahead = self._ahead, None
+            if reply is None:
+                reply = (
+                    self._client.request({"op": "quorum", "step": self.step_count})
+                    if (self.rank == 0)
+                    else None
+                )
+                if self.size > 1:
+                    reply = self.comm.bcast(reply, root=0)
+            assert reply is not None
+            if "finished" in reply:
+                raise DataParallelError(
+                    f"FaultTolerantOptimizer: group {self.group} came back at step "
+                    f"{self.step_count} after the other groups had ended training at step "
+                    f"{reply['finished']} and left: there is no live state to rejoin"
+                )
+            if "quorum" not in reply:
+                raise DataParallelError(
+                    f"FaultTolerantOptimizer: the lighthouse counted group {self.group} out "
+                    "(it missed its heartbeats: a pause longer than MPX_FT_HEARTBEAT_TIMEOUT?); "
+                    "the group must restart to rejoin"
+                )
+            quorum = reply["quorum"]
+            self.quorum_id = int(quorum["quorum"])
+            self._links.keep(
+                {(int(g), i) for g, i in quorum["incarnations"].items() if int(g) != self.group}
+            )
+            ok = True
+            loaded: dict[str, Any] | None = None
+            try:
+                for recipient in quorum["recipients"]:
+                    self._send_state(quorum, int(recipient))
+                if quorum["donor"] is not None:
+                    loaded = self._receive_state(quorum, int(quorum["donor"]))
+            except PeerLost:
+                ok = False
+            if self.size > 1:
+                # Each rank receives its own column's state: the group loads it only if
+                # every rank got its part (a half-loaded group would ask with one rank's step).
+                ok = bool(self.comm.allreduce(ok, op=MPI.LAND))
+            if ok and loaded is not None:
+                self._load_state(loaded)
+                self.recovered = True
+            if ok:
+                self._quorum = quorum
+                self.members = [int(g) for g in quorum["members"]]
+            else:
+                self._vote(quorum, False)  # the step cannot go on: redo the membership
+
+    def step(self) -> bool:
+        """Averages the gradients over the live groups; steps if the step commits.
+
+        A CPU parameter's ``grad`` is then a view of a buffer the next step
+        reuses (as :class:`DistributedOptimizer` does): clone it to keep it.
+
+        Returns:
+            True if committed (the optimizer stepped, ``step_count`` grew by 1);
+            False if discarded (the gradients are stale: do this step again).
+        """
+        stale = False
+        if self._quorum is None:
+            self.begin_step()
+            # Loaded just now: the gradients were computed from the old state.
+            stale = self.recovered
+        quorum = self._quorum
+        assert quorum is not None
+        if stale:
+            return self._finish(quorum, False)
+        ok = True
+        if self._group_dp is not None:
+            # The group's own average first (collective over the group; a dead rank
+            # kills the whole group), so the columns exchange group means.
+            self._group_dp._finish()
+        try:
+            self._reduce(quorum)
+        except PeerLost:
+            ok = False
+            # Closed now, not after the vote: peers still waiting for this rank's
+            # gradients see the end of the step at once.
+            self._links.drop(int(quorum["quorum"]))
+        return self._finish(quorum, ok)
+
+    def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
+        committed = self._vote(quorum, ok)
+        if committed:
+            self._average()
+        self._pending = None
+        inner = self._group_dp
+        if inner is None:
+            if committed:
+                self.optimizer.step()
+        elif committed:
+            # Reduced already: step the optimizer it wraps, not its step() (a second reduction).
+            if inner._compare_parameters:
+                inner._compare_parameters = False
+                inner._check_parameters_agree()
+            inner.optimizer.step()
+            inner._reset()
+        else:
+            inner.zero_grad()  # completes a reduction in flight (collective), starts over
+        if committed:
+            self.step_count += 1
+        self._quorum = None
+        return committed
+
+    def _vote(self, quorum: dict[str, Any], ok: bool) -> bool:
+        if self.size > 1:
+            ok = bool(self.comm.allreduce(ok, op=MPI.LAND))
+        reply = None
+        if self.rank == 0:
+            # "next": the lighthouse answers with the next step's quorum as well,
+            # formed once every member voted (the vote asks for it, at this
+            # group's step, + 1 if the step commits; a group whose join failed is
+            # still at its old step): one round trip and one wait for the slowest
+            # group a step, not two.
+            reply = self._client.request(
+                {"op": "vote", "quorum": quorum["quorum"], "ok": ok, "next": self.step_count}
+            )
+        if self.size > 1:
+            reply = self.comm.bcast(reply, root=0)
+        assert reply is not None
+        outcome = bool(reply["outcome"])
+        if _ANSWERS.intersection(reply):
+            self._ahead = reply  # begin_step's reply, received already
+        if not outcome:
+            self._links.drop(int(quorum["quorum"]))
+        return bool(outcome)
+
+    # -- the wire --
+
+    def _check(self, quorum: dict[str, Any]) -> None:
+        client = self._client
+        if client.lost_at is not None:
+            raise PeerLost("the lighthouse stopped answering")
+        if client.last_aborted >= int(quorum["quorum"]):
+            raise PeerLost(f"quorum {quorum['quorum']} was aborted")
+        for g, incarnation in quorum["incarnations"].items():
+            # Another incarnation: it restarted. Absent: either the last heartbeat's
+            # reply predates its hello (a discarded first step on a loaded machine,
+            # session 17), or it died, and then the lighthouse aborted this quorum
+            # in the same breath (last_aborted, above) unless it had voted already.
+            seen = client.alive.get(int(g), incarnation)
+            if int(g) != self.group and seen != incarnation:
+                raise PeerLost(f"group {g} is no longer a member")
+
+    def _link(self, quorum: dict[str, Any], peer: int) -> Any:
+        return self._links.link(
+            peer,
+            quorum["incarnations"][str(peer)],
+            quorum["addresses"][str(peer)][self.rank],
+            self.incarnation,
+            int(quorum["quorum"]),
+            lambda: self._check(quorum),
+        )
+
+    def _gather(self, members: int) -> torch.Tensor:
+        """This rank's gradients divided by ``members``, in one flat CPU buffer (the
+        current of the two).
+
+        Divided here, in the copy it needs anyway, rather than after the sum: one
+        pass over the gradients less a step (the sum of the members' quotients,
+        added in the same order on every member, is the average). A CPU
+        parameter's gradient is left a view of its slot by the last step (see
+        _reduce): with ``zero_grad(set_to_none=False)`` backward accumulates in
+        place there and is divided in place; a fresh gradient is copied in once.
+        """
+        with torch.no_grad():
+            for p, view in zip(self._params, self._views[self._cur], strict=True):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad is view:
+                    if members > 1:
+                        view.div_(members)
+                elif members > 1:
+                    torch.div(p.grad, members, out=view)
+                else:
+                    view.copy_(p.grad)
+        return self._segment.buffers[self._cur]
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat``'s per-parameter views."""
+        offsets = itertools.accumulate((p.numel() for p in self._params), initial=0)
+        return [
+            flat[o : o + p.numel()].view(p.shape)
+            for o, p in zip(offsets, self._params, strict=False)
+        ]
+
+    def _shared_with(
+        self, links: dict[int, socket.socket], qid: int, check: Callable[[], None]
+    ) -> dict[int, PeerSegment | None]:
+        """Each peer's mapped segment (None: its gradients come over TCP), agreed once a link."""
+        for g in [g for g, (sock, _) in self._shared.items() if links.get(g) is not sock]:
+            old = self._shared.pop(g)[1]
+            if old is not None:
+                old.close()
+        new = {g: sock for g, sock in links.items() if g not in self._shared}
+        for g, reader in negotiate(new, self.group, qid, self._segment, check).items():
+            self._shared[g] = (new[g], reader)
+        return {g: self._shared[g][1] for g in links}
+
+    def _reduce(self, quorum: dict[str, Any]) -> None:
+        """Publishes this rank's gradients (and receives its TCP peers'); the sum waits
+        for the commit (see _average)."""
+        members = [int(g) for g in quorum["members"]]
+        qid = int(quorum["quorum"])
+        flat = self._gather(len(members))
+        self._pending = None
+        if len(members) > 1:
+            check = lambda: self._check(quorum)  # noqa: E731
+            links = {g: self._link(quorum, g) for g in members if g != self.group}
+            shared = self._shared_with(links, qid, check)
+            # A peer on this host reads the gradients in place, after the commit:
+            # this rank votes only once they are written, so a commit says every
+            # member's are complete (see shm). No frame, no wait here.
+            self._segment.stamp(self._cur, qid)
+            tcp = {g: sock for g, sock in links.items() if shared[g] is None}
+            got = (
+                exchange(
+                    tcp,
+                    qid,
+                    GRAD,
+                    _bytes(flat),
+                    check,
+                    {g: _bytes(self._inbox_for(g)) for g in tcp},
+                )
+                if tcp
+                else {}
+            )
+            for g, payload in got.items():
+                if len(payload) != flat.nbytes:
+                    raise PeerLost(
+                        f"group {g} sent {len(payload)} bytes of gradients, not {flat.nbytes}"
+                    )
+            self._pending = (members, qid, shared, got)
+            return
+        self._use(self._cur)
+
+    def _average(self) -> None:
+        """After a commit: the members' gradients (divided by their number already, see
+        _gather) summed in their order into the other buffer, which becomes the gradients."""
+        if self._pending is None:
+            return
+        members, qid, shared, got = self._pending
+        self._pending = None
+        flat = self._segment.buffers[self._cur]
+        parts = []
+        for g in members:
+            reader = shared.get(g)
+            if g == self.group:
+                parts.append(flat)
+            elif reader is not None:
+                parts.append(reader.holding(qid))
+            else:
+                parts.append(torch.frombuffer(got[g], dtype=flat.dtype))
+        self._cur = 1 - self._cur
+        with torch.no_grad():
+            _sum_into(parts, self._segment.buffers[self._cur])
+        self._use(self._cur)
+
+    def _use(self, index: int) -> None:
+        """Buffer ``index`` becomes the gradients."""
+        with torch.no_grad():
+            for p, view in zip(self._params, self._views[index], strict=True):
+                if p.device.type == "cpu":
+                    # The average's slot becomes the gradient: nothing copied back.
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.to(p.device)
+                else:
+                    p.grad.copy_(view)
+
+    def _inbox_for(self, group: int) -> torch.Tensor:
+        """Where ``group``'s gradients are received, kept from step to step."""
+        flat = self._segment.buffers[0]
+        found = self._inbox.get(group)
+        if found is None or found.numel() != flat.numel():
+            found = self._inbox[group] = torch.empty_like(flat)
+        return found
+
+    def _send_state(self, quorum: dict[str, Any], recipient: int) -> None:
+        parts = pack_state(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step_count,
+                "state": dict(self.state),
+            }
+        )
+        send_frame(
+            self._link(quorum, recipient),
+            int(quorum["quorum"]),
+            STATE,
+            parts,
+            lambda: self._check(quorum),
+        )
+
+    def _receive_state(self, quorum: dict[str, Any], donor: int) -> dict[str, Any]:
+        kind, payload = recv_frame(
+            self._link(quorum, donor), int(quorum["quorum"]), lambda: self._check(quorum)
+        )
+        if kind != STATE:
+            raise PeerLost(f"group {donor} sent no state")
+        device = self._params[0].device if self._params else torch.device("cpu")
+        loaded: dict[str, Any] = unpack_state(payload, device)
+        return loaded
+
+    def _load_state(self, loaded: dict[str, Any]) -> None:
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.step_count = int(loaded["step"])
+        self.state.clear()
+        self.state.update(loaded["state"])
+
+    def close(self) -> None:
+        """Leaves the membership (at the end of training; also run at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        # Every rank says so: one that closed its connection unannounced would count as lost.
+        with contextlib.suppress(OSError, PeerLost, ValueError):
+            self._client.request({"op": "leave", "step": self.step_count})
+        self._client.close()
+        self._links.close()
+        for _, reader in self._shared.values():
+            if reader is not None:
+                reader.close()
+        self._shared.clear()
+        self._segment.close()
+
+
+def _address_towards(lighthouse: str) -> str:
+    """This host's address on the route to the lighthouse (no packet is sent)."""
+    where, _, port = lighthouse.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((where, int(port)))
+        return str(probe.getsockname()[0])
+
+
+def _sum_into(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out = (parts[0] + parts[1]) + ...``, added in that order, ``parts`` untouched.
+
+    Every member adds the same operands in the same order, so every replica
+    gets the same bytes (NaN included); ``out`` is none of the parts: a peer
+    may still be reading this rank's (see shm).
+    """
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        torch.add(out, part, out=out)
+    return out
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.numpy().data.cast("B")
