@@ -10,6 +10,7 @@ import torch
 from mpi4py import MPI
 
 import mpx.dataparallel as dp
+from mpx.dataparallel import fluxmpi
 
 
 def _shards(n: int, size: int, **kwargs: Any) -> list[list[int]]:
@@ -45,8 +46,34 @@ def test_pad_and_drop_give_equal_lengths(n: int, size: int) -> None:
         assert len(flat) == len(set(flat)) == n - n % size
 
 
+def _comm(rank: int, size: int) -> Any:
+    """A stand-in communicator (the split reads only rank and size)."""
+    return SimpleNamespace(rank=rank, size=size)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 10, 11, 101])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_ceil_is_fluxmpis_split(n: int, size: int) -> None:
+    # FluxMPI: Iterators.partition(1:N, ceil(N / size)), block r on rank r (none past the end)
+    per = -(-n // size)
+    blocks = [list(range(n))[i : i + per] for i in range(0, n, per)] if n else []
+    expected = [blocks[r] if r < len(blocks) else [] for r in range(size)]
+    assert _shards(n, size, uneven="ceil") == expected
+    flux = [
+        fluxmpi.DistributedDataContainer(list(range(n)), comm=_comm(r, size)).indices
+        for r in range(size)
+    ]
+    assert flux == expected
+
+
+def test_fluxmpis_eleven_samples_on_two_ranks_are_disjoint() -> None:
+    flux = [fluxmpi.DistributedDataContainer(list(range(11)), comm=_comm(r, 2)) for r in range(2)]
+    assert [len(f) for f in flux] == [6, 5]
+    assert sorted(x for f in flux for x in f) == list(range(11))  # none seen twice
+
+
 def test_divisible_modes_agree_and_contiguous() -> None:
-    for mode in ("pad", "drop", "keep"):
+    for mode in ("pad", "drop", "keep", "ceil"):
         assert _shards(12, 3, uneven=mode) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
@@ -77,7 +104,9 @@ def test_indexing_datasets_and_tuples() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="uneven must be one of pad, drop, keep, got 'spread'"):
+    with pytest.raises(
+        ValueError, match="uneven must be one of pad, drop, keep, ceil, got 'spread'"
+    ):
         dp.DistributedDataContainer([1, 2], uneven="spread")
     with pytest.raises(TypeError, match="needs a data set with len"):
         dp.DistributedDataContainer(5)
@@ -91,7 +120,7 @@ def test_bad_arguments() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("uneven", ["pad", "drop", "keep"])
+@pytest.mark.parametrize("uneven", ["pad", "drop", "keep", "ceil"])
 def test_real_ranks_partition_the_data(uneven: str) -> None:
     n = 23
     part = dp.DistributedDataContainer(list(range(n)), shuffle=True, seed=1, uneven=uneven)
@@ -99,7 +128,7 @@ def test_real_ranks_partition_the_data(uneven: str) -> None:
     every = MPI.COMM_WORLD.allgather(part.indices)
     flat = [i for s in every for i in s]
     size = dp.world_size()
-    if uneven == "keep":
+    if uneven in ("keep", "ceil"):
         assert sorted(flat) == list(range(n))
     else:
         assert len({len(s) for s in every}) == 1

@@ -34,13 +34,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mpx.collectives import CommLike
 from mpx.dataparallel.runtime import init, rank, world_size
-from mpx.dataparallel.synchronous import (
-    DistributedDataContainer,
-    allreduce_gradients,
-    synchronize,
-)
+from mpx.dataparallel.synchronous import DistributedDataContainer as _Container
 from mpx.dataparallel.synchronous import DistributedOptimizer as DistributedOptimiser
+from mpx.dataparallel.synchronous import allreduce_gradients, synchronize
 
 __all__ = [
     "DistributedDataContainer",
@@ -53,6 +51,25 @@ __all__ = [
     "synchronize",
     "total_workers",
 ]
+
+
+class DistributedDataContainer(_Container):
+    """FluxMPI's ``DistributedDataContainer(data)``: this rank's contiguous block of
+    ``ceil(N / size)`` samples, disjoint from the others' (the last rank's shorter,
+    trailing ranks empty when N is small), as FluxMPI splits; ``uneven="ceil"`` of
+    :class:`mpx.dataparallel.DistributedDataContainer`, whose default pads instead.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        shuffle: bool = False,
+        seed: int = 0,
+        uneven: str = "ceil",
+        *,
+        comm: CommLike | None = None,
+    ) -> None:
+        super().__init__(dataset, shuffle, seed, uneven, comm=comm)
 
 
 def Init(gpu_devices: Sequence[int] | None = None) -> None:

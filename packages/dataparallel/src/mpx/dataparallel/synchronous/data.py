@@ -7,13 +7,18 @@ permutation on every rank) are cut into ``size`` contiguous shards::
     uneven="pad"   (default) 0 1 2 3 | 4 5 6 7 | 8 9 0 1    4 each, 2 repeated
     uneven="drop"            0 1 2   | 3 4 5   | 6 7 8      3 each, 9 left out
     uneven="keep"            0 1 2 3 | 4 5 6   | 7 8 9      disjoint, union = all
+    uneven="ceil"            0 1 2 3 | 4 5 6 7 | 8 9        disjoint, ceil(N / size) each
+                                                            but the last (FluxMPI's split)
 
 Every rank must run the same number of steps with a synchronous optimizer
 (each step is a collective), so "pad" (as torch's DistributedSampler: the
 first indices are repeated) and "drop" give every rank the same length.
 "keep" is exact (shards disjoint, their union the data set) but lengths
 differ by one: use it for evaluation, or when the step count is agreed on
-otherwise. When ``size`` divides ``N`` all three are the same.
+otherwise. "ceil" is FluxMPI's ``DistributedDataContainer``: blocks of
+``ceil(N / size)``, so the last rank's is shorter and trailing ranks may get
+none (N = 5, size = 4: 2, 2, 1, 0); :mod:`mpx.dataparallel.fluxmpi` uses it.
+When ``size`` divides ``N`` all four are the same.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from mpx.dataparallel.runtime import default_comm
 
 __all__ = ["DistributedDataContainer"]
 
-_MODES = ("pad", "drop", "keep")
+_MODES = ("pad", "drop", "keep", "ceil")
 
 
 class DistributedDataContainer(torch.utils.data.Dataset[Any]):
@@ -40,7 +45,8 @@ class DistributedDataContainer(torch.utils.data.Dataset[Any]):
             Dataset, a tensor, a list, a tuple of tensors indexed together).
         shuffle: permute the indices each epoch (``set_epoch``).
         seed: the permutation's seed (the same on every rank).
-        uneven: "pad", "drop" or "keep" when the ranks do not divide the length.
+        uneven: "pad", "drop", "keep" or "ceil" when the ranks do not divide the
+            length (see the module's diagram).
         comm: the ranks sharing the data (world by default).
 
     Example::
@@ -109,6 +115,9 @@ class DistributedDataContainer(torch.utils.data.Dataset[Any]):
             base, extra = divmod(n, self.size)
             start = self.rank * base + min(self.rank, extra)
             return order[start : start + base + (1 if self.rank < extra else 0)]
+        if self.uneven == "ceil":
+            per = -(-n // self.size)
+            return order[self.rank * per : (self.rank + 1) * per]
         if self.uneven == "drop":
             per = n // self.size
         else:
