@@ -26,6 +26,11 @@ PROGRAM = textwrap.dedent(
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     how, peers = sys.argv[1], sys.argv[2]
+    if how == "usage":  # a usage error: every rank exits 2, rank 0 says why
+        if comm.Get_rank() == 0:
+            print("bad --flag: use --good", file=sys.stderr, flush=True)
+        comm.Barrier()
+        sys.exit(2)
     if comm.Get_rank() == comm.Get_size() - 1:
         if how == "raise":
             raise SystemExit(3)
@@ -55,11 +60,23 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, nprocs: int, how: str, peers: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, nprocs: int, how: str, peers: str, *options: str
+) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "prog.py"
     script.write_text(PROGRAM)
     return subprocess.run(
-        [MPXRUN, "-n", str(nprocs), "--timeout", str(JOB_TIMEOUT_S), str(script), how, peers],
+        [
+            MPXRUN,
+            "-n",
+            str(nprocs),
+            "--timeout",
+            str(JOB_TIMEOUT_S),
+            *options,
+            str(script),
+            how,
+            peers,
+        ],
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT_S + 60,
@@ -77,6 +94,23 @@ def test_a_non_zero_exit_ends_the_job_with_its_code(
     proc = _run(tmp_path, nprocs, how, peers)
     assert proc.returncode == 3, proc.stderr
     assert f"rank {nprocs - 1} exited with code 3; all ranks were stopped" in proc.stderr
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_a_usage_error_is_passed_on_once_not_reported_as_a_failure(
+    tmp_path: Path, nprocs: int
+) -> None:
+    proc = _run(tmp_path, nprocs, "usage", "mpi")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("bad --flag: use --good") == 1, proc.stderr
+    assert "mpxrun:" not in proc.stderr, proc.stderr
+
+
+def test_a_usage_error_is_not_restarted(tmp_path: Path) -> None:
+    proc = _run(tmp_path, 2, "usage", "mpi", "--max-restarts", "2")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("bad --flag: use --good") == 1, proc.stderr
+    assert "Restart" not in proc.stderr, proc.stderr
 
 
 def test_an_exit_message_ends_the_job_with_code_1(tmp_path: Path) -> None:

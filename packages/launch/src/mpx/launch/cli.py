@@ -67,8 +67,9 @@ from mpx.launch.check import run_check
 from mpx.launch.cli_parser import EXIT_USAGE, build_parser, resolve_program
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
-from mpx.launch.job import EXIT_TIMEOUT, Job, RankFailure, run_attempts
+from mpx.launch.job import EXIT_TIMEOUT, Job, RankFailure
 from mpx.launch.launchers import Launcher, find_launcher
+from mpx.launch.outcome import run_attempts
 from mpx.launch.rank import usable_cores
 from mpx.launch.replica_groups import GROUP_VARIABLES, check_usage, run_replica_groups
 from mpx.launch.status import new_key

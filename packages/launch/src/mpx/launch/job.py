@@ -5,9 +5,9 @@ status lines the rank supervisors sign (:mod:`mpx.launch.status`): which
 ranks exited how, which ended their program; it stops the whole job on the
 first failure, at ``--timeout`` (after collecting the ranks' stacks,
 :mod:`mpx.launch.stacks`) or when the ranks still running wait for ones that
-ended early. :func:`run_attempts` runs the attempts ``--max-restarts``
-allows and :func:`report` says how the last one ended (the exit code, and the
-lines on stderr). :mod:`mpx.launch.cli` builds the job from the command line.
+ended early. :mod:`mpx.launch.outcome` runs the attempts ``--max-restarts``
+allows and says how the last one ended. :mod:`mpx.launch.cli` builds the job
+from the command line.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from mpx.launch import settings, shm_cleanup, stacks
+from mpx.launch import settings, stacks
 from mpx.launch.rank import die_with_parent
 from mpx.launch.status import parse_status
 
@@ -32,11 +32,7 @@ __all__ = [
     "EXIT_TIMEOUT",
     "Job",
     "RankFailure",
-    "failure_of",
-    "report",
-    "run_and_clean",
-    "run_attempts",
-    "stop_on_signals",
+    "ranks_phrase",
 ]
 
 # After the first failure the launcher gets this long to stop the other ranks
@@ -98,7 +94,8 @@ class RankFailure:
         return self.code if self.code > 0 else 128 - self.code
 
 
-def _ranks(ranks: Sequence[int]) -> str:
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """``"rank 3"`` or ``"ranks 1, 2"``, for mpxrun's messages."""
     return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
 
 
@@ -230,7 +227,7 @@ class Job:
                 reason = (
                     f"rank {rank} exited with code 0 in the middle of its program "
                     "(os._exit(0) or an exit from C: Python never reached the program's end) "
-                    f"while {_ranks(waiting)} had not ended"
+                    f"while {ranks_phrase(waiting)} had not ended"
                 )
                 # The cause goes first: the others fail because of it.
                 self.failures.insert(0, RankFailure(rank, 0, tail, reason))
@@ -267,8 +264,8 @@ class Job:
         codes = {self.ended.get(r, self.exited.get(r, 0)) for r in gone}
         how = "ended its program" if len(gone) == 1 else "ended their programs"
         reason = (
-            f"{_ranks(gone)} {how} (exit code {', '.join(map(str, sorted(codes)))}) while "
-            f"{_ranks(running)} still waited in a collective, with no progress for "
+            f"{ranks_phrase(gone)} {how} (exit code {', '.join(map(str, sorted(codes)))}) while "
+            f"{ranks_phrase(running)} still waited in a collective, with no progress for "
             f"{self.end_grace:g} s (MPX_END_GRACE): uneven step counts? Every rank must make "
             "the same collective calls (e.g. the same number of steps)"
         )
@@ -288,7 +285,7 @@ class Job:
         ]
         if missing:
             reason = (
-                f"{_ranks(missing)} ended without an exit status before the program's end "
+                f"{ranks_phrase(missing)} ended without an exit status before the program's end "
                 "(killed by the launcher or a signal)"
             )
             self.failures.append(RankFailure(missing[0], 0, [], reason))
@@ -348,7 +345,7 @@ class Job:
         done = sorted(r for r in self.ended if r not in self.exited)
         lines = []
         if running:
-            lines.append(f"mpxrun: --timeout reached; still running: {_ranks(running)}")
+            lines.append(f"mpxrun: --timeout reached; still running: {ranks_phrase(running)}")
         for rank in done:
             lines.append(
                 f"mpxrun: rank {rank} had already finished its program (exit code "
@@ -463,125 +460,3 @@ class Job:
             self._judge_left(time.monotonic(), launcher_done=True)
             self._judge_missing()
         return code
-
-
-def _last_line(tail: Sequence[str]) -> str:
-    """The last non-blank line of a rank's stderr (its exception, for a traceback)."""
-    return next((line.strip() for line in reversed(tail) if line.strip()), "")
-
-
-def report(job: Job, code: int, timeout: float | None) -> int:
-    """Prints how the finished ``job`` went (to stderr) and returns mpxrun's exit code."""
-    if job.timed_out:
-        print(f"mpxrun: the job ran past --timeout {timeout:g} s and was stopped", file=sys.stderr)
-        return EXIT_TIMEOUT
-    if job.failures:
-        first = job.failures[0]
-        others = sorted({f.rank for f in job.failures[1:]} - {first.rank})
-        lines = [f"mpxrun: {first.describe()}; all ranks were stopped."]
-        if others:
-            lines.append(f"mpxrun: also failed: rank(s) {', '.join(map(str, others))}")
-        if first.ended_before:
-            lines.append(
-                f"mpxrun: {_ranks(first.ended_before)} had already ended with exit code 0 "
-                f"before rank {first.rank} failed (if it waited for them: uneven step counts?)"
-            )
-        ending = _last_line(first.tail)
-        if ending:
-            # The rank's stderr went to this terminal as it was written (the
-            # supervisor tees it): point at it instead of printing it a second time
-            # (a 20-line traceback per failed rank came out twice).
-            lines.append(f"mpxrun: rank {first.rank}'s error is printed above; it ends: {ending}")
-        lines.extend(first.details)
-        print("\n".join(lines), file=sys.stderr)
-        return first.exit_code
-    if code != 0:
-        print(f"mpxrun: the launcher exited with code {code}", file=sys.stderr)
-        return code if code > 0 else 128 - code
-    return 0
-
-
-def failure_of(job: Job, code: int, timeout: float | None) -> str | None:
-    """What went wrong in a finished attempt, in a few words; None if nothing did."""
-    if job.timed_out:
-        return f"the job ran past --timeout {timeout:g} s"
-    if job.failures:
-        return job.failures[0].describe()
-    if code != 0:
-        return f"the launcher exited with code {code}"
-    return None
-
-
-def stop_on_signals() -> list[int]:
-    """Makes SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does.
-
-    Returns a one-item list that holds the number of the signal last received
-    (SIGINT until SIGTERM or SIGHUP comes), for the exit code 128 + N.
-    """
-    # SIGTERM/SIGHUP (a batch system, `timeout`, a closed terminal) stop the
-    # job the way Ctrl-C does, instead of orphaning it in its own session; the
-    # exit code then says which signal it was, as a shell's does (128 + N).
-    received = [int(signal.SIGINT)]
-
-    def stop(signum: int, frame: object) -> None:
-        received[0] = signum
-        raise KeyboardInterrupt
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop)
-    return received
-
-
-def run_and_clean(job: Job, timeout: float | None) -> int:
-    """``job.run(timeout)``'s exit code, after removing the MPI shared memory of
-    ranks that died (segments that appeared during the attempt and outlive it)."""
-    before = shm_cleanup.segments()
-    try:
-        return job.run(timeout=timeout)
-    finally:
-        shm_cleanup.remove_orphans(before)
-
-
-def run_attempts(
-    new_job: Callable[[int], Job],
-    timeout: float | None,
-    max_restarts: int = 0,
-    restart_delay: float = 0.0,
-) -> int:
-    """Runs attempts of ``new_job(attempt)`` until one succeeds or ``max_restarts`` are spent.
-
-    Returns the exit code :func:`report` gives for the last attempt; SIGTERM,
-    SIGHUP and Ctrl-C stop the job and return 128 + the signal's number.
-    """
-    received = stop_on_signals()
-    attempt = 0
-    try:
-        while True:
-            job = new_job(attempt)
-            started = time.monotonic()
-            code = run_and_clean(job, timeout)
-            failure = failure_of(job, code, timeout)
-            if failure is None or attempt >= max_restarts:
-                if failure is not None and max_restarts:
-                    print(
-                        f"mpxrun: giving up after {attempt} restart(s) (--max-restarts "
-                        f"{max_restarts}); the last attempt failed: {failure}",
-                        file=sys.stderr,
-                    )
-                return report(job, code, timeout)
-            attempt += 1
-            # "Lost": the failed attempt's run and teardown, plus the delay;
-            # how much of the run the program redoes depends on its checkpoints.
-            lost = time.monotonic() - started + restart_delay
-            print(
-                f"mpxrun: {failure}; all ranks were stopped. Restart {attempt} of "
-                f"{max_restarts} in {restart_delay:g} s ({lost:.1f} s lost: the failed "
-                "attempt's run, its teardown and the delay)",
-                file=sys.stderr,
-                flush=True,
-            )
-            time.sleep(restart_delay)
-    except KeyboardInterrupt:
-        name = signal.Signals(received[0]).name
-        print(f"mpxrun: {name} received; all ranks were stopped", file=sys.stderr)
-        return 128 + received[0]
