@@ -50,9 +50,13 @@ def resume(args: argparse.Namespace, comm: Communicator, history: digits_data.Hi
     import mpx.dataparallel as dp
 
     if not digits_data.RESUMABLE:
-        raise SystemExit(f"--checkpoint-dir: --mode {args.mode} does not save checkpoints")
+        digits_layout.stop(
+            f"mpx demo: --checkpoint-dir: --mode {args.mode} does not save checkpoints", comm
+        )
     if args.checkpoint_every < 1:
-        raise SystemExit(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+        digits_layout.stop(
+            f"mpx demo: --checkpoint-every must be >= 1, got {args.checkpoint_every}", comm
+        )
     run = digits_data.RESUMABLE[0]
     # Another mode's (or schedule's) checkpoints would fail to load with missing keys: say whose.
     refusal = demo_runs.check_owner(args.checkpoint_dir, *digits_layout.name_and_flags(args))

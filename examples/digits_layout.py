@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from mpx.collectives import Communicator, allreduce
-from mpx.pipeline.schedule import stages_per_rank
+from mpx.pipeline.schedules import stages_per_rank
 
 if TYPE_CHECKING:  # mypy names this folder's modules examples.<name> (explicit_package_bases)
     from examples import demo_runs
@@ -70,7 +70,7 @@ def layouts(args: argparse.Namespace, comm: Communicator) -> tuple[int, int, Any
     """(stages, replica, stage comm, replica comm) of the 2-D layouts."""
     stages = pipeline_stages(args, comm)
     if comm.size % stages:
-        raise SystemExit(f"--stages {stages} must divide the {comm.size} ranks")
+        stop(f"mpx demo: --stages {stages} must divide the {comm.size} ranks", comm)
     refusal = demo_runs.two_d_refusal(comm.size, stages)
     if args.mode == "2d" and refusal:
         stop(refusal, comm)  # every rank computes the same layout
@@ -97,12 +97,17 @@ def balance(layers: int, ranks: int, schedule: str) -> list[int]:
     return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
 
 
-def stop(message: str, comm: Communicator) -> None:
-    """Ends the job, every rank saying why: called by every rank alike."""
-    print(message, file=sys.stderr, flush=True)
-    # All have said it before any exits: mpxrun stops the others at the first exit.
+def stop(message: str, comm: Communicator) -> NoReturn:
+    """Ends the job as a usage error, rank 0 saying why: called by every rank alike.
+
+    Exit code 2 is the shells' and argparse's "bad usage": mpxrun then passes it
+    on without a rank-failure report, so the message is printed once.
+    """
+    if comm.rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    # Rank 0 has said it before any rank exits: mpxrun stops the others at the first exit.
     allreduce(torch.zeros(1), comm=comm)
-    raise SystemExit(1)
+    raise SystemExit(2)
 
 
 def name_and_flags(args: argparse.Namespace) -> tuple[str, str]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, allreduce
-from mpx.pipeline.schedule import stages_per_rank
+from mpx.pipeline.schedules import stages_per_rank
 
 if TYPE_CHECKING:  # mypy names this folder's modules examples.<name> (explicit_package_bases)
     from examples import digits_data, digits_layout, train_gpt

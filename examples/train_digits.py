@@ -160,7 +160,9 @@ def main() -> None:
     if args.batch_size is None:
         args.batch_size = digits_layout.default_batch_size(args, comm)
     if args.batch_size % comm.size:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {comm.size} ranks")
+        digits_layout.stop(
+            f"mpx demo: --batch-size {args.batch_size} must be divisible by {comm.size} ranks", comm
+        )
     data = digits_data.load(args.seed)
     history = digits_data.History()
     if args.mode == "dp":

@@ -8,7 +8,7 @@ embedding, ``DEPTH`` blocks whose four projections are transformers'
 ``Conv1D`` (``torch.addmm(bias, x, weight)``, the weight stored transposed)
 with causal attention between them, and a final LayerNorm with the output
 layer tied to the token embedding (``F.linear(h, wte.weight)``). Before mpx
-found the weight calls of any module (:mod:`mpx.pipeline.capture`), a chunk
+found the weight calls of any module (:mod:`mpx.pipeline.split_backward.capture`), a chunk
 of such blocks kept its whole graph from ``I`` to ``W``.
 
 Per schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``interleaved_zb``,
@@ -134,7 +134,7 @@ def _inputs(before_bcast: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor, li
     from mpi4py import MPI
 
     from mpx.collectives import world
-    from mpx.pipeline.partition import layer_times
+    from mpx.pipeline.model.partition import layer_times
 
     torch.set_num_threads(1)
     comm = world()
@@ -156,7 +156,7 @@ def measure() -> None:
 
     from mpx.launch import init_torch_env
     from mpx.pipeline import Pipeline, split_times
-    from mpx.pipeline.schedule import placement, rank_of
+    from mpx.pipeline.schedules.table import placement, rank_of
 
     # The transformer's bench (this folder is on the path): its loss, its barrier
     # and its torch schedules.
@@ -255,15 +255,15 @@ def measure() -> None:
 
 def actions() -> None:
     """``--actions``: CPU seconds per action of mpx's schedules, from the executor's own
-    trace timed with ``time.process_time`` (:attr:`mpx.pipeline.executor.Executor.clock`);
+    trace timed with ``time.process_time`` (:attr:`mpx.pipeline.runtime.executor.Executor.clock`);
     the schedules alternate step by step, ``ROUNDS`` steps each after one warm-up, and
     every rank prints its medians. A receive's time is mostly its wait (MPI polls)."""
     import numpy as np
     import torch
 
     from mpx.pipeline import Pipeline, split_times
-    from mpx.pipeline.executor import Executor
-    from mpx.pipeline.schedule import placement, rank_of
+    from mpx.pipeline.runtime.executor import Executor
+    from mpx.pipeline.schedules.table import placement, rank_of
 
     loss_fn = importlib.import_module("bench_transformer").loss_fn
     comm, raw, x, y, times = _inputs(lambda raw: None)

@@ -213,9 +213,9 @@ def measure() -> None:
     from mpx.collectives import world
     from mpx.launch import init_torch_env
     from mpx.pipeline import Pipeline, bubble_fraction, split_times
-    from mpx.pipeline.executor import measured_bubble
-    from mpx.pipeline.partition import layer_times
-    from mpx.pipeline.schedule import TIMED, placement, rank_of
+    from mpx.pipeline.model.partition import layer_times
+    from mpx.pipeline.runtime.executor import measured_bubble
+    from mpx.pipeline.schedules.table import TIMED, placement, rank_of
 
     # This folder is on the path (the script's own): what bench_conv1d counts the same way.
     measures = importlib.import_module("step_measures")

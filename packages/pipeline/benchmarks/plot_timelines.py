@@ -95,7 +95,7 @@ def _draw(found: list[Any], p: int, out: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from mpx.pipeline.executor import measured_bubble
+    from mpx.pipeline.runtime.executor import measured_bubble
 
     fig, axes = plt.subplots(len(found), 1, figsize=(11, 1.1 + 0.55 * p * len(found)))
     for ax, (schedule, v, theory, rows) in zip(axes, found, strict=True):
@@ -141,7 +141,7 @@ def _draw(found: list[Any], p: int, out: Path) -> None:
 
 def measure(p: int, out: Path) -> None:
     from mpx.collectives import world
-    from mpx.pipeline.executor import measured_bubble
+    from mpx.pipeline.runtime.executor import measured_bubble
 
     found = _traces(p)
     if world().rank != 0:

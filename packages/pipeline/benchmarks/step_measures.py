@@ -67,8 +67,8 @@ def pass_cost_bound(traces: list[list[tuple[str, int, int, float, float]]]) -> f
     overhead and the messages' latency are what the step takes beyond it; one
     schedule's bound over another's is the most its layout can gain at these costs
     (a zero-bubble layout pays its split backward's costs here too)."""
-    from mpx.pipeline.actions import COMPUTE, Action
-    from mpx.pipeline.timing import timeline
+    from mpx.pipeline.schedules.actions import COMPUTE, Action
+    from mpx.pipeline.schedules.timing import timeline
 
     lists = [[Action(k, mb, s) for k, mb, s, _, _ in row if k in COMPUTE] for row in traces]
     stages = 1 + max(a.stage for row in lists for a in row)

@@ -20,7 +20,7 @@ from torch import nn
 from mpx.collectives import MismatchError, allreduce, world
 from mpx.pipeline import Pipeline, PipelineMismatchError
 from mpx.pipeline.build_agreement import build_fields
-from mpx.pipeline.schedule import stages_per_rank
+from mpx.pipeline.schedules.table import stages_per_rank
 
 LAYERS = 12  # splits evenly into 1-3 ranks x 1-2 chunks
 

@@ -19,8 +19,8 @@ from torch import nn
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline
-from mpx.pipeline.capture import capturing
-from mpx.pipeline.deferred import Records, held_bytes, weight_grads
+from mpx.pipeline.split_backward.capture import capturing
+from mpx.pipeline.split_backward.deferred import Records, held_bytes, weight_grads
 
 pytestmark = pytest.mark.mpi
 
@@ -199,7 +199,7 @@ class OwnLinearForward(nn.Linear):
 
 def test_weights_of_any_kind_are_found_from_the_calls_that_take_them() -> None:
     # Before, only nn.Linear layers recorded; a chunk with any other weight
-    # kept its whole graph for W (mpx.pipeline.retained). Now every call taking
+    # kept its whole graph for W (mpx.pipeline.split_backward.retained). Now every call taking
     # a weight of 2+ dimensions records: products as (input, grad) pairs, the
     # rest as their own small graphs; 1-D weights (a scale, a norm) stay in I.
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)

@@ -16,10 +16,10 @@ from mpx.pipeline import (
     PipelineTypeError,
     PipelineValueError,
 )
-from mpx.pipeline.partition import check_balance
-from mpx.pipeline.prediction import predict
-from mpx.pipeline.schedule import simulate, stage_ops
-from mpx.pipeline.transport import encode_header
+from mpx.pipeline.model.partition import check_balance
+from mpx.pipeline.runtime.transport import encode_header
+from mpx.pipeline.schedules.table import simulate, stage_ops
+from mpx.pipeline.staleness.prediction import predict
 
 
 def test_every_public_error_derives_from_mpx_error() -> None:

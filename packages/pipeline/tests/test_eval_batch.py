@@ -14,7 +14,7 @@ from torch import nn
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline, PipelineError
-from mpx.pipeline.schedule import stages_per_rank
+from mpx.pipeline.schedules.table import stages_per_rank
 
 pytestmark = pytest.mark.mpi
 

@@ -18,7 +18,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline, bubble_fraction
-from mpx.pipeline.executor import measured_bubble
+from mpx.pipeline.runtime.executor import measured_bubble
 
 pytestmark = pytest.mark.mpi
 

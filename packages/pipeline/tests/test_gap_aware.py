@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mpx.pipeline.gap_aware import GapAware
+from mpx.pipeline.staleness.gap_aware import GapAware
 
 
 def test_sgd_penalty_by_hand() -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mpx.pipeline import PipelineError, balance_by_time, split_times
-from mpx.pipeline.partition import check_balance, has_inplace, layer_times, stage_bounds
+from mpx.pipeline.model.partition import check_balance, has_inplace, layer_times, stage_bounds
 
 
 def brute_force(times: list[float], k: int) -> float:
@@ -113,7 +113,7 @@ def test_split_by_rank_weighs_the_fill_against_the_steady_state() -> None:
 
 
 def test_split_by_rank_stops_searching_at_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpx.pipeline import partition
+    from mpx.pipeline.model import partition
 
     times = torch.rand(40, generator=torch.Generator().manual_seed(0)).tolist()
     ranks = [s % 4 for s in range(8)]
@@ -157,7 +157,7 @@ def test_layer_times_follow_structures_and_skips() -> None:
     from typing import Any
 
     from mpx.pipeline import Keyed, pop, skippable, stash
-    from mpx.pipeline.skip import Pop, Stash
+    from mpx.pipeline.model.skip import Pop, Stash
 
     @skippable(stash=["s"])
     class Keep(nn.Module):

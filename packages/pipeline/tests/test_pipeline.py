@@ -14,7 +14,7 @@ from torch import nn
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline, PipelineError, PipelineRemoteError
-from mpx.pipeline.partition import tied_groups
+from mpx.pipeline.model.partition import tied_groups
 
 pytestmark = pytest.mark.mpi
 
@@ -213,7 +213,7 @@ def test_balance_none_with_two_chunks_a_rank_weighs_each_ranks_chunks(
 ) -> None:
     from mpx.pipeline import pipeline as pipeline_module
     from mpx.pipeline import split_times
-    from mpx.pipeline.schedule import placement, rank_of
+    from mpx.pipeline.schedules.table import placement, rank_of
 
     p = world().size
     # Layer times as if measured (the same on every rank, as after the broadcast).
@@ -368,7 +368,7 @@ def test_pass_costs_move_the_w_passes_not_the_results(schedule: str) -> None:
     from mpi4py import MPI
 
     from mpx.pipeline.pipeline import MEASURE_AT
-    from mpx.pipeline.schedule import rank_actions
+    from mpx.pipeline.schedules.table import rank_actions
 
     comm = world()
     n = comm.size * 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpx.pipeline import PipelineError
-from mpx.pipeline.prediction import future_lrs, predict
+from mpx.pipeline.staleness.prediction import future_lrs, predict
 
 TOL = 1e-12
 

@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-import mpx.pipeline.schedule as schedule_module
-from mpx.pipeline import PipelineError, PipelineValueError, zero_bubble
-from mpx.pipeline.schedule import (
+import mpx.pipeline.schedules.table as schedule_module
+from mpx.pipeline import PipelineError, PipelineValueError
+from mpx.pipeline.schedules import zero_bubble
+from mpx.pipeline.schedules.table import (
     SCHEDULES,
     SPLIT,
     TIMED,
@@ -58,7 +59,7 @@ def test_async_layout_runs_each_pass_once_and_steps_in_order(
     """AsyncLayout over calls and a flush: every pass of every micro-batch once, the
     per-chunk rule (f − b <= depth), W before the chunk's next I, steps after the
     right W, and lists that run against the dependencies (no deadlock)."""
-    from mpx.pipeline.schedule import AsyncLayout, timeline
+    from mpx.pipeline.schedules.table import AsyncLayout, timeline
 
     n, m, calls = p * v, 4, 3
     layout = AsyncLayout(p, v, split)

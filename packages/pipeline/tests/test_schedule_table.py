@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpx.pipeline import PipelineValueError
-from mpx.pipeline.schedule import (
+from mpx.pipeline.schedules.table import (
     ALIASES,
     SCHEDULES,
     SPLIT,
@@ -24,7 +24,7 @@ from mpx.pipeline.schedule import (
     spec,
     stages_per_rank,
 )
-from mpx.pipeline.timing import stopped_grid
+from mpx.pipeline.schedules.timing import stopped_grid
 
 SIZES = [(1, 2), (2, 4), (3, 6), (4, 8)]  # (ranks, micro-batches)
 

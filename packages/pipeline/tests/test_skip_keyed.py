@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mpx.pipeline import Keyed, PipelineError, pop, skippable, stash
-from mpx.pipeline.skip import Pop, Stash, check_skips, tracking, uses_skips
+from mpx.pipeline.model.skip import Pop, Stash, check_skips, tracking, uses_skips
 
 Steps = Generator[Stash | Pop, Any, torch.Tensor]
 

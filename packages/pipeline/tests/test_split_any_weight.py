@@ -7,10 +7,10 @@ embedding tied to the output layer. Its split backward (``I`` then ``W``) must
 give the gradients of the whole model's full backward (float64), with every
 ``W`` working from small records: no chunk keeps its graph from ``I`` to ``W``
 (before, every chunk with a weight other than an ``nn.Linear`` did, see
-:mod:`mpx.pipeline.retained`), and what a Conv1D chunk keeps for ``W`` is its
+:mod:`mpx.pipeline.split_backward.retained`), and what a Conv1D chunk keeps for ``W`` is its
 products' inputs and output gradients, byte for byte.
 
-One process, no pipeline (:mod:`mpx.pipeline.graph_split`): a chunk whose weights
+One process, no pipeline (:mod:`mpx.pipeline.split_backward.graph_split`): a chunk whose weights
 are used by matrix products only runs its forward as it is, ``I`` leaves every
 product's weight gradient for ``W`` as a record, and ``I`` plus ``W`` give the full
 backward's gradients; a chunk with a weight used any other way computes that
@@ -29,8 +29,8 @@ from torch.nn import functional as F
 
 from mpx.collectives import world
 from mpx.pipeline import Pipeline
-from mpx.pipeline.deferred import Records, held_bytes, weight_grads
-from mpx.pipeline.graph_split import ChunkSplit
+from mpx.pipeline.split_backward.deferred import Records, held_bytes, weight_grads
+from mpx.pipeline.split_backward.graph_split import ChunkSplit
 
 VOCAB, WIDTH, HEADS, LENGTH = 11, 8, 2, 6
 TOL = 1e-13
@@ -267,7 +267,7 @@ def test_a_conv1d_chunk_keeps_its_products_inputs_and_output_gradients_for_w() -
 @pytest.mark.mpi
 def test_a_compiled_chunk_splits_from_records_too() -> None:
     # torch.compile'd blocks: the graph holds one compiled node, not the
-    # products (mpx.pipeline.graph_split), so a chunk's first I computes its
+    # products (mpx.pipeline.split_backward.graph_split), so a chunk's first I computes its
     # weights' gradients itself and its later forwards capture: dynamo hands
     # the calls to the handler (graph breaks), which records as in eager mode.
     # Before, the Conv1D chunk kept its graph.

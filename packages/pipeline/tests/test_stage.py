@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mpx.pipeline import layer_seed
-from mpx.pipeline.stage import Stage
+from mpx.pipeline.model.stage import Stage
 
 
 def test_layer_seed_is_the_documented_formula() -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from mpx.collectives import allgather, world
 from mpx.pipeline import Pipeline, PipelineError
-from mpx.pipeline.schedule import Action, AsyncLayout, async_actions, async_flush_actions
+from mpx.pipeline.schedules.table import Action, AsyncLayout, async_actions, async_flush_actions
 
 pytestmark = pytest.mark.mpi
 

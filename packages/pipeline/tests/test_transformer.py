@@ -23,7 +23,7 @@ from torch import nn
 
 from mpx.collectives import allgather, world
 from mpx.pipeline import Pipeline, PipelineRemoteError, pop, skippable, stash
-from mpx.pipeline.skip import Pop, Stash, tracking
+from mpx.pipeline.model.skip import Pop, Stash, tracking
 
 pytestmark = pytest.mark.mpi
 
@@ -231,7 +231,7 @@ def test_transformer_gradients_equal_the_unpartitioned_model(
 
 def forward_versions(p: int, calls: int, chunks: int) -> list[list[int]]:
     """vf[s][j]: optimizer steps stage s has taken when it runs F(j) (step_every=1)."""
-    from mpx.pipeline.schedule import async_ops
+    from mpx.pipeline.schedules.table import async_ops
 
     vf = [[0] * (calls * chunks) for _ in range(p)]
     for s in range(p):

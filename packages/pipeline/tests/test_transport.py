@@ -9,8 +9,8 @@ import torch
 
 from mpx.collectives import world
 from mpx.pipeline import PipelineError
-from mpx.pipeline.border import unflatten
-from mpx.pipeline.transport import Inbox, Outbox, decode_header, encode_header
+from mpx.pipeline.model.border import unflatten
+from mpx.pipeline.runtime.transport import Inbox, Outbox, decode_header, encode_header
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (2, 3, 4), (1,) * 8])

@@ -6,6 +6,14 @@ per rank (stage borders of any structure of tensors, skip connections with
 ``skippable``/``stash``/``pop``, models of ordinary modules through ``Keyed``,
 tied weights), activations and gradients sent point to point through mpx.collectives.
 
+Every public name is here; the subpackages hold the roles (see the README's
+Layout): ``schedules`` (schedules as data: the table, orders, zero bubble, the
+async layout), ``model`` (the model cut into stages), ``split_backward`` (``I``
+and ``W``), ``staleness`` (weight prediction, gap aware) and ``runtime`` (what
+runs a call), under ``pipeline`` (the :class:`Pipeline`) and
+``build_agreement``; ``errors`` and ``_torch_private`` are the base every role
+stands on.
+
 Example::
 
     pipe = Pipeline(nn.Sequential(*layers), balance=[3, 3], chunks=4, schedule="1f1b")
@@ -22,12 +30,17 @@ from mpx.pipeline.errors import (
     PipelineTypeError,
     PipelineValueError,
 )
-from mpx.pipeline.keyed import Keyed
-from mpx.pipeline.partition import balance_by_time, split_times
+from mpx.pipeline.model import (
+    Keyed,
+    balance_by_time,
+    layer_seed,
+    pop,
+    skippable,
+    split_times,
+    stash,
+)
 from mpx.pipeline.pipeline import CHECKPOINTS, Pipeline
-from mpx.pipeline.schedule import SCHEDULES, bubble_fraction, grid
-from mpx.pipeline.skip import pop, skippable, stash
-from mpx.pipeline.stage import layer_seed
+from mpx.pipeline.schedules import SCHEDULES, bubble_fraction, grid
 
 __all__ = [
     "CHECKPOINTS",

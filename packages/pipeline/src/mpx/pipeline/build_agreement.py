@@ -50,7 +50,7 @@ from torch import nn
 from mpx.collectives import Communicator, MismatchError
 from mpx.collectives.building_blocks import checks_enabled
 from mpx.pipeline.errors import PipelineMismatchError, PipelineValueError
-from mpx.pipeline.schedule import canonical, stages_per_rank
+from mpx.pipeline.schedules import canonical, stages_per_rank
 
 __all__ = ["agree_on_build", "build_fields"]
 

@@ -8,13 +8,13 @@
 
 Every rank calls ``step`` with the same arguments (``inputs`` is read on the
 first stage, ``target`` on the last; other ranks may pass None). The batch is
-cut into ``chunks`` micro-batches; the schedule (see :mod:`mpx.pipeline.schedule`)
+cut into ``chunks`` micro-batches; the schedule (see :mod:`mpx.pipeline.schedules.table`)
 orders their forward and backward passes. The loss is the mean over
 micro-batches of ``loss_fn(output, target)``: for a mean-reduced loss and equal
 micro-batches, the loss and gradients of the whole batch.
 
 A call that fails on one stage raises :class:`PipelineRemoteError` on every
-stage, naming the stage and its error (see :mod:`mpx.pipeline.failure`), and
+stage, naming the stage and its error (see :mod:`mpx.pipeline.runtime.failure`), and
 is undone: gradients, BatchNorm statistics and micro-batch numbering are as
 before the call, so the next call gives what a fresh pipeline would. (``async``
 keeps the optimizer steps it took before the failure and restarts its stream.)
@@ -28,24 +28,32 @@ import torch
 from torch import nn
 
 from mpx.collectives import CommLike, Communicator, allreduce, as_communicator, broadcast
-from mpx.pipeline.actions import Action, PassCosts, local_stages, rank_of
 from mpx.pipeline.build_agreement import agree_on_build, build_fields
 from mpx.pipeline.errors import PipelineRemoteError, PipelineTypeError, PipelineValueError
-from mpx.pipeline.partition import (
+from mpx.pipeline.model import (
+    Stage,
     check_balance,
     layer_times,
     split_times,
     stage_bounds,
     tied_groups,
 )
-from mpx.pipeline.passes import LossFn, StagePasses
-from mpx.pipeline.replicas import ReplicaGradients, compression_config, model_names
-from mpx.pipeline.runtime import MEASURE_AT, MEASURE_CALLS, AsyncOptions, Runtime
-from mpx.pipeline.schedule import spec as schedule_spec
-from mpx.pipeline.schedule import stages_per_rank as _chunks_per_rank
-from mpx.pipeline.stage import Stage
-from mpx.pipeline.stale import AsyncHooks
-from mpx.pipeline.transport import wait_for
+from mpx.pipeline.runtime import (
+    MEASURE_AT,
+    MEASURE_CALLS,
+    AsyncHooks,
+    AsyncOptions,
+    LossFn,
+    ReplicaGradients,
+    Runtime,
+    StagePasses,
+    compression_config,
+    model_names,
+    wait_for,
+)
+from mpx.pipeline.schedules import Action, PassCosts, local_stages, rank_of
+from mpx.pipeline.schedules import spec as schedule_spec
+from mpx.pipeline.schedules import stages_per_rank as _chunks_per_rank
 
 __all__ = ["MEASURE_AT", "MEASURE_CALLS", "Pipeline"]
 
@@ -62,7 +70,7 @@ class Pipeline(nn.Module):
             ``sample`` and balances them.
         comm: the pipeline's ranks (stage = rank); the world by default.
         chunks: micro-batches per mini-batch; must divide the batch size.
-        schedule: one of :data:`~mpx.pipeline.schedule.SCHEDULES` (or torch's
+        schedule: one of :data:`~mpx.pipeline.schedules.SCHEDULES` (or torch's
             name, e.g. ``"Interleaved1F1B"``).
         stages_per_rank: chunks (virtual stages) per rank for the interleaved
             and V-shaped schedules (default 2) and ``async`` (default 1);
@@ -70,26 +78,26 @@ class Pipeline(nn.Module):
         checkpoint: recompute activations in the backward for
             ``"always"``, all but the last micro-batch (``"except_last"``), or
             ``"never"`` (synchronous schedules).
-        seed: base of the per-layer dropout seeds (see :mod:`mpx.pipeline.stage`).
+        seed: base of the per-layer dropout seeds (see :mod:`mpx.pipeline.model.stage`).
         data_parallel_comm: replicas of this stage in other pipelines; gradients
             are averaged over it before each optimizer step.
         compression: None (exact), or an ``mpx.quantize.CompressionConfig`` (or
-            its bits): the replicas' average is quantized (:mod:`mpx.pipeline.replicas`).
+            its bits): the replicas' average is quantized (:mod:`mpx.pipeline.runtime.replicas`).
         sample: a micro-batch sized input for ``balance=None``.
         weight_stashing, weight_prediction, gap_aware, step_every, recompute, split_backward:
-            options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`);
+            options of ``schedule="async"`` (see :mod:`mpx.pipeline.runtime.stale`);
             ``split_backward`` runs each backward as ``I`` (sent upstream at once),
             then ``W`` (deferred into idle time); with ``stages_per_rank >= 2``
             every chunk is an asynchronous stage of its own.
         pass_costs: ``interleaved_zb`` and ``zbv`` lay their ``W`` out by the
-            passes' times (:data:`~mpx.pipeline.schedule.TIMED`):
+            passes' times (:data:`~mpx.pipeline.schedules.TIMED`):
             ``"measured"`` (default) takes them from the traces of
             :data:`MEASURE_CALLS` training calls from :data:`MEASURE_AT` on, the
             median ``F``, ``I`` and ``W`` of each virtual stage, shared by every
             rank, and after each of them lays out the calls after it by the
             medians over the calls timed so far; ``"unit"`` keeps the Zero
             Bubble paper's unit costs; or a
-            :data:`~mpx.pipeline.schedule.PassCosts` mapping. The
+            :data:`~mpx.pipeline.schedules.PassCosts` mapping. The
             layout changes when passes run, never what they compute (each
             stage runs its passes in micro-batch order): losses and gradients
             are bit for bit the same.
@@ -321,7 +329,7 @@ class Pipeline(nn.Module):
     def deferred_bytes(self) -> int:
         """Bytes kept now for weight-gradient passes still owed (``W`` of the split
         backward: each recorded Linear call's input and output gradient; see
-        :mod:`mpx.pipeline.deferred`). 0 for the schedules that do not split."""
+        :mod:`mpx.pipeline.split_backward.deferred`). 0 for the schedules that do not split."""
         return self._passes.held.bytes
 
     @property
@@ -446,7 +454,8 @@ class Pipeline(nn.Module):
     @property
     def trace(self) -> list[tuple[Action, float, float]]:
         """``(action, start, end)`` of every action of the last call on this rank
-        (``time.perf_counter`` seconds; see :func:`mpx.pipeline.executor.measured_bubble`)."""
+        (``time.perf_counter`` seconds; see
+        :func:`mpx.pipeline.runtime.executor.measured_bubble`)."""
         return self._runtime.executor.trace
 
     def get_extra_state(self) -> dict[str, Any]:

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from mpx.collectives import Communicator, broadcast
-from mpx.pipeline import border
 from mpx.pipeline.errors import PipelineValueError
+from mpx.pipeline.model import flatten, unflatten
+from mpx.pipeline.model import split as split_border
 
 __all__ = ["eval_parts", "split"]
 
@@ -38,10 +39,10 @@ def split(t: Any, what: str, needed: bool, chunks: int, rank: int, parts: int = 
         return []
     if not parts:
         # Training keeps equal micro-batches: the loss is their mean.
-        return border.split(t, chunks, what)
-    tensors, spec = border.flatten(t, what)
+        return split_border(t, chunks, what)
+    tensors, spec = flatten(t, what)
     cut = [x.tensor_split(parts) for x in tensors]
-    return [border.unflatten(spec, [c[k] for c in cut]) for k in range(parts)]
+    return [unflatten(spec, [c[k] for c in cut]) for k in range(parts)]
 
 
 def eval_parts(inputs: Any, first: bool, chunks: int, comm: Communicator) -> int:
@@ -60,7 +61,7 @@ def eval_parts(inputs: Any, first: bool, chunks: int, comm: Communicator) -> int
         try:
             if inputs is None:
                 split(inputs, "inputs", True, chunks, comm.rank)  # its error
-            tensors, _ = border.flatten(inputs, "inputs")
+            tensors, _ = flatten(inputs, "inputs")
             sizes = [x.shape[0] if x.dim() else 0 for x in tensors]
             if sizes and min(sizes) < 1:
                 raise PipelineValueError(

@@ -1,7 +1,7 @@
 """``I`` read from the autograd graph: a chunk's forward runs as it is, and its matrix
 products' weight gradients are left for ``W`` without intercepting a single call.
 
-:mod:`mpx.pipeline.capture` finds a chunk's weight calls while its forward
+:mod:`mpx.pipeline.split_backward.capture` finds a chunk's weight calls while its forward
 runs, through a :class:`torch.overrides.TorchFunctionMode`: a Python handler
 for every torch call and a custom autograd function for every product. On
 small layers that is what the split costs: on a GPT-2 block of width 128 the
@@ -21,13 +21,13 @@ already built, so :class:`ChunkSplit` first reads it there:
 2. ``I`` is one ``torch.autograd.backward`` whose ``inputs`` are every other
    leaf the graph reaches (the chunk's input, norms' scales, biases, embeddings)
    and those edges: the engine skips the deferred weights' products, and the
-   graph is freed as it runs. ``W`` is :func:`mpx.pipeline.deferred.weight_grads`
+   graph is freed as it runs. ``W`` is :func:`mpx.pipeline.split_backward.deferred.weight_grads`
    as before.
 3. A weight used any other way keeps its gradient in ``I`` (exact, not
    deferred). Where that use is an operation the capture mode would have
    deferred (a convolution, an LSTM, a compiled graph, a cast under autocast:
    anything but a view or a lookup of the weight), the chunk's later forwards run
-   under the capture mode (:mod:`mpx.pipeline.capture`) instead.
+   under the capture mode (:mod:`mpx.pipeline.split_backward.capture`) instead.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from mpx.pipeline.capture import capturing
-from mpx.pipeline.deferred import Records
+from mpx.pipeline.split_backward.capture import capturing
+from mpx.pipeline.split_backward.deferred import Records
 
 __all__ = ["ChunkSplit"]
 
@@ -173,7 +173,7 @@ def _plan(roots: list[_Node], weights: set[int]) -> _Plan:
 
 class ChunkSplit:
     """How one chunk's backward is split: from its graph, or (once the graph showed a
-    weight only the capture mode defers) with :func:`mpx.pipeline.capture.capturing`.
+    weight only the capture mode defers) with :func:`mpx.pipeline.split_backward.capture.capturing`.
 
     Example::
 

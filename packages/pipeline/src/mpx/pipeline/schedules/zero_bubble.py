@@ -6,7 +6,7 @@ gradient, which nothing downstream waits for) and lays ``W`` into what would
 be idle time. :func:`best_zero_bubble` runs that rule once over every rank
 (:func:`zero_bubble`) with the passes' times, or with the paper's unit
 costs, and keeps whichever layout ends sooner; the executor then follows
-the lists it produced. The table in :mod:`mpx.pipeline.schedule` says which
+the lists it produced. The table in :mod:`mpx.pipeline.schedules.table` says which
 schedules use it and with what memory cap.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import heapq
 import math
 
-from mpx.pipeline.actions import Action, PassCosts, rank_of
 from mpx.pipeline.errors import PipelineError, PipelineValueError
-from mpx.pipeline.timing import timeline
+from mpx.pipeline.schedules.actions import Action, PassCosts, rank_of
+from mpx.pipeline.schedules.timing import timeline
 
 __all__ = ["best_zero_bubble", "stage_costs", "zero_bubble"]
 

@@ -7,16 +7,16 @@
                         SEND_F  activation to the next chunk's rank
                         RECV_B  the output's gradient
                         B | I   full backward | input gradient (graph freed;
-                                what W needs kept, see mpx.pipeline.deferred)
+                                what W needs kept, see mpx.pipeline.split_backward.deferred)
                         W       weight gradient
                         SEND_B  input gradient to the previous chunk's rank
                         STEP    hooks.step(a) (the asynchronous stream's optimizer steps)
 
-The schedule (:mod:`mpx.pipeline.schedule`) decides the order; what a
+The schedule (:mod:`mpx.pipeline.schedules.table`) decides the order; what a
 schedule adds to the passes is a :class:`Hooks` object: the synchronous
 schedules' numbering, loss scale and checkpointing (:class:`SyncHooks`); the
 asynchronous stream's weight stashing, prediction, gap-aware scaling and
-recomputation (:class:`mpx.pipeline.stale.AsyncHooks`). Receives are posted
+recomputation (:class:`mpx.pipeline.runtime.stale.AsyncHooks`). Receives are posted
 ahead (headers at the start of a call, gradients right after their
 activation leaves), so ``RECV_F``/``RECV_B`` only wait for what is already
 on its way.
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from mpx.pipeline.actions import COMPUTE, Action
-from mpx.pipeline.passes import LossFn, Micro, StagePasses
+from mpx.pipeline.runtime.passes import LossFn, Micro, StagePasses
+from mpx.pipeline.schedules import COMPUTE, Action
 
 __all__ = ["Executor", "Hooks", "SyncHooks", "measured_bubble"]
 
@@ -62,7 +62,8 @@ class Hooks:
 
     def weights(self, mb: Micro) -> list[torch.Tensor]:
         """The tensors ``W`` differentiates (the weights the forward used) on a chunk
-        whose backward keeps its graph for ``W`` (see :mod:`mpx.pipeline.retained`)."""
+        whose backward keeps its graph for ``W`` (see
+        :mod:`mpx.pipeline.split_backward.retained`)."""
         return []
 
     def after_backward(self, action: Action, mb: Micro) -> None:

@@ -6,13 +6,13 @@ from call to call; :func:`async_actions` adds the optimizer steps and, for a
 split backward, ``I`` then ``W``. With several chunks per rank, or a split
 backward, :class:`AsyncLayout` lays every rank's chunks out by a list
 scheduler continued from call to call. What the stream does with the
-weights is :mod:`mpx.pipeline.stale`'s.
+weights is :mod:`mpx.pipeline.runtime.stale`'s.
 """
 
 from __future__ import annotations
 
-from mpx.pipeline.actions import Action, Op
 from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.schedules.actions import Action, Op
 
 __all__ = ["AsyncLayout", "async_actions", "async_flush_actions", "async_ops", "flush_ops"]
 

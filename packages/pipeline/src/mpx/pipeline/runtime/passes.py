@@ -1,12 +1,12 @@
 """One rank's passes over micro-batches: what the executor drives.
 
 A :class:`~mpx.pipeline.pipeline.Pipeline` owns one :class:`StagePasses`; the
-executor (:mod:`mpx.pipeline.executor`) runs a schedule's actions through it::
+executor (:mod:`mpx.pipeline.runtime.executor`) runs a schedule's actions through it::
 
     Pipeline ── Executor (executor.py): one loop over any schedule's actions
                    ├── StagePasses (this module): input, forward, backward,
                    │   input_grad, weight_grad, neighbour traffic, busy time
-                   └── hooks (hooks.py, stale.py): what a schedule adds
+                   └── hooks (executor.py, stale.py): what a schedule adds
 
 A rank may run several virtual stages (its chunks, :attr:`Stage.parts`): each
 micro-batch's activation goes to the rank of the next virtual stage (or is
@@ -21,14 +21,14 @@ its ``I`` and ``W`` would stay alive: many times 1F1B's memory). So ``I``
 leaves, per call that takes one of the chunk's weights, what its weights'
 gradients need (a product's input and its output's gradient, or the call's own
 small graph), frees the graph, and ``W`` computes them
-(:mod:`mpx.pipeline.deferred`). The calls are found in the autograd graph
-(:mod:`mpx.pipeline.graph_split`: matrix products, as in Linear, Conv1D's
+(:mod:`mpx.pipeline.split_backward.deferred`). The calls are found in the autograd graph
+(:mod:`mpx.pipeline.split_backward.graph_split`: matrix products, as in Linear, Conv1D's
 ``addmm``, an attention's projections, ``x @ W``), or, for a chunk whose graph
 showed another use of a weight (a convolution, an LSTM), while its forward runs
-(:func:`mpx.pipeline.capture.capturing`). Cheap weights (norms, 1-D scales,
+(:func:`mpx.pipeline.split_backward.capture.capturing`). Cheap weights (norms, 1-D scales,
 embeddings) get their gradient in ``I``. A forward that ran without capturing
 and is then split keeps its graph from ``I`` to ``W`` instead
-(:mod:`mpx.pipeline.retained`).
+(:mod:`mpx.pipeline.split_backward.retained`).
 """
 
 from __future__ import annotations
@@ -43,13 +43,11 @@ from typing import Any
 import torch
 
 from mpx.collectives import CollectiveTimeout, Communicator, Handle
-from mpx.pipeline import retained
-from mpx.pipeline.border import carries_grad, flatten, unflatten
-from mpx.pipeline.deferred import Held, Records, weight_grads
-from mpx.pipeline.graph_split import ChunkSplit
-from mpx.pipeline.schedule import local_stages, rank_of
-from mpx.pipeline.stage import Stage, Weights
-from mpx.pipeline.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
+from mpx.pipeline.model import Stage, Weights, carries_grad, flatten, unflatten
+from mpx.pipeline.runtime.transport import WAITED, Inbox, Interrupt, Outbox, wait_for
+from mpx.pipeline.schedules import local_stages, rank_of
+from mpx.pipeline.split_backward import ChunkSplit, Held, Kept, Records, weight_grads
+from mpx.pipeline.split_backward import input_grad as retained_input_grad
 
 __all__ = ["LossFn", "Micro", "StagePasses", "Stash"]
 
@@ -89,7 +87,7 @@ class _Pin:
 
 @dataclass
 class Stash:
-    """What the asynchronous hooks (:class:`mpx.pipeline.stale.AsyncHooks`) keep of one
+    """What the asynchronous hooks (:class:`mpx.pipeline.runtime.stale.AsyncHooks`) keep of one
     micro-batch on one chunk from its forward to its backward."""
 
     values: dict[torch.nn.Parameter, torch.Tensor] | None  # the forward's (None: live ones)
@@ -123,7 +121,7 @@ class Micro:
     w_due: bool = False  # between I and W: the micro-batch stays live for W
     capture: bool = False  # the backward will be split: weight calls record for W
     records: Records = field(default_factory=Records)  # W's work, left by I (deferred.py)
-    kept: retained.Kept | None = None  # W's work on a chunk that keeps its graph
+    kept: Kept | None = None  # W's work on a chunk that keeps its graph
 
 
 class StagePasses:
@@ -187,7 +185,7 @@ class StagePasses:
         self._handed_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.held = Held()  # bytes the records of every micro-batch keep for W
         # Per chunk, its parameters: what a split forward's calls are matched
-        # against (mpx.pipeline.capture), listed once (a walk over the modules
+        # against (mpx.pipeline.split_backward.capture), listed once (a walk over the modules
         # per forward cost 0.1 ms on a GPT-2 block).
         self._params = [
             [p for layer in stage.part_modules(k) for p in layer.parameters()]
@@ -233,7 +231,7 @@ class StagePasses:
         for box in self.outboxes:
             box.wait_all()
 
-    # -- settling after a failure (see mpx.pipeline.failure) ------------------------
+    # -- settling after a failure (see mpx.pipeline.runtime.failure) ------------------------
 
     def ledger(self) -> dict[str, dict[int, Any]]:
         """Per neighbour: messages sent (count and last sizes per tag), receives posted per tag.
@@ -500,9 +498,9 @@ class StagePasses:
     ) -> None:
         """``I``: the backward of the chunk less its captured weights' gradients, whose
         work stays in ``mb.records`` for :meth:`weight_grad` (the graph itself is
-        freed; see :mod:`mpx.pipeline.capture`). A forward that
+        freed; see :mod:`mpx.pipeline.split_backward.capture`). A forward that
         did not capture keeps its graph for ``W`` instead (``weights``: the tensors ``W``
-        differentiates then; see :mod:`mpx.pipeline.retained`)."""
+        differentiates then; see :mod:`mpx.pipeline.split_backward.retained`)."""
         self.doing = f"input gradient of micro-batch {j}"
         if mb.capture:
             self._backward(j, mb, g, loss_fn, scale, split=True)
@@ -510,7 +508,7 @@ class StagePasses:
         if mb.recompute:
             self._recompute(mb, g, loss_fn)
         pairs = self._output_grads(j, mb, scale)
-        grads, mb.kept = retained.input_grad(pairs, mb.leaves, weights or [], mb.stage == 0)
+        grads, mb.kept = retained_input_grad(pairs, mb.leaves, weights or [], mb.stage == 0)
         self._input_grads(j, mb, grads)
 
     def weight_grad(self, j: int, mb: Micro, weights: list[torch.Tensor] | None = None) -> None:

@@ -5,11 +5,11 @@ where its chunks sit (a loop or a V), how many chunks per rank it runs,
 whether it splits the backward, whether a list scheduler lays it out by the
 passes' times, whether it is the asynchronous stream, and its generator.
 Everything else asks the table (:func:`spec`). The parts, one job each:
-:mod:`~mpx.pipeline.actions` (actions that print and parse back, ``2F0``),
-:mod:`~mpx.pipeline.orders` (the generators),
-:mod:`~mpx.pipeline.zero_bubble` (the zero-bubble list scheduler),
-:mod:`~mpx.pipeline.async_layout` (the asynchronous stream) and
-:mod:`~mpx.pipeline.timing` (timing the lists, drawing grids).
+:mod:`~mpx.pipeline.schedules.actions` (actions that print and parse back, ``2F0``),
+:mod:`~mpx.pipeline.schedules.orders` (the generators),
+:mod:`~mpx.pipeline.schedules.zero_bubble` (the zero-bubble list scheduler),
+:mod:`~mpx.pipeline.schedules.async_layout` (the asynchronous stream) and
+:mod:`~mpx.pipeline.schedules.timing` (timing the lists, drawing grids).
 
 An :class:`Action` names a pass, its micro-batch and its (virtual) stage:
 ``F`` forward, ``B`` full backward, ``I`` input gradient and ``W`` weight
@@ -18,7 +18,7 @@ names, which keep ``B`` for the full backward), ``SEND_F``/``RECV_F`` and
 ``SEND_B``/``RECV_B`` for activations and gradients crossing to another rank,
 and ``STEP`` (an optimizer step, in the asynchronous stream). Each schedule
 emits the compute actions of a rank (:func:`compute_actions`);
-:func:`rank_actions` adds the sends and receives; :mod:`mpx.pipeline.executor`
+:func:`rank_actions` adds the sends and receives; :mod:`mpx.pipeline.runtime.executor`
 runs any such list. With ``stages_per_rank = v`` the model is cut into
 ``p·v`` virtual stages, placed in a loop (stage ``s`` on rank ``s mod p``) or,
 for ``zbv`` and ``dualpipev``, in a V (rank ``r`` holds stages ``r`` and
@@ -124,8 +124,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpx.pipeline import orders
-from mpx.pipeline.actions import (
+from mpx.pipeline.errors import PipelineValueError
+from mpx.pipeline.schedules import orders
+from mpx.pipeline.schedules.actions import (
     COMPUTE,
     Action,
     Op,
@@ -135,16 +136,15 @@ from mpx.pipeline.actions import (
     parse_actions,
     rank_of,
 )
-from mpx.pipeline.async_layout import (
+from mpx.pipeline.schedules.async_layout import (
     AsyncLayout,
     async_actions,
     async_flush_actions,
     async_ops,
     flush_ops,
 )
-from mpx.pipeline.errors import PipelineValueError
-from mpx.pipeline.orders import Shape
-from mpx.pipeline.timing import draw, max_alive, simulate, timeline
+from mpx.pipeline.schedules.orders import Shape
+from mpx.pipeline.schedules.timing import draw, max_alive, simulate, timeline
 
 __all__ = [
     "ALIASES",
@@ -209,7 +209,7 @@ class Schedule:
         timed: a list scheduler lays its ``W`` out by the passes' times (``pass_costs``).
         stream: the asynchronous stream (no flush; its options are ``Pipeline``'s
             async-only ones).
-        generate: a rank's compute actions for one call (:mod:`mpx.pipeline.orders`).
+        generate: a rank's compute actions for one call (:mod:`mpx.pipeline.schedules.orders`).
     """
 
     name: str

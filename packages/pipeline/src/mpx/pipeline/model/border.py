@@ -9,7 +9,7 @@
     flags   [True, False, True]   (does the tensor carry a gradient back?)
 
 A border travels as one message of a :class:`mpx.collectives.Channel`
-(:mod:`mpx.pipeline.transport`): its header holds every tensor's shape and
+(:mod:`mpx.pipeline.runtime.transport`): its header holds every tensor's shape and
 dtype, and the spec and flags as its note; then the tensors. Plain values
 (None, bool, int, float, str, bytes) ride in the spec unchanged. A
 tensor carries a gradient back iff it requires grad; in a forward run

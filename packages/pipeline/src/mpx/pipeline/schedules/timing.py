@@ -4,7 +4,7 @@
 (``F(s, j)`` needs ``F(s−1, j)``, a backward of ``(s, j)`` one of
 ``(s+1, j)``, ``W`` its ``I``); :func:`simulate` does so one time unit per
 action, and :func:`draw` prints the result as a rank × time grid (the grids
-of :mod:`mpx.pipeline.schedule`'s docstring). :func:`stopped_grid` draws the
+of :mod:`mpx.pipeline.schedules.table`'s docstring). :func:`stopped_grid` draws the
 few steps around where a rank stopped, for the error of a call that failed
 (``stopped_grid(lists, 1, Action("B", 0, 1), 3, 1, "loop", 4)`` of 1F1B's lists)::
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from mpx.pipeline.actions import COMPUTE, Action, Op, local_stages, rank_of
 from mpx.pipeline.errors import PipelineError
+from mpx.pipeline.schedules.actions import COMPUTE, Action, Op, local_stages, rank_of
 
 __all__ = ["draw", "max_alive", "simulate", "stopped_grid", "timeline"]
 

@@ -11,9 +11,9 @@ the gradients of their outputs. For a matrix product::
 
     grad_weight = grad_output^T @ input        grad_bias = grad_output.sum(0)
 
-:mod:`mpx.pipeline.graph_split` finds in a chunk's autograd graph the matrix
+:mod:`mpx.pipeline.split_backward.graph_split` finds in a chunk's autograd graph the matrix
 products that take one of its weights (or, for a chunk whose graph shows
-another use of a weight, :mod:`mpx.pipeline.capture` finds every operation
+another use of a weight, :mod:`mpx.pipeline.split_backward.capture` finds every operation
 that takes one while the forward runs), and leaves in this module's
 :class:`Records`, per operation, what ``W`` needs:
 
@@ -94,7 +94,7 @@ class Records(list[Record]):
         self.ops: list[Local] = []
         self.bytes = 0  # what these records add to ``held``
         # The forward ran under the capture mode: its calls record in I themselves
-        # (else I reads the products from the graph: mpx.pipeline.graph_split).
+        # (else I reads the products from the graph: mpx.pipeline.split_backward.graph_split).
         self.captured = False
         self.weights: list[torch.Tensor] = []  # what the forward's products may defer
 
@@ -164,7 +164,7 @@ class Product(torch.autograd.Function):
 
 def accumulate(t: torch.Tensor, g: torch.Tensor) -> None:
     """Adds a weight gradient ``W`` computed to ``t.grad`` (both W paths: records here,
-    a kept graph in :mod:`mpx.pipeline.retained`)."""
+    a kept graph in :mod:`mpx.pipeline.split_backward.retained`)."""
     with torch.no_grad():
         if t.grad is None:
             # A tensor of its own, as AccumulateGrad stores, never ``g`` itself: where

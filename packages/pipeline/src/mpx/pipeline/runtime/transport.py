@@ -21,12 +21,12 @@ of it:
   or gradients (``"grad"``), each with a range of tags: micro-batch ``j``
   travels under ``base + j % 8192``.
 - **Borders.** An activation is a structure of tensors
-  (:mod:`mpx.pipeline.border`): its spec and which tensors carry a gradient
+  (:mod:`mpx.pipeline.model.border`): its spec and which tensors carry a gradient
   back ride in the channel header's note; each receiving virtual stage is a
   stream, so a border that repeats the last one to that stage is a marker.
   Gradients need no header: the receiver knows the shapes it sent.
 - **Failures.** The executor's waits look out for other stages' failure
-  notices (``interrupt``); after a failure :mod:`mpx.pipeline.failure` settles
+  notices (``interrupt``); after a failure :mod:`mpx.pipeline.runtime.failure` settles
   every link with the counts each box keeps (:attr:`Outbox.sent`,
   :attr:`Inbox.posted`), through the channel's :meth:`~mpx.collectives.Channel.settle_link`.
 """
@@ -43,8 +43,8 @@ import torch
 from mpx.collectives import Channel, Communicator, Handle, MPXTypeError, MPXValueError
 from mpx.collectives.building_blocks import decode_header
 from mpx.collectives.building_blocks import encode_header as _encode_header
-from mpx.pipeline.border import Spec, carries_grad, flatten
 from mpx.pipeline.errors import PipelineError, PipelineTypeError, PipelineValueError
+from mpx.pipeline.model import Spec, carries_grad, flatten
 
 __all__ = [
     "WAITED",
@@ -145,7 +145,7 @@ class Inbox(_Box):
     """Receives from one neighbour: activations (each with its header) or gradients.
 
     Attributes:
-        posted: receives posted so far, per tag (what :mod:`~mpx.pipeline.failure`
+        posted: receives posted so far, per tag (what :mod:`~mpx.pipeline.runtime.failure`
             compares with the sender's count to settle the link).
         full_headers: headers decoded that described shapes (the rest were markers).
     """
@@ -201,7 +201,7 @@ class Inbox(_Box):
         tensors' receives posted at once (before the sender of a large message waits)."""
         self.channel.progress()
 
-    # -- settling after a failure (see mpx.pipeline.failure) ----------------------
+    # -- settling after a failure (see mpx.pipeline.runtime.failure) ----------------------
 
     def drain(self, sent: dict[int, tuple[int, Any]]) -> None:
         """Takes every message the peer sent (``sent``: its ledger, ``{tag: (count, _)}``)
@@ -245,10 +245,10 @@ class Outbox(_Box):
         """Activations: sends micro-batch ``j``'s border ``obj`` (header, then tensors).
 
         ``flags`` (whether each tensor's gradient comes back) default to what
-        :func:`~mpx.pipeline.border.carries_grad` says in the current grad mode.
+        :func:`~mpx.pipeline.model.border.carries_grad` says in the current grad mode.
 
         Returns:
-            Per tensor of ``obj`` (in :func:`~mpx.pipeline.border.flatten` order),
+            Per tensor of ``obj`` (in :func:`~mpx.pipeline.model.border.flatten` order),
             whether its gradient will come back.
 
         Raises:
@@ -302,7 +302,7 @@ class Outbox(_Box):
         for j in list(self._inflight):
             self.wait(j)
 
-    # -- settling after a failure (see mpx.pipeline.failure) ----------------------
+    # -- settling after a failure (see mpx.pipeline.runtime.failure) ----------------------
 
     def answer(self, posted: dict[int, int]) -> None:
         """Sends an empty message to every receive the peer posted (``posted``: its

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx.pipeline.border import flatten, map_tensors
 from mpx.pipeline.errors import PipelineValueError
-from mpx.pipeline.skip import tracking
+from mpx.pipeline.model.border import flatten, map_tensors
+from mpx.pipeline.model.skip import tracking
 
 __all__ = [
     "balance_by_time",
@@ -111,7 +111,7 @@ def layer_times(module: nn.Sequential, sample: Any, repeats: int = 3) -> list[fl
     among them, a transformer's eight equal blocks measured 17-21 ms, enough
     to cut a V 2 2 2 4 instead of 3 2 2 3 one time in four.
 
-    ``sample`` may be a structure (see :mod:`mpx.pipeline.border`); skip
+    ``sample`` may be a structure (see :mod:`mpx.pipeline.model.border`); skip
     connections are followed, each layer timed on its own (inputs and skips
     detached before it).
     """

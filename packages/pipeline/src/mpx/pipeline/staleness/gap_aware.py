@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mpx.pipeline.errors import PipelineError
-from mpx.pipeline.prediction import _decoupled, optimizer_kind
+from mpx.pipeline.staleness.prediction import _decoupled, optimizer_kind
 
 __all__ = ["GAP_AWARE", "GapAware"]
 

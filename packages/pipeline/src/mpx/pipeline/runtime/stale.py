@@ -1,7 +1,7 @@
 """``schedule="async"``: 1F1B without a flush, and what makes stale gradients usable.
 
 :class:`AsyncHooks` is what the asynchronous stream adds to the one executor
-(:mod:`mpx.pipeline.executor`): the stream's action lists (with their
+(:mod:`mpx.pipeline.runtime.executor`): the stream's action lists (with their
 ``STEP`` actions), the weights each pass runs on, the gap-aware penalty and
 the optimizer steps. It never runs a pass itself.
 
@@ -35,18 +35,17 @@ from typing import Any
 import torch
 
 from mpx.pipeline.errors import PipelineError, PipelineValueError
-from mpx.pipeline.executor import Hooks
-from mpx.pipeline.gap_aware import GAP_AWARE, GapAware
-from mpx.pipeline.passes import Micro, StagePasses, Stash
-from mpx.pipeline.prediction import PREDICTIONS, future_lrs, predict
-from mpx.pipeline.schedule import (
+from mpx.pipeline.model import Weights
+from mpx.pipeline.runtime.executor import Hooks
+from mpx.pipeline.runtime.passes import Micro, StagePasses, Stash
+from mpx.pipeline.schedules import (
     Action,
     AsyncLayout,
     async_actions,
     async_flush_actions,
     rank_actions,
 )
-from mpx.pipeline.stage import Weights
+from mpx.pipeline.staleness import GAP_AWARE, PREDICTIONS, GapAware, future_lrs, predict
 
 __all__ = ["AsyncHooks"]
 
@@ -200,7 +199,7 @@ class AsyncHooks(Hooks):
             out.setdefault(i, {})[name] = values[p]
         return out
 
-    # -- hooks (see mpx.pipeline.executor.Hooks) --------------------------------
+    # -- hooks (see mpx.pipeline.runtime.executor.Hooks) --------------------------------
 
     def before_forward(self, action: Action, mb: Micro) -> None:
         j, s = action.mb, action.stage

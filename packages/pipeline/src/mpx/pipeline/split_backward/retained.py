@@ -1,8 +1,8 @@
 """The split backward of a forward that did not capture its weight calls: the graph is kept.
 
 A forward whose backward will be split runs under
-:func:`mpx.pipeline.capture.capturing`, which leaves ``W``'s work as small
-records (:mod:`mpx.pipeline.deferred`) for weights of any kind. A forward
+:func:`mpx.pipeline.split_backward.capture.capturing`, which leaves ``W``'s work as small
+records (:mod:`mpx.pipeline.split_backward.deferred`) for weights of any kind. A forward
 that ran without it and is split all the same keeps its graph from ``I``
 to ``W``, and ``W`` differentiates it (:func:`input_grad`,
 :meth:`Kept.weight_grad`), at the memory cost of the whole graph until ``W``
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mpx.pipeline.deferred import accumulate
+from mpx.pipeline.split_backward.deferred import accumulate
 
 __all__ = ["Kept", "input_grad", "weight_starts"]
 

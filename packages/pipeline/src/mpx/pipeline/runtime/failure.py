@@ -23,7 +23,7 @@ and are about to return a loss. Three things make every stage raise::
 - **Notices.** Every stage keeps a receive posted from every other stage. A
   stage that fails, or learns of a failure, sends each of them a notice
   carrying how many statuses it has issued and which call it is in; waits for
-  messages look at these receives (:func:`mpx.pipeline.transport.wait_for`),
+  messages look at these receives (:func:`mpx.pipeline.runtime.transport.wait_for`),
   so no stage waits for a neighbour that gave up. With every other stage's
   notice in hand, a stage issues the statuses it is behind, so that all have
   issued the same collectives, and waits for them.
@@ -64,8 +64,8 @@ import torch
 
 from mpx.collectives import CollectiveTimeout, Communicator, Handle, allgather, recv, send
 from mpx.pipeline.errors import PipelineError, PipelineRemoteError, PipelineValueError
-from mpx.pipeline.passes import StagePasses
-from mpx.pipeline.transport import adopt, wait_for
+from mpx.pipeline.runtime.passes import StagePasses
+from mpx.pipeline.runtime.transport import adopt, wait_for
 
 __all__ = ["FailureAgreement", "StageGaveUp", "Status", "summarize"]
 

@@ -1,22 +1,22 @@
 """Each schedule's generator: a rank's compute actions for one call.
 
-:mod:`mpx.pipeline.schedule`'s table names one generator per schedule; each
+:mod:`mpx.pipeline.schedules.table`'s table names one generator per schedule; each
 takes a :class:`Shape` (the rank, the ranks, the micro-batches, the chunks
 per rank, a split backward, the passes' times) and returns the rank's
 compute actions in order. The fixed rules (GPipe, 1F1B, interleaved 1F1B,
 looped BFS, DualPipeV) are written out here; the zero-bubble schedules ask
-the list scheduler (:mod:`mpx.pipeline.zero_bubble`), ``async`` the stream
-(:mod:`mpx.pipeline.async_layout`).
+the list scheduler (:mod:`mpx.pipeline.schedules.zero_bubble`), ``async`` the stream
+(:mod:`mpx.pipeline.schedules.async_layout`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpx.pipeline.actions import Action, PassCosts, local_stages
-from mpx.pipeline.async_layout import AsyncLayout, async_actions
 from mpx.pipeline.errors import PipelineValueError
-from mpx.pipeline.zero_bubble import best_zero_bubble
+from mpx.pipeline.schedules.actions import Action, PassCosts, local_stages
+from mpx.pipeline.schedules.async_layout import AsyncLayout, async_actions
+from mpx.pipeline.schedules.zero_bubble import best_zero_bubble
 
 __all__ = [
     "Shape",

@@ -31,9 +31,9 @@ from torch import nn
 from torch.func import functional_call
 
 from mpx.pipeline._torch_private import is_batchnorm
-from mpx.pipeline.border import first_tensor, map_tensors
-from mpx.pipeline.partition import has_inplace
-from mpx.pipeline.skip import check_skips, tracking, uses_skips
+from mpx.pipeline.model.border import first_tensor, map_tensors
+from mpx.pipeline.model.partition import has_inplace
+from mpx.pipeline.model.skip import check_skips, tracking, uses_skips
 
 __all__ = ["Stage", "Weights", "layer_seed"]
 

@@ -42,7 +42,7 @@ asynchronous stream)."""
 
 PassCosts = Mapping[str, Sequence[float]]
 """The time of each virtual stage's passes: ``{"F": [...], "I": [...], "W": [...]}``, one
-entry per virtual stage, in any unit (see :func:`mpx.pipeline.schedule.compute_actions`)."""
+entry per virtual stage, in any unit (see :func:`mpx.pipeline.schedules.compute_actions`)."""
 
 Op = tuple[str, int]
 """``("F", j)`` or ``("B", j)``: a forward or backward pass of micro-batch ``j``."""

@@ -1,7 +1,7 @@
 """The operations a chunk runs on its weights, found while it runs: what ``W`` defers.
 
 A chunk's split backward first reads its weights' products from the autograd
-graph (:mod:`mpx.pipeline.graph_split`, no cost in the forward); a chunk whose
+graph (:mod:`mpx.pipeline.split_backward.graph_split`, no cost in the forward); a chunk whose
 graph shows a weight used otherwise (a convolution, an LSTM, a compiled graph)
 runs its later forwards under this module's mode, which finds every such call.
 
@@ -12,11 +12,11 @@ it, and a call that receives one of the chunk's weights (a leaf tensor that
 requires a gradient, compared by identity: the parameters, or the tensors a
 stale schedule runs instead of them) runs so that its backward, in ``I``,
 gives its inputs' gradients only and leaves what the weights' gradients
-need in :class:`mpx.pipeline.deferred.Records`:
+need in :class:`mpx.pipeline.split_backward.deferred.Records`:
 
 - A matrix product with a weight (``F.linear``, ``torch.addmm(bias, x, W)``
   as in GPT-2's ``Conv1D``, ``x @ W``; floating point, autocast off) runs as
-  :class:`mpx.pipeline.deferred.Product`: the record is its input and its
+  :class:`mpx.pipeline.split_backward.deferred.Product`: the record is its input and its
   output's gradient, ``W`` one product, as in the Zero Bubble paper.
 - A Python function of ``torch.nn.functional`` taking a weight
   (``nn.MultiheadAttention``'s ``F.multi_head_attention_forward``) runs its
@@ -64,7 +64,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from mpx.pipeline._torch_private import functional_checks_off
-from mpx.pipeline.deferred import Local, Product, Records
+from mpx.pipeline.split_backward.deferred import Local, Product, Records
 
 __all__ = ["capturing"]
 

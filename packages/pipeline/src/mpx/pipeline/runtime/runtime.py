@@ -3,12 +3,12 @@
 A :class:`Pipeline` is the ``nn.Module`` users hold: the model cut into
 stages, its tied weights and replicas, the public calls. What runs a call is
 a :class:`Runtime`: the one executor over the schedule's lists
-(:mod:`mpx.pipeline.executor`), the asynchronous stream's hooks
-(:mod:`mpx.pipeline.stale`), the failure agreement that makes every stage
-raise the same error and undoes the call (:mod:`mpx.pipeline.failure`), and
+(:mod:`mpx.pipeline.runtime.executor`), the asynchronous stream's hooks
+(:mod:`mpx.pipeline.runtime.stale`), the failure agreement that makes every stage
+raise the same error and undoes the call (:mod:`mpx.pipeline.runtime.failure`), and
 the measurement of the passes' times the zero-bubble lists are laid out by.
 When a call fails, the error carries a note: the rank-by-step grid of the
-call near the action where this rank stopped (:func:`mpx.pipeline.timing.stopped_grid`).
+call near the action where this rank stopped (:func:`mpx.pipeline.schedules.timing.stopped_grid`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,26 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, allreduce
-from mpx.pipeline import border
-from mpx.pipeline.actions import COMPUTE, Action, PassCosts, local_stages, rank_of
 from mpx.pipeline.errors import PipelineError, PipelineValueError
-from mpx.pipeline.executor import Executor, Hooks, SyncHooks
-from mpx.pipeline.failure import FailureAgreement, Status
-from mpx.pipeline.inputs import eval_parts, split
-from mpx.pipeline.passes import LossFn, Micro, StagePasses
-from mpx.pipeline.replicas import ReplicaGradients
-from mpx.pipeline.schedule import TABLE, Schedule, compute_actions, rank_actions
-from mpx.pipeline.stage import Stage
-from mpx.pipeline.stale import AsyncHooks
-from mpx.pipeline.timing import stopped_grid
+from mpx.pipeline.model import Stage, concat
+from mpx.pipeline.runtime.executor import Executor, Hooks, SyncHooks
+from mpx.pipeline.runtime.failure import FailureAgreement, Status
+from mpx.pipeline.runtime.inputs import eval_parts, split
+from mpx.pipeline.runtime.passes import LossFn, Micro, StagePasses
+from mpx.pipeline.runtime.replicas import ReplicaGradients
+from mpx.pipeline.runtime.stale import AsyncHooks
+from mpx.pipeline.schedules import (
+    COMPUTE,
+    TABLE,
+    Action,
+    PassCosts,
+    Schedule,
+    compute_actions,
+    local_stages,
+    rank_actions,
+    rank_of,
+    stopped_grid,
+)
 
 __all__ = ["MEASURE_AT", "MEASURE_CALLS", "AsyncOptions", "Runtime"]
 
@@ -51,7 +59,7 @@ read 1.00-1.08x between runs."""
 
 @dataclass(frozen=True)
 class AsyncOptions:
-    """The options of ``schedule="async"`` (see :mod:`mpx.pipeline.stale`), as one object.
+    """The options of ``schedule="async"`` (see :mod:`mpx.pipeline.runtime.stale`), as one object.
 
     The defaults are what a synchronous schedule must leave them at;
     ``Pipeline`` takes them as keyword arguments and builds this.
@@ -131,7 +139,7 @@ class Runtime:
 
     Args:
         comm: the pipeline's private communicator.
-        spec: the schedule's entry of :data:`mpx.pipeline.schedule.TABLE`.
+        spec: the schedule's entry of :data:`mpx.pipeline.schedules.TABLE`.
         chunks, checkpoint, v: micro-batches per call, checkpointing, chunks per rank.
         pass_costs: ``"measured"``, ``"unit"`` or a mapping (see ``Pipeline``).
         options: the async-only options.
@@ -213,7 +221,7 @@ class Runtime:
                 f"are {', '.join(most)} and {last})"
             )
         # Every call ends with a status collective; a stage that fails tells
-        # the others at once (mpx.pipeline.failure). Last: it posts receives,
+        # the others at once (mpx.pipeline.runtime.failure). Last: it posts receives,
         # which an argument error above would leave behind in the communicator.
         self.agreement = FailureAgreement(comm, passes)
         self.agreement.loss_rank = rank_of(self.ranks * v - 1, self.ranks, spec.placement)
@@ -344,7 +352,7 @@ class Runtime:
                 passes.release_input(mb)
         finally:
             ex.live = kept
-        return border.concat(outs) if passes.last else None
+        return concat(outs) if passes.last else None
 
     def flush(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> float:
         """``Pipeline.flush``: the stream's backwards still owed (``async`` only)."""
