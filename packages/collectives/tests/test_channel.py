@@ -8,6 +8,7 @@ and 3.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -122,6 +123,26 @@ def test_cpu_data_goes_straight_to_mpi_counted_and_a_short_buffer_is_named(
         match=r"rank 0, tag 9 is larger than the receive buffer \(float32\[2\], 8 bytes\)",
     ):
         receive.wait()
+
+
+def test_a_dropped_channel_is_freed_though_its_interrupt_reaches_it(
+    self_comm: Communicator,
+) -> None:
+    # Its finalizer's arguments live until the channel dies: they must not reach it.
+    class Owner:
+        def __init__(self) -> None:
+            self.channel = Channel(self_comm, timeout=TIMEOUT_S, interrupt=self.interrupt)
+
+        def interrupt(self) -> None:
+            pass
+
+    owner = Owner()
+    owner.channel.post(0, 4, torch.ones(2))
+    owner.channel.receive(owner.channel.expect(0, 4, like=[((2,), torch.float32)]))
+    dropped = weakref.ref(owner.channel)
+    del owner
+    gc.collect()
+    assert dropped() is None
 
 
 def test_a_dropped_channel_keeps_its_messages_in_flight_alive(self_comm: Communicator) -> None:

@@ -13,6 +13,8 @@ loop happened to fit.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -110,6 +112,23 @@ def test_close_frees_every_communicator_the_pipeline_made(schedule: str) -> None
     # The user's communicator is the user's: it still works.
     assert comm.mpi != MPI.COMM_NULL
     assert allreduce(torch.ones(1), "sum", comm=comm).item() == comm.size
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "async"])
+def test_a_closed_and_dropped_pipeline_is_freed(schedule: str) -> None:
+    # Its channel's finalizer once held the channel's whole __dict__ (the interrupt,
+    # and through it the pipeline): every Pipeline stayed in memory (~57 KiB each).
+    pipe = build(world(), schedule)
+    train(pipe, 2)
+    pipe.close()
+    dropped: list[weakref.ref[object]] = [
+        weakref.ref(pipe),
+        weakref.ref(pipe.comm),
+        weakref.ref(pipe._runtime),
+    ]
+    del pipe
+    gc.collect()
+    assert [ref() is None for ref in dropped] == [True, True, True]
 
 
 @pytest.mark.parametrize("call", ["step", "forward", "flush"])

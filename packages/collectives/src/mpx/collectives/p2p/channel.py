@@ -176,7 +176,9 @@ class Channel(Settling):
         self.full_headers_sent = 0
         self.full_headers_received = 0
         # Dropped with messages in flight: their tensors must outlive them.
-        weakref.finalize(self, ORPHANS.extend, Unfinished(self.__dict__))
+        weakref.finalize(
+            self, ORPHANS.extend, Unfinished(self._sending, self._incoming, self._settling)
+        )
 
     # -- properties -------------------------------------------------------------
 
@@ -500,5 +502,5 @@ class Channel(Settling):
         self._post_data(incoming, metas)
 
     def _reap(self) -> None:
-        self._sending = [s for s in self._sending if not s.done()]
+        self._sending[:] = [s for s in self._sending if not s.done()]  # in place: see Unfinished
         reap_orphans()

@@ -153,7 +153,7 @@ class Settling:
 
     def in_flight(self) -> list[Entry]:
         """Every message not known to be complete, with its tensor."""
-        return list(Unfinished(self.__dict__))
+        return list(Unfinished(self._sending, self._incoming, self._settling))
 
     def reset(self) -> None:
         """Forgets everything in progress; every message must have completed.

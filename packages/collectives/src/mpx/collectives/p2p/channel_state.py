@@ -333,20 +333,28 @@ def _requests(request: MPI.Request, peer: int) -> Steps[None]:
 
 
 class Unfinished:
-    """The unfinished messages of a channel (its ``__dict__``): what its finalizer adopts."""
+    """The unfinished messages of a channel: what its finalizer adopts.
 
-    def __init__(self, box: dict[str, Any]) -> None:
-        self.box = box
+    It holds the channel's three lists of messages in flight (which the channel
+    only ever changes in place) and nothing else of it: a finalizer's arguments
+    live until the channel dies, so one that reached the channel (through its
+    communicator's owner, its ``interrupt``) would keep it, and its pipeline, alive
+    for ever.
+    """
+
+    def __init__(
+        self, sending: list[Sent], incoming: list[Incoming], settling: list[Entry]
+    ) -> None:
+        self.sending, self.incoming, self.settling = sending, incoming, settling
 
     def __iter__(self) -> Iterator[Entry]:
-        box = self.box
-        for sent in box.get("_sending", []):
+        for sent in self.sending:
             yield from (e for e in sent.entries if not e[1].completed)
-        for incoming in box.get("_incoming", []):
+        for incoming in self.incoming:
             if incoming.head is not None and not incoming.head[1].completed:
                 yield incoming.head
             yield from (e for e in incoming.entries if not e[1].completed)
-        yield from (e for e in box.get("_settling", []) if not e[1].completed)
+        yield from (e for e in self.settling if not e[1].completed)
 
 
 def _oversubscribed(comm: Communicator) -> bool:
