@@ -118,7 +118,7 @@ def _contention(comm: Any, rows: int = 16) -> float:
     import torch
     from torch import nn
 
-    from mpx.mgrit.stacked import StackedSteps
+    from mpx.mgrit.adjoint import StackedSteps
 
     torch.manual_seed(3)
     stacked = StackedSteps.of([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())] * rows)

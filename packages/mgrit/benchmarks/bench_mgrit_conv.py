@@ -7,7 +7,7 @@ batched products. torchbraid's MNIST example trains a convolutional ResNet inste
     N steps: x + h * ReLU(Conv2d(C, C, 3, padding=1)(x)),  h = Tf / N,  no BatchNorm
     close: MaxPool2d(3), Flatten, Linear(C * 9 * 9, 10)
 
-A convolution cannot be stacked (:meth:`mpx.mgrit.stacked.StackedSteps.of` takes only
+A convolution cannot be stacked (:meth:`mpx.mgrit.adjoint.stacked.StackedSteps.of` takes only
 ``Linear`` steps and returns None for these), so every step is one module call, each
 one costing a millisecond or more at C = 32, batch 8, one thread: the regime where the
 solver's own bookkeeping matters least and layer-parallelism should pay off first.

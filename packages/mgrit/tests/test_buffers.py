@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from mpx.mgrit import MGRIT, LayerParallel
-from mpx.mgrit.adjoint import TimeStepper
-from mpx.mgrit.stacked import StackedSteps
+from mpx.mgrit.adjoint import StackedSteps, TimeStepper
 
 pytestmark = pytest.mark.mpi
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from mpx.collectives import world
 from mpx.mgrit import MGRITConfigError, ParallelGRU
-from mpx.mgrit.gru import gru_step
+from mpx.mgrit.gru.gru_layer import gru_step
 
 pytestmark = pytest.mark.mpi
 

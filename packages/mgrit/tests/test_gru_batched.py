@@ -1,4 +1,4 @@
-"""ParallelGRU's batched steps (mpx.mgrit.gru_steps) against one cell call per step.
+"""ParallelGRU's batched steps (mpx.mgrit.adjoint.gru_steps) against one cell call per step.
 
 Batching changes how each step runs, not what MGRIT computes: on inexact solves
 (few iterations, where every step of the algorithm shows in the result) the

@@ -12,8 +12,8 @@ import torch
 
 from mpx.collectives import world
 from mpx.mgrit import MGRIT, WORK_KINDS, MGRITConfigError
-from mpx.mgrit.grid import coarsening_factors
 from mpx.mgrit.model import Costs, count, predict
+from mpx.mgrit.solver import coarsening_factors
 
 
 def test_one_rank_work_by_hand() -> None:

@@ -2,7 +2,7 @@
 
 With blocks of a few steps, a rank's row 0 on a coarse level can be the last point of
 a rank several blocks to the left, whose step is the first layer of the block after
-that rank's: there the neighbours' carried layers (``mpx.mgrit.halo``) are used, and
+that rank's: there the neighbours' carried layers (``mpx.mgrit.adjoint.halo``) are used, and
 ranks outnumber the coarsest intervals. ParallelGRU's boundary steps (the edge rows one
 layer shares with the next) change a result only from 5 ranks on. The selected mpi
 tests run as one job of N ranks (``python -m pytest`` under mpxrun), size-agnostic as

@@ -12,7 +12,7 @@ from torch import nn
 
 from mpx.mgrit import LayerParallel, MGRITConfigError, MGRITOptions, MGRITTypeError, ParallelGRU
 from mpx.mgrit.adjoint import TimeStepper
-from mpx.mgrit.options import MGRITSettings
+from mpx.mgrit.solver import MGRITSettings
 
 # The defaults the constructors' signatures had before the settings became one type
 # (written out here as the independent record of what must not change).

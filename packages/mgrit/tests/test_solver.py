@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from mpx.collectives import Communicator, MismatchError, world
 from mpx.mgrit import MGRIT, MGRITConfigError, MGRITError, MGRITTypeError
-from mpx.mgrit.grid import Layout
+from mpx.mgrit.solver import Layout
 
 # PyMGRIT 1.0.6 calls np.in1d, which numpy 2.4 removed.
 if not hasattr(np, "in1d"):
@@ -561,7 +561,7 @@ def test_cuda_tensors_give_the_cpu_history(vectorized: bool) -> None:
 
 
 def test_a_failed_exchange_says_the_ranks_are_out_of_step() -> None:
-    from mpx.mgrit.solver import Ghosts
+    from mpx.mgrit.solver.ghosts import Ghosts
 
     # A rank that is its own neighbour on both sides, sending a state larger than
     # the ghost row it expects: as ranks out of step would (another level's shape).

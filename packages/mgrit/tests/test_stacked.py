@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mpx.mgrit import LayerParallel
-from mpx.mgrit.stacked import StackedSteps
+from mpx.mgrit.adjoint import StackedSteps
 
 pytestmark = pytest.mark.mpi
 

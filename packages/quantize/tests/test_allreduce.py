@@ -18,7 +18,7 @@ import mpx.quantize as mq
 from mpx.collectives import allreduce as plain_allreduce
 from mpx.collectives import world
 from mpx.quantize import reference as R
-from mpx.quantize.allreduce import chunk_bounds
+from mpx.quantize.reduction.compressed_allreduce import chunk_bounds
 
 pytestmark = pytest.mark.mpi
 

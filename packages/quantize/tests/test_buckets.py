@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from mpx.quantize.buckets import BucketMatcher, Segments
-from mpx.quantize.config import CompressionConfig, exclude_layer, register_model, registry
+from mpx.quantize.reduction.config import CompressionConfig, exclude_layer, register_model, registry
 
 # CGX's README model shape: conv/linear layers with biases, a batch norm.
 LAYERS = [

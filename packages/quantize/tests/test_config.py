@@ -11,8 +11,8 @@ import torch
 import mpx.collectives
 import mpx.quantize as mq
 from mpx.collectives import all_implementations
-from mpx.quantize.config import CompressionConfig, registry
 from mpx.quantize.errors import QuantizeValueError
+from mpx.quantize.reduction.config import CompressionConfig, registry
 
 
 @pytest.fixture(autouse=True)

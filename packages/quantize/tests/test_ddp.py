@@ -14,7 +14,7 @@ from torch import nn
 import mpx.quantize as mq
 from mpx.collectives import init_process_group, world
 from mpx.launch import init_torch_env
-from mpx.quantize.config import registry
+from mpx.quantize.reduction.config import registry
 
 pytestmark = pytest.mark.mpi
 

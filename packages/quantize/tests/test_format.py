@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpx.quantize import QuantizedTensor, QuantizeError
-from mpx.quantize.format import layout, meta_dtype
+from mpx.quantize.codec.format import layout, meta_dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import mpx.quantize as mq
 from mpx.collectives import init_process_group, world
 from mpx.collectives.building_blocks import MPXWork
-from mpx.quantize.config import CompressionConfig, registry
 from mpx.quantize.errors import QuantizeValueError
+from mpx.quantize.reduction.config import CompressionConfig, registry
 from mpx.quantize.torch_backend import CGXProcessGroup
 
 

@@ -1,5 +1,10 @@
 """CGX's ``cgx_utils`` module, installed by mpx-quantize: ``CGXState`` and ``cgx_hook``.
 
+A CGX compatibility shim over mpx.quantize: the import name is CGX's (the
+module of its pip package, hence a top-level package beside ``mpx``); the hook
+hands the layers to ``torch_cgx`` and reads mpx.quantize's settings. Nothing in
+mpx imports it.
+
 Written from CGX's documented behaviour (IST-DASLab/torch_cgx's README and
 example; none of its code). A DDP comm hook that gives the ``"cgx"`` group each
 bucket's layers, so that small and one-dimensional layers (biases, batch norm)

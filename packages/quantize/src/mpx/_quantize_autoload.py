@@ -2,7 +2,7 @@
 
 The ``torch.backends`` entry point of mpx-quantize (see
 ``mpx._collectives_autoload`` for why it lives outside the package): the
-creator imports :mod:`mpx.quantize.torch_backend`, and with it MPI, only
+creator imports :mod:`mpx.quantize.cgx.torch_backend`, and with it MPI, only
 when a ``"cgx"`` group is made.
 """
 
@@ -12,11 +12,11 @@ from typing import Any
 
 __all__ = ["register"]
 
-BACKEND_NAME = "cgx"  # mpx.quantize.torch_backend.BACKEND_NAME
+BACKEND_NAME = "cgx"  # mpx.quantize.cgx.torch_backend.BACKEND_NAME
 
 
 def _create(options: Any, backend_options: Any = None) -> Any:
-    from mpx.quantize.torch_backend import CGXProcessGroup  # here: see the docstring
+    from mpx.quantize.cgx.torch_backend import CGXProcessGroup  # here: see the docstring
 
     return CGXProcessGroup.create(options, backend_options)
 

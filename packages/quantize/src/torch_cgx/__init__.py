@@ -1,8 +1,13 @@
 """CGX's ``torch_cgx`` module, installed by mpx-quantize: CGX scripts run unchanged.
 
+A CGX compatibility shim over mpx.quantize: the import name is CGX's (hence a
+top-level package beside ``mpx``), the work is mpx.quantize's
+(:mod:`mpx.quantize.cgx`: the ``"cgx"`` backend and CGX's per-layer table;
+:mod:`mpx.quantize.reduction`: the layer registry). Nothing in mpx imports it.
+
 Every CGX script starts with ``import torch_cgx``; with mpx-quantize installed
 it imports, registers the ``"cgx"`` torch.distributed backend
-(:mod:`mpx.quantize.torch_backend`: mpx's backend with the quantized
+(:mod:`mpx.quantize.cgx.torch_backend`: mpx's backend with the quantized
 allreduce) and offers CGX's layer filtering::
 
     import torch.distributed as dist
@@ -34,9 +39,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from mpx._quantize_autoload import register as _register
-from mpx.quantize.cgx_layers import layer_table
-from mpx.quantize.config import register_model, registry
+from mpx.quantize.cgx import layer_table
 from mpx.quantize.errors import QuantizeValueError
+from mpx.quantize.reduction import register_model, registry
 
 __all__ = [
     "clear_layers",
@@ -100,7 +105,7 @@ def createProcessGroupCGX(*args: Any) -> Any:  # CGX's name
         QuantizeValueError: another number of arguments, or the plain form for
             a group smaller than the world.
     """
-    from mpx.quantize.torch_backend import CGXProcessGroup  # here: starts MPI
+    from mpx.quantize.cgx.torch_backend import CGXProcessGroup  # here: starts MPI
 
     if len(args) in (1, 2):
         return CGXProcessGroup.create(*args)

@@ -1,7 +1,7 @@
 """A performance model of a layer-parallel training step at P ranks: its critical path.
 
 The model replays the algorithm on every rank at once, on the layout the solver
-uses (:mod:`mpx.mgrit.grid`: the fine grid split over the ranks, each coarse
+uses (:mod:`mpx.mgrit.solver.grid`: the fine grid split over the ranks, each coarse
 level owned where its points fall), and follows the dependencies between ranks:
 a ghost row waited for, an interval relaxed as a chain across ranks, the
 coarsest level passed rank after rank, the residual gathered by all. Each rank
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mpx.mgrit.errors import MGRITConfigError
-from mpx.mgrit.grid import coarsening_factors, fine_blocks
+from mpx.mgrit.solver import coarsening_factors, fine_blocks
 
 __all__ = ["LAYOUTS", "Costs", "Work", "costs_of", "count", "predict"]
 
@@ -98,7 +98,7 @@ class _Path:
 
 @dataclass
 class _Level:
-    """One level on every rank (as :class:`mpx.mgrit.grid.Level`, for all ranks at once)."""
+    """One level on every rank (as :class:`mpx.mgrit.solver.grid.Level`, for all ranks at once)."""
 
     m: int
     first: list[int]

@@ -26,8 +26,8 @@ import torch
 
 from mpx.collectives import Communicator
 from mpx.collectives.building_blocks import Implementation, blocking
-from mpx.quantize.allreduce import allreduce as quantized_allreduce
-from mpx.quantize.config import CompressionConfig
+from mpx.quantize.reduction import CompressionConfig
+from mpx.quantize.reduction import allreduce as quantized_allreduce
 
 __all__ = ["CGX", "allreduce"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpx.mgrit.adjoint import WORK_KINDS
+from mpx.mgrit.adjoint.stepper import WORK_KINDS
 from mpx.mgrit.errors import MGRITTypeError
 
 __all__ = ["WORK_KINDS", "work"]

@@ -13,10 +13,10 @@ whichever backend (``gloo`` or ``mpx``) DDP was built on.
 import torch
 import torch.distributed as dist
 
-from mpx.quantize.allreduce import allreduce, allreduce_tensors
-from mpx.quantize.config import registry
 from mpx.quantize.errors import QuantizeValueError
-from mpx.quantize.state import QuantizeState
+from mpx.quantize.reduction.compressed_allreduce import allreduce, allreduce_tensors
+from mpx.quantize.reduction.config import registry
+from mpx.quantize.reduction.state import QuantizeState
 
 __all__ = ["ddp_comm_hook"]
 

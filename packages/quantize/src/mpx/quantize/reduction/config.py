@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mpx.launch.settings import SettingError
+from mpx.quantize.codec import check_bucket_size
 from mpx.quantize.errors import QuantizeValueError
-from mpx.quantize.format import check_bucket_size
 from mpx.quantize.settings import CONFIG
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Time steps one after another: the loops MGRIT cannot batch.
 
 The coarsest level is solved sequentially (``u_i = g_i + Phi(u_{i-1})``, passed
-from rank to rank), and a boundary step (see :mod:`mpx.mgrit.boundaries`) is one
+from rank to rank), and a boundary step (see :mod:`mpx.mgrit.solver.boundaries`) is one
 step of one state. Both call the user's step in whichever form it takes: scalar
 ``step(u, t, dt)``, vectorized (a batch of states with tensors ``t``, ``dt``),
 or ``step_into`` (written into the next row, no result to copy). The loops keep

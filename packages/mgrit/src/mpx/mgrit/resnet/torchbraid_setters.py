@@ -29,8 +29,7 @@ from typing import Any
 
 from mpx.collectives import Communicator
 from mpx.mgrit.errors import MGRITConfigError
-from mpx.mgrit.grid import coarsening_factors
-from mpx.mgrit.options import MGRITOptions, check_int
+from mpx.mgrit.solver import MGRITOptions, check_int, coarsening_factors
 
 __all__ = ["TorchbraidSetters"]
 

@@ -1,7 +1,7 @@
 """The layers next to a rank's block: what its boundary steps need from its neighbours.
 
-With the fine grid split freely over the ranks (see :mod:`mpx.mgrit.grid` and
-:mod:`mpx.mgrit.boundaries`), every step a rank computes starts inside its
+With the fine grid split freely over the ranks (see :mod:`mpx.mgrit.solver.grid` and
+:mod:`mpx.mgrit.solver.boundaries`), every step a rank computes starts inside its
 block ``[a, b)`` of steps, or at ``b`` (the forward solve: the step from its
 last point, which it sends to its right neighbour), or at ``a - 1`` (the
 adjoint, in reversed time: the same from the other side). So besides its own

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpx.quantize.config import MIN_COMPRESSED, CompressionConfig
+from mpx.quantize.codec import check_bucket_size
 from mpx.quantize.errors import QuantizeValueError
-from mpx.quantize.format import check_bucket_size
+from mpx.quantize.reduction import MIN_COMPRESSED, CompressionConfig
 from mpx.quantize.settings import CONFIG
 
 __all__ = ["EnvConfig", "LayerSpec", "LayerTable", "layer_table"]

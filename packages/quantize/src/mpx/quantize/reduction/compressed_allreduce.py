@@ -36,12 +36,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mpx.quantize.compression_choice import choose
-from mpx.quantize.config import CompressionConfig
+from mpx.quantize.codec import (
+    FLOAT_DTYPES,
+    QuantizedTensor,
+    dequantize,
+    dequantize_add,
+    layout,
+    quantize,
+)
 from mpx.quantize.errors import QuantizeTypeError, QuantizeValueError
-from mpx.quantize.format import FLOAT_DTYPES, QuantizedTensor, layout
-from mpx.quantize.kernels import dequantize, dequantize_add, quantize
-from mpx.quantize.state import QuantizeState
+from mpx.quantize.reduction.compression_choice import choose
+from mpx.quantize.reduction.config import CompressionConfig
+from mpx.quantize.reduction.state import QuantizeState
 
 if TYPE_CHECKING:
     from mpx.collectives import CommLike, Communicator

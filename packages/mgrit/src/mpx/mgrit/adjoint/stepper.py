@@ -28,13 +28,19 @@ import torch
 
 from mpx.collectives import broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
+from mpx.mgrit.adjoint.gru_steps import GRUSteps
+from mpx.mgrit.adjoint.halo import StateHalo
+from mpx.mgrit.adjoint.stacked import StackedSteps
 from mpx.mgrit.errors import MGRITConfigError
-from mpx.mgrit.grid import coarsening_factors, fine_blocks
-from mpx.mgrit.gru_steps import GRUSteps
-from mpx.mgrit.halo import StateHalo
-from mpx.mgrit.options import MGRITOptions, MGRITSettings, check_int, resolve
-from mpx.mgrit.solver import MGRIT
-from mpx.mgrit.stacked import StackedSteps
+from mpx.mgrit.solver import (
+    MGRIT,
+    MGRITOptions,
+    MGRITSettings,
+    check_int,
+    coarsening_factors,
+    fine_blocks,
+    resolve,
+)
 
 __all__ = ["WORK_KINDS", "Lease", "TimeStepper", "shared_blocks"]
 
@@ -68,7 +74,7 @@ def shared_blocks(
     nothing of its neighbours) the blocks are whole coarsest intervals of both grids
     (their least common multiple), so that every such step finds its layer on the rank
     that computes it. With ``fine`` (LayerParallel and ParallelGRU, which carry their
-    neighbours' boundary layers or input rows, :mod:`mpx.mgrit.halo`) the split is the
+    neighbours' boundary layers or input rows, :mod:`mpx.mgrit.adjoint.halo`) the split is the
     solver's: whole fine C-intervals.
     """
     spans = []
@@ -231,14 +237,14 @@ class TimeStepper:
         """Refreshes ``halo`` before each forward solve and shares the state before the
         block (and, in :meth:`adjoint`, the source there) before each adjoint solve: on
         the fine split ``phi`` is called for steps ``first - 1`` (adjoint) and ``stop``
-        (forward) too, whose layers (a :class:`~mpx.mgrit.halo.LayerHalo`) or inputs
+        (forward) too, whose layers (a :class:`~mpx.mgrit.adjoint.halo.LayerHalo`) or inputs
         ``halo`` holds."""
         self.halo = halo
 
     def use_stacked(self, stacked: StackedSteps | GRUSteps) -> None:
         """Runs this rank's steps as ``stacked`` (batched over the C-intervals, see
-        :mod:`mpx.mgrit.stacked` and :mod:`mpx.mgrit.gru_steps`) in both solves instead
-        of one ``phi`` call per step."""
+        :mod:`mpx.mgrit.adjoint.stacked` and :mod:`mpx.mgrit.adjoint.gru_steps`) in both
+        solves instead of one ``phi`` call per step."""
         self.stacked = stacked
         for solver, step, into in (
             (self.fwd, self._step_rows, self._step_into),

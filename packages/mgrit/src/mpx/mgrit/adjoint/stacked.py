@@ -18,7 +18,7 @@ are one more (``h (lam_{k+1} * D_k)^T x_k``), with no forward replayed.
 The adjoint runs in reversed time, so its data are kept in reversed order
 (row r is step ``stop - 1 - r``): its slices are then plain strided views.
 
-On the fine split (see :mod:`mpx.mgrit.halo`) a rank also steps from its last
+On the fine split (see :mod:`mpx.mgrit.adjoint.halo`) a rank also steps from its last
 point (layer ``stop``, the next block's first) in the forward solve and from
 ``first - 1`` (the previous block's last) in the adjoint: with those layers
 given (``after``, ``before``), the forward weights have one row past the local

@@ -2,7 +2,7 @@
 
 The network is ``open -> N steps x + h f_k(x) -> close`` with ``h = Tf / N``:
 forward Euler for ``x' = f(t, x)``. The steps are time steps, so their layers
-are split over ranks in blocks of time (see :mod:`mpx.mgrit.grid`); the forward
+are split over ranks in blocks of time (see :mod:`mpx.mgrit.solver.grid`); the forward
 pass is an MGRIT solve (``fwd_iters`` V-cycles, inexact on purpose), the
 backward pass an MGRIT solve of the adjoint (``bwd_iters``)::
 
@@ -37,12 +37,10 @@ import torch
 from torch import nn
 
 from mpx.mgrit._comm import CommLike, as_communicator
-from mpx.mgrit.adjoint import TimeStepper
+from mpx.mgrit.adjoint import LayerHalo, StackedSteps, TimeStepper
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
-from mpx.mgrit.halo import LayerHalo
-from mpx.mgrit.options import MGRITOptions, MGRITSettings, resolve
-from mpx.mgrit.stacked import StackedSteps
-from mpx.mgrit.torchbraid_setters import TorchbraidSetters
+from mpx.mgrit.resnet.torchbraid_setters import TorchbraidSetters
+from mpx.mgrit.solver import MGRITOptions, MGRITSettings, resolve
 
 __all__ = ["LayerParallel", "SerialResNet"]
 
@@ -161,7 +159,7 @@ class LayerParallel(TorchbraidSetters, nn.Module):
             are :attr:`defaults`' (``fwd_iters=2, bwd_iters=1, relax="F"``...).
         batched: run the steps of all C-intervals of a rank as one batched product
             when every step layer is ``Linear(w, w)`` or ``Sequential(Linear(w, w), act)``
-            with one elementwise activation (see :mod:`mpx.mgrit.stacked`); the
+            with one elementwise activation (see :mod:`mpx.mgrit.adjoint.stacked`); the
             adjoint then linearises each step once. False: one module call per step.
 
     Example::
@@ -199,7 +197,7 @@ class LayerParallel(TorchbraidSetters, nn.Module):
         self.comm = as_communicator(comm)
         self.num_steps, self.Tf = num_steps, float(Tf)
         # The fine grid split over the ranks: every rank works at any depth. A rank's
-        # boundary steps use its neighbours' boundary layers (mpx.mgrit.halo).
+        # boundary steps use its neighbours' boundary layers (mpx.mgrit.adjoint.halo).
         self.stepper = TimeStepper(
             self._phi, self._uses, num_steps, Tf, comm=self.comm, options=self.options,
             fine_split=True,
@@ -244,7 +242,7 @@ class LayerParallel(TorchbraidSetters, nn.Module):
             assert step_layers is not None
             picked = _step_layers(step_layers, num_steps, wanted)
         self.local_steps = nn.ModuleList(picked[: len(owned)])
-        # Copies, not parameters of this network (see mpx.mgrit.halo): a plain dict.
+        # Copies, not parameters of this network (see mpx.mgrit.adjoint.halo): a plain dict.
         self._halo_layers = {
             k: copy.deepcopy(m) for k, m in zip(halo_steps, picked[len(owned) :], strict=True)
         }

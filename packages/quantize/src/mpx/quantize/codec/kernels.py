@@ -16,15 +16,15 @@ from types import ModuleType
 
 import torch
 
-from mpx.quantize import reference
-from mpx.quantize.backends import _load
-from mpx.quantize.errors import QuantizeTypeError, QuantizeValueError
-from mpx.quantize.format import (
+from mpx.quantize.codec import reference
+from mpx.quantize.codec.backends import _load
+from mpx.quantize.codec.format import (
     QuantizedTensor,
     check_bits,
     check_bucket_size,
     check_dtype,
 )
+from mpx.quantize.errors import QuantizeTypeError, QuantizeValueError
 
 __all__ = ["BACKENDS", "dequantize", "dequantize_add", "quantize"]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpx.quantize.config import CompressionConfig, registry
+from mpx.quantize.reduction.config import CompressionConfig, registry
 
 if TYPE_CHECKING:
     from mpx.collectives import CommLike, Communicator

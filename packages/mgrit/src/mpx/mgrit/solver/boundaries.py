@@ -1,7 +1,7 @@
 """What crosses ranks on each level of the time grid, and in which form.
 
 On every level a rank's row 0 is the point just before its own (see
-:mod:`mpx.mgrit.grid`), owned by the nearest rank on the left that owns points
+:mod:`mpx.mgrit.solver.grid`), owned by the nearest rank on the left that owns points
 there. That rank sends it once it is final; rows 0 is only ever read as the
 start of a step (the step to row 1, and the coarse step in a restriction).
 
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from mpx.collectives import Channel, Communicator
-from mpx.mgrit.ghosts import Ghosts
-from mpx.mgrit.grid import Layout
+from mpx.mgrit.solver.ghosts import Ghosts
+from mpx.mgrit.solver.grid import Layout
 
 __all__ = ["Boundaries"]
 
@@ -39,7 +39,7 @@ class Boundaries:
     are points or steps from them.
 
     Attributes:
-        ghosts: one :class:`~mpx.mgrit.ghosts.Ghosts` per level, on one channel.
+        ghosts: one :class:`~mpx.mgrit.solver.ghosts.Ghosts` per level, on one channel.
         stepped: per level, whether this rank's row 0 holds the left's step (not a point).
         sends_steps: per level, whether this rank sends the step from its last row.
         t0_sends, t0_recv: where row 0 is a stepped t0 (see the code).

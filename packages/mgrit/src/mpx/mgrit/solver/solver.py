@@ -43,12 +43,12 @@ import torch
 
 from mpx.collectives import allgather, broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
-from mpx.mgrit.boundaries import Boundaries
 from mpx.mgrit.errors import MGRITTypeError
-from mpx.mgrit.ghosts import Ghosts, Shift, mismatch
-from mpx.mgrit.grid import Layout
-from mpx.mgrit.options import CYCLES, RELAXATIONS, check_choice, check_int, check_tol
-from mpx.mgrit.sequential import march, march_into, step_once
+from mpx.mgrit.solver.boundaries import Boundaries
+from mpx.mgrit.solver.ghosts import Ghosts, Shift, mismatch
+from mpx.mgrit.solver.grid import Layout
+from mpx.mgrit.solver.options import CYCLES, RELAXATIONS, check_choice, check_int, check_tol
+from mpx.mgrit.solver.sequential import march, march_into, step_once
 
 __all__ = ["MGRIT", "Ghosts", "Shift", "Step", "check_tol", "mismatch"]
 
@@ -86,7 +86,7 @@ class MGRIT:
             whole fine C-intervals); a rank may hold none.
         boundary_steps: where a rank's row 0 on a coarse level lies before its fine block,
             its left neighbour computes the step from that point and sends the result
-            (see :mod:`mpx.mgrit.boundaries`): every step then starts inside the rank's
+            (see :mod:`mpx.mgrit.solver.boundaries`): every step then starts inside the rank's
             fine block or at its last point. Networks need it (a step is a layer);
             the history is the same either way.
         float_times: with ``vectorized``, the sequential solve on the coarsest level
@@ -277,7 +277,7 @@ class MGRIT:
                 u[0] = u0
             else:
                 u[0].zero_()
-        # A stepped row 0 that is t0 (see mpx.mgrit.boundaries): step(u0) of that level.
+        # A stepped row 0 that is t0 (see mpx.mgrit.solver.boundaries): step(u0) of that level.
         self._bounds.t0_steps(
             lambda lvl: self._step_from(u0, self.layout.t0, self._bounds.first_dt[lvl]),
             [u[0] for u in self._u],
@@ -504,7 +504,7 @@ class MGRIT:
 
     def _outgoing(self, lvl: int, row: torch.Tensor | None = None) -> torch.Tensor:
         """What goes right from this rank's last row of ``lvl``: the row, or the step from it
-        where the right neighbour's row 0 is stepped (see :mod:`mpx.mgrit.boundaries`)."""
+        where the right neighbour's row 0 is stepped (see :mod:`mpx.mgrit.solver.boundaries`)."""
         row = self._u[lvl][-1] if row is None else row
         if not self._bounds.sends_steps[lvl]:
             return row

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from mpx.mgrit.errors import MGRITConfigError, MGRITTypeError
-from mpx.mgrit.grid import coarsening_factors
+from mpx.mgrit.solver.grid import coarsening_factors
 
 __all__ = ["MGRITOptions", "MGRITSettings", "check_choice", "check_int", "check_tol", "resolve"]
 

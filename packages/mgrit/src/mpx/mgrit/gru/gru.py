@@ -22,10 +22,10 @@ the same block, so only the last layer's states are gathered (the output)::
     layer 1:   rank 0         rank 1        rank 2       -> output gathered, h_n broadcast
 
 The fine grid is split evenly over the ranks (whole fine C-intervals,
-:mod:`mpx.mgrit.grid`), so any rank count up to the number of fine
+:mod:`mpx.mgrit.solver.grid`), so any rank count up to the number of fine
 C-intervals works at any depth. A rank also takes the steps at its block's
 edges (from its last point forward, and the step before its block in the
-adjoint, :mod:`mpx.mgrit.boundaries`), so it holds one input row of each
+adjoint, :mod:`mpx.mgrit.solver.boundaries`), so it holds one input row of each
 neighbour besides its block: layer l+1's inputs are its block of layer l's
 states with the left neighbour's last row and the right neighbour's first row.
 
@@ -70,9 +70,8 @@ from mpx.collectives import broadcast
 from mpx.mgrit._comm import CommLike, as_communicator
 from mpx.mgrit.adjoint import TimeStepper
 from mpx.mgrit.errors import MGRITConfigError
-from mpx.mgrit.grid import coarsening_factors
-from mpx.mgrit.gru_layer import Direction, Gather, Layer, Weights, gru_step
-from mpx.mgrit.options import MGRITOptions, MGRITSettings, resolve
+from mpx.mgrit.gru.gru_layer import Direction, Gather, Layer, Weights, gru_step
+from mpx.mgrit.solver import MGRITOptions, MGRITSettings, coarsening_factors, resolve
 
 __all__ = ["ParallelGRU", "gru_step"]
 
@@ -105,7 +104,7 @@ class ParallelGRU(nn.Module):
         batched: run the j-th steps of all C-intervals of a rank as one cell over the
             stacked rows, the input projections precomputed, and each adjoint step as
             one vector-Jacobian product of a linearisation (see
-            :mod:`mpx.mgrit.gru_steps`); False: one cell call per step, the adjoint
+            :mod:`mpx.mgrit.adjoint.gru_steps`); False: one cell call per step, the adjoint
             replaying each step's forward through autograd.
 
     ``forward(input, hx=None)`` takes the whole sequence on every rank, ``(T, B, in)``

@@ -17,7 +17,7 @@ next block's first, in the forward solve) and, in the adjoint, the step before
 its block (``first - 1``, from the left neighbour's last point): the gates are
 kept for local steps ``-1 .. n`` (row ``k + 1`` for local step k), and the
 adjoint's linearisation of step -1 reads the state and source the halo
-(:class:`mpx.mgrit.halo.StateHalo`) brought.
+(:class:`mpx.mgrit.adjoint.halo.StateHalo`) brought.
 
 The adjoint step at reversed point j is the vector-Jacobian product of step
 ``k = N-1-j`` of the level's size at the stored forward state ``h_k``. Its

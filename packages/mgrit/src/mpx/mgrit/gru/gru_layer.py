@@ -18,11 +18,8 @@ import torch
 from torch import nn
 
 from mpx.collectives import Communicator, allgather, allreduce, broadcast
-from mpx.mgrit.adjoint import TimeStepper
-from mpx.mgrit.grid import Layout
-from mpx.mgrit.gru_steps import GRUSteps
-from mpx.mgrit.halo import StateHalo
-from mpx.mgrit.options import MGRITOptions
+from mpx.mgrit.adjoint import GRUSteps, StateHalo, TimeStepper
+from mpx.mgrit.solver import Layout, MGRITOptions
 
 __all__ = ["Direction", "Gather", "Layer", "Weights", "gru_step"]
 
@@ -76,7 +73,7 @@ class Direction:
     padding: steps outside ``[lo, hi)``) are the identity; a coarse step from
     padding into real steps reads a zero input (its position holds none).
 
-    The fine grid is split over the ranks (:mod:`mpx.mgrit.grid`): besides its own
+    The fine grid is split over the ranks (:mod:`mpx.mgrit.solver.grid`): besides its own
     steps ``[first, stop)`` a rank steps from its last point (step ``stop``) and,
     in the adjoint, the step ``first - 1`` before its block. Their input rows come
     with the inputs (see :class:`Layer`); the forward state and the adjoint's
@@ -109,7 +106,7 @@ class Direction:
         if fine.left is not None or fine.right is not None:
             self.halo = StateHalo(st.comm, fine.left, fine.right)
             st.use_halo(self.halo)
-        #: the batched steps (see mpx.mgrit.gru_steps), or None: one phi call per step
+        #: the batched steps (see mpx.mgrit.adjoint.gru_steps), or None: one phi call per step
         self.steps = GRUSteps(st.first, st.stop, self.lo, self.hi, st.work) if batched else None
         if self.steps is not None:
             st.use_stacked(self.steps)

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from mpx.mgrit.errors import MGRITConfigError
-from mpx.mgrit.layer_parallel import LayerParallel
+from mpx.mgrit.resnet.layer_parallel import LayerParallel
 
 __all__ = ["refine"]
 
