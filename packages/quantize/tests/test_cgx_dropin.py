@@ -237,6 +237,10 @@ def test_register_layer_refuses_bad_values() -> None:
             ((0, 0, 0, 4, 0), "numel=0"),
             ((-1, 0, 100, 4, 0), "bucket_idx=-1"),
             ((0, 0, 100, 4, 2**61), "bucket_size=2305843009213693952"),
+            # negatives were read as "the environment's", and 10**12 past CGX's C int
+            ((0, 0, 100, -1, 0), "bits=-1"),
+            ((0, 0, 100, 4, -3), "bucket_size=-3"),
+            ((0, 0, 100, 4, 10**12), r"bucket_size=1000000000000 .*2\*\*31 - 1"),
         ):
             with pytest.raises(QuantizeValueError, match=match):
                 torch_cgx.register_layer(*args)
@@ -247,6 +251,14 @@ def test_register_layer_refuses_bad_values() -> None:
         torch_cgx.register_layer(0, 0, 100, 4, 0)
         with pytest.raises(QuantizeValueError, match="bits=33"):
             torch_cgx.set_quantization_bits(0, 0, 33)
+        with pytest.raises(QuantizeValueError, match="bits=-1"):
+            torch_cgx.set_quantization_bits(0, 0, -1)
+        for bad in (-5, 10**12):
+            with pytest.raises(QuantizeValueError, match=f"bucket_size={bad}"):
+                torch_cgx.set_quantization_bucket_size(0, 0, bad)
+        torch_cgx.set_quantization_bucket_size(0, 0, 2**31 - 1)  # the largest CGX takes
+        torch_cgx.set_quantization_bucket_size(0, 0, 0)  # the environment's again
+        torch_cgx.set_quantization_bits(0, 0, 0)
     finally:
         torch_cgx.clear_layers()
 

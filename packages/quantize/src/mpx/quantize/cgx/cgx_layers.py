@@ -5,7 +5,9 @@ Written from CGX's documented behaviour (IST-DASLab/torch_cgx; none of its code)
 - ``torch_cgx.register_layer(bucket_idx, layer_idx, numel, bits, bucket_size)``
   says that DDP bucket ``bucket_idx`` holds, at position ``layer_idx``, a layer
   of ``numel`` elements sent at ``bits`` (32: exact) with ``bucket_size`` values
-  per quantization bucket (``bits``/``bucket_size`` <= 0: the environment's).
+  per quantization bucket (``bits``/``bucket_size`` 0: the environment's). Values out of
+  CGX's ranges are refused where they are given (bits 1-8 or 32; a bucket size that fits
+  CGX's C ``int``; no negatives), not read later as "the environment's".
   Once a layer is registered, each all_reduce of 16 elements or more is the
   next registered bucket, in index order, round and round (DDP reduces its
   buckets in index order every step); its size must be its layers' sum.
@@ -59,7 +61,7 @@ class EnvConfig:
 
 @dataclass
 class LayerSpec:
-    """One registered layer: its size, and its bits and bucket size (<= 0: the environment's)."""
+    """One registered layer: its size, and its bits and bucket size (0: the environment's)."""
 
     numel: int
     bits: int
@@ -80,9 +82,17 @@ def _index(name: str, value: object) -> int:
     return value
 
 
+#: the largest bucket size CGX's bindings take (a C ``int``)
+MAX_CGX_BUCKET_SIZE = 2**31 - 1
+
+
 def _bits(value: object) -> int:
-    # <= 0 is CGX's "not set": the layer takes CGX_COMPRESSION_QUANTIZATION_BITS.
-    if isinstance(value, bool) or not isinstance(value, int) or not (value <= 8 or value == 32):
+    # 0 is "not set": the layer takes CGX_COMPRESSION_QUANTIZATION_BITS.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not (0 <= value <= 8 or value == 32)
+    ):
         raise QuantizeValueError(
             f"torch_cgx: bits={value!r} must be 1 to 8, 32 for no compression, or 0 for "
             "CGX_COMPRESSION_QUANTIZATION_BITS"
@@ -91,9 +101,16 @@ def _bits(value: object) -> int:
 
 
 def _bucket_size(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise QuantizeValueError(f"torch_cgx: bucket_size={value!r} must be an integer")
-    return value if value <= 0 else check_bucket_size(value)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 0 <= value <= MAX_CGX_BUCKET_SIZE
+    ):
+        raise QuantizeValueError(
+            f"torch_cgx: bucket_size={value!r} must be an integer from 1 to 2**31 - 1 (CGX's "
+            "C int), or 0 for CGX_COMPRESSION_BUCKET_SIZE"
+        )
+    return value if value == 0 else check_bucket_size(value)
 
 
 class LayerTable:
