@@ -37,7 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # The packages whose README draws a Layout tree (issue 57).
-PACKAGES_WITH_LAYOUT = ["collectives", "dataparallel", "mgrit", "pipeline", "quantize"]
+PACKAGES_WITH_LAYOUT = ["collectives", "dataparallel", "launch", "mgrit", "pipeline", "quantize"]
 
 _ENTRY = re.compile(r"^(?P<indent>(?:│   |    )*)(?:├── |└── )(?P<name>\S+)(?P<rest>.*)$")
 

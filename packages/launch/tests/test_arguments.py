@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from mpx.launch.arguments import (
+from mpx.launch.cli import _job_environment
+from mpx.launch.command.arguments import (
     MAX_RANKS_PER_CORE,
     Cores,
     check_rank_count,
     job_cores,
     read_hostfile,
 )
-from mpx.launch.cli import _job_environment
 from mpx.launch.errors import UsageError
 from mpx.launch.launchers import Launcher
 

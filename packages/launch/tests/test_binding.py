@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpx.launch import binding
-from mpx.launch.binding import cpus_for
+from mpx.launch.rank import binding, cpus_for
 
 MPXRUN = os.path.join(os.path.dirname(sys.executable), "mpxrun")
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpx.launch import check
-from mpx.launch.check import run_check
+from mpx.launch.command import check, run_check
 
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mpx.launch import cli
-from mpx.launch.status import new_key
+from mpx.launch.rank import new_key
 
 
 def _lingering_launcher(nprocs: int, code: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""The lighthouse's membership and commit rules (mpx.launch.membership), and its wire."""
+"""The lighthouse's membership and commit rules (mpx.launch.recovery.membership), and its wire."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from mpx.launch.lighthouse import Lighthouse
-from mpx.launch.membership import Membership, Quorum
+from mpx.launch.recovery import Lighthouse, Membership, Quorum
 
 
 def _two(expected: int = 2) -> Membership:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpx.launch import shm_cleanup
+from mpx.launch.supervision import shm_cleanup
 
 MPXRUN = shutil.which("mpxrun", path=os.path.dirname(sys.executable)) or "mpxrun"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpx.launch.status import RankStatus, format_status, new_key, parse_status
+from mpx.launch.rank import RankStatus, format_status, new_key, parse_status
 
 
 def test_status_line_round_trips_through_a_rank_prefix() -> None:

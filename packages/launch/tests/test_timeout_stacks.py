@@ -106,7 +106,7 @@ def test_the_stack_file_leaves_no_resource_warning(tmp_path: Path) -> None:
     """The dump file stays open for the whole run; as a Python file object it was a
     'ResourceWarning: unclosed file /proc/PID/fd/3' at every rank's exit."""
     script = tmp_path / "prog.py"
-    script.write_text("import mpx.launch.stacks\nprint('ran')\n")
+    script.write_text("import mpx.launch.hook.stacks\nprint('ran')\n")
     proc = subprocess.run(
         [MPXRUN, "-n", "2", "--timeout", "120", "--", sys.executable, "-X", "dev", "-W",
          "always", str(script)],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from mpx.launch.stacks import wait_point
+from mpx.launch.hook import wait_point
 
 SITE = "/venv/lib/python3.11/site-packages"
 STDLIB = sysconfig.get_paths()["stdlib"]

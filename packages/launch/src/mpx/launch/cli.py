@@ -15,15 +15,15 @@ The job runs as a process tree in its own session::
             └── per rank: python -m mpx.launch.rank -- prog args…
 
 When a rank fails, its supervisor prints a status line, signed with the job's
-key (:mod:`mpx.launch.status`); ``mpxrun`` gives the launcher a moment to tear
+key (:mod:`mpx.launch.rank.status`); ``mpxrun`` gives the launcher a moment to tear
 the job down by itself, then signals the whole session (SIGTERM, then
 SIGKILL). The exit code is the failed rank's (128+N for a signal), 124 for
 ``--timeout``, 2 for bad usage (checked before anything starts, see
-:mod:`mpx.launch.arguments`: among others, more than 8 ranks a core needs
+:mod:`mpx.launch.command.arguments`: among others, more than 8 ranks a core needs
 ``--oversubscribe``).
 
 At ``--timeout`` ``mpxrun`` first asks every rank still running for its
-Python stack (SIGUSR1 to their supervisors, see :mod:`mpx.launch.stacks`) and
+Python stack (SIGUSR1 to their supervisors, see :mod:`mpx.launch.hook.stacks`) and
 prints them, then stops the job.
 
 A job succeeds only if every rank exits 0 after the job's end. A Python rank
@@ -62,18 +62,24 @@ import uuid
 from collections.abc import Sequence
 from typing import NoReturn
 
-from mpx.launch import arguments, settings
-from mpx.launch.check import run_check
-from mpx.launch.cli_parser import EXIT_USAGE, build_parser, resolve_program
+from mpx.launch import settings
+from mpx.launch.command import (
+    VirtualCluster,
+    build_parser,
+    check_combinations,
+    check_rank_count,
+    check_restart_flags,
+    job_cores,
+    read_hostfile,
+    resolve_program,
+    run_check,
+)
 from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
-from mpx.launch.job import EXIT_TIMEOUT, Job, RankFailure
 from mpx.launch.launchers import Launcher, find_launcher
-from mpx.launch.outcome import run_attempts
-from mpx.launch.rank import usable_cores
-from mpx.launch.replica_groups import GROUP_VARIABLES, check_usage, run_replica_groups
-from mpx.launch.status import new_key
-from mpx.launch.virtual_cluster import VirtualCluster
+from mpx.launch.rank import new_key, usable_cores
+from mpx.launch.recovery import GROUP_VARIABLES, check_usage, run_replica_groups
+from mpx.launch.supervision import EXIT_TIMEOUT, EXIT_USAGE, Job, RankFailure, run_attempts
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_USAGE", "Job", "RankFailure", "build_parser", "main"]
 
@@ -96,7 +102,7 @@ def _job_environment(
     oversubscribe: bool = False,
 ) -> dict[str, str]:
     local = _all_local(launcher, hostfile, virtual)
-    hosts = [host for host, _ in arguments.read_hostfile(hostfile)] if hostfile else []
+    hosts = [host for host, _ in read_hostfile(hostfile)] if hostfile else []
     if virtual is not None:
         hosts = list(virtual.addresses)
     oversubscribed = oversubscribe or ((local or virtual is not None) and nprocs > usable_cores())
@@ -141,14 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.program = ["--", sys.executable, "-m", "mpx.collectives.tune", *options]
     with contextlib.ExitStack() as stack:
         try:
-            arguments.check_combinations(args.nprocs, args.virtual_nodes, args.hostfile)
-            arguments.check_restart_flags(args.max_restarts, args.restart_delay)
+            check_combinations(args.nprocs, args.virtual_nodes, args.hostfile)
+            check_restart_flags(args.max_restarts, args.restart_delay)
             program = resolve_program(args.program)
             launcher = find_launcher(args.launcher)
-            cores = arguments.job_cores(
-                launcher.kind, args.hostfile, args.virtual_nodes, os.environ
-            )
-            arguments.check_rank_count(args.nprocs, cores, oversubscribe=args.oversubscribe)
+            cores = job_cores(launcher.kind, args.hostfile, args.virtual_nodes, os.environ)
+            check_rank_count(args.nprocs, cores, oversubscribe=args.oversubscribe)
             virtual = None
             if args.virtual_nodes is not None:
                 _check_virtual(launcher)

@@ -24,7 +24,7 @@ forks them and speaks PMI over socket pairs, where Hydra's ``mpiexec``
 listens for its proxies on a TCP port of every interface. gforker cuts output
 at the first non-ASCII byte and cannot bind: the ranks' output bypasses it
 (``MPX_OUTPUT_FDS``) and for ``--bind`` the rank supervisor pins its program
-itself (``MPX_BIND``, :mod:`mpx.launch.binding`). Under MPICH the supervisors
+itself (``MPX_BIND``, :mod:`mpx.launch.rank.binding`). Under MPICH the supervisors
 tag output lines (``MPX_TAG_OUTPUT``).
 """
 
@@ -139,7 +139,7 @@ class Launcher:
             raise UsageError(f"--bind must be one of {', '.join(BIND_CHOICES)}, got {bind!r}")
         cmd = [self.path, "-n", str(nprocs)]
         if self.forker:
-            # Binding is the rank supervisor's job here (MPX_BIND, mpx.launch.binding).
+            # Binding is the rank supervisor's job here (MPX_BIND, mpx.launch.rank.binding).
             # So are tags (MPX_TAG_OUTPUT): the ranks' output bypasses gforker.
             if hostfile:
                 raise UsageError(

@@ -1,6 +1,6 @@
 """Live recovery's client of the lighthouse: hello, heartbeats, and rank 0's requests.
 
-The lighthouse (:mod:`mpx.launch.lighthouse`, started by ``mpxrun
+The lighthouse (:mod:`mpx.launch.recovery.lighthouse`, started by ``mpxrun
 --replica-groups``) decides each step's membership. Every rank keeps one
 connection to it for heartbeats, whose replies say which groups are alive and
 which quorum was aborted last (what :class:`~mpx.dataparallel.recovery.links.PeerLinks`'

@@ -6,7 +6,7 @@ Under ``mpxrun --replica-groups R -n N`` each group is its own MPI world;
 this optimizer averages rank ``r``'s gradients over rank ``r`` of every live
 group (through shared memory on one host, :mod:`mpx.dataparallel.recovery.shm`, else
 over TCP, :mod:`mpx.dataparallel.recovery.links`) and steps only when the
-lighthouse (:mod:`mpx.launch.lighthouse`) commits the step, that is when every
+lighthouse (:mod:`mpx.launch.recovery.lighthouse`) commits the step, that is when every
 group of the step's membership has its gradients published (or, over TCP,
 exchanged); the sum follows the commit. A step during which a
 group dies is discarded by every survivor (no partial update) and done again
@@ -51,13 +51,13 @@ from mpx.dataparallel.synchronous import DistributedOptimizer
 
 __all__ = ["FaultTolerantOptimizer"]
 
-# The keys of a quorum request's reply (see mpx.launch.lighthouse): a vote's reply
+# The keys of a quorum request's reply (see mpx.launch.recovery.lighthouse): a vote's reply
 # that has one of them carries the next step's quorum.
 _ANSWERS = frozenset({"quorum", "member", "finished"})
 
 
 def _setting(name: str) -> str | None:
-    # Set by mpxrun --replica-groups and declared in mpx.launch.replica_groups;
+    # Set by mpxrun --replica-groups and declared in mpx.launch.recovery.replica_groups;
     # mpx-dataparallel does not list mpx-launch among its requirements, so it
     # reads them here rather than through that module's Setting objects.
     return os.environ.get(name)  # noqa: TID251

@@ -3,7 +3,7 @@
 Replica groups (``mpxrun --replica-groups R``) train one model in data
 parallel across groups over TCP; :class:`Membership` decides, step by step,
 which groups take part (a *quorum*) and whether a step they took part in is
-applied (*committed*). The server around it is :mod:`mpx.launch.lighthouse`;
+applied (*committed*). The server around it is :mod:`mpx.launch.recovery.lighthouse`;
 the trainers' side is ``mpx.dataparallel.FaultTolerantOptimizer``.
 
 The rules, so that no step is ever applied by some replicas and not others:
@@ -84,7 +84,7 @@ class _Group:
 class Membership:
     """The lighthouse's state: live groups, the quorums, the votes.
 
-    Not thread-safe: :mod:`mpx.launch.lighthouse` calls it under one lock.
+    Not thread-safe: :mod:`mpx.launch.recovery.lighthouse` calls it under one lock.
     Every method takes the time as an argument (tests drive the clock).
 
     Example::

@@ -1,7 +1,7 @@
 """The lighthouse: a small TCP server in ``mpxrun`` that keeps the replica groups' membership.
 
 ``mpxrun --replica-groups R`` runs one in a thread and tells every rank its
-address (``MPX_LIGHTHOUSE``). The rules it keeps are :mod:`mpx.launch.membership`'s;
+address (``MPX_LIGHTHOUSE``). The rules it keeps are :mod:`mpx.launch.recovery.membership`'s;
 this module is the wire: one JSON object a line each way, one request at a
 time per connection. Each rank of each group holds a connection on which it
 says ``hello`` and then beats (a heartbeat thread); its group's rank 0 holds a
@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mpx.launch.membership import Membership
+from mpx.launch.recovery.membership import Membership
 
 __all__ = ["Lighthouse", "print_event"]
 

@@ -1,11 +1,11 @@
 """The job ``mpxrun`` supervises: one launcher process, its ranks' reports, and the verdict.
 
 A :class:`Job` runs the launcher in a session of its own and reads the
-status lines the rank supervisors sign (:mod:`mpx.launch.status`): which
+status lines the rank supervisors sign (:mod:`mpx.launch.rank.status`): which
 ranks exited how, which ended their program; it stops the whole job on the
 first failure, at ``--timeout`` (after collecting the ranks' stacks,
-:mod:`mpx.launch.stacks`) or when the ranks still running wait for ones that
-ended early. :mod:`mpx.launch.outcome` runs the attempts ``--max-restarts``
+:mod:`mpx.launch.hook.stacks`) or when the ranks still running wait for ones that
+ended early. :mod:`mpx.launch.supervision.outcome` runs the attempts ``--max-restarts``
 allows and says how the last one ended. :mod:`mpx.launch.cli` builds the job
 from the command line.
 """
@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from mpx.launch import settings, stacks
-from mpx.launch.rank import die_with_parent
-from mpx.launch.status import parse_status
+from mpx.launch import hook, settings
+from mpx.launch.rank import die_with_parent, parse_status
 
 __all__ = [
     "EXIT_ENDED_EARLY",
     "EXIT_TIMEOUT",
+    "EXIT_USAGE",
     "Job",
     "RankFailure",
     "ranks_phrase",
@@ -44,7 +44,7 @@ TERM_GRACE_S = 2.0
 # but lingers (see Job.end_when_ranks_exit) may take before it is stopped.
 LINGER_S = 0.05
 # At --timeout, how long the ranks get to send their stacks.
-STACKS_WAIT_S = stacks.DUMP_WAIT_S + 1.0
+STACKS_WAIT_S = hook.DUMP_WAIT_S + 1.0
 # After a rank left mid-program with exit code 0 (os._exit(0)), how long the
 # others have to end too before the job counts as failed: ranks that all
 # leave this way at the very end (a common way round exit-time aborts in
@@ -53,6 +53,9 @@ LEFT_WINDOW_S = 10.0
 # Exit code of a job that failed although every rank it heard from exited 0.
 EXIT_ENDED_EARLY = 1
 EXIT_TIMEOUT = 124
+# Exit code of bad usage, found before anything starts (mpxrun's, or the program's:
+# outcome.usage_error).
+EXIT_USAGE = 2
 
 
 @dataclass
@@ -103,7 +106,7 @@ def ranks_phrase(ranks: Sequence[int]) -> str:
 class _Progress:
     """What the watch of the ranks still running saw of one of them."""
 
-    point: stacks.WaitPoint | None
+    point: hook.WaitPoint | None
     since: float
     stack: list[str]
 
@@ -209,7 +212,7 @@ class Job:
         return [r for r in range(self.nprocs) if r != but and not self._finished(r)]
 
     def _note_progress(self, rank: int, lines: list[str], now: float) -> None:
-        point = stacks.wait_point(lines)
+        point = hook.wait_point(lines)
         seen = self._progress.get(rank)
         if seen is None or point is None or seen.point is None or seen.point.where != point.where:
             self._progress[rank] = _Progress(point, now, lines)
@@ -322,13 +325,13 @@ class Job:
         if self.local:
             for pid in self._supervisors(proc):
                 # One starting up, or exiting, would die of the signal's default action.
-                if stacks.handles_dump_signal(pid):
+                if hook.handles_dump_signal(pid):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, stacks.DUMP_SIGNAL)
+                        os.kill(pid, hook.DUMP_SIGNAL)
         else:
             # Hydra, mpirun and srun pass SIGUSR1 on to the processes they started.
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(proc.pid, stacks.DUMP_SIGNAL)
+                os.kill(proc.pid, hook.DUMP_SIGNAL)
 
     def _collect_stacks(self, proc: subprocess.Popen[bytes]) -> None:
         """Asks the ranks still running for their Python stacks and prints them."""

@@ -5,11 +5,11 @@ Each replica group is a job of its own (its own launcher, its own
 ``g`` dies, ``mpxrun`` stops and restarts group ``g`` only, while the others
 keep training (``mpx.dataparallel.FaultTolerantOptimizer`` averages the
 gradients over the live groups and hands a restarted group the live state).
-``mpxrun`` also runs the :class:`~mpx.launch.lighthouse.Lighthouse` that keeps
+``mpxrun`` also runs the :class:`~mpx.launch.recovery.lighthouse.Lighthouse` that keeps
 the membership, and tells every rank where it is.
 
 The exit code is 0 if every group's last attempt succeeded, else the first
-failing group's (as :func:`mpx.launch.outcome.report` gives it). A group that
+failing group's (as :func:`mpx.launch.supervision.outcome.report` gives it). A group that
 fails after another has finished training is not restarted (there is no
 live state left to rejoin); its failure is the job's exit code.
 """
@@ -26,11 +26,10 @@ from collections.abc import Callable
 
 from mpx.launch.environment import free_port
 from mpx.launch.errors import UsageError
-from mpx.launch.job import Job
-from mpx.launch.lighthouse import Lighthouse, print_event
-from mpx.launch.outcome import failure_of, report, run_and_clean, stop_on_signals
+from mpx.launch.rank import new_key
+from mpx.launch.recovery.lighthouse import Lighthouse, print_event
 from mpx.launch.settings import HEARTBEAT_TIMEOUT, LIGHTHOUSE, REPLICA_GROUP, REPLICA_GROUPS
-from mpx.launch.status import new_key
+from mpx.launch.supervision import Job, failure_of, report, run_and_clean, stop_on_signals
 
 __all__ = [
     "GROUP_VARIABLES",

@@ -1,10 +1,10 @@
 """``mpxrun``'s command line: its options, and the program it starts.
 
 :func:`build_parser` is the parser of every option (``mpxrun --help``); the
-values are checked as they are parsed (:mod:`mpx.launch.arguments`) and a bad
+values are checked as they are parsed (:mod:`mpx.launch.command.arguments`) and a bad
 one exits with :data:`EXIT_USAGE` and one line saying what to fix.
 :func:`resolve_program` finds the program to start. :mod:`mpx.launch.cli`
-(``main``) puts them together with the job (:mod:`mpx.launch.job`).
+(``main``) puts them together with the job (:mod:`mpx.launch.supervision.job`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from mpx.launch import arguments
+from mpx.launch.command import arguments
+from mpx.launch.command.virtual_cluster import MAX_NODES
 from mpx.launch.errors import UsageError
 from mpx.launch.launchers import BIND_CHOICES, LAUNCHER_KINDS
-from mpx.launch.virtual_cluster import MAX_NODES
+from mpx.launch.supervision import EXIT_USAGE
 
 __all__ = ["EXIT_USAGE", "build_parser", "resolve_program"]
-
-# Exit code of bad usage, found before anything starts.
-EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):

@@ -71,7 +71,7 @@ print(n, *[torch.cuda.get_device_name(i).replace(" ", "_") for i in range(n)])
 
 _QUANTIZE_PROBE = """
 import mpx.quantize
-from mpx.launch.check import _kernels_line
+from mpx.launch.command.check import _kernels_line
 q = mpx.quantize
 print(_kernels_line(q.available_backends(), q.available_backends(usable_only=True)))
 """

@@ -11,7 +11,7 @@ Both ends live here::
 ``faulthandler`` writes from its C signal handler, so the stack comes out
 even while the program is blocked inside an MPI call. The dump goes to a file
 rather than to stderr so that the supervisor can hand it to ``mpxrun`` in one
-piece (see :mod:`mpx.launch.status`), not interleaved with other ranks' output.
+piece (see :mod:`mpx.launch.rank.status`), not interleaved with other ranks' output.
 
 A program that does not handle SIGUSR1 (not Python, or one that never
 registered) is never sent it: the signal's default action would kill it.

@@ -1,7 +1,7 @@
 """What a finished job comes to: mpxrun's report and exit code, and the restarts.
 
 :func:`run_attempts` runs the attempts ``--max-restarts`` allows, each a
-:class:`~mpx.launch.job.Job` whose node-shared memory is cleaned after it
+:class:`~mpx.launch.supervision.job.Job` whose node-shared memory is cleaned after it
 (:func:`run_and_clean`); :func:`report` says how the last one ended: the exit
 code, and the lines on stderr. A program that refuses its arguments (exit code
 2, :func:`usage_error`) is not a crash: no rank-failure report, no restart.
@@ -14,9 +14,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from mpx.launch import shm_cleanup
-from mpx.launch.cli_parser import EXIT_USAGE
-from mpx.launch.job import EXIT_TIMEOUT, Job, ranks_phrase
+from mpx.launch.supervision import shm_cleanup
+from mpx.launch.supervision.job import EXIT_TIMEOUT, EXIT_USAGE, Job, ranks_phrase
 
 __all__ = [
     "failure_of",

@@ -9,7 +9,7 @@ rank; this module starts ``prog`` as its child and watches it::
               stderr of prog ──tee──> stderr ───┘ (+ the last lines kept)
 
 When ``prog`` exits, the supervisor writes one status line
-(``MPXRUN-RANK-EXITED rank code tail mac``, see :mod:`mpx.launch.status`) to
+(``MPXRUN-RANK-EXITED rank code tail mac``, see :mod:`mpx.launch.rank.status`) to
 stderr. Under MPICH's gforker (single-host jobs), "stdout" and "stderr" are
 two descriptors mpxrun handed down (``MPX_OUTPUT_FDS``), since gforker cuts
 output at the first non-ASCII byte. The launcher forwards stderr from every
@@ -19,7 +19,7 @@ job's key (``MPX_STATUS_KEY``), which the supervisor keeps from ``prog``:
 nothing ``prog`` prints can pass for a status line.
 
 On SIGUSR1 (``mpxrun --timeout`` sends it) the supervisor asks ``prog`` for
-its Python stack (:mod:`mpx.launch.stacks`) and sends it to ``mpxrun`` the
+its Python stack (:mod:`mpx.launch.hook.stacks`) and sends it to ``mpxrun`` the
 same way (``MPXRUN-RANK-STACK``).
 
 A Python ``prog`` says on a pipe of the supervisor (``MPX_END_FILE``, see
@@ -54,8 +54,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO
 
-from mpx.launch import binding, stacks
+from mpx.launch import hook
 from mpx.launch.environment import Environment, environment
+from mpx.launch.rank import binding
+from mpx.launch.rank.status import format_status
 from mpx.launch.settings import (
     BIND,
     END_FILE,
@@ -68,7 +70,6 @@ from mpx.launch.settings import (
     TAG_OUTPUT,
     TORCH_ENV,
 )
-from mpx.launch.status import format_status
 
 __all__ = [
     "die_with_parent",
@@ -114,7 +115,7 @@ def rank_environment(
         gpu_count: GPUs on this node; read from the driver when None.
     """
     out = dict(base)
-    # The program must not be able to sign status lines (see mpx.launch.status).
+    # The program must not be able to sign status lines (see mpx.launch.rank.status).
     out.pop(STATUS_KEY.name, None)
     # The supervisor's channels, not the program's: an mpxrun the program
     # starts would hand them to its own ranks.
@@ -402,7 +403,7 @@ def _supervise(
             os.kill(child.pid, signum)
 
     def send_stack() -> None:
-        if end.ended is not None and not stacks.handles_dump_signal(child.pid):
+        if end.ended is not None and not hook.handles_dump_signal(child.pid):
             # Python has shut down its signal handlers: the program is over,
             # the process not yet (MPI_Finalize waits for every rank).
             lines = [
@@ -411,7 +412,7 @@ def _supervise(
                 "the other ranks)"
             ]
         else:
-            lines = stacks.dump(child.pid, stack_file)
+            lines = hook.dump(child.pid, stack_file)
         reporter.report("STACK", child.pid, lines)
 
     def stack_requested(_signum: int, _frame: FrameType | None) -> None:
@@ -420,7 +421,7 @@ def _supervise(
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, stop)
-    signal.signal(stacks.DUMP_SIGNAL, stack_requested)
+    signal.signal(hook.DUMP_SIGNAL, stack_requested)
 
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     assert child.stderr is not None
@@ -439,7 +440,7 @@ def _supervise(
     code = child.wait()
     # No stack to give any more; and SIGUSR1's default action would kill this
     # supervisor once Python restores it at exit, which launchers report.
-    signal.signal(stacks.DUMP_SIGNAL, signal.SIG_IGN)
+    signal.signal(hook.DUMP_SIGNAL, signal.SIG_IGN)
     end.finish()
     # A grandchild may still hold a pipe open; don't wait for it forever.
     for reader in readers:
