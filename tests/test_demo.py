@@ -190,13 +190,13 @@ def test_runs_of_other_flags_keep_their_own_files_and_checkpoints(
         env=user_environment,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    assert proc.returncode == 2, out[-3000:]  # a usage error, said once by rank 0
     said = (
         "mpx demo: the checkpoints in ckpt were written by --mode dp --bits 4 (digits_dp_4bit), "
         "not by this run's --mode pipeline --schedule 1f1b: they cannot be resumed here. Pass "
         "another --checkpoint-dir, or remove it: rm -r ckpt"
     )
-    assert sum(line.startswith(said) for line in out.splitlines()) == 2, out[-3000:]
+    assert sum(line.startswith(said) for line in out.splitlines()) == 1, out[-3000:]
     assert "missing" not in out.lower()
     assert not list(tmp_path.glob("digits_pipeline_*"))
 
