@@ -65,3 +65,21 @@ def test_a_plain_python_is_left_to_torch(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode != 0
     assert "RANK expected, but not set" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside this Python (pip install mpich)")
+def test_cgx_scripts_find_their_rank_under_plain_mpiexec() -> None:
+    """CGX's scripts read Open MPI's OMPI_COMM_WORLD_* ("Launch with mpirun" without
+    them): ``import torch_cgx`` sets them from MPICH's variables (issue 59)."""
+    assert MPIEXEC is not None
+    script = (
+        "import os, torch_cgx\n"
+        "names = ('RANK', 'SIZE', 'LOCAL_RANK', 'LOCAL_SIZE')\n"
+        "print(*(os.environ['OMPI_COMM_WORLD_' + n] for n in names), flush=True)\n"
+    )
+    proc = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-c", script],
+        env=bare_environment(), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert sorted(proc.stdout.splitlines()) == ["0 2 0 2", "1 2 1 2"]

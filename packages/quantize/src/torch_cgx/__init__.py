@@ -20,8 +20,12 @@ allreduce) and offers CGX's layer filtering::
 
 configured by CGX's variables (``CGX_COMPRESSION_QUANTIZATION_BITS``, default 32:
 no quantization; ``CGX_COMPRESSION_BUCKET_SIZE``, ...; read again at every
-all_reduce, as CGX), started by ``mpxrun -n 2 -- python train.py`` (or
-``mpirun``). MPI starts only when a ``"cgx"`` group is made.
+all_reduce, as CGX), started by ``mpxrun -n 2 -- python train.py``, ``mpirun``,
+MPICH's ``mpiexec`` or ``srun``: CGX's scripts read Open MPI's
+``OMPI_COMM_WORLD_RANK``/``_SIZE`` (and ``_LOCAL_*``) and stop with "Launch with
+mpirun" without them, so ``import torch_cgx`` sets them from whichever
+launcher started the process where Open MPI did not (nothing is overwritten).
+MPI starts only when a ``"cgx"`` group is made.
 
 CGX's own functions, with CGX's semantics (written from its documentation;
 ``cgx_utils.cgx_hook`` calls them)::
@@ -34,11 +38,14 @@ CGX's own functions, with CGX's semantics (written from its documentation;
 
 from __future__ import annotations
 
+import contextlib
+import os
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
 from mpx._quantize_autoload import register as _register
+from mpx.launch import LaunchEnvironmentError, environment, open_mpi_variables
 from mpx.quantize.cgx import layer_table
 from mpx.quantize.errors import QuantizeValueError
 from mpx.quantize.reduction import register_model, registry
@@ -156,3 +163,16 @@ def exclude_layer(part: str) -> None:
 # Already done by `import torch` through the torch.backends entry point, unless
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0 turned that off: idempotent, starts no MPI.
 _register()
+
+
+def _open_mpi_names() -> None:
+    """Open MPI's ``OMPI_COMM_WORLD_*`` from the launcher's own variables, where none is
+    set: CGX's scripts find their rank there (see the module docstring). No MPI starts."""
+    here = os.environ  # noqa: TID251 (the process's own environment is what is written)
+    if any(name.startswith("OMPI_COMM_WORLD_") for name in here):
+        return  # Open MPI's launcher, or the user: theirs stand
+    with contextlib.suppress(LaunchEnvironmentError):  # then the script says what is missing
+        here.update(open_mpi_variables(environment(), here))
+
+
+_open_mpi_names()

@@ -15,6 +15,7 @@ from mpx.launch.environment import (
     free_port,
     init_torch_env,
     init_torch_env_under_mpi,
+    open_mpi_variables,
 )
 from mpx.launch.errors import (
     LaunchEnvironmentError,
@@ -41,6 +42,7 @@ __all__ = [
     "free_port",
     "init_torch_env",
     "init_torch_env_under_mpi",
+    "open_mpi_variables",
 ]
 
 # pyproject.toml's version, as installed: the one place it is written.

@@ -38,6 +38,7 @@ __all__ = [
     "free_port",
     "init_torch_env",
     "init_torch_env_under_mpi",
+    "open_mpi_variables",
 ]
 
 
@@ -179,6 +180,31 @@ def environment(env: Mapping[str, str] | None = None) -> Environment:
         )
         return Environment(rank, local_rank, size, local_size, node, "torchrun")
     return Environment(0, 0, 1, 1, 0, "single")
+
+
+_OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+_OPEN_MPI_LOCAL = ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def open_mpi_variables(env: Environment, base: Mapping[str, str]) -> dict[str, str]:
+    """Open MPI's rank variables where another launcher started the rank, for CGX's scripts.
+
+    CGX's scripts and test take rank and size from ``OMPI_COMM_WORLD_RANK`` /
+    ``_SIZE`` (asserting "CGX only works with mpirun launch"). Open MPI sets
+    them itself, and so may the user: then (any of the four set) nothing is
+    added. They are what :func:`environment` reads first, so they
+    are exported only where it then reads the same rank, sizes and node: not
+    where the node is not the by-blocks one it would compute (Slurm's cyclic
+    placement). MPICH and mpi4py do not read them.
+    """
+    if any(name in base for name in (*_OPEN_MPI, *_OPEN_MPI_LOCAL)):
+        return {}
+    if env.launcher == "single" or env.node_rank != (env.rank - env.local_rank) // max(
+        env.local_world_size, 1
+    ):
+        return {}
+    values = (env.rank, env.world_size, env.local_rank, env.local_world_size)
+    return {name: str(v) for name, v in zip((*_OPEN_MPI, *_OPEN_MPI_LOCAL), values, strict=True)}
 
 
 def free_port(host: str = "") -> int:

@@ -21,7 +21,6 @@ from mpx.launch.rank.status import KINDS, RankStatus, format_status, new_key, pa
 from mpx.launch.rank.supervisor import (
     die_with_parent,
     main,
-    open_mpi_variables,
     rank_environment,
     torchrun_variables,
     usable_cores,
@@ -36,7 +35,6 @@ __all__ = [
     "format_status",
     "main",
     "new_key",
-    "open_mpi_variables",
     "parse_status",
     "rank_environment",
     "torchrun_variables",

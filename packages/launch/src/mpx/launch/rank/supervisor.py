@@ -55,7 +55,7 @@ from types import FrameType
 from typing import IO
 
 from mpx.launch import hook
-from mpx.launch.environment import Environment, environment
+from mpx.launch.environment import Environment, environment, open_mpi_variables
 from mpx.launch.rank import binding
 from mpx.launch.rank.status import format_status
 from mpx.launch.settings import (
@@ -74,7 +74,6 @@ from mpx.launch.settings import (
 __all__ = [
     "die_with_parent",
     "main",
-    "open_mpi_variables",
     "rank_environment",
     "torchrun_variables",
     "usable_cores",
@@ -162,31 +161,6 @@ def torchrun_variables(env: Environment, base: Mapping[str, str]) -> dict[str, s
     out.update(open_mpi_variables(env, base))
     out[TORCH_ENV.name] = ",".join(sorted(out))
     return out
-
-
-_OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-_OPEN_MPI_LOCAL = ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-
-
-def open_mpi_variables(env: Environment, base: Mapping[str, str]) -> dict[str, str]:
-    """Open MPI's rank variables where another launcher started the rank, for CGX's scripts.
-
-    CGX's scripts and test take rank and size from ``OMPI_COMM_WORLD_RANK`` /
-    ``_SIZE`` (asserting "CGX only works with mpirun launch"). Open MPI sets
-    them itself, and so may the user: then (any of the four set) nothing is
-    added. They are what :func:`mpx.launch.environment` reads first, so they
-    are exported only where it then reads the same rank, sizes and node: not
-    where the node is not the by-blocks one it would compute (Slurm's cyclic
-    placement). MPICH and mpi4py do not read them.
-    """
-    if any(name in base for name in (*_OPEN_MPI, *_OPEN_MPI_LOCAL)):
-        return {}
-    if env.launcher == "single" or env.node_rank != (env.rank - env.local_rank) // max(
-        env.local_world_size, 1
-    ):
-        return {}
-    values = (env.rank, env.world_size, env.local_rank, env.local_world_size)
-    return {name: str(v) for name, v in zip((*_OPEN_MPI, *_OPEN_MPI_LOCAL), values, strict=True)}
 
 
 def die_with_parent(sig: int) -> None:
