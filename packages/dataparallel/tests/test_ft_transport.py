@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -11,8 +12,12 @@ from torch import nn
 
 from mpx.dataparallel import DataParallelTypeError, DataParallelValueError, FaultTolerantOptimizer
 from mpx.dataparallel.recovery.links import (
+    CHALLENGE,
+    FRAME,
     GRAD,
+    HELLO,
     STATE,
+    PeerLinks,
     PeerLost,
     exchange,
     recv_frame,
@@ -20,6 +25,7 @@ from mpx.dataparallel.recovery.links import (
 )
 from mpx.dataparallel.recovery.optimizer import _sum_into
 from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
+from mpx.launch import NONCE_BYTES, JobKey, new_nonce
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -116,11 +122,10 @@ def test_exchange_receives_into_the_buffers_given() -> None:
     thread.join(timeout=30)
     assert torch.frombuffer(got[1], dtype=torch.float32).data_ptr() == inbox.data_ptr()
     assert torch.equal(inbox, theirs)
-    # A frame of another length than the buffer's gets a buffer of its own.
+    # A frame of another length than the buffer's is refused before it is read.
     send_frame(b, 3, GRAD, b"four", _never)
-    assert exchange({1: a}, 3, GRAD, b"mine", _never, {1: inbox.numpy().data.cast("B")}) == {
-        1: bytearray(b"four")
-    }
+    with pytest.raises(PeerLost, match="sent a frame of 4 bytes, not 1200000"):
+        exchange({1: a}, 3, GRAD, b"mine", _never, {1: inbox.numpy().data.cast("B")})
 
 
 @pytest.mark.parametrize("members", [2, 3, 4])
@@ -194,3 +199,128 @@ def test_a_malformed_state_is_a_lost_peer() -> None:
     frame = bytearray(pack_state({"w": torch.ones(2)})[0]) + bytearray(b"junk" * 4)
     with pytest.raises(PeerLost, match="malformed state"):
         unpack_state(frame, torch.device("cpu"))
+
+
+# -- the links' handshake (issue 58: only the job's processes take part) --------------------
+
+
+def _linked(a: PeerLinks, b: PeerLinks, quorum: int = 1) -> tuple[socket.socket, socket.socket]:
+    """Group b (the larger id) links to group a: both ends' sockets."""
+    got: list[socket.socket] = []
+    thread = threading.Thread(
+        target=lambda: got.append(
+            b.link(a.group, "inc-a", list(a.address), "inc-b", quorum, _never)
+        )
+    )
+    thread.start()
+    mine = a.link(b.group, "inc-b", list(b.address), "inc-a", quorum, _never)
+    thread.join(timeout=30)
+    return mine, got[0]
+
+
+def test_linked_groups_prove_the_job_key_and_then_exchange() -> None:
+    key = JobKey.new()
+    a, b = PeerLinks(0, key, 2), PeerLinks(1, key, 2)
+    try:
+        sa, sb = _linked(a, b)
+        got: dict[int, bytearray | memoryview] = {}
+        thread = threading.Thread(
+            target=lambda: got.update(exchange({0: sb}, 1, GRAD, b"bbbb", _never))
+        )
+        thread.start()
+        assert exchange({1: sa}, 1, GRAD, b"aaaa", _never) == {1: bytearray(b"bbbb")}
+        thread.join(timeout=30)
+        assert got == {0: bytearray(b"aaaa")}
+    finally:
+        a.close()
+        b.close()
+
+
+def _hello_frame(challenge: bytes, key: JobKey, **fields: object) -> bytes:
+    mine = new_nonce()
+    body = {"group": 1, "incarnation": "inc-b", "nonce": mine.hex(),
+            "proof": key.prove("client", challenge, mine).hex(), **fields}  # fmt: skip
+    data = json.dumps(body).encode()
+    return FRAME.pack(b"MPXF", 1, HELLO, len(data)) + data
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "huge length",
+        "not a hello",
+        "list body",
+        "not json",
+        "no proof",
+        "another key",
+        "group 9",
+        "group str",
+        "replayed proof",
+    ],
+)
+def test_a_link_that_does_not_prove_the_job_is_refused_and_the_next_one_works(
+    attack: str,
+) -> None:
+    """Issue 58: one frame announcing 2**62 bytes, a non-int group or a non-dict body
+    killed the accepting thread (a later rejoin never connected); a stranger without the
+    job's secret was linked. Now each is closed alone, logged, and a real link follows."""
+    key = JobKey.new()
+    events: list[str] = []
+    a = PeerLinks(0, key, 2, log=events.append)
+    b = PeerLinks(1, key, 2)
+    try:
+        with socket.create_connection(a.address, timeout=10) as conn:
+            header = conn.recv(FRAME.size, socket.MSG_WAITALL)
+            assert FRAME.unpack(header)[2] == CHALLENGE
+            challenge = conn.recv(NONCE_BYTES, socket.MSG_WAITALL)
+            frames = {
+                "huge length": FRAME.pack(b"MPXF", 1, HELLO, 2**62),
+                "not a hello": FRAME.pack(b"MPXF", 1, GRAD, 4) + b"grad",
+                "list body": FRAME.pack(b"MPXF", 1, HELLO, 6) + b"[1, 2]",
+                "not json": FRAME.pack(b"MPXF", 1, HELLO, 4) + b"{{{{",
+                "no proof": _hello_frame(challenge, key, proof="00" * 32),
+                "another key": _hello_frame(challenge, JobKey.new()),
+                "group 9": _hello_frame(challenge, key, group=9),
+                "group str": _hello_frame(challenge, key, group="1"),
+                "replayed proof": _hello_frame(new_nonce(), key),
+            }
+            conn.sendall(frames[attack])
+            assert _closed_unanswered(conn)
+        sa, sb = _linked(a, b)  # the accepting thread lives on
+        assert sa.fileno() >= 0
+        assert sb.fileno() >= 0
+    finally:
+        a.close()
+        b.close()
+    assert len(events) == 1, events
+    assert "refused a link" in events[0], events
+
+
+def _closed_unanswered(conn: socket.socket) -> bool:
+    """The peer closed ``conn`` without a byte more (a reset: it left data unread)."""
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connector_refuses_an_acceptor_without_the_job_key() -> None:
+    impostor = PeerLinks(0, JobKey.new(), 2, log=lambda _: None)
+    b = PeerLinks(1, JobKey.new(), 2)
+    try:
+        with pytest.raises(PeerLost, match=r"did not prove the job's secret|closed its link"):
+            b.link(0, "inc-a", list(impostor.address), "inc-b", 1, _never)
+    finally:
+        impostor.close()
+        b.close()
+
+
+def test_a_frame_longer_than_expected_is_refused_before_allocation() -> None:
+    a, b = _pair()
+    b.send(FRAME.pack(b"MPXF", 1, STATE, 2**62))
+    with pytest.raises(PeerLost, match=r"announced 4611686018427387904 bytes \(at most 1024"):
+        recv_frame(a, 1, _never, limit=1024)
+    a, b = _pair()
+    b.send(FRAME.pack(b"MPXF", 1, GRAD, 2**62))
+    with pytest.raises(PeerLost, match="sent a frame of 4611686018427387904 bytes, not 8"):
+        exchange({1: a}, 1, GRAD, b"x" * 8, _never, {1: memoryview(bytearray(8))})

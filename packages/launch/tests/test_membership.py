@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from mpx.launch import NONCE_BYTES, JobKey, new_nonce
 from mpx.launch.recovery import Lighthouse, Membership, Quorum
+from mpx.launch.recovery.lighthouse import MAX_LINE
 
 
 def _two(expected: int = 2) -> Membership:
@@ -136,14 +138,35 @@ def _ask(file: Any, message: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+def _connect(lh: Lighthouse) -> tuple[socket.socket, Any, bytes]:
+    """A connection to ``lh`` and the challenge it opened with."""
+    host, port = lh.address.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=20)
+    file = conn.makefile("rwb")
+    challenge = bytes.fromhex(json.loads(file.readline())["challenge"])
+    assert len(challenge) == NONCE_BYTES
+    return conn, file, challenge
+
+
+def _hello(file: Any, challenge: bytes, key: JobKey, group: int, **fields: Any) -> dict[str, Any]:
+    """A hello proven with ``key``; the lighthouse's reply."""
+    mine = new_nonce()
+    hello = {"op": "hello", "group": group, "rank": 0, "size": 1, "incarnation": str(group)}
+    hello |= {"address": ["h", group + 1], "nonce": mine.hex()}
+    hello |= {"proof": key.prove("client", challenge, mine).hex(), **fields}
+    reply = _ask(file, hello)
+    assert key.verify("server", challenge, mine, bytes.fromhex(reply["proof"]))
+    return reply
+
+
 def _said_hello(lh: Lighthouse, groups: int) -> tuple[list[socket.socket], list[Any]]:
     """Connections of ``groups`` groups of one rank each, their hellos answered."""
-    host, port = lh.address.rsplit(":", 1)
-    conns = [socket.create_connection((host, int(port)), timeout=20) for _ in range(groups)]
-    files = [c.makefile("rwb") for c in conns]
-    for g, f in enumerate(files):
-        hello = {"op": "hello", "group": g, "rank": 0, "size": 1, "incarnation": str(g)}
-        assert _ask(f, {**hello, "address": ["h", g]})["ok"]
+    conns, files = [], []
+    for g in range(groups):
+        conn, file, challenge = _connect(lh)
+        assert _hello(file, challenge, lh.key, g)["ok"]
+        conns.append(conn)
+        files.append(file)
     return conns, files
 
 
@@ -175,13 +198,66 @@ def test_lighthouse_sees_a_closed_connection_at_once() -> None:
         conns[0].close()
 
 
+def _refused(lh: Lighthouse, send: bytes) -> None:
+    """``send`` on a fresh connection ends it unanswered, and no group joins."""
+    conn, file, _ = _connect(lh)
+    with conn:
+        conn.sendall(send)
+        assert file.readline() == b""  # closed, nothing said
+    assert lh.membership.groups == {}
+
+
 @pytest.mark.parametrize("op", ["beat", "quorum"])
 def test_lighthouse_refuses_requests_before_hello(op: str) -> None:
-    with Lighthouse(expected=1) as lh:
-        host, port = lh.address.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=20) as conn:
-            reply = _ask(conn.makefile("rwb"), {"op": op, "step": 0})
-        assert reply == {"error": f"{op!r} before hello"}
+    events: list[str] = []
+    with Lighthouse(expected=1, log=events.append) as lh:
+        _refused(lh, json.dumps({"op": op, "step": 0}).encode() + b"\n")
+    assert any(f"{op!r} before hello" in e and "refused" in e for e in events), events
+
+
+def test_lighthouse_refuses_what_no_member_of_the_job_sends() -> None:
+    """Issue 58's attacks by a local process without the job's secret: a hello without
+    a proof, with another key's proof, or as a group beyond R (even proven); a line
+    longer than MAX_LINE; a line that is not a JSON object. Each connection is closed
+    unanswered and logged; the membership is untouched and a real member still joins."""
+    events: list[str] = []
+    with Lighthouse(expected=2, heartbeat_timeout=60.0, log=events.append) as lh:
+        hello = {"op": "hello", "group": 0, "rank": 0, "size": 1, "incarnation": "x",
+                 "address": ["h", 1]}  # fmt: skip
+        _refused(lh, json.dumps(hello).encode() + b"\n")
+        _refused(lh, b"[1, 2]\n")
+        _refused(lh, b"7\n")
+        _refused(lh, b"{not json\n")
+        _refused(lh, b"x" * (MAX_LINE + 10))
+        for group, key in ((0, JobKey.new()), (9, lh.key), (-1, lh.key), (True, lh.key)):
+            conn, file, challenge = _connect(lh)
+            with conn:
+                mine = new_nonce()
+                proof = key.prove("client", challenge, mine).hex()
+                file.write(json.dumps({**hello, "group": group, "nonce": mine.hex(),
+                                       "proof": proof}).encode() + b"\n")  # fmt: skip
+                file.flush()
+                assert file.readline() == b""
+            assert lh.membership.groups == {}
+        # A proof replayed from another connection proves nothing on this one.
+        conn, file, challenge = _connect(lh)
+        mine = new_nonce()
+        replayed = {
+            **hello,
+            "nonce": mine.hex(),
+            "proof": lh.key.prove("client", challenge, mine).hex(),
+        }
+        conn.close()
+        _refused(lh, json.dumps(replayed).encode() + b"\n")
+        conns, _ = _said_hello(lh, 2)  # the real members still join
+        assert sorted(lh.membership.groups) == [0, 1]
+        for c in conns:
+            c.close()
+    refusals = [e for e in events if "refused a connection" in e]
+    assert len(refusals) == 10, events
+    assert any("no proof of the job's secret" in e for e in refusals)
+    assert any("group=9" in e for e in refusals)
+    assert any(f"more than {MAX_LINE} bytes" in e for e in refusals)
 
 
 def test_a_vote_with_next_brings_the_next_quorum_at_the_step_the_voter_gives() -> None:

@@ -13,10 +13,12 @@ from mpx.launch.cli import EXIT_USAGE, main
 
 PROGRAM = textwrap.dedent(
     """
-    import os, sys, time
+    import hashlib, os, sys, time
     group, attempt = os.environ["MPX_REPLICA_GROUP"], os.environ["MPX_RESTART_COUNT"]
+    secret = os.environ["MPX_JOB_SECRET"]  # printed as a digest only
     print(f"start group={group} of={os.environ['MPX_REPLICA_GROUPS']} attempt={attempt} "
-          f"lighthouse={os.environ['MPX_LIGHTHOUSE']} job={os.environ['MPX_JOB_ID']}", flush=True)
+          f"lighthouse={os.environ['MPX_LIGHTHOUSE']} job={os.environ['MPX_JOB_ID']} "
+          f"secret={len(secret)}:{hashlib.sha256(secret.encode()).hexdigest()[:12]}", flush=True)
     if group == "1" and attempt == "0":
         sys.exit(3)          # group 1 fails once; group 0 must not be restarted for it
     time.sleep(float(sys.argv[1]) if group == "0" else 0)
@@ -47,9 +49,11 @@ def test_a_failed_group_restarts_alone(tmp_path: Path) -> None:
         "start group=1 of=2 attempt=0",
         "start group=1 of=2 attempt=1",
     ], out
-    # One lighthouse for all; each group its own job id.
+    # One lighthouse and one secret (64 hex digits) for all; each group its own job id.
     assert len({s.split("lighthouse=")[1].split()[0] for s in starts}) == 1
-    assert len({s.split("job=")[1] for s in starts[:2]}) == 2
+    assert len({s.split("job=")[1].split()[0] for s in starts[:2]}) == 2
+    assert {s.split("secret=")[1].split(":")[0] for s in starts} == {"64"}
+    assert len({s.split("secret=")[1] for s in starts}) == 1
     assert (
         "replica group 1: rank 0 exited with code 3; its ranks were stopped, the other "
         "groups go on. Restart 1 of 1" in out

@@ -25,10 +25,14 @@ from mpx.launch.errors import (
     SettingError,
     UsageError,
 )
+from mpx.launch.handshake import NONCE_BYTES, PROOF_BYTES, JobKey, new_nonce
 from mpx.launch.launchers import Launcher, find_launcher
 
 __all__ = [
+    "NONCE_BYTES",
+    "PROOF_BYTES",
     "Environment",
+    "JobKey",
     "LaunchEnvironmentError",
     "LaunchError",
     "Launcher",
@@ -42,6 +46,7 @@ __all__ = [
     "free_port",
     "init_torch_env",
     "init_torch_env_under_mpi",
+    "new_nonce",
     "open_mpi_variables",
 ]
 

@@ -415,6 +415,14 @@ LIGHTHOUSE = declare(
     "the groups' membership (mpx.dataparallel.FaultTolerantOptimizer connects to it)",
     package="launch",
 )
+JOB_SECRET = declare(
+    "MPX_JOB_SECRET",
+    "str",
+    "",
+    "set by mpxrun --replica-groups in every rank: the job's secret (64 hex digits), which "
+    "every connection to the lighthouse and between groups proves it holds (never sent)",
+    package="launch",
+)
 HEARTBEAT_TIMEOUT = declare(
     "MPX_FT_HEARTBEAT_TIMEOUT",
     "float",

@@ -11,7 +11,8 @@ docs/live-recovery.md.
 
 What it may import: ``mpx.dataparallel.errors`` and
 ``mpx.dataparallel.synchronous`` (a ``DistributedOptimizer`` inside each
-group), mpi4py (within a group), and mpx-launch's lighthouse protocol only
+group), mpi4py (within a group), and mpx-launch's public API (the job's key
+and its challenge-response, ``mpx.launch.JobKey``); the lighthouse only
 through the wire. Not ``asynchronous`` or ``checkpoints``: the roles beside it.
 """
 

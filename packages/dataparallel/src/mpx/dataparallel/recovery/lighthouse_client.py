@@ -5,7 +5,10 @@ The lighthouse (:mod:`mpx.launch.recovery.lighthouse`, started by ``mpxrun
 connection to it for heartbeats, whose replies say which groups are alive and
 which quorum was aborted last (what :class:`~mpx.dataparallel.recovery.links.PeerLinks`'
 ``check()`` reads between its waits); rank 0 of a group keeps a second one for
-the requests that wait (quorum, vote, leave). Messages are JSON lines.
+the requests that wait (quorum, vote, leave). Messages are JSON lines; each
+connection starts with the job's challenge-response (:mod:`mpx.launch.handshake`):
+the lighthouse's challenge, this rank's proof in its hello, the lighthouse's proof
+in the reply, checked before anything the lighthouse says is believed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import threading
 import time
 from typing import Any
 
+from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.recovery.links import PeerLost
+from mpx.launch import NONCE_BYTES, JobKey, new_nonce
 
 __all__ = ["LighthouseClient"]
 
@@ -37,7 +42,13 @@ class LighthouseClient:
         group, rank, size: this process's group, its rank in the group, the group's size.
         incarnation: unique to this process's start.
         peer_address: where this rank's :class:`PeerLinks` listens.
+        key: the job's key (``MPX_JOB_SECRET``), proven on every connection.
         timeout: seconds to wait for the lighthouse to answer a hello.
+
+    Raises:
+        DataParallelError: the lighthouse did not prove the job's secret (not this
+            job's ``mpxrun``).
+        PeerLost: it closed the connection (gone, or it refused this rank's proof).
     """
 
     def __init__(
@@ -48,6 +59,7 @@ class LighthouseClient:
         size: int,
         incarnation: str,
         peer_address: tuple[str, int],
+        key: JobKey,
         timeout: float = 30.0,
     ) -> None:
         host, _, port = address.rpartition(":")
@@ -61,8 +73,8 @@ class LighthouseClient:
             "address": list(peer_address),
         }
         self._timeout = timeout
-        self._beat_sock, self._beat_file = self._connect()
-        reply = self._ask(self._beat_sock, self._beat_file, self._hello)
+        self._key = key
+        self._beat_sock, self._beat_file, reply = self._connect()
         self.interval = float(reply["heartbeat_interval"])
         self._request: tuple[socket.socket, Any] | None = None
         self.alive: dict[int, str] = {}
@@ -74,11 +86,37 @@ class LighthouseClient:
         self._thread = threading.Thread(target=self._beat_loop, daemon=True, name="mpx-ft-beat")
         self._thread.start()
 
-    def _connect(self) -> tuple[socket.socket, Any]:
+    def _connect(self) -> tuple[socket.socket, Any, dict[str, Any]]:
+        """A connection that said hello, both ends proven: (socket, file, hello's reply)."""
         sock = socket.create_connection(self._where, timeout=self._timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        file = sock.makefile("rwb")
+        host, port = self._where
+        try:
+            challenge = _nonce(json.loads(file.readline(4096) or b"{}").get("challenge"))
+            mine = new_nonce()
+            proof = self._key.prove("client", challenge, mine).hex()
+            reply = self._ask(sock, file, {**self._hello, "nonce": mine.hex(), "proof": proof})
+        except PeerLost as exc:
+            sock.close()
+            raise PeerLost(
+                f"the lighthouse at {host}:{port} closed the connection at hello: gone, or it "
+                "refused this rank's proof (MPX_JOB_SECRET is not its job's)"
+            ) from exc
+        except (ValueError, AttributeError) as exc:
+            sock.close()
+            raise DataParallelError(
+                f"the lighthouse at {host}:{port} did not start the job's handshake: "
+                "MPX_LIGHTHOUSE does not point at this job's mpxrun"
+            ) from exc
+        if not self._key.verify("server", challenge, mine, _bytes(reply.get("proof"))):
+            sock.close()
+            raise DataParallelError(
+                f"the lighthouse at {host}:{port} did not prove the job's secret: it is not "
+                "this job's mpxrun (MPX_LIGHTHOUSE, MPX_JOB_SECRET)"
+            )
         sock.settimeout(None)
-        return sock, sock.makefile("rwb")
+        return sock, file, reply
 
     @staticmethod
     def _ask(
@@ -111,8 +149,7 @@ class LighthouseClient:
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """A request that waits (``quorum``, ``vote``, ``leave``) on rank 0's second connection."""
         if self._request is None:
-            sock, file = self._connect()
-            self._ask(sock, file, self._hello)
+            sock, file, _ = self._connect()
             self._request = (sock, file)
         return self._ask(*self._request, message, _REQUEST_SPIN_S)
 
@@ -122,6 +159,24 @@ class LighthouseClient:
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.close()
+
+
+def _bytes(value: object) -> bytes | None:
+    """Hex digits as bytes; None for anything else."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None
+
+
+def _nonce(value: object) -> bytes:
+    """The lighthouse's challenge, as bytes; ValueError unless it is one."""
+    nonce = _bytes(value)
+    if nonce is None or len(nonce) != NONCE_BYTES:
+        raise ValueError(f"not a challenge: {value!r}")
+    return nonce
 
 
 def _spin_until_readable(sock: socket.socket, seconds: float) -> None:

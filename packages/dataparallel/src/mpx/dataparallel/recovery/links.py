@@ -11,8 +11,17 @@ the lighthouse stops counting it.
 
 Frames: a 24-byte header (magic, quorum id, kind, payload length), then the
 payload. A link is made by the group with the larger id to the smaller one,
-after a hello frame naming the sender; links are dropped whenever a step
-fails, so a frame half-read in a failed step never confuses the next.
+with the job's challenge-response (:mod:`mpx.launch.handshake`) in three frames::
+
+    acceptor  -> connector   CHALLENGE  nonce_a
+    connector -> acceptor    HELLO      {"group", "incarnation", "nonce", "proof"}
+    acceptor  -> connector   WELCOME    the acceptor's proof
+
+A connection whose hello is not a bounded JSON object of a group in ``0..R-1``
+with the job's proof is closed and nothing else happens: the accepting thread
+goes on. Links are dropped whenever a step fails, so a frame half-read in a
+failed step never confuses the next. A frame's length is checked before its
+payload is allocated: never more than the receiver expects.
 """
 
 from __future__ import annotations
@@ -22,18 +31,23 @@ import json
 import select
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from mpx.dataparallel.errors import DataParallelError
+from mpx.launch import NONCE_BYTES, PROOF_BYTES, JobKey, new_nonce
 
 __all__ = [
+    "CHALLENGE",
     "FRAME",
     "GRAD",
     "HELLO",
+    "MAX_HELLO",
     "SHM",
     "STATE",
+    "WELCOME",
     "PeerLinks",
     "PeerLost",
     "exchange",
@@ -44,6 +58,9 @@ __all__ = [
 FRAME = struct.Struct("!4sqiQ")
 _MAGIC = b"MPXF"
 HELLO, GRAD, STATE, SHM = 1, 2, 3, 4  # SHM: a same-host handshake (shm.negotiate)
+CHALLENGE, WELCOME = 5, 6  # the link's challenge-response (see the module docstring)
+MAX_HELLO = 1024  # bytes: a hello's longest payload (~200 are used)
+_ACCEPT_TIMEOUT_S = 5.0  # for a connection's handshake, in the accepting thread
 _SLICE_S = 0.05
 _SMALL = 4096  # bytes: a frame's payload up to this goes in one send with its header
 
@@ -103,19 +120,54 @@ def _recv_exact(sock: socket.socket, into: memoryview, check: Callable[[], None]
 
 
 def recv_frame(
-    sock: socket.socket, quorum: int, check: Callable[[], None], into: bytearray | None = None
+    sock: socket.socket,
+    quorum: int,
+    check: Callable[[], None],
+    into: bytearray | None = None,
+    limit: int = 1 << 40,
 ) -> tuple[int, bytearray]:
-    """Receives the next frame of quorum ``quorum`` (older ones are skipped): (kind, payload)."""
+    """Receives the next frame of quorum ``quorum`` (older ones are skipped): (kind, payload).
+
+    A frame announcing more than ``limit`` bytes raises :class:`PeerLost` before
+    anything is allocated."""
     while True:
         header = bytearray(FRAME.size)
         _recv_exact(sock, memoryview(header), check)
         magic, tag, kind, length = FRAME.unpack(header)
         if magic != _MAGIC:
             raise PeerLost("a peer's link carried a malformed frame")
+        if not 0 <= length <= limit:
+            raise PeerLost(f"a peer's frame announced {length} bytes (at most {limit} expected)")
         payload = into if into is not None and len(into) == length else bytearray(length)
         _recv_exact(sock, memoryview(payload), check)
         if tag >= quorum:
             return kind, payload
+
+
+def _recv_blocking(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes from a blocking socket (its timeout bounds the wait)."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise OSError("closed during the handshake")
+        data += chunk
+    return bytes(data)
+
+
+def _hex(value: object, size: int) -> bytes | None:
+    """``value`` as ``size`` bytes from hex digits, or None."""
+    if not isinstance(value, str) or len(value) != 2 * size:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None
+
+
+def _to_stderr(text: str) -> None:
+    with contextlib.suppress(OSError):
+        print(f"mpx: live recovery: {text}", file=sys.stderr, flush=True)
 
 
 class _Incoming:
@@ -135,14 +187,15 @@ def exchange(
     payload: bytes | memoryview | dict[int, bytes | memoryview],
     check: Callable[[], None],
     into: dict[int, memoryview] | None = None,
+    limit: int = 1 << 40,
 ) -> dict[int, bytearray | memoryview]:
     """Sends ``payload`` (or ``payload[peer]``) to every peer of ``links`` and receives theirs.
 
-    Returns each peer's payload: received into ``into[peer]`` where given and of
-    the frame's length (a buffer kept from step to step: no allocation, zero-fill
-    or page faults), else into a new bytearray. Raises :class:`PeerLost` when a
-    peer is gone (its link closed, or ``check()`` said so) or sent a frame of
-    another kind.
+    Returns each peer's payload: received into ``into[peer]`` (a buffer kept from
+    step to step: no allocation, zero-fill or page faults), which this step's frame
+    must fill exactly, else into a new bytearray of at most ``limit`` bytes. Raises
+    :class:`PeerLost` when a peer is gone (its link closed, or ``check()`` said so)
+    or sent a frame of another kind or length.
     """
     sending: dict[int, list[memoryview]] = {}
     for peer in links:
@@ -199,6 +252,11 @@ def exchange(
                     raise PeerLost(f"group {peer} sent no gradients for this step")
                 state.stale = tag < quorum
                 given = buffers.get(peer)
+                if not 0 <= length <= limit or (
+                    given is not None and not state.stale and length != given.nbytes
+                ):
+                    want = limit if given is None or state.stale else given.nbytes
+                    raise PeerLost(f"group {peer} sent a frame of {length} bytes, not {want}")
                 state.payload = (
                     given if given is not None and given.nbytes == length else bytearray(length)
                 )
@@ -218,11 +276,24 @@ class PeerLinks:
 
     Args:
         group: this rank's group.
+        key: the job's key (``MPX_JOB_SECRET``): every link proves it, both ways.
+        groups: the number of replica groups (a hello from another group id is refused).
         host: the address to listen on.
+        log: where refused connections are reported (default: stderr).
     """
 
-    def __init__(self, group: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        group: int,
+        key: JobKey,
+        groups: int,
+        host: str = "127.0.0.1",
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.group = group
+        self._key = key
+        self._groups = groups
+        self._log = log if log is not None else _to_stderr
         self._server = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, self._server.getsockname()[1])
         self._links: dict[tuple[int, str], socket.socket] = {}
@@ -236,40 +307,52 @@ class PeerLinks:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._server.accept()
+                sock, peer = self._server.accept()
             except OSError:
                 return
             try:
-                sock.settimeout(5.0)
-                header = bytearray(FRAME.size)
-                view = memoryview(header)
-                while view:
-                    got = sock.recv_into(view)
-                    if not got:
-                        raise OSError("closed during hello")
-                    view = view[got:]
-                magic, tag, kind, length = FRAME.unpack(header)
-                body = bytearray()
-                while len(body) < length:
-                    chunk = sock.recv(length - len(body))
-                    if not chunk:
-                        raise OSError("closed during hello")
-                    body += chunk
-                if magic != _MAGIC or kind != HELLO:
-                    raise OSError("not a hello")
-                who = json.loads(body)
-            except (OSError, ValueError):
+                tag, key = self._greet(sock)
+            except Exception as exc:  # whatever a stranger sends ends only its connection
                 sock.close()
+                if not self._closed:
+                    self._log(f"group {self.group} refused a link from {peer[0]}:{peer[1]}: {exc}")
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._arrived:
-                key = (int(who["group"]), str(who["incarnation"]))
                 old = self._incoming.pop(key, None)
                 if old is not None:
                     old[1].close()
                 self._incoming[key] = (tag, sock)
                 self._arrived.notify_all()
+
+    def _greet(self, sock: socket.socket) -> tuple[int, tuple[int, str]]:
+        """The acceptor's side of the handshake: (the hello's quorum tag, (group,
+        incarnation)); raises on anything but a proven hello of a group in range."""
+        sock.settimeout(_ACCEPT_TIMEOUT_S)
+        challenge = new_nonce()
+        sock.sendall(FRAME.pack(_MAGIC, 0, CHALLENGE, NONCE_BYTES) + challenge)
+        magic, tag, kind, length = FRAME.unpack(_recv_blocking(sock, FRAME.size))
+        if magic != _MAGIC or kind != HELLO or not 0 <= length <= MAX_HELLO:
+            raise ValueError(f"not a hello (kind {kind}, {length} bytes)")
+        who = json.loads(_recv_blocking(sock, length))
+        if not isinstance(who, dict):
+            raise ValueError("a hello that is not a JSON object")
+        group, incarnation = who.get("group"), who.get("incarnation")
+        theirs, proof = _hex(who.get("nonce"), NONCE_BYTES), _hex(who.get("proof"), PROOF_BYTES)
+        if (
+            theirs is None
+            or proof is None
+            or not self._key.verify("client", challenge, theirs, proof)
+        ):
+            raise ValueError("no proof of the job's secret (MPX_JOB_SECRET)")
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self._groups:
+            raise ValueError(f"a hello from group {group!r}, not one of 0..{self._groups - 1}")
+        if not isinstance(incarnation, str) or not 0 < len(incarnation) <= 64:
+            raise ValueError(f"a hello with incarnation {incarnation!r}")
+        welcome = self._key.prove("server", challenge, theirs)
+        sock.sendall(FRAME.pack(_MAGIC, 0, WELCOME, len(welcome)) + welcome)
+        return tag, (group, incarnation)
 
     def link(
         self,
@@ -292,8 +375,11 @@ class PeerLinks:
                 raise PeerLost(f"group {peer} cannot be reached: {exc}") from exc
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = json.dumps({"group": self.group, "incarnation": me}).encode()
-            send_frame(sock, quorum, HELLO, hello, check)
+            try:
+                self._prove(sock, peer, me, quorum, check)
+            except BaseException:
+                sock.close()
+                raise
         else:
             with self._arrived:
                 while True:
@@ -306,6 +392,26 @@ class PeerLinks:
                     check()
         self._links[key] = sock
         return sock
+
+    def _prove(
+        self, sock: socket.socket, peer: int, me: str, quorum: int, check: Callable[[], None]
+    ) -> None:
+        """The connector's side of the handshake; :class:`PeerLost` unless ``peer``
+        proves the job's secret in turn."""
+        kind, challenge = recv_frame(sock, 0, check, limit=NONCE_BYTES)
+        if kind != CHALLENGE or len(challenge) != NONCE_BYTES:
+            raise PeerLost(f"group {peer}'s link did not start with the job's challenge")
+        mine = new_nonce()
+        hello = {
+            "group": self.group,
+            "incarnation": me,
+            "nonce": mine.hex(),
+            "proof": self._key.prove("client", bytes(challenge), mine).hex(),
+        }
+        send_frame(sock, quorum, HELLO, json.dumps(hello).encode(), check)
+        kind, proof = recv_frame(sock, 0, check, limit=PROOF_BYTES)
+        if kind != WELCOME or not self._key.verify("server", bytes(challenge), mine, bytes(proof)):
+            raise PeerLost(f"group {peer}'s link did not prove the job's secret")
 
     def drop(self, quorum: int) -> None:
         """Closes every link (after a failed step): the next step makes fresh ones."""

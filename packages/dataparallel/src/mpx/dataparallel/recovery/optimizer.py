@@ -48,6 +48,7 @@ from mpx.dataparallel.recovery.links import (
 from mpx.dataparallel.recovery.shm import PeerSegment, Segment, negotiate, shm_wanted
 from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
 from mpx.dataparallel.synchronous import DistributedOptimizer
+from mpx.launch import JobKey
 
 __all__ = ["FaultTolerantOptimizer"]
 
@@ -57,9 +58,8 @@ _ANSWERS = frozenset({"quorum", "member", "finished"})
 
 
 def _setting(name: str) -> str | None:
-    # Set by mpxrun --replica-groups and declared in mpx.launch.recovery.replica_groups;
-    # mpx-dataparallel does not list mpx-launch among its requirements, so it
-    # reads them here rather than through that module's Setting objects.
+    # Set by mpxrun --replica-groups for each group's job (mpx.launch.settings declares
+    # them): read as they are now, not cached, since one process may see several jobs'.
     return os.environ.get(name)  # noqa: TID251
 
 
@@ -158,9 +158,17 @@ class FaultTolerantOptimizer:
         self.incarnation = uuid.uuid4().hex
         if self.size > 1:
             self.incarnation = self.comm.bcast(self.incarnation, root=0)
-        self._links = PeerLinks(self.group, host or _address_towards(address))
+        groups = int(_setting("MPX_REPLICA_GROUPS") or 0)
+        if not 0 <= self.group < groups:
+            raise DataParallelValueError(
+                f"FaultTolerantOptimizer: group {self.group} is not one of the "
+                f"MPX_REPLICA_GROUPS={groups} groups; run under mpxrun --replica-groups R"
+            )
+        # Every connection proves the job's secret (mpx.launch.handshake), both ways.
+        key = JobKey.from_environment()
+        self._links = PeerLinks(self.group, key, groups, host or _address_towards(address))
         self._client = LighthouseClient(
-            address, self.group, self.rank, self.size, self.incarnation, self._links.address
+            address, self.group, self.rank, self.size, self.incarnation, self._links.address, key
         )
         if self.size > 1:
             self.comm.Barrier()  # every rank said hello before rank 0 asks for a quorum
@@ -514,9 +522,13 @@ class FaultTolerantOptimizer:
         )
 
     def _receive_state(self, quorum: dict[str, Any], donor: int) -> dict[str, Any]:
+        # A state is the model, the optimizer's state (a few copies of the model at
+        # most) and the loop's dict: a frame far beyond that is no state.
+        limit = 16 * self._segment.buffers[0].nbytes + (64 << 20)
         kind, payload = recv_frame(
-            self._link(quorum, donor), int(quorum["quorum"]), lambda: self._check(quorum)
-        )
+            self._link(quorum, donor), int(quorum["quorum"]), lambda: self._check(quorum),
+            limit=limit,
+        )  # fmt: skip
         if kind != STATE:
             raise PeerLost(f"group {donor} sent no state")
         device = self._params[0].device if self._params else torch.device("cpu")

@@ -10,10 +10,20 @@ that closes without ``leave`` kills its group at once: a SIGKILLed process's
 sockets are closed by its kernel, so a death is seen in milliseconds, and a
 hung one in ``heartbeat_timeout`` seconds.
 
+Every connection starts with the job's challenge-response
+(:mod:`mpx.launch.handshake`): the lighthouse sends ``{"challenge": nonce_s}``, the
+member's ``hello`` carries its nonce and proof, the reply the lighthouse's proof. A
+connection that cannot prove the job's secret, sends a line of more than
+:data:`MAX_LINE` bytes or anything but a JSON object, or names a group outside
+``0..R-1``, is closed and logged (``mpxrun: lighthouse: refused ...``); nothing it
+said is acted on, and every other connection goes on.
+
 Requests and replies::
 
     {"op": "hello", "group": g, "rank": r, "size": n, "incarnation": id,
-     "address": [host, port]}                 -> {"ok": true, "heartbeat_interval": s}
+     "address": [host, port], "nonce": hex, "proof": hex}
+                                              -> {"ok": true, "heartbeat_interval": s,
+                                                  "proof": hex}
     {"op": "beat"}                            -> {"member": bool, "alive": {g: id},
                                                   "last_aborted": quorum}
     {"op": "quorum", "step": s}               -> {"quorum": {...Quorum.view...}}
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import socketserver
 import sys
@@ -42,9 +53,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mpx.launch.handshake import NONCE_BYTES, PROOF_BYTES, JobKey, new_nonce
 from mpx.launch.recovery.membership import Membership
 
-__all__ = ["Lighthouse", "print_event"]
+__all__ = ["MAX_LINE", "Lighthouse", "Refused", "print_event"]
+
+#: bytes: the longest line a connection may send (a member's longest is ~300)
+MAX_LINE = 64 * 1024
+_MAX_SIZE = 1 << 20  # ranks in one group
+_HELLO_TIMEOUT_S = 10.0  # for a new connection's challenge-response (then no limit)
 
 # How often a member beats, as a fraction of the timeout: several beats are
 # missed before a group is declared dead, so one slow beat is no death.
@@ -52,8 +69,91 @@ BEATS_PER_TIMEOUT = 5
 MAX_BEAT_INTERVAL_S = 0.1
 
 
+class Refused(Exception):
+    """A connection that did not prove the job's secret or sent what no member sends."""
+
+
+def _hex(value: object, size: int) -> bytes | None:
+    """``value`` as ``size`` bytes from hex digits, or None."""
+    if not isinstance(value, str) or len(value) != 2 * size:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None
+
+
+def _integer(message: dict[str, Any], name: str, low: int, high: int) -> int:
+    value = message.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise Refused(f"hello with {name}={value!r}, not an integer in [{low}, {high})")
+    return value
+
+
+def _identity(hello: dict[str, Any], expected: int) -> tuple[tuple[int, int, str], int, list[Any]]:
+    """A proven hello's ``(group, rank, incarnation)``, group size and address, checked."""
+    group = _integer(hello, "group", 0, expected)
+    size = _integer(hello, "size", 1, _MAX_SIZE + 1)
+    rank = _integer(hello, "rank", 0, size)
+    incarnation, address = hello.get("incarnation"), hello.get("address")
+    if not isinstance(incarnation, str) or not re.fullmatch(r"[0-9A-Za-z_.-]{1,64}", incarnation):
+        raise Refused(f"hello with incarnation={incarnation!r}")
+    if (
+        not isinstance(address, list)
+        or len(address) != 2
+        or not isinstance(address[0], str)
+        or len(address[0]) > 255
+        or isinstance(address[1], bool)
+        or not isinstance(address[1], int)
+        or not 0 < address[1] < 65536
+    ):
+        raise Refused(f"hello with address={address!r}, not [host, port]")
+    return (group, rank, incarnation), size, address
+
+
 class _Handler(socketserver.StreamRequestHandler):
     server: _Server
+
+    def _send(self, reply: dict[str, Any]) -> None:
+        self.wfile.write(json.dumps(reply).encode() + b"\n")
+        self.wfile.flush()
+
+    def _read(self) -> dict[str, Any] | None:
+        """The next request (None: the connection closed)."""
+        raw = self.rfile.readline(MAX_LINE + 1)
+        if not raw:
+            return None
+        if len(raw) > MAX_LINE:
+            raise Refused(f"a line of more than {MAX_LINE} bytes")
+        try:
+            message = json.loads(raw)
+        except ValueError as exc:
+            raise Refused("a line that is not JSON") from exc
+        if not isinstance(message, dict):
+            raise Refused("a line that is not a JSON object")
+        return message
+
+    def _greet(self) -> tuple[tuple[int, int, str], int, list[Any], dict[str, Any]]:
+        """The challenge-response and the hello: the member's identity, group size,
+        address and the reply's proof; :class:`Refused` unless the proof holds."""
+        key = self.server.lighthouse.key
+        challenge = new_nonce()
+        self.request.settimeout(_HELLO_TIMEOUT_S)  # a silent stranger holds no thread long
+        self._send({"challenge": challenge.hex()})
+        try:
+            hello = self._read()
+        except TimeoutError as exc:
+            raise Refused(f"no hello within {_HELLO_TIMEOUT_S:g} s") from exc
+        self.request.settimeout(None)
+        if hello is None:
+            raise Refused("closed before its hello")
+        theirs, proof = _hex(hello.get("nonce"), NONCE_BYTES), _hex(hello.get("proof"), PROOF_BYTES)
+        if hello.get("op") != "hello":
+            raise Refused(f"{hello.get('op')!r} before hello")
+        if theirs is None or proof is None or not key.verify("client", challenge, theirs, proof):
+            raise Refused("no proof of the job's secret (MPX_JOB_SECRET)")
+        identity, size, address = _identity(hello, self.server.lighthouse.expected)
+        return identity, size, address, {"proof": key.prove("server", challenge, theirs).hex()}
 
     def handle(self) -> None:
         lighthouse = self.server.lighthouse
@@ -61,15 +161,12 @@ class _Handler(socketserver.StreamRequestHandler):
         identity: tuple[int, int, str] | None = None
         left = False
         try:
-            for raw in self.rfile:
-                message = json.loads(raw)
+            proven, size, address, proof = self._greet()
+            identity = proven
+            self._send({**lighthouse.hello(identity, size, address), **proof})
+            while (message := self._read()) is not None:
                 op = message.get("op")
-                if op == "hello":
-                    identity = (int(message["group"]), int(message["rank"]), message["incarnation"])
-                    reply = lighthouse.hello(identity, int(message["size"]), message["address"])
-                elif identity is None:
-                    reply = {"error": f"{op!r} before hello"}
-                elif op == "beat":
+                if op == "beat":
                     reply = lighthouse.beat(identity)
                 elif op == "quorum":
                     reply = lighthouse.quorum(identity, int(message["step"]))
@@ -86,10 +183,12 @@ class _Handler(socketserver.StreamRequestHandler):
                     reply = lighthouse.leave(identity, int(message["step"]))
                 else:
                     reply = {"error": f"unknown op {op!r}"}
-                self.wfile.write(json.dumps(reply).encode() + b"\n")
-                self.wfile.flush()
-        except (OSError, ValueError, KeyError):
-            pass  # a peer gone mid-message is a peer gone
+                self._send(reply)
+        except Refused as why:
+            if identity is None:  # never a member: logged, and nothing else happens
+                lighthouse.refused(self.client_address, str(why))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a member gone (or broken) mid-message is a member gone
         finally:
             if identity is not None and not left:
                 lighthouse.lost(identity)
@@ -105,11 +204,14 @@ class Lighthouse:
     """The membership server; ``with Lighthouse(expected=R) as lh: lh.address``.
 
     Args:
-        expected: the number of replica groups the first quorum waits for.
+        expected: the number of replica groups the first quorum waits for (the
+            groups are 0 to ``expected - 1``).
         heartbeat_timeout: seconds a rank may stay silent before its group is dead.
         join_timeout: how long the first quorum waits for ``expected`` groups.
         host: the address to listen on (port chosen by the system).
         log: where membership events are written (None: nowhere).
+        key: the job's key its members prove (default: a new one: ``key.hex`` is
+            then what the members' ``MPX_JOB_SECRET`` must hold).
     """
 
     def __init__(
@@ -119,7 +221,10 @@ class Lighthouse:
         join_timeout: float = 120.0,
         host: str = "127.0.0.1",
         log: Callable[[str], None] | None = None,
+        key: JobKey | None = None,
     ) -> None:
+        self.expected = expected
+        self.key = key if key is not None else JobKey.new()
         self.membership = Membership(expected, join_timeout, heartbeat_timeout, time.monotonic())
         self.heartbeat_timeout = heartbeat_timeout
         # The members' view of who is alive comes with the beats' replies: kept
@@ -167,6 +272,11 @@ class Lighthouse:
         with self._changed:
             found, self._counted_out = self._counted_out, []
         return found
+
+    def refused(self, peer: Any, why: str) -> None:
+        """A connection that never became a member was closed (see :class:`Refused`)."""
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else peer
+        self._say(f"refused a connection from {where}: {why}")
 
     def _say(self, text: str) -> None:
         if self._log is not None:

@@ -28,7 +28,13 @@ from mpx.launch.environment import free_port
 from mpx.launch.errors import UsageError
 from mpx.launch.rank import new_key
 from mpx.launch.recovery.lighthouse import Lighthouse, print_event
-from mpx.launch.settings import HEARTBEAT_TIMEOUT, LIGHTHOUSE, REPLICA_GROUP, REPLICA_GROUPS
+from mpx.launch.settings import (
+    HEARTBEAT_TIMEOUT,
+    JOB_SECRET,
+    LIGHTHOUSE,
+    REPLICA_GROUP,
+    REPLICA_GROUPS,
+)
 from mpx.launch.supervision import Job, failure_of, report, run_and_clean, stop_on_signals
 
 __all__ = [
@@ -44,8 +50,8 @@ __all__ = [
 ]
 
 # What group_environment adds to a group's job, for launchers that forward only
-# the variables they are told.
-GROUP_VARIABLES = (REPLICA_GROUP.name, REPLICA_GROUPS.name, LIGHTHOUSE.name)
+# the variables they are told (by name: the secret's value is never on a command line).
+GROUP_VARIABLES = (REPLICA_GROUP.name, REPLICA_GROUPS.name, LIGHTHOUSE.name, JOB_SECRET.name)
 
 
 def _say(text: str) -> None:
@@ -149,10 +155,11 @@ def check_usage(local: bool) -> None:
 
 
 def group_environment(
-    env: dict[str, str], group: int, groups: int, lighthouse: str
+    env: dict[str, str], group: int, groups: int, lighthouse: str, secret: str
 ) -> dict[str, str]:
     """The job environment ``env`` made group ``group``'s: its own job id, status key and
-    rendezvous port (each group is an MPI world of its own), and where the lighthouse is."""
+    rendezvous port (each group is an MPI world of its own), where the lighthouse is, and
+    the job's secret its connections prove (:mod:`mpx.launch.handshake`)."""
     return dict(
         env,
         MPX_JOB_ID=uuid.uuid4().hex[:12],
@@ -161,6 +168,7 @@ def group_environment(
         MPX_REPLICA_GROUP=str(group),
         MPX_REPLICA_GROUPS=str(groups),
         MPX_LIGHTHOUSE=lighthouse,
+        MPX_JOB_SECRET=secret,
     )
 
 
@@ -175,7 +183,10 @@ def run_replica_groups(
     with Lighthouse(
         expected=groups, heartbeat_timeout=HEARTBEAT_TIMEOUT.get(), log=print_event
     ) as lighthouse:
-        envs = [group_environment(env, g, groups, lighthouse.address) for g in range(groups)]
+        envs = [
+            group_environment(env, g, groups, lighthouse.address, lighthouse.key.hex)
+            for g in range(groups)
+        ]
         return run_groups(
             lambda group, attempt: new_job(attempt, envs[group]),
             groups,
