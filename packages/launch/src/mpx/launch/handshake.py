@@ -39,7 +39,9 @@ from mpx.launch.settings import JOB_SECRET
 __all__ = ["NONCE_BYTES", "PROOF_BYTES", "JobKey", "new_nonce"]
 
 NONCE_BYTES = 16
+"""Bytes of a challenge: each end's fresh nonce."""
 PROOF_BYTES = hashlib.sha256().digest_size
+"""Bytes of a proof: an HMAC-SHA256 digest."""
 _KEY_BYTES = 32
 _ROLES = ("client", "server")
 
