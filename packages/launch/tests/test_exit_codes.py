@@ -23,14 +23,17 @@ JOB_TIMEOUT_S = 60
 PROGRAM = textwrap.dedent(
     """
     import os, sys, threading, time
+    how, peers = sys.argv[1], sys.argv[2]
+    if how == "usage":  # a usage error: every rank exits 2, rank 0 says why (no MPI needed)
+        said = os.path.join(os.path.dirname(os.path.abspath(__file__)), "said")
+        if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "0":
+            print("bad --flag: use --good", file=sys.stderr, flush=True)
+            open(said, "w").close()
+        while not os.path.exists(said):  # rank 0 has said it before any rank exits
+            time.sleep(0.01)
+        sys.exit(2)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    how, peers = sys.argv[1], sys.argv[2]
-    if how == "usage":  # a usage error: every rank exits 2, rank 0 says why
-        if comm.Get_rank() == 0:
-            print("bad --flag: use --good", file=sys.stderr, flush=True)
-        comm.Barrier()
-        sys.exit(2)
     if comm.Get_rank() == comm.Get_size() - 1:
         if how == "raise":
             raise SystemExit(3)
