@@ -25,7 +25,7 @@ from mpx.launch.errors import (
     SettingError,
     UsageError,
 )
-from mpx.launch.handshake import NONCE_BYTES, PROOF_BYTES, JobKey, new_nonce
+from mpx.launch.handshake import NONCE_BYTES, PROOF_BYTES, JobKey, from_hex, new_nonce
 from mpx.launch.launchers import Launcher, find_launcher
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "environment",
     "find_launcher",
     "free_port",
+    "from_hex",
     "init_torch_env",
     "init_torch_env_under_mpi",
     "new_nonce",

@@ -36,7 +36,7 @@ import secrets
 from mpx.launch.errors import LaunchEnvironmentError
 from mpx.launch.settings import JOB_SECRET
 
-__all__ = ["NONCE_BYTES", "PROOF_BYTES", "JobKey", "new_nonce"]
+__all__ = ["NONCE_BYTES", "PROOF_BYTES", "JobKey", "from_hex", "new_nonce"]
 
 NONCE_BYTES = 16
 """Bytes of a challenge: each end's fresh nonce."""
@@ -44,6 +44,17 @@ PROOF_BYTES = hashlib.sha256().digest_size
 """Bytes of a proof: an HMAC-SHA256 digest."""
 _KEY_BYTES = 32
 _ROLES = ("client", "server")
+
+
+def from_hex(value: object, size: int) -> bytes | None:
+    """``value`` (a nonce or proof as it travels in JSON) as ``size`` bytes, or None
+    for anything else: the wire's words are checked before they are used."""
+    if not isinstance(value, str) or len(value) != 2 * size:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None
 
 
 def new_nonce() -> bytes:

@@ -24,7 +24,7 @@ from typing import Any
 
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.recovery.links import PeerLost
-from mpx.launch import NONCE_BYTES, JobKey, new_nonce
+from mpx.launch import NONCE_BYTES, PROOF_BYTES, JobKey, from_hex, new_nonce
 
 __all__ = ["LighthouseClient"]
 
@@ -109,7 +109,8 @@ class LighthouseClient:
                 f"the lighthouse at {host}:{port} did not start the job's handshake: "
                 "MPX_LIGHTHOUSE does not point at this job's mpxrun"
             ) from exc
-        if not self._key.verify("server", challenge, mine, _bytes(reply.get("proof"))):
+        their_proof = from_hex(reply.get("proof"), PROOF_BYTES)
+        if not self._key.verify("server", challenge, mine, their_proof):
             sock.close()
             raise DataParallelError(
                 f"the lighthouse at {host}:{port} did not prove the job's secret: it is not "
@@ -161,20 +162,10 @@ class LighthouseClient:
                     sock.close()
 
 
-def _bytes(value: object) -> bytes | None:
-    """Hex digits as bytes; None for anything else."""
-    if not isinstance(value, str):
-        return None
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        return None
-
-
 def _nonce(value: object) -> bytes:
     """The lighthouse's challenge, as bytes; ValueError unless it is one."""
-    nonce = _bytes(value)
-    if nonce is None or len(nonce) != NONCE_BYTES:
+    nonce = from_hex(value, NONCE_BYTES)
+    if nonce is None:
         raise ValueError(f"not a challenge: {value!r}")
     return nonce
 

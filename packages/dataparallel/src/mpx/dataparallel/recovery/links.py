@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpx.dataparallel.errors import DataParallelError
-from mpx.launch import NONCE_BYTES, PROOF_BYTES, JobKey, new_nonce
+from mpx.launch import NONCE_BYTES, PROOF_BYTES, JobKey, from_hex, new_nonce
 
 __all__ = [
     "CHALLENGE",
@@ -153,16 +153,6 @@ def _recv_blocking(sock: socket.socket, size: int) -> bytes:
             raise OSError("closed during the handshake")
         data += chunk
     return bytes(data)
-
-
-def _hex(value: object, size: int) -> bytes | None:
-    """``value`` as ``size`` bytes from hex digits, or None."""
-    if not isinstance(value, str) or len(value) != 2 * size:
-        return None
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        return None
 
 
 def _to_stderr(text: str) -> None:
@@ -339,7 +329,8 @@ class PeerLinks:
         if not isinstance(who, dict):
             raise ValueError("a hello that is not a JSON object")
         group, incarnation = who.get("group"), who.get("incarnation")
-        theirs, proof = _hex(who.get("nonce"), NONCE_BYTES), _hex(who.get("proof"), PROOF_BYTES)
+        theirs = from_hex(who.get("nonce"), NONCE_BYTES)
+        proof = from_hex(who.get("proof"), PROOF_BYTES)
         if (
             theirs is None
             or proof is None

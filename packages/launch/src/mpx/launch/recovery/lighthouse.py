@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mpx.launch.handshake import NONCE_BYTES, PROOF_BYTES, JobKey, new_nonce
+from mpx.launch.handshake import NONCE_BYTES, PROOF_BYTES, JobKey, from_hex, new_nonce
 from mpx.launch.recovery.membership import Membership
 
 __all__ = ["MAX_LINE", "Lighthouse", "Refused", "print_event"]
@@ -71,16 +71,6 @@ MAX_BEAT_INTERVAL_S = 0.1
 
 class Refused(Exception):
     """A connection that did not prove the job's secret or sent what no member sends."""
-
-
-def _hex(value: object, size: int) -> bytes | None:
-    """``value`` as ``size`` bytes from hex digits, or None."""
-    if not isinstance(value, str) or len(value) != 2 * size:
-        return None
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        return None
 
 
 def _integer(message: dict[str, Any], name: str, low: int, high: int) -> int:
@@ -147,7 +137,8 @@ class _Handler(socketserver.StreamRequestHandler):
         self.request.settimeout(None)
         if hello is None:
             raise Refused("closed before its hello")
-        theirs, proof = _hex(hello.get("nonce"), NONCE_BYTES), _hex(hello.get("proof"), PROOF_BYTES)
+        theirs = from_hex(hello.get("nonce"), NONCE_BYTES)
+        proof = from_hex(hello.get("proof"), PROOF_BYTES)
         if hello.get("op") != "hello":
             raise Refused(f"{hello.get('op')!r} before hello")
         if theirs is None or proof is None or not key.verify("client", challenge, theirs, proof):
