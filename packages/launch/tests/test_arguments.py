@@ -99,6 +99,19 @@ def test_the_rank_count_check_refuses_more_than_8_a_core_without_oversubscribe(
         check_rank_count(nprocs, counted, oversubscribe=oversubscribe)
 
 
+def test_the_rank_count_check_counts_every_replica_group() -> None:
+    """``--replica-groups 24 -n 1`` starts 24 ranks: refused where ``-n 24`` is."""
+    counted = Cores(2, "the 2 core(s) of the test")
+    groups = 2 * MAX_RANKS_PER_CORE + 1
+    check_rank_count(1, counted, oversubscribe=False, groups=2 * MAX_RANKS_PER_CORE)
+    with pytest.raises(UsageError, match=f"^--replica-groups {groups} x -n 1 is .*") as info:
+        check_rank_count(1, counted, oversubscribe=False, groups=groups)
+    assert "smaller -n or --replica-groups, or --oversubscribe" in str(info.value)
+    check_rank_count(1, counted, oversubscribe=True, groups=groups)
+    with pytest.raises(UsageError, match="--replica-groups 3 x -n 6 is 9 ranks a core"):
+        check_rank_count(6, counted, oversubscribe=False, groups=3)
+
+
 def test_the_cores_counted_are_the_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     here = len(os.sched_getaffinity(0))
     assert job_cores("mpich", None, None, {}).count == here

@@ -152,7 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             program = resolve_program(args.program)
             launcher = find_launcher(args.launcher)
             cores = job_cores(launcher.kind, args.hostfile, args.virtual_nodes, os.environ)
-            check_rank_count(args.nprocs, cores, oversubscribe=args.oversubscribe)
+            check_rank_count(
+                args.nprocs,
+                cores,
+                oversubscribe=args.oversubscribe,
+                groups=args.replica_groups or 1,
+            )
             virtual = None
             if args.virtual_nodes is not None:
                 _check_virtual(launcher)

@@ -215,20 +215,26 @@ def job_cores(
     return Cores(total, f"the {total} CPU(s) of the Slurm allocation (SLURM_JOB_CPUS_PER_NODE)")
 
 
-def check_rank_count(nprocs: int, cores: Cores, *, oversubscribe: bool) -> None:
+def check_rank_count(nprocs: int, cores: Cores, *, oversubscribe: bool, groups: int = 1) -> None:
     """Refuses more than :data:`MAX_RANKS_PER_CORE` ranks a core unless ``--oversubscribe``.
 
-    Where the cores are unknown (``cores.count`` is None) nothing is refused.
+    ``groups``: ``--replica-groups`` (each group starts ``nprocs`` ranks on the same
+    cores: the job's ranks are ``groups * nprocs``). Where the cores are unknown
+    (``cores.count`` is None) nothing is refused.
 
     Raises:
-        UsageError: naming ``-n``, the cores counted and the two ways out.
+        UsageError: naming ``-n`` (and ``--replica-groups``), the cores counted and the
+            two ways out.
     """
     if oversubscribe or cores.count is None:
         return
     limit = MAX_RANKS_PER_CORE * max(cores.count, 1)
-    if nprocs > limit:
+    total = nprocs * groups
+    if total > limit:
+        what = f"-n {nprocs}" if groups == 1 else f"--replica-groups {groups} x -n {nprocs}"
+        smaller = "-n" if groups == 1 else "-n or --replica-groups"
         raise UsageError(
-            f"-n {nprocs} is {nprocs / max(cores.count, 1):g} ranks a core on {cores.source}; "
+            f"{what} is {total / max(cores.count, 1):g} ranks a core on {cores.source}; "
             f"mpxrun starts at most {MAX_RANKS_PER_CORE} a core ({limit} here): pass a smaller "
-            "-n, or --oversubscribe to start them anyway"
+            f"{smaller}, or --oversubscribe to start them anyway"
         )
