@@ -38,6 +38,7 @@ import torch
 
 from mpx.dataparallel.errors import DataParallelError
 from mpx.dataparallel.recovery.links import SHM, PeerLost, exchange
+from mpx.dataparallel.settings import FT_SHM
 
 __all__ = ["PeerSegment", "Segment", "negotiate", "shm_wanted"]
 
@@ -49,8 +50,7 @@ _DATA = 64  # the first buffer's offset (and the alignment of the second)
 
 def shm_wanted() -> bool:
     """Whether this rank offers its segment to its peers (``MPX_FT_SHM``, default on)."""
-    value = os.environ.get("MPX_FT_SHM", "1")  # noqa: TID251 (read here, as optimizer's)
-    return value.strip().lower() not in {"0", "off", "false", "no"} and hasattr(os, "memfd_create")
+    return FT_SHM.get() and hasattr(os, "memfd_create")
 
 
 def _aligned(n: int) -> int:
