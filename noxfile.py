@@ -10,6 +10,7 @@
     nox -s lint        ruff, mypy, and the import contract (import-linter)
     nox -s bench       every package's benchmarks, tables into BENCHMARKS.md
     nox -s demo        the main job: distributed training on scikit-learn's digits
+                       (installs the runtime only, DEMO_DEPS: no test tools)
     nox -s build       wheels and sdists of the six packages into dist/ (manylinux, twine-checked;
                        mpx-quantize with its CUDA kernels: needs nvcc)
     nox -s docs        the API reference site (MkDocs + mkdocstrings, --strict) into build/site
@@ -48,9 +49,11 @@ CONSTRAINTS = str(ROOT / "constraints.txt")
 # Bottom layers first, so that pip sees each sibling before it is needed.
 PACKAGES = ["launch", "collectives", "quantize", "mgrit", "pipeline", "dataparallel"]
 RANK_COUNTS = (1, 2, 3)
-TEST_DEPS = ["torch", "numpy", "mpi4py", "mpich", "pytest", "pytest-timeout", "scikit-learn"]
+# What the demo runs on (nox -s demo: examples/train_digits.py and the modules beside
+# it): torch, an MPI, scikit-learn's digits, matplotlib's plots. Nothing of the tests.
+DEMO_DEPS = ["torch", "numpy", "mpi4py", "mpich", "scikit-learn", "matplotlib"]
+TEST_DEPS = [*DEMO_DEPS, "pytest", "pytest-timeout"]
 TEST_DEPS += ["pytest-xdist"]  # the unit step on every core (UNIT_WORKERS)
-TEST_DEPS += ["matplotlib"]  # the examples' plots, run by the tests
 TEST_DEPS += ["pymgrit"]  # mpx-mgrit: the reference solver of its tests
 TEST_DEPS += ["lightning"]  # the Lightning Trainer example on the mpx backend
 # pytest-xdist workers of the unit step: one a core, at most 4 (many unit tests start
@@ -87,12 +90,18 @@ def _package_builds(session: nox.Session) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _install(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
+def _install(
+    session: nox.Session, *extra: str, deps: list[str] = TEST_DEPS, cuda: str = "OFF"
+) -> None:
+    """``deps`` and ``extra`` from constraints.txt, then the six packages built from this tree.
+
+    ``deps``: TEST_DEPS (the tests' tools) for the test sessions, DEMO_DEPS for the demo.
+    """
     # pip's own lines stay visible (silent=False): a first install takes minutes
     # (torch, then the packages' Cython and C++ builds), which nox otherwise shows as
     # one silent command.
-    session.log("installing torch (CPU), MPI and the test tools (minutes the first time)")
-    session.install("-c", CONSTRAINTS, *TEST_DEPS, *extra, silent=False)
+    session.log(f"installing {', '.join([*deps, *extra])} (minutes the first time)")
+    session.install("-c", CONSTRAINTS, *deps, *extra, silent=False)
     with _package_builds(session):
         session.log("building and installing the six mpx packages (Cython, C++: minutes)")
         session.install(
@@ -405,7 +414,7 @@ def bench(session: nox.Session) -> None:
 INSTALLED_DIGEST = "mpx-installed.sha256"
 
 
-def _installed_from(*extra: str, cuda: str) -> str:
+def _installed_from(*extra: str, deps: list[str], cuda: str) -> str:
     """A digest of everything ``_install`` would put into an environment.
 
     The requirements and constraints, the CUDA switch, and the content of every
@@ -415,7 +424,7 @@ def _installed_from(*extra: str, cuda: str) -> str:
     the digest is unique and the environment is reinstalled every time.
     """
     digest = hashlib.sha256()
-    for part in (*TEST_DEPS, *extra, f"MPX_QUANTIZE_CUDA={cuda}"):
+    for part in (*deps, *extra, f"MPX_QUANTIZE_CUDA={cuda}"):
         digest.update(part.encode() + b"\0")
     digest.update(Path(CONSTRAINTS).read_bytes())
     listed = subprocess.run(
@@ -438,7 +447,9 @@ def _installed_from(*extra: str, cuda: str) -> str:
     return digest.hexdigest()
 
 
-def _install_once(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
+def _install_once(
+    session: nox.Session, *extra: str, deps: list[str] = TEST_DEPS, cuda: str = "OFF"
+) -> None:
     """``_install``, skipped when the reused environment was made from the same sources.
 
     For sessions with ``reuse_venv=True``: building the six packages (Cython,
@@ -447,14 +458,14 @@ def _install_once(session: nox.Session, *extra: str, cuda: str = "OFF") -> None:
     ``nox -s NAME --no-reuse-existing-virtualenvs`` (a fresh environment has
     no digest).
     """
-    wanted = _installed_from(*extra, cuda=cuda)
+    wanted = _installed_from(*extra, deps=deps, cuda=cuda)
     stamp = Path(session.virtualenv.location) / INSTALLED_DIGEST
     if stamp.is_file() and stamp.read_text() == wanted:
         session.log(f"packages unchanged since this environment was installed: not reinstalling "
                     f"({session.virtualenv.location})")  # fmt: skip
         return
     stamp.unlink(missing_ok=True)  # an interrupted install must not look complete
-    _install(session, *extra, cuda=cuda)
+    _install(session, *extra, deps=deps, cuda=cuda)
     stamp.write_text(wanted)
 
 
@@ -466,7 +477,7 @@ def demo(session: nox.Session) -> None:
     when their sources change (_install_once): a second ``nox -s demo -- --mode X``
     starts training in seconds.
     """
-    _install_once(session, "matplotlib")
+    _install_once(session, deps=DEMO_DEPS)
     args = session.posargs or []
     nprocs = os.environ.get("MPX_DEMO_RANKS", "2")
     session.run(
