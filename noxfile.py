@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import datetime
 import fcntl
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -375,22 +377,21 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports", "--no-cache", env={"PYTHONPATH": src_path})
 
 
-BENCH_BEGIN = "<!-- bench:{name} begin -->"
-BENCH_END = "<!-- bench:{name} end -->"
-
-
 def _update_benchmarks_md(name: str, table: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    begin, end = BENCH_BEGIN.format(name=name), BENCH_END.format(name=name)
-    block = f"{begin}\n{table.strip()}\n{end}"
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
-    text = (
-        pattern.sub(lambda _: block, text)
-        if pattern.search(text)
-        else f"{text.rstrip()}\n\n{block}\n"
-    )
-    path.write_text(text)
+    """The script's full table into BENCHMARKS.md (tools/benchmarks_md.py: the one it replaces
+    goes to docs/benchmarks-history.md); names the current-figure rows citing the script."""
+    path = ROOT / "tools" / "benchmarks_md.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_md", path)
+    assert spec is not None
+    assert spec.loader is not None
+    layout = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = layout  # its dataclass looks its module up there
+    spec.loader.exec_module(layout)
+    citing = layout.update(ROOT, name, table, datetime.date.today())
+    print(f"BENCHMARKS.md: {name}'s full table replaced, the old one moved to the history.")
+    for row in citing:
+        # A row is a figure picked from a table, with its range over runs: edited by hand.
+        print(f"  check the current figure at BENCHMARKS.md:{row.line}: {row.cells[0]}")
 
 
 @nox.session(default=False)
