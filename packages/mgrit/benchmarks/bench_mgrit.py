@@ -23,6 +23,13 @@ writes it into BENCHMARKS.md).
    beside ``torch.nn.GRU`` with the same weights at T = 1024 and 4096 (input 32, hidden
    64, batch 16, one thread), and the work of each (issue 42's item 3).
    ``--skip-lp`` leaves out section 2.
+
+Nothing is written but the section on stdout, unless ``--residual-plot PATH`` asks for
+the plot of the forward and adjoint residual histories (from the 1-rank layer-parallel
+job; docs/choosing.md shows docs/figures/mgrit_residuals.png, redrawn by
+``--skip-solvers --ranks 1 --residual-plot docs/figures/mgrit_residuals.png``).
+Each inner ``mpxrun`` job is limited by ``--timeout`` (default: 600 s, times the
+1-minute load per core when the machine is busier than one process a core).
 """
 
 from __future__ import annotations
@@ -108,7 +115,7 @@ def solvers(cycles: list[str]) -> None:
 
 
 STEPS, WIDTH, BATCH, LEVELS, CFACTOR, FWD_ITERS, BWD_ITERS = 256, 128, 128, 3, 4, 1, 1
-RESIDUAL_PLOT = "docs/figures/mgrit_residuals.png"
+BASE_TIMEOUT_S = 600  # an inner job's limit on an idle machine (--gru's takes ~2 min)
 KINDS = ("forward", "adjoint", "linearize", "gradient")
 
 
@@ -138,11 +145,12 @@ def _measures() -> Any:
     return importlib.import_module("lp_measures")
 
 
-def layer_parallel() -> None:
+def layer_parallel(residual_plot: str | None) -> None:
     """Inside ``mpxrun -n P``: LayerParallel fwd+bwd on all ranks, serial on rank 0 alone.
 
     Prints a table row, then (rank 0) a ``MODEL`` line (json) with the measured times
-    and the model's measured costs.
+    and the model's measured costs; at one rank, draws the residual histories into
+    ``residual_plot`` if given.
     """
     import torch
     from mpi4py import MPI
@@ -231,8 +239,8 @@ def layer_parallel() -> None:
             "factor": factor, "load": os.getloadavg()[0], "contention": contention,
         }  # fmt: skip
         print("MODEL " + json.dumps(record), flush=True)
-        if comm.size == 1:
-            _plot_residuals(fwd, bwd)
+        if comm.size == 1 and residual_plot is not None:
+            _plot_residuals(fwd, bwd, residual_plot)
 
 
 GRU_INPUT, GRU_HIDDEN, GRU_BATCH, GRU_LENGTHS = 32, 64, 16, (1024, 4096)
@@ -290,7 +298,7 @@ def _gru_row(length: int) -> None:
     )
 
 
-def _plot_residuals(fwd: list[float], bwd: list[float]) -> None:
+def _plot_residuals(fwd: list[float], bwd: list[float], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,8 +311,8 @@ def _plot_residuals(fwd: list[float], bwd: list[float]) -> None:
            title=f"LayerParallel, {STEPS} steps, {LEVELS} levels, float64")  # fmt: skip
     ax.legend()
     fig.tight_layout()
-    os.makedirs(os.path.dirname(RESIDUAL_PLOT), exist_ok=True)
-    fig.savefig(RESIDUAL_PLOT, dpi=100)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
 
 
 def _table(rows: dict[int, dict[str, Any]]) -> None:
@@ -382,7 +390,6 @@ def _table(rows: dict[int, dict[str, Any]]) -> None:
         "ranks stop helping once they outnumber them; on the fine layout every rank holds "
         "N / P fine steps and the coarsest level can be a handful of points.\n"
     )
-    print(f"![residual histories]({RESIDUAL_PLOT})")
 
 
 def _best(n: int, fi: int, bi: int, p: int, layout: str, costs: Any) -> tuple[float, int]:
@@ -400,8 +407,18 @@ def _best(n: int, fi: int, bi: int, p: int, layout: str, costs: Any) -> tuple[fl
     return best
 
 
+def _default_timeout() -> int:
+    """BASE_TIMEOUT_S, scaled by how oversubscribed the machine is now (the jobs run at the
+    speed they get: a fixed 600 s failed ``--gru`` on a loaded 2-core machine)."""
+    busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return int(BASE_TIMEOUT_S * max(1.0, busy))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description="MGRIT beside PyMGRIT, layer-parallel training beside the serial network: "
+        "prints one markdown section; writes no file unless --residual-plot is given."
+    )
     parser.add_argument("--inside", choices=["solvers", "lp", "gru"], help=argparse.SUPPRESS)
     parser.add_argument(
         "--ranks",
@@ -416,13 +433,30 @@ def main() -> None:
     )
     parser.add_argument("--skip-lp", action="store_true", help="no layer-parallel table")
     parser.add_argument(
-        "--timeout", type=int, default=600, metavar="S",
-        help="each inner mpxrun job's limit in seconds (default 600; more on a loaded machine)",
+        "--timeout", type=int, default=None, metavar="S",
+        help=f"each inner mpxrun job's limit in seconds (default {BASE_TIMEOUT_S}, times the "
+        "1-minute load per core where it is above 1: now "
+        f"{_default_timeout()} s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--residual-plot", metavar="PATH",
+        help="draw the layer-parallel residual histories (the 1-rank job's, float64) into "
+        "PATH, a PNG, and link it from the section (nothing is drawn by default; "
+        "docs/figures/mgrit_residuals.png is the repository's copy)",
     )  # fmt: skip
     parser.add_argument(
         "--cycles", default="V,F", help="cycle types of the solver rows: V, F or V,F (default)"
     )
     args = parser.parse_args()
+    if args.timeout is None:
+        args.timeout = _default_timeout()
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.residual_plot is not None and (args.skip_lp or "1" not in args.ranks.split(",")):
+        parser.error(
+            "--residual-plot draws the 1-rank layer-parallel job's residuals: "
+            f"it needs 1 in --ranks (got {args.ranks!r}) and no --skip-lp"
+        )
     cycles = [c.strip() for c in args.cycles.split(",") if c.strip()]
     if not cycles or any(c not in ("V", "F") for c in cycles):
         parser.error(f"--cycles must list V and/or F, got {args.cycles!r}")
@@ -430,7 +464,7 @@ def main() -> None:
         solvers(cycles)
         return
     if args.inside == "lp":
-        layer_parallel()
+        layer_parallel(args.residual_plot)
         return
     if args.inside == "gru":
         gru()
@@ -460,7 +494,8 @@ def main() -> None:
         sys.stdout.flush()
         job(1, "solvers")
     if not args.skip_lp:
-        _layer_parallel_section(mpxrun, args.ranks, args.timeout)
+        plot = None if args.residual_plot is None else os.path.abspath(args.residual_plot)
+        _layer_parallel_section(mpxrun, args.ranks, args.timeout, plot, args.residual_plot)
     if args.gru:
         print(
             f"\nParallelGRU beside torch.nn.GRU (same weights; input {GRU_INPUT}, hidden "
@@ -479,7 +514,9 @@ def main() -> None:
         job(1, "gru")
 
 
-def _layer_parallel_section(mpxrun: str, ranks: str, timeout: int) -> None:
+def _layer_parallel_section(
+    mpxrun: str, ranks: str, timeout: int, plot: str | None, plot_link: str | None
+) -> None:
     print(
         f"\nLayer-parallel forward + backward ({STEPS} residual steps x + h·tanh(Wx + b) of width "
         f"{WIDTH}, batch {BATCH}, float32, {LEVELS} levels, cfactor {CFACTOR}, {FWD_ITERS} "
@@ -506,8 +543,11 @@ def _layer_parallel_section(mpxrun: str, ranks: str, timeout: int) -> None:
     rows: dict[int, dict[str, Any]] = {}
     for nprocs in (int(n) for n in ranks.split(",")):
         cmd = [mpxrun, "-n", str(nprocs), "--timeout", str(timeout), "--", sys.executable]
+        inner = [os.path.abspath(__file__), "--inside", "lp"]
+        if plot is not None and nprocs == 1:
+            inner += ["--residual-plot", plot]
         done = subprocess.run(
-            [*cmd, os.path.abspath(__file__), "--inside", "lp"],
+            [*cmd, *inner],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         for line in done.stdout.splitlines():
@@ -517,6 +557,8 @@ def _layer_parallel_section(mpxrun: str, ranks: str, timeout: int) -> None:
             else:
                 print(line, flush=True)
     _table(rows)
+    if plot_link is not None:
+        print(f"\n![residual histories]({plot_link})")
 
 
 if __name__ == "__main__":
