@@ -61,7 +61,7 @@ FILES = (
 # A failure on mpx that is this (the test calls gloo's transport API on the group's
 # backend, e.g. ``pg._get_backend(cpu).create_device(interface="lo")``, which is
 # ProcessGroupGloo's and no other backend's) is counted apart, not as a regression:
-# with that one call removed, the tests that make it pass on mpx (BENCHMARKS.md).
+# with that one call removed, the tests that make it pass on mpx (docs/benchmarks-history.md).
 GLOO_API = r"^AttributeError: '\w+' object has no attribute 'create_device'$"
 
 # The fixed sample (--sample): per file, the tests; chosen among those gloo
