@@ -7,7 +7,7 @@ Example::
     print(env.rank, env.world_size)
 """
 
-from importlib import metadata as _metadata
+from typing import TYPE_CHECKING
 
 from mpx.launch.environment import (
     Environment,
@@ -51,5 +51,19 @@ __all__ = [
     "open_mpi_variables",
 ]
 
-# pyproject.toml's version, as installed: the one place it is written.
-__version__ = _metadata.version("mpx-launch")
+# pyproject.toml's version, as installed: the one place it is written. Read on
+# first use: importlib.metadata takes 12-30 ms to import here, and the hook
+# (mpx_launch_hook.pth) imports this package in every Python process of a job,
+# the rank supervisors' included (issue 59: mpxrun's start-up).
+__version__: str
+
+if not TYPE_CHECKING:  # mypy sees the declaration above, not a catch-all attribute
+
+    def __getattr__(name: str) -> str:
+        global __version__  # noqa: PLW0603 (the module attribute, set on first use)
+        if name != "__version__":
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import metadata
+
+        __version__ = metadata.version("mpx-launch")
+        return __version__
