@@ -41,8 +41,13 @@ LAUNCHER_GRACE_S = 1.0
 # Between SIGTERM and SIGKILL.
 TERM_GRACE_S = 2.0
 # After every rank reported a clean exit, how long a launcher that is done
-# but lingers (see Job.end_when_ranks_exit) may take before it is stopped.
-LINGER_S = 0.05
+# but lingers (see Job.end_when_ranks_exit) may take before it is stopped:
+# none. A supervisor's exit status is its last act, so nothing is left to wait
+# for, and gforker would mostly sit out its 2 s (issue 59: mpxrun's start-up).
+LINGER_S = 0.0
+# How often Job.run looks at the clock (--timeout, the watch of the ranks left)
+# when no status line arrives; a status line wakes it at once.
+POLL_S = 0.02
 # At --timeout, how long the ranks get to send their stacks.
 STACKS_WAIT_S = hook.DUMP_WAIT_S + 1.0
 # After a rank left mid-program with exit code 0 (os._exit(0)), how long the
@@ -164,6 +169,8 @@ class Job:
     # Set from another thread to stop the job (mpxrun --replica-groups stops every group's).
     cancel: threading.Event = field(default_factory=threading.Event)
     _failed: threading.Event = field(default_factory=threading.Event)
+    # Set by the status reader on every status line: Job.run's loop looks at once.
+    _news: threading.Event = field(default_factory=threading.Event)
     _left: dict[int, tuple[float, list[str]]] = field(default_factory=dict)
     _first_end: float | None = None
     _progress: dict[int, _Progress] = field(default_factory=dict)
@@ -179,7 +186,9 @@ class Job:
                 continue
             with self._lock:
                 self._record(status.kind, status.rank, status.value, status.lines)
+            self._news.set()
         source.close()
+        self._news.set()  # the end of the launcher's stderr: mostly, the launcher's end
 
     def _record(self, kind: str, rank: int, value: int, lines: list[str]) -> None:
         now = time.monotonic()
@@ -442,14 +451,15 @@ class Job:
                         break
                 elif self._all_ranks_done():
                     all_exited_at = now if all_exited_at is None else all_exited_at
-                    if now - all_exited_at > LINGER_S:
+                    if now - all_exited_at >= LINGER_S:
                         # SIGKILL: a SIGTERMed gforker reports each rank as "signaled".
                         self._signal_all(proc, signal.SIGKILL)
                         proc.wait()
                         for pump in pumps:
                             pump.join(timeout=5.0)
                         return 0
-                time.sleep(0.02)
+                self._news.wait(POLL_S)
+                self._news.clear()  # what it announced is in the records, read above
         except KeyboardInterrupt:
             self._stop(proc)
             proc.wait()
