@@ -12,13 +12,16 @@ with the reason, where it is not running. The flows an MPI user has:
 * an ``sbatch`` script running ``mpxrun --max-restarts 1`` whose rank 1 is
   SIGKILLed mid-run: the job resumes from its checkpoints to the parameters of
   an uninterrupted run, bit for bit;
-* ``mpxrun --check`` inside an allocation names Slurm and passes.
+* ``mpxrun --check`` inside an allocation names Slurm and passes;
+* ``salloc -n 2 mpxrun --replica-groups 2 -n 1``: live recovery, each group an srun
+  step, a group killed and restarted.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -139,3 +142,29 @@ def test_sbatch_restart_resumes_to_the_uninterrupted_result(
         params = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         results[name] = torch.cat([p.reshape(-1) for p in params])
     assert torch.equal(results["killed"], results["straight"])
+
+
+def test_replica_groups_under_slurm_survive_a_kill(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """``salloc -n 2 mpxrun --replica-groups 2 -n 1``: each group an srun step of the
+    allocation; group 1's rank is SIGKILLed in step 30, its step restarts and rejoins
+    with the live state; both groups end with the same weights."""
+    example = HERE.parent / "examples" / "live_recovery.py"
+    env = dict(slurm_env, MPX_FT_HEARTBEAT_TIMEOUT="20")
+    proc = _run(
+        [
+            *("salloc", "-n", "2", MPXRUN, "--replica-groups", "2", "-n", "1"),
+            *("--max-restarts", "1", "--timeout", "240", "--", sys.executable, str(example)),
+            *("--epochs", "2", "--fail-at", "30:1"),
+        ],
+        env,
+        tmp_path,
+    )
+    out = proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, out
+    assert "group 1: --fail-at: SIGKILL in step 30" in proc.stdout, out
+    assert "group 1: rejoined at step" in proc.stdout, out
+    sums = re.findall(r"group (\d): done, 44 steps: .* weights sha256 ([0-9a-f]{16})", proc.stdout)
+    assert sorted(g for g, _ in sums) == ["0", "1"], out
+    assert sums[0][1] == sums[1][1], out

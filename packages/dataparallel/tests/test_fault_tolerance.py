@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+
+from mpx.launch.virtual_cluster import VirtualCluster
 
 PROGRAM = textwrap.dedent(
     """
@@ -86,6 +89,17 @@ PROGRAM = textwrap.dedent(
         net = nn.parallel.DistributedDataParallel(model)  # the group's mean in backward
     ft = dp.FaultTolerantOptimizer(opt, model, state={"seen": 0})
     log = open(f"{out}/log_g{group}_r{rank}_a{attempt}.jsonl", "w")
+    # FT_CKPT: each group checkpoints after every commit and, restarted, resumes from
+    # its newest checkpoint (the live state, if a peer has it, then replaces it).
+    ckpt = f"{out}/ckpt_g{group}_r{rank}.pt" if os.environ.get("FT_CKPT") else None
+    if ckpt and os.path.exists(ckpt):
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        ft.state.update(saved["state"])
+        ft.step_count = saved["step"]
+        print(f"group {group} rank {rank} resumed from its checkpoint of step {ft.step_count}",
+              flush=True)
 
     if victim and point == "reduce":
         exchange = ft_optimizer.exchange
@@ -141,8 +155,20 @@ PROGRAM = textwrap.dedent(
         if victim and point == "hang" and step == int(ks):
             print(f"group {group} rank {rank} hangs", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if victim and point.startswith("pause") and step == int(ks):
+            # A load spike: stopped for a few seconds (point "pause4": 4 s), then on.
+            import subprocess
+            seconds = point[len("pause"):]
+            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+            print(f"group {group} rank {rank} pauses {seconds} s", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"group {group} rank {rank} goes on", flush=True)
         ok = ft.step()
         ft.state["seen"] += ok
+        if ok and ckpt:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "state": dict(ft.state), "step": ft.step_count}, ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
         log.write(json.dumps({"step": step, "members": ft.members, "ok": ok}) + "\\n")
         log.flush()
         if not rejoined and ft.step_count >= hold:
@@ -151,8 +177,15 @@ PROGRAM = textwrap.dedent(
     # Whether the gradients went through shared memory (recovery.shm), as they do on one host.
     shared = any(reader is not None for _, reader in ft._shared.values())
     print(f"group {group} rank {rank} shared memory: {shared}", flush=True)
+    print(f"group {group} rank {rank} listens on {ft._links.address[0]}", flush=True)
     assert ft.state["seen"] == steps, ft.state  # the data position came with the state
     print(f"group {group} rank {rank} done", flush=True)
+    # FT_LINGER: leave the membership, then stay a while (a restarted group then comes
+    # back after this one ended training, while mpxrun still runs it).
+    linger = float(os.environ.get("FT_LINGER", "0"))
+    if linger:
+        ft.close()
+        time.sleep(linger)
     """
 )
 
@@ -173,7 +206,13 @@ def _run(
     hold: int,
     beats: float = 20,
     data_parallel: str = "",
+    extra: dict[str, str] | None = None,
+    succeeds: bool = True,
+    placement: tuple[str, ...] = (),
 ) -> str:
+    """The job's output (stdout and stderr); ``extra``: more environment; ``succeeds``:
+    whether mpxrun must exit 0 (else: must not); ``placement``: mpxrun's flags that put
+    the groups on nodes (``--virtual-nodes 2``)."""
     script = tmp_path / "job.py"
     script.write_text(PROGRAM)
     env = {
@@ -186,12 +225,14 @@ def _run(
         # A loaded 2-core machine can pause a process for a while: a hang is
         # not what these tests kill, and a SIGKILL is seen by the closed socket.
         "MPX_FT_HEARTBEAT_TIMEOUT": str(beats),
+        **(extra or {}),
     }
     done = subprocess.run(
         [
             str(_mpxrun()),
             "--replica-groups",
             str(groups),
+            *placement,
             "-n",
             str(nprocs),
             "--max-restarts",
@@ -209,7 +250,7 @@ def _run(
         env=env,
     )
     output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    assert (done.returncode == 0) == succeeds, output
     return output
 
 
@@ -294,15 +335,17 @@ def _survives(
     beats: float = 20,
     data_parallel: str = "",
     atol: float = 1e-6,
-) -> None:
+    extra: dict[str, str] | None = None,
+) -> str:
     """Runs the job with ``kill``; its output says each of ``said``, the kill changed
     the membership, which came back, and every group's weights equal the replay
     (within ``atol``). ``data_parallel``: "optimizer", "optimizer-4bit" or "ddp" inside
-    each group (see PROGRAM's FT_DP)."""
-    out = _run(tmp_path, groups, nprocs, kill, steps, hold, beats, data_parallel)
+    each group (see PROGRAM's FT_DP); ``extra``: more environment. Returns the output."""
+    out = _run(tmp_path, groups, nprocs, kill, steps, hold, beats, data_parallel, extra)
     for words in said:
         assert words in out
     _check(tmp_path, groups, nprocs, steps, True, data_parallel != "", atol)
+    return out
 
 
 def test_two_groups_kill_in_backward(tmp_path: Path) -> None:
@@ -368,13 +411,80 @@ def test_hung_group_is_counted_out_and_restarted(tmp_path: Path) -> None:
     _survives(
         tmp_path,
         "1:0:3:hang:0",
-        ("hangs", "missed its heartbeats"),
+        ("hangs", "missed its heartbeats", "silent past its hang timeout"),
         groups=2,
         nprocs=1,
         steps=12,
         hold=5,
         beats=3,
+        extra={"MPX_FT_HANG_TIMEOUT": "6"},
     )
+
+
+@pytest.mark.extended
+def test_a_group_paused_by_a_load_spike_is_waited_for_not_restarted(tmp_path: Path) -> None:
+    """Group 1 stops for 4 s (SIGSTOP, then SIGCONT: a load spike) with a 1 s heartbeat
+    timeout: it is counted out and group 0 goes on alone, then its beats bring it back
+    and it rejoins with group 0's state, as the same process: no restart."""
+    out = _survives(
+        tmp_path,
+        "1:0:3:pause4:0",
+        ("pauses 4 s", "missed its heartbeats", "beats again", "goes on"),
+        groups=2,
+        nprocs=1,
+        steps=12,
+        hold=6,
+        beats=1,
+    )
+    assert "Restart" not in out, out
+    assert not list(tmp_path.glob("log_g*_a1.jsonl"))
+
+
+@pytest.mark.extended
+def test_a_group_back_after_the_others_finished_stops_and_the_job_succeeds(
+    tmp_path: Path,
+) -> None:
+    """Group 1 dies near the end; group 0 finishes, leaves and stays up a while: the
+    restarted group 1 is told the training is over, says so in one line and exits 0,
+    and mpxrun exits 0 (not 1 with tracebacks). Group 0's weights equal the replay."""
+    out = _run(tmp_path, 2, 1, "1:0:6:backward:0", steps=8, hold=100, extra={"FT_LINGER": "15"})
+    assert "killed backward" in out
+    assert "nothing left to train, it stops here" in out, out
+    assert "Traceback" not in out, out
+    expected = _replay(0, _committed(tmp_path, 0), 8, [0])
+    final = torch.load(tmp_path / "final_g0_r0.pt", weights_only=True)
+    assert all(torch.equal(final[k], v) for k, v in expected.items())
+
+
+def test_no_live_peer_and_no_checkpoint_ends_the_job_not_fresh_weights(tmp_path: Path) -> None:
+    """Both groups die at step 3 and restart from nothing: no group holds the state, so
+    the job ends non-zero saying why, instead of training again from step 0."""
+    out = _run(tmp_path, 2, 1, "0:0:3:backward:0,1:0:3:backward:0", 8, 100, succeeds=False)
+    assert "no group holds the state of step 3" in out, out
+    assert "not restarted" in out, out
+    assert not list(tmp_path.glob("final_g*.pt"))  # nothing trained from fresh weights
+    assert not [
+        line for path in tmp_path.glob("log_g*_a1.jsonl") for line in path.read_text().splitlines()
+    ]
+
+
+@pytest.mark.extended
+def test_no_live_peer_resumes_from_the_groups_checkpoints(tmp_path: Path) -> None:
+    """The same double death with checkpoints: both groups resume from step 3 and finish
+    (each waits for the other to be up: hold 3); their weights equal the replay of the
+    committed steps and each other."""
+    out = _run(
+        tmp_path,
+        2,
+        1,
+        "0:0:3:backward:0,1:0:3:backward:0",
+        8,
+        3,
+        extra={"FT_CKPT": "1"},
+    )
+    for group in (0, 1):
+        assert f"group {group} rank 0 resumed from its checkpoint of step 3" in out, out
+    _check(tmp_path, 2, 1, 8, False)
 
 
 @pytest.mark.extended
@@ -446,3 +556,38 @@ def test_two_groups_compressed_data_parallel_inside_each_group(tmp_path: Path) -
     after 10 steps: 0.25."""
     pytest.importorskip("mpx.quantize")
     _inside_each_group(tmp_path, "1:1:3:backward:0", "optimizer-4bit", atol=0.25)
+
+
+needs_netns = pytest.mark.skipif(
+    not VirtualCluster.supported(), reason="needs root and iproute2 (network namespaces)"
+)
+
+
+@needs_netns
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_two_groups_on_two_virtual_hosts_survive_a_kill(tmp_path: Path, nprocs: int) -> None:
+    """``mpxrun --replica-groups 2 -n N --virtual-nodes 2``: each group on a host of its
+    own (a network namespace), the lighthouse reached over the bridge, the gradients
+    between the hosts over TCP (``MPX_FT_SHM=0``: what another host means); rank 0 of
+    group 1 is killed, its group restarts on its host and rejoins."""
+    out = _run(
+        tmp_path,
+        2,
+        nprocs,
+        "1:0:3:backward:0",
+        12,
+        5,
+        extra={"MPX_FT_SHM": "0"},
+        placement=("--virtual-nodes", "2"),
+    )
+    assert "killed backward" in out
+    hosts = {
+        (int(g), int(r)): address
+        for g, r, address in re.findall(r"group (\d) rank (\d) listens on (\S+)", out)
+    }
+    assert sorted(hosts) == [(g, r) for g in range(2) for r in range(nprocs)], out
+    for (g, _), address in hosts.items():
+        assert address.startswith("10."), out
+        assert address.endswith(f".{g + 1}"), out  # node g
+    assert "shared memory: True" not in out, out
+    _check(tmp_path, 2, nprocs, 12, True)

@@ -13,6 +13,7 @@ import pytest
 from mpx.launch import NONCE_BYTES, JobKey, new_nonce
 from mpx.launch.recovery import Lighthouse, Membership, Quorum
 from mpx.launch.recovery.lighthouse import MAX_LINE
+from mpx.launch.recovery.membership import BEAT_SLACK, STEP_SLACK
 
 
 def _two(expected: int = 2) -> Membership:
@@ -84,12 +85,141 @@ def test_death_after_voting_ok_keeps_the_commit() -> None:
     assert m.vote(0, "a", q.id, True) is True
 
 
-def test_silent_group_expires() -> None:
-    m = _two()
+def test_silent_group_is_counted_out_and_comes_back_when_it_beats_again() -> None:
+    """Silent past its deadline: out of the quorums, not dead; its next beat brings it
+    back, and it is admitted at the next boundary with a donor, as a restart would be."""
+    m, q = _first_quorum()
+    m.vote(0, "a", q.id, True)
     m.beat(0, 0, "a", now=0.4)
     assert m.expire(now=0.6) == [1]  # group 1's last beat was at 0.0
+    assert q.outcome is False  # it had not voted: the step is discarded
     assert m.alive() == {0: "a"}
-    assert m.beat(1, 0, "b", now=0.7) is False  # counted out: its beats are refused
+    assert m.counted_out(1, "b")
+    assert m.request(1, "b", 0) is False  # not a member while counted out
+    m.request(0, "a", 0)
+    q2 = m.form(now=0.6)
+    assert q2 is not None
+    assert q2.members == [0]
+    m.vote(0, "a", q2.id, True)
+    assert m.beat(1, 0, "b", now=0.7) is True  # alive again, same incarnation
+    assert m.alive() == {0: "a", 1: "b"}
+    assert not m.counted_out(1, "b")
+    m.request(1, "b", 0)
+    m.request(0, "a", 1)
+    q3 = m.form(now=0.8)
+    assert q3 is not None
+    assert (q3.step, q3.members, q3.donors) == (1, [0, 1], {1: 0})
+
+
+def test_the_deadline_stretches_with_the_groups_own_beats_and_steps() -> None:
+    """A loaded machine spreads a live group's beats: its deadline grows with them
+    (BEAT_SLACK gaps), and with its steps (STEP_SLACK), never past the hang timeout."""
+    m = Membership(expected=1, join_timeout=30.0, heartbeat_timeout=0.5, now=0.0, hang_timeout=20.0)
+    m.hello(0, 0, 1, "a", ["h", 1], now=0.0)
+    assert m.deadline(0) == 0.5
+    for t in (0.1, 0.2, 0.3, 1.3):  # one beat a second late
+        m.beat(0, 0, "a", now=t)
+    assert m.deadline(0) == pytest.approx(BEAT_SLACK * 1.0)
+    assert m.expire(now=1.3 + BEAT_SLACK * 1.0 - 0.1) == []
+    assert m.expire(now=1.3 + BEAT_SLACK * 1.0 + 0.1) == [0]
+    m2 = Membership(expected=1, join_timeout=30.0, heartbeat_timeout=0.5, now=0.0)
+    m2.hello(0, 0, 1, "a", ["h", 1], now=0.0)
+    m2.request(0, "a", 0, now=0.0)
+    m2.request(0, "a", 1, now=3.0)  # a 3 s step
+    assert m2.deadline(0) == pytest.approx(STEP_SLACK * 3.0)
+    m3 = Membership(expected=1, join_timeout=30.0, heartbeat_timeout=0.5, now=0.0, hang_timeout=2.0)
+    m3.hello(0, 0, 1, "a", ["h", 1], now=0.0)
+    m3.request(0, "a", 0, now=0.0)
+    m3.request(0, "a", 1, now=3.0)
+    assert m3.deadline(0) == 2.0  # capped: a counted-out group must still be seen hung
+
+
+def test_a_counted_out_group_silent_for_the_hang_timeout_is_hung() -> None:
+    m = Membership(expected=2, join_timeout=30.0, heartbeat_timeout=0.5, now=0.0, hang_timeout=5.0)
+    m.hello(0, 0, 1, "a", ["h", 1], now=0.0)
+    m.hello(1, 0, 1, "b", ["h", 2], now=0.0)
+    assert m.expire(now=1.0) == [0, 1]
+    assert m.beat(0, 0, "a", now=1.2) is True  # group 0 is back
+    assert m.hung(now=4.0) == []
+    assert m.hung(now=5.5) == [1]  # group 1 silent since 0.0
+    assert m.hung(now=6.0) == []  # once
+    assert m.beat(1, 0, "b", now=6.0) is False  # hung is dead: mpxrun restarts it
+    assert m.alive() == {0: "a"}
+
+
+def _committed_then_all_gone(steps: int) -> Membership:
+    """Two groups commit steps 0..steps-1 together, then both die."""
+    m = _two()
+    for step in range(steps):
+        m.request(0, "a", step)
+        m.request(1, "b", step)
+        q = m.form(now=0.0)
+        assert q is not None
+        m.vote(0, "a", q.id, True)
+        m.vote(1, "b", q.id, True)
+    m.lost(0, "a")
+    m.lost(1, "b")
+    return m
+
+
+def test_a_job_never_goes_back_to_fresh_weights() -> None:
+    """Every group that held the state is gone; both restart at step 0 (no checkpoint):
+    no quorum forms, the state is lost, each request is told so."""
+    m = _committed_then_all_gone(5)
+    assert m.committed == 5
+    m.hello(0, 0, 1, "a2", ["h", 3], now=1.0)
+    m.request(0, "a2", 0)
+    assert m.form(now=1.0) is None  # it waits for the other group: it may have a checkpoint
+    assert m.state_lost is None
+    m.hello(1, 0, 1, "b2", ["h", 4], now=1.0)
+    m.request(1, "b2", 0)
+    assert m.form(now=1.1) is None
+    assert m.state_lost == 5
+
+
+def test_the_state_lost_is_decided_after_join_timeout_when_a_group_never_comes_back() -> None:
+    m = _committed_then_all_gone(3)
+    m.hello(0, 0, 1, "a2", ["h", 3], now=1.0)
+    m.request(0, "a2", 0)
+    assert m.form(now=1.0) is None
+    assert m.form(now=30.0) is None
+    assert m.state_lost is None
+    assert m.form(now=31.5) is None
+    assert m.state_lost == 3
+
+
+def test_a_group_resumed_from_a_checkpoint_leads_when_no_one_holds_the_state() -> None:
+    """Group 1 restarted from its checkpoint of step 3, group 0 from nothing: they go on
+    from step 3, group 0 loading group 1's state; steps 3 and 4 are done again."""
+    m = _committed_then_all_gone(5)
+    m.hello(0, 0, 1, "a2", ["h", 3], now=1.0)
+    m.hello(1, 0, 1, "b2", ["h", 4], now=1.0)
+    m.request(0, "a2", 0)
+    m.request(1, "b2", 3)
+    q = m.form(now=1.0)
+    assert q is not None
+    assert (q.step, q.members, q.donors) == (3, [0, 1], {0: 1})
+    assert m.went_back == (3, 5)
+    assert m.state_lost is None
+    m.vote(0, "a2", q.id, True)
+    m.vote(1, "b2", q.id, True)
+    assert m.committed == 4
+
+
+def test_no_state_is_lost_while_a_counted_out_group_may_come_back_with_it() -> None:
+    m, q = _first_quorum(step=4)
+    m.vote(0, "a", q.id, True)
+    m.vote(1, "b", q.id, True)  # committed: the state is step 5's
+    m.expire(now=0.6)  # both silent: counted out, both may come back
+    m.hello(0, 0, 1, "a2", ["h", 3], now=0.7)  # group 0 restarted, from nothing
+    m.request(0, "a2", 0)
+    assert m.form(now=0.7) is None
+    assert m.state_lost is None
+    assert m.beat(1, 0, "b", now=0.8) is True  # group 1 was only slow
+    m.request(1, "b", 5)
+    q2 = m.form(now=0.8)
+    assert q2 is not None
+    assert (q2.step, q2.donors) == (5, {0: 1})
 
 
 def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:

@@ -34,7 +34,7 @@ from mpx.dataparallel.errors import (
     DataParallelValueError,
     ParameterServerError,
 )
-from mpx.dataparallel.recovery import FaultTolerantOptimizer
+from mpx.dataparallel.recovery import FaultTolerantOptimizer, TrainingFinished
 from mpx.dataparallel.runtime import init, is_root, local_rank, rank, world_size
 from mpx.dataparallel.synchronous import (
     DistributedDataContainer,
@@ -61,6 +61,7 @@ __all__ = [
     "ParameterServer",
     "ParameterServerError",
     "ResumePoint",
+    "TrainingFinished",
     "__version__",
     "allreduce_gradients",
     "broadcast_tensors",

@@ -55,9 +55,14 @@ attempt's.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Sequence
 from typing import NoReturn
@@ -78,7 +83,13 @@ from mpx.launch.environment import free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import Launcher, find_launcher
 from mpx.launch.rank import new_key, usable_cores
-from mpx.launch.recovery import GROUP_VARIABLES, check_usage, run_replica_groups
+from mpx.launch.recovery import (
+    GROUP_VARIABLES,
+    check_usage,
+    place_groups,
+    ranks_per_node,
+    run_replica_groups,
+)
 from mpx.launch.supervision import EXIT_TIMEOUT, EXIT_USAGE, Job, RankFailure, run_attempts
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_USAGE", "Job", "RankFailure", "build_parser", "main"]
@@ -147,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.program = ["--", sys.executable, "-m", "mpx.collectives.tune", *options]
     with contextlib.ExitStack() as stack:
         try:
-            check_combinations(args.nprocs, args.virtual_nodes, args.hostfile)
+            check_combinations(
+                args.nprocs, args.virtual_nodes, args.hostfile, args.replica_groups or 1
+            )
             check_restart_flags(args.max_restarts, args.restart_delay)
             program = resolve_program(args.program)
             launcher = find_launcher(args.launcher)
@@ -164,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 virtual = stack.enter_context(VirtualCluster(args.virtual_nodes))
             local = _all_local(launcher, args.hostfile, virtual)
             if args.replica_groups is not None:
-                check_usage(local)
+                check_usage(launcher.forker, local)
             if local:
                 launcher = launcher.on_this_host()
             env = _job_environment(
@@ -189,16 +202,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tag_output=args.tag_output,
                 export=exported,
             )
-            if virtual is not None:
+            if virtual is not None and args.replica_groups is None:
                 # As even as can be: 4 ranks on 3 nodes are 2, 1, 1 (not 2, 2, 0).
-                size, extra = divmod(args.nprocs, virtual.nodes)
-                per_node = [size + (node < extra) for node in range(virtual.nodes)]
-                command[1:1] = virtual.mpich_arguments(per_node)
+                command[1:1] = virtual.mpich_arguments(ranks_per_node(args.nprocs, virtual.nodes))
+            if args.replica_groups is not None:
+                placed = _place_groups(
+                    args, launcher, command, (supervised, exported), virtual, local, stack
+                )
         except LaunchError as exc:
             print(f"mpxrun: {exc}", file=sys.stderr)
             return EXIT_USAGE
 
-        def new_job(attempt: int, base: dict[str, str] = env) -> Job:
+        def new_job(attempt: int, base: dict[str, str] = env, command: list[str] = command) -> Job:
             # Both names: mpx programs read MPX_RESTART_COUNT, torchrun-style
             # ones TORCHELASTIC_RESTART_COUNT; launchers forward MPX_* only.
             count = str(attempt)
@@ -216,8 +231,114 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
 
         if args.replica_groups is not None:
-            return run_replica_groups(env, args.replica_groups, new_job, args)
+            commands, masters, listen, advertise = placed
+            return run_replica_groups(
+                env, args.replica_groups, new_job, args, commands, masters, listen, advertise
+            )
         return run_attempts(new_job, args.timeout, args.max_restarts, args.restart_delay)
+
+
+def _place_groups(
+    args: argparse.Namespace,
+    launcher: Launcher,
+    command: list[str],
+    ranks: tuple[list[str], list[str]],
+    virtual: VirtualCluster | None,
+    local: bool,
+    stack: contextlib.ExitStack,
+) -> tuple[list[list[str]], list[str], str, str | None]:
+    """Each replica group's launcher command (its own nodes: see
+    :mod:`mpx.launch.recovery.placement`), each group's first node, the address the
+    lighthouse listens on and the one its members reach it at. ``command``: the
+    job's on this host; ``ranks``: what each rank runs and the variables exported."""
+    groups: int = args.replica_groups
+    if local:
+        return [command] * groups, ["127.0.0.1"] * groups, "127.0.0.1", None
+    program, exported = ranks
+    if virtual is not None:
+        commands, masters = [], []
+        for nodes in place_groups(groups, virtual.nodes):
+            per_node = ranks_per_node(args.nprocs, len(nodes))
+            cmd = list(command)
+            cmd[1:1] = virtual.mpich_arguments(per_node, nodes)
+            commands.append(cmd)
+            masters.append(virtual.addresses[nodes[0]])
+        # The nodes' network namespaces reach this one at the bridge's address only.
+        return commands, masters, virtual.bridge_address, None
+    if launcher.kind == "slurm" and not _allocated():
+        # Each group's srun makes an allocation of its own: Slurm picks the nodes.
+        return [command] * groups, [os.uname().nodename] * groups, "0.0.0.0", _address_out()
+    if launcher.kind == "slurm":
+        hosts = _slurm_hosts()
+    else:
+        hosts = [host for host, _ in read_hostfile(args.hostfile)]
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="mpx-groups-"))
+    commands, masters = [], []
+    for g, nodes in enumerate(place_groups(groups, len(hosts))):
+        names = [hosts[n] for n in nodes]
+        per_node = ranks_per_node(args.nprocs, len(nodes))
+        if launcher.kind == "slurm":
+            cmd = launcher.command(args.nprocs, program, bind=args.bind, tag_output=args.tag_output)
+            # --overlap: the groups are steps of one allocation running at once; by
+            # default a step waits for the CPUs (and memory) another step holds.
+            cmd[1:1] = [f"--nodes={len(names)}", f"--nodelist={','.join(names)}", "--overlap"]
+        else:
+            path = os.path.join(directory, f"group{g}")
+            with open(path, "w") as f:
+                for name, count in zip(names, per_node, strict=True):
+                    f.write(f"{name} slots={count}\n" if launcher.kind == "openmpi" else
+                            f"{name}:{count}\n")  # fmt: skip
+            cmd = launcher.command(
+                args.nprocs,
+                program,
+                hostfile=path,
+                bind=args.bind,
+                tag_output=args.tag_output,
+                export=exported,
+            )
+        commands.append(cmd)
+        masters.append(names[0])
+    # Every interface (each connection proves the job's secret); the members reach it at
+    # this host's address on the route to the first group's node.
+    return commands, masters, "0.0.0.0", _address_towards(masters[0])
+
+
+def _allocated() -> bool:
+    return bool(os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST"))
+
+
+def _address_out() -> str:
+    """This host's address on its default route (the nodes Slurm picks reach it there)."""
+    try:
+        return _address_towards("192.0.2.1")  # TEST-NET-1: routed by default, never sent to
+    except UsageError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _slurm_hosts() -> list[str]:
+    """The nodes of the Slurm allocation, one name each (``scontrol show hostnames``)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    if not nodelist:
+        raise UsageError("--replica-groups under srun needs an allocation (SLURM_JOB_NODELIST)")
+    scontrol = shutil.which("scontrol")
+    if scontrol is None or ("[" not in nodelist):
+        return nodelist.split(",")
+    names = subprocess.run(
+        [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    ).stdout.split()
+    if not names:
+        raise UsageError(f"scontrol show hostnames {nodelist!r} named no node")
+    return names
+
+
+def _address_towards(host: str) -> str:
+    """This host's address on the route to ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise UsageError(f"no route to {host!r}, a node of the job: {exc}") from None
 
 
 def _check_virtual(launcher: Launcher) -> None:

@@ -428,8 +428,20 @@ HEARTBEAT_TIMEOUT = declare(
     "float",
     0.5,
     "seconds a rank of a replica group may miss its heartbeats before the lighthouse counts "
-    "its group out (a killed process is seen at once, by its closed connection)",
+    "its group out, at least: the group's own recent beat gaps and step times stretch it "
+    "(a killed process is seen at once, by its closed connection)",
     package="launch",
+)
+HANG_TIMEOUT: Setting[float | None] = declare(
+    "MPX_FT_HANG_TIMEOUT",
+    "float",
+    None,
+    "seconds a replica group counted out for missed heartbeats may stay silent before "
+    "mpxrun stops and restarts it as hung (default: the larger of 30 s and 20 heartbeat "
+    "timeouts); a group that beats again before then rejoins on its own",
+    package="launch",
+    unit="s",
+    minimum=0.1,
 )
 TORCH_ENV = declare(
     "MPX_TORCH_ENV",

@@ -16,6 +16,6 @@ and its challenge-response, ``mpx.launch.JobKey``); the lighthouse only
 through the wire. Not ``asynchronous`` or ``checkpoints``: the roles beside it.
 """
 
-from mpx.dataparallel.recovery.optimizer import FaultTolerantOptimizer
+from mpx.dataparallel.recovery.optimizer import FaultTolerantOptimizer, TrainingFinished
 
-__all__ = ["FaultTolerantOptimizer"]
+__all__ = ["FaultTolerantOptimizer", "TrainingFinished"]

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -50,11 +51,32 @@ from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
 from mpx.dataparallel.synchronous import DistributedOptimizer
 from mpx.launch import JobKey
 
-__all__ = ["FaultTolerantOptimizer"]
+__all__ = ["FaultTolerantOptimizer", "TrainingFinished"]
 
 # The keys of a quorum request's reply (see mpx.launch.recovery.lighthouse): a vote's reply
 # that has one of them carries the next step's quorum.
-_ANSWERS = frozenset({"quorum", "member", "finished"})
+_ANSWERS = frozenset({"quorum", "member", "finished", "lost"})
+
+
+class TrainingFinished(SystemExit):
+    """Raised by :meth:`FaultTolerantOptimizer.zero_grad` in a group that came back after
+    every other group had ended training and left: there is nothing left to train.
+
+    A ``SystemExit`` with code 0: uncaught, the group's processes end quietly (no
+    traceback; rank 0 prints one line) and ``mpxrun`` counts the job as finished.
+    ``step`` is the step the others ended at.
+
+    Example::
+
+        try:
+            ft.zero_grad()
+        except dp.TrainingFinished as done:
+            print(f"the others finished at step {done.step}")
+    """
+
+    def __init__(self, step: int) -> None:
+        super().__init__(0)
+        self.step = step
 
 
 def _setting(name: str) -> str | None:
@@ -236,16 +258,29 @@ class FaultTolerantOptimizer:
                     reply = self.comm.bcast(reply, root=0)
             assert reply is not None
             if "finished" in reply:
+                if self.rank == 0:
+                    print(
+                        f"mpx: live recovery: group {self.group} came back at step "
+                        f"{self.step_count} after the other groups ended training at step "
+                        f"{reply['finished']}: nothing left to train, it stops here",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                raise TrainingFinished(int(reply["finished"]))
+            if "lost" in reply:
                 raise DataParallelError(
-                    f"FaultTolerantOptimizer: group {self.group} came back at step "
-                    f"{self.step_count} after the other groups had ended training at step "
-                    f"{reply['finished']} and left: there is no live state to rejoin"
+                    f"FaultTolerantOptimizer: no group holds the state of step {reply['lost']} "
+                    "(every group that had it is gone) and none resumed from a checkpoint: "
+                    f"group {self.group} would train again from fresh weights at step "
+                    f"{self.step_count}. Save checkpoints as you train and, at a restart, load "
+                    "the newest and set ft.step_count to its step before the first zero_grad() "
+                    "(docs/live-recovery.md, 'Checkpoints')"
                 )
             if "quorum" not in reply:
                 raise DataParallelError(
-                    f"FaultTolerantOptimizer: the lighthouse counted group {self.group} out "
-                    "(it missed its heartbeats: a pause longer than MPX_FT_HEARTBEAT_TIMEOUT?); "
-                    "the group must restart to rejoin"
+                    f"FaultTolerantOptimizer: the lighthouse counted group {self.group} out for "
+                    "good (silent past MPX_FT_HANG_TIMEOUT, or replaced by a restart of its "
+                    "group); the group must restart to rejoin"
                 )
             quorum = reply["quorum"]
             self.quorum_id = int(quorum["quorum"])

@@ -100,8 +100,12 @@ def seconds(flag: str, *, zero: bool) -> Callable[[str], float]:
     return parse
 
 
-def check_combinations(nprocs: int, virtual_nodes: int | None, hostfile: str | None) -> None:
+def check_combinations(
+    nprocs: int, virtual_nodes: int | None, hostfile: str | None, groups: int = 1
+) -> None:
     """Refuses flags that each parse but contradict each other.
+
+    ``groups``: ``--replica-groups`` (the job's ranks are ``groups * nprocs``).
 
     Raises:
         UsageError: ``--virtual-nodes`` with ``--hostfile``, or more virtual
@@ -112,11 +116,13 @@ def check_combinations(nprocs: int, virtual_nodes: int | None, hostfile: str | N
         return
     if hostfile is not None:
         raise UsageError("--virtual-nodes and --hostfile exclude each other: pick one")
-    if virtual_nodes > nprocs:
+    total = nprocs * groups
+    if virtual_nodes > total:
+        what = f"-n {nprocs}" if groups == 1 else f"--replica-groups {groups} x -n {nprocs}"
         raise UsageError(
-            f"--virtual-nodes {virtual_nodes} is more nodes than the {nprocs} rank(s) of "
-            f"-n {nprocs}: every node needs a rank; pass --virtual-nodes {nprocs} or fewer, "
-            f"or -n {virtual_nodes} or more"
+            f"--virtual-nodes {virtual_nodes} is more nodes than the {total} rank(s) of "
+            f"{what}: every node needs a rank; pass --virtual-nodes {total} or fewer, "
+            + (f"or -n {virtual_nodes} or more" if groups == 1 else "or more ranks")
         )
 
 

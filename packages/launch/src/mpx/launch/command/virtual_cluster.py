@@ -143,28 +143,39 @@ class VirtualCluster:
             )
         os.chmod(self.shim, stat.S_IRWXU)
 
-    def hostfile(self, ranks_per_node: int | Sequence[int]) -> str:
+    def hostfile(
+        self, ranks_per_node: int | Sequence[int], nodes: Sequence[int] | None = None
+    ) -> str:
         """A hostfile (``address:slots`` per line) of the virtual nodes, as on a cluster.
 
-        ``ranks_per_node``: the slots of every node, or of each node in turn.
+        ``ranks_per_node``: the slots of every node, or of each node in turn;
+        ``nodes``: the indices of the nodes it names (default all: a replica group
+        runs on some of them, see :mod:`mpx.launch.recovery.placement`).
         """
+        chosen = list(range(self.nodes)) if nodes is None else list(nodes)
+        if not chosen or any(not 0 <= node < self.nodes for node in chosen):
+            raise UsageError(f"nodes={chosen} are not nodes of this {self.nodes}-node cluster")
         if isinstance(ranks_per_node, int):
-            ranks_per_node = [ranks_per_node] * self.nodes
-        if len(ranks_per_node) != self.nodes:
+            ranks_per_node = [ranks_per_node] * len(chosen)
+        if len(ranks_per_node) != len(chosen):
             raise UsageError(
-                f"ranks_per_node gives {len(ranks_per_node)} counts for {self.nodes} nodes: "
+                f"ranks_per_node gives {len(ranks_per_node)} counts for {len(chosen)} nodes: "
                 "pass one count per node, or one int for all"
             )
-        path = os.path.join(self._dir, "hosts")
+        suffix = "" if nodes is None else "-" + "-".join(map(str, chosen))
+        path = os.path.join(self._dir, f"hosts{suffix}")
         with open(path, "w") as f:
             f.writelines(
-                f"{address}:{slots}\n"
-                for address, slots in zip(self.addresses, ranks_per_node, strict=True)
+                f"{self.addresses[node]}:{slots}\n"
+                for node, slots in zip(chosen, ranks_per_node, strict=True)
             )
         return path
 
-    def mpich_arguments(self, ranks_per_node: int | Sequence[int]) -> list[str]:
-        """Hydra options that place ``ranks_per_node`` ranks on each virtual node.
+    def mpich_arguments(
+        self, ranks_per_node: int | Sequence[int], nodes: Sequence[int] | None = None
+    ) -> list[str]:
+        """Hydra options that place ``ranks_per_node`` ranks on each virtual node
+        (of ``nodes``, default all).
 
         Hydra fills the nodes in turn: with a list (``[2, 1, 1]`` for 4 ranks
         on 3 nodes) every node gets a rank, where ``2`` each would leave the
@@ -178,8 +189,13 @@ class VirtualCluster:
             "-iface",
             self.bridge,
             "-f",
-            self.hostfile(ranks_per_node),
+            self.hostfile(ranks_per_node, nodes),
         ]
+
+    @property
+    def bridge_address(self) -> str:
+        """This (the root) namespace's address on the bridge: every node reaches it."""
+        return f"{self.subnet}.254"
 
     def close(self) -> None:
         """Removes the namespaces (their veth ends go with them) and the bridge."""

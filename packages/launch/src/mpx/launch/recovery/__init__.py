@@ -4,8 +4,9 @@ What lives here: ``replica_groups`` (``mpxrun --replica-groups``: one job a
 group, each restarted on its own while the others go on, and the
 ``MPX_REPLICA_GROUP*`` and ``MPX_LIGHTHOUSE`` variables the groups get),
 ``lighthouse`` (:class:`Lighthouse`: the server the groups beat to and ask for
-a quorum, its wire format) and ``membership`` (:class:`Membership`: the rules
-of quorums and commits, no sockets). mpx-dataparallel's recovery is the other
+a quorum, its wire format), ``membership`` (:class:`Membership`: the rules
+of quorums and commits, no sockets) and ``placement`` (which nodes each group
+runs on). mpx-dataparallel's recovery is the other
 end of the wire; it imports nothing of this package.
 
 What it may import: the job's supervision (``mpx.launch.supervision``) and the
@@ -16,6 +17,7 @@ line (``mpx.launch.command``) nor ``mpx.launch.cli``, which build on this one.
 
 from mpx.launch.recovery.lighthouse import Lighthouse, print_event
 from mpx.launch.recovery.membership import Membership, Quorum
+from mpx.launch.recovery.placement import place_groups, ranks_per_node
 from mpx.launch.recovery.replica_groups import (
     GROUP_VARIABLES,
     check_usage,
@@ -31,7 +33,9 @@ __all__ = [
     "Quorum",
     "check_usage",
     "group_environment",
+    "place_groups",
     "print_event",
+    "ranks_per_node",
     "run_groups",
     "run_replica_groups",
 ]

@@ -7,8 +7,11 @@ time per connection. Each rank of each group holds a connection on which it
 says ``hello`` and then beats (a heartbeat thread); its group's rank 0 holds a
 second one for the requests that wait (``quorum``, ``vote``). A connection
 that closes without ``leave`` kills its group at once: a SIGKILLed process's
-sockets are closed by its kernel, so a death is seen in milliseconds, and a
-hung one in ``heartbeat_timeout`` seconds.
+sockets are closed by its kernel, so a death is seen in milliseconds. A group
+that stops beating is counted out after its deadline (``heartbeat_timeout``
+stretched by its own recent beats and steps: a loaded machine does not count a
+live group out) and comes back if it beats again; silent for ``hang_timeout``
+it is hung, and ``mpxrun`` stops and restarts it (:meth:`Lighthouse.hung`).
 
 Every connection starts with the job's challenge-response
 (:mod:`mpx.launch.handshake`): the lighthouse sends ``{"challenge": nonce_s}``, the
@@ -27,9 +30,14 @@ Requests and replies::
     {"op": "beat"}                            -> {"member": bool, "alive": {g: id},
                                                   "last_aborted": quorum}
     {"op": "quorum", "step": s}               -> {"quorum": {...Quorum.view...}}
-                                                 or {"member": false} (counted out)
+                                                 or {"member": false} (dead or
+                                                 replaced: a counted-out group's
+                                                 request waits until it is back)
                                                  or {"finished": step} (the others
                                                  ended training and left)
+                                                 or {"lost": step} (no group holds
+                                                 the state of that step, and none
+                                                 resumed from a checkpoint)
     {"op": "vote", "quorum": q, "ok": bool}   -> {"outcome": bool}
     {"op": "vote", "quorum": q, "ok": bool, "next": s}
                                               -> {"outcome": bool, and the reply of a
@@ -197,12 +205,19 @@ class Lighthouse:
     Args:
         expected: the number of replica groups the first quorum waits for (the
             groups are 0 to ``expected - 1``).
-        heartbeat_timeout: seconds a rank may stay silent before its group is dead.
+        heartbeat_timeout: seconds a rank may stay silent before its group is counted
+            out, at least (the group's own recent timing stretches it: see
+            :mod:`~mpx.launch.recovery.membership`).
         join_timeout: how long the first quorum waits for ``expected`` groups.
-        host: the address to listen on (port chosen by the system).
+        hang_timeout: seconds a counted-out group may stay silent before it is hung
+            (default: :class:`~mpx.launch.recovery.membership.Membership`'s).
+        host: the address to listen on (port chosen by the system; ``"0.0.0.0"``:
+            every interface, for groups on other hosts: every connection proves the
+            job's secret).
         log: where membership events are written (None: nowhere).
         key: the job's key its members prove (default: a new one: ``key.hex`` is
             then what the members' ``MPX_JOB_SECRET`` must hold).
+        advertise: the host :attr:`address` names (default the one listened on).
     """
 
     def __init__(
@@ -210,13 +225,20 @@ class Lighthouse:
         expected: int,
         heartbeat_timeout: float = 0.5,
         join_timeout: float = 120.0,
+        hang_timeout: float | None = None,
         host: str = "127.0.0.1",
         log: Callable[[str], None] | None = None,
         key: JobKey | None = None,
+        advertise: str | None = None,
     ) -> None:
         self.expected = expected
+        # The host the members are told (host "0.0.0.0" listens everywhere, but is
+        # no address to reach).
+        self._advertise = advertise
         self.key = key if key is not None else JobKey.new()
-        self.membership = Membership(expected, join_timeout, heartbeat_timeout, time.monotonic())
+        self.membership = Membership(
+            expected, join_timeout, heartbeat_timeout, time.monotonic(), hang_timeout
+        )
         self.heartbeat_timeout = heartbeat_timeout
         # The members' view of who is alive comes with the beats' replies: kept
         # fresh even when a long timeout is allowed.
@@ -227,7 +249,7 @@ class Lighthouse:
         self._server.lighthouse = self
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._counted_out: list[int] = []
+        self._hung: list[int] = []
         # Quorum id -> the voters waiting for its outcome: group -> (incarnation, the step
         # their vote asked the next quorum at), until the outcome asks for them (see vote).
         self._then: dict[int, dict[int, tuple[str, int]]] = {}
@@ -235,7 +257,7 @@ class Lighthouse:
     @property
     def address(self) -> str:
         host, port = self._server.socket.getsockname()[:2]
-        return f"{host}:{port}"
+        return f"{self._advertise or host}:{port}"
 
     def __enter__(self) -> Lighthouse:
         self.start()
@@ -257,12 +279,25 @@ class Lighthouse:
         with self._changed:
             self._changed.notify_all()
 
-    def counted_out(self) -> list[int]:
-        """The groups counted out for missed heartbeats since the last call (hung:
-        ``mpxrun`` stops and restarts them)."""
+    def hung(self) -> list[int]:
+        """The groups found hung since the last call (counted out, then silent for
+        ``hang_timeout``: ``mpxrun`` stops and restarts them)."""
         with self._changed:
-            found, self._counted_out = self._counted_out, []
+            found, self._hung = self._hung, []
         return found
+
+    def cannot_go_on(self) -> str | None:
+        """Why no group can train on, if none can (the state is lost): ``mpxrun`` then
+        restarts no group."""
+        with self._changed:
+            lost = self.membership.state_lost
+        if lost is None:
+            return None
+        return (
+            f"no group holds the state of step {lost} (every group that had it is gone) and "
+            "none resumed from a checkpoint: training again from fresh weights would lose "
+            f"{lost} steps (docs/live-recovery.md: checkpoints)"
+        )
 
     def refused(self, peer: Any, why: str) -> None:
         """A connection that never became a member was closed (see :class:`Refused`)."""
@@ -277,15 +312,34 @@ class Lighthouse:
         """Expires silent groups and forms quorums whose wait a death ended."""
         while not self._closed.wait(self.heartbeat_interval):
             with self._changed:
-                for group in self.membership.expire(time.monotonic()):
-                    self._say(f"group {group} missed its heartbeats: out of the membership")
-                    self._counted_out.append(group)
+                now = time.monotonic()
+                for group in self.membership.expire(now):
+                    self._say(
+                        f"group {group} missed its heartbeats (silent past its deadline, "
+                        f"{self.membership.deadline(group):.2f} s): out of the quorums until it "
+                        "beats again"
+                    )
+                for group in self.membership.hung(now):
+                    self._say(
+                        f"group {group} silent for {self.membership.hang_timeout:g} s "
+                        "(hung?): stopped, to be restarted"
+                    )
+                    self._hung.append(group)
                 self._form()
                 self._changed.notify_all()
 
     def _form(self) -> None:
-        before = self.membership.last
+        before, back = self.membership.last, self.membership.went_back
+        lost = self.membership.state_lost
         quorum = self.membership.form(time.monotonic())
+        if self.membership.state_lost is not None and lost is None:
+            self._say(f"the job cannot go on: {self.cannot_go_on()}")
+        if self.membership.went_back is not back and self.membership.went_back is not None:
+            step, newest = self.membership.went_back
+            self._say(
+                f"no group holds the state of step {newest}: going on from step {step}, the "
+                f"newest any group has (a checkpoint); steps {step}..{newest - 1} are done again"
+            )
         if quorum is not None and (before is None or before.members != quorum.members):
             loads = "; ".join(
                 f"group {g} loads group {d}'s state" for g, d in quorum.donors.items()
@@ -306,7 +360,11 @@ class Lighthouse:
     def beat(self, identity: tuple[int, int, str]) -> dict[str, Any]:
         group, rank, incarnation = identity
         with self._changed:
+            was_out = self.membership.counted_out(group, incarnation)
             member = self.membership.beat(group, rank, incarnation, time.monotonic())
+            if was_out and member:
+                self._say(f"group {group} beats again: it rejoins at the next step")
+                self._changed.notify_all()  # its request, waiting for this
             return {
                 "member": member,
                 "alive": {str(g): i for g, i in self.membership.alive().items()},
@@ -316,9 +374,8 @@ class Lighthouse:
     def lost(self, identity: tuple[int, int, str]) -> None:
         group, rank, incarnation = identity
         with self._changed:
-            if (
-                self.membership.groups.get(group)
-                and self.membership.alive().get(group) == incarnation
+            if self.membership.alive().get(group) == incarnation or (
+                self.membership.counted_out(group, incarnation)
             ):
                 self._say(f"group {group} lost (rank {rank}'s connection closed)")
             self.membership.lost(group, incarnation)
@@ -334,20 +391,36 @@ class Lighthouse:
         self, group: int, incarnation: str, step: int, asked: bool = False
     ) -> dict[str, Any]:
         """A quorum request's reply, waited for (with ``self._changed`` held); ``asked``:
-        the vote that decided the last step requested it for this group already."""
-        if not asked:
-            ended = self.membership.finished(group, step)
-            if ended is not None:
-                return {"finished": ended}
-            if not self.membership.request(group, incarnation, step):
-                return {"member": False}
-        self._form()
-        self._changed.notify_all()
+        the vote that decided the last step requested it for this group already.
+
+        A counted-out group's request waits until its beats bring it back (then it
+        asks, and is admitted as a restarted group is), or it is found dead."""
+        m = self.membership
+        requested = asked
+        if asked:
+            self._form()
+            self._changed.notify_all()
         while not self._closed.is_set():
-            assigned = self.membership.assigned.get(group)
-            if assigned is not None and self.membership.alive().get(group) == incarnation:
-                return {"quorum": self.membership.quorums[assigned].view(group)}
-            if self.membership.alive().get(group) != incarnation:
+            if m.state_lost is not None:
+                return {"lost": m.state_lost}
+            if not requested:
+                ended = m.finished(group, step)
+                if ended is not None:
+                    return {"finished": ended}
+                if m.request(group, incarnation, step, time.monotonic()):
+                    requested = True
+                    self._form()
+                    self._changed.notify_all()
+                    continue
+                if not m.counted_out(group, incarnation):
+                    return {"member": False}
+            elif m.alive().get(group) == incarnation:
+                assigned = m.assigned.get(group)
+                if assigned is not None:
+                    return {"quorum": m.quorums[assigned].view(group)}
+            elif m.counted_out(group, incarnation):
+                requested = False  # counted out while it waited: it asks again once back
+            else:
                 return {"member": False}
             # The wait ends on any change; the timeout lets a first quorum's join_timeout pass.
             self._changed.wait(self.heartbeat_timeout)
@@ -393,8 +466,9 @@ class Lighthouse:
         waiting = self._then.pop(quorum_id, None)
         if outcome is None or waiting is None:
             return
+        now = time.monotonic()
         for g, (incarnation, then) in waiting.items():
-            self.membership.request(g, incarnation, then + bool(outcome))
+            self.membership.request(g, incarnation, then + bool(outcome), now)
         for old in [q for q in self._then if q < quorum_id - 8]:
             del self._then[old]
 

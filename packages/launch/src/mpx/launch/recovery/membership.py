@@ -9,9 +9,17 @@ the trainers' side is ``mpx.dataparallel.FaultTolerantOptimizer``.
 The rules, so that no step is ever applied by some replicas and not others:
 
 - A group is alive from its first ``hello`` until one of its ranks' connections
-  closes, a rank misses heartbeats for ``heartbeat_timeout`` seconds, or it
-  leaves at its end. A group that comes back (a restart) is a new
+  closes (dead), it leaves at its end, or a rank stays silent past the group's
+  *deadline* (counted out). A group that comes back (a restart) is a new
   *incarnation*: the old one is dead from then on.
+- The deadline is ``heartbeat_timeout`` stretched by the group's own recent
+  timing: :data:`BEAT_SLACK` times the longest of its ranks' recent gaps between
+  beats, :data:`STEP_SLACK` times its longest recent step (the time between its
+  quorum requests). A loaded machine spreads the beats of a live group; a hung
+  one stops beating at once. A group counted out is out of the quorums but not
+  dead: its next beats (every rank's) bring it back, and it rejoins at the next
+  boundary as a restarted group would, loading the state it missed. Only one
+  silent for ``hang_timeout`` is *hung*: ``mpxrun`` stops and restarts it.
 - Before each step every group's rank 0 asks for a quorum, saying its step.
   The first quorum waits for ``expected`` groups (or ``join_timeout``); each
   later one forms once every live member of the previous quorum has asked,
@@ -25,13 +33,29 @@ The rules, so that no step is ever applied by some replicas and not others:
   voting. Every member gets the same outcome, so a step is applied by all
   the quorum's members or by none (a member dead after voting ok does not
   undo a commit: its replacement recovers from a peer).
+- Never back to fresh weights: when every group that held the newest
+  committed state is gone, the next quorum waits for every group to ask (or
+  ``join_timeout``; not while a counted-out group may come back with it).
+  Its step is then the largest any group asked with: a group that resumed from
+  a checkpoint says so by asking past step 0, and the others load its state. If
+  every group asks at step 0 the state is lost (:attr:`Membership.state_lost`):
+  no quorum forms and the job ends, saying so, rather than training again from
+  fresh weights.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["Membership", "Quorum"]
+__all__ = ["BEAT_SLACK", "RECENT", "STEP_SLACK", "Membership", "Quorum"]
+
+#: how many of a rank's recent beat gaps (and a group's recent steps) its deadline reads
+RECENT = 16
+#: the deadline is at least this many times a rank's longest recent gap between beats
+BEAT_SLACK = 4.0
+#: and at least this many times the group's longest recent step
+STEP_SLACK = 2.0
 
 
 @dataclass
@@ -79,6 +103,22 @@ class _Group:
     beats: dict[int, float] = field(default_factory=dict)
     alive: bool = True
     finished_step: int | None = None
+    # Silent past its deadline with its connections open: out of the quorums until
+    # its beats come back (alive again), its connections close or it is hung.
+    counted_out: bool = False
+    gaps: dict[int, deque[float]] = field(default_factory=dict)
+    steps: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    asked_at: float | None = None
+
+    def deadline(self, heartbeat_timeout: float, hang_timeout: float) -> float:
+        """Seconds a rank may stay silent: see the module's rules."""
+        gap = max((max(g) for g in self.gaps.values() if g), default=0.0)
+        step = max(self.steps, default=0.0)
+        return min(max(heartbeat_timeout, BEAT_SLACK * gap, STEP_SLACK * step), hang_timeout)
+
+    def silent(self, now: float) -> float:
+        """The longest any rank has been silent."""
+        return max((now - t for t in self.beats.values()), default=0.0)
 
 
 class Membership:
@@ -86,6 +126,8 @@ class Membership:
 
     Not thread-safe: :mod:`mpx.launch.recovery.lighthouse` calls it under one lock.
     Every method takes the time as an argument (tests drive the clock).
+    ``hang_timeout`` (default the larger of 30 s and 20 heartbeat timeouts): how
+    long a counted-out group may stay silent before it is hung (:meth:`hung`).
 
     Example::
 
@@ -99,12 +141,27 @@ class Membership:
     """
 
     def __init__(
-        self, expected: int, join_timeout: float, heartbeat_timeout: float, now: float
+        self,
+        expected: int,
+        join_timeout: float,
+        heartbeat_timeout: float,
+        now: float,
+        hang_timeout: float | None = None,
     ) -> None:
         self.expected = expected
         self.join_timeout = join_timeout
         self.heartbeat_timeout = heartbeat_timeout
+        self.hang_timeout = (
+            hang_timeout if hang_timeout is not None else max(30.0, 20 * heartbeat_timeout)
+        )
         self.started = now
+        # The step after the newest commit: what a member must be at to hold the state.
+        self.committed = 0
+        # That step, once every group asked at step 0 with no one holding it (see form).
+        self.state_lost: int | None = None
+        # (step resumed at, step lost back to) of the last quorum that went back.
+        self.went_back: tuple[int, int] | None = None
+        self._short_since: float | None = None
         self.groups: dict[int, _Group] = {}
         self.pending: dict[int, int] = {}
         self.assigned: dict[int, int] = {}
@@ -128,41 +185,83 @@ class Membership:
         """Rank ``rank`` of ``size`` of ``group`` (this incarnation) is up at ``address``."""
         found = self.groups.get(group)
         if found is None or found.incarnation != incarnation:
-            if found is not None and found.alive:
+            if found is not None and (found.alive or found.counted_out):
                 self._kill(group)  # restarted while its old self was thought alive
             found = self.groups[group] = _Group(incarnation, size)
         found.addresses[rank] = address
         found.beats[rank] = now
 
     def beat(self, group: int, rank: int, incarnation: str, now: float) -> bool:
-        """A heartbeat; False if this incarnation is no longer a member (dead or replaced)."""
-        found = self._current(group, incarnation)
-        if found is None:
+        """A heartbeat; False if this incarnation is no longer a member (dead or replaced,
+        or counted out and some rank still silent: see :meth:`back`)."""
+        found = self.groups.get(group)
+        if found is None or found.incarnation != incarnation:
             return False
+        if not (found.alive or found.counted_out):
+            return False
+        last = found.beats.get(rank)
+        if last is not None:
+            found.gaps.setdefault(rank, deque(maxlen=RECENT)).append(now - last)
         found.beats[rank] = now
-        return True
+        return found.alive or self.back(group, now)
+
+    def back(self, group: int, now: float) -> bool:
+        """A counted-out group whose every rank beat within its deadline is alive again
+        (it asks to rejoin, and is admitted as a restarted group is); True if it is."""
+        found = self.groups[group]
+        if found.counted_out and found.silent(now) <= self.deadline(group):
+            found.counted_out = False
+            found.alive = True
+        return found.alive
+
+    def counted_out(self, group: int, incarnation: str) -> bool:
+        """Whether this incarnation is counted out, and may come back (see :meth:`back`)."""
+        found = self.groups.get(group)
+        return found is not None and found.incarnation == incarnation and found.counted_out
+
+    def deadline(self, group: int) -> float:
+        """Seconds a rank of ``group`` may stay silent before it is counted out."""
+        return self.groups[group].deadline(self.heartbeat_timeout, self.hang_timeout)
 
     def lost(self, group: int, incarnation: str) -> None:
         """A connection of this incarnation closed: it is dead (unless it had left)."""
-        if self._current(group, incarnation) is not None:
-            self._kill(group)
+        found = self.groups.get(group)
+        if found is not None and found.incarnation == incarnation:
+            if found.alive:
+                self._kill(group)
+            found.counted_out = False
 
     def expire(self, now: float) -> list[int]:
-        """Kills the groups with a rank silent for ``heartbeat_timeout``; returns them."""
-        dead = [
+        """Counts out the groups with a rank silent past their deadline; returns them."""
+        silent = [
             g
             for g, found in self.groups.items()
-            if found.alive and any(now - t > self.heartbeat_timeout for t in found.beats.values())
+            if found.alive and found.silent(now) > self.deadline(g)
         ]
-        for group in dead:
+        for group in silent:
             self._kill(group)
-        return dead
+            self.groups[group].counted_out = True
+        return silent
+
+    def hung(self, now: float) -> list[int]:
+        """The counted-out groups silent for ``hang_timeout``: dead from now on (``mpxrun``
+        stops and restarts them); returns them."""
+        hung = [
+            g
+            for g, found in self.groups.items()
+            if found.counted_out and found.silent(now) > self.hang_timeout
+        ]
+        for group in hung:
+            self.groups[group].counted_out = False
+        return hung
 
     def leave(self, group: int, incarnation: str, step: int) -> None:
         """The group ended its training at ``step``: no longer a member, not a failure."""
-        found = self._current(group, incarnation)
-        if found is not None:
-            self._kill(group)
+        found = self.groups.get(group)
+        if found is not None and found.incarnation == incarnation:
+            if found.alive:
+                self._kill(group)
+            found.counted_out = False
             found.finished_step = step
 
     def alive(self) -> dict[int, str]:
@@ -195,10 +294,16 @@ class Membership:
             return None
         return max(ends)
 
-    def request(self, group: int, incarnation: str, step: int) -> bool:
-        """The group asks to take part in the next step, being at ``step``; False if dead."""
-        if self._current(group, incarnation) is None:
+    def request(self, group: int, incarnation: str, step: int, now: float | None = None) -> bool:
+        """The group asks to take part in the next step, being at ``step``; False if dead
+        or counted out. ``now``: its steps' times stretch its deadline."""
+        found = self._current(group, incarnation)
+        if found is None:
             return False
+        if now is not None:
+            if found.asked_at is not None:
+                found.steps.append(now - found.asked_at)
+            found.asked_at = now
         self.pending[group] = step
         self.assigned.pop(group, None)
         return True
@@ -216,8 +321,25 @@ class Membership:
                 return None
             if self.last.outcome is None:
                 return None  # a member asking again before the outcome: wait for it
-        members = sorted(self.pending)
         step = max(self.pending.values())
+        if self.last is not None and step < self.committed:
+            # No asking member holds the newest committed state: wait for every group
+            # (one may have resumed from a checkpoint) unless one counted out may
+            # come back with it; then go on from the newest state there is, never
+            # from fresh weights (see the module's rules).
+            if any(found.counted_out for found in self.groups.values()):
+                return None
+            if self._short_since is None:
+                self._short_since = now
+            if len(self.pending) < self.expected and now - self._short_since < self.join_timeout:
+                return None
+            if step == 0:
+                self.state_lost = self.committed
+                return None
+            self.went_back = (step, self.committed)
+            self.committed = step
+        self._short_since = None
+        members = sorted(self.pending)
         ahead = [g for g in members if self.pending[g] == step]
         behind = [g for g in members if self.pending[g] < step]
         if self.last is None:
@@ -269,7 +391,9 @@ class Membership:
 
     def _decide(self, quorum: Quorum, outcome: bool) -> None:
         quorum.outcome = outcome
-        if not outcome:
+        if outcome:
+            self.committed = quorum.step + 1
+        else:
             self.last_aborted = max(self.last_aborted, quorum.id)
         i, step, members, _ = self.history[quorum.id - 1]
         self.history[quorum.id - 1] = (i, step, members, outcome)

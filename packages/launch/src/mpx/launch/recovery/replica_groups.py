@@ -9,9 +9,14 @@ gradients over the live groups and hands a restarted group the live state).
 the membership, and tells every rank where it is.
 
 The exit code is 0 if every group's last attempt succeeded, else the first
-failing group's (as :func:`mpx.launch.supervision.outcome.report` gives it). A group that
-fails after another has finished training is not restarted (there is no
-live state left to rejoin); its failure is the job's exit code.
+failing group's (as :func:`mpx.launch.supervision.outcome.report` gives it).
+Once a group has finished training (exited 0), the job's training is done: a
+group that is then killed or found hung is not restarted, and its end is
+reported in one line without failing the job (a restarted group that comes
+back after the others finished is told so by the lighthouse and exits 0); a
+group whose program exits with an error still fails it. When no group can
+train on (the lighthouse found the state lost: :meth:`Lighthouse.cannot_go_on`),
+no group is restarted and the job fails, saying why.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from mpx.launch.errors import UsageError
 from mpx.launch.rank import new_key
 from mpx.launch.recovery.lighthouse import Lighthouse, print_event
 from mpx.launch.settings import (
+    HANG_TIMEOUT,
     HEARTBEAT_TIMEOUT,
     JOB_SECRET,
     LIGHTHOUSE,
@@ -58,18 +64,26 @@ def _say(text: str) -> None:
     print(f"mpxrun: {text}", file=sys.stderr, flush=True)
 
 
+def _died(job: Job, hung: bool) -> bool:
+    """Whether a failed group was killed (by a signal, or stopped as hung) rather than
+    ended by its program's own error."""
+    return hung or job.timed_out or bool(job.failures and job.failures[0].code < 0)
+
+
 def run_groups(
     new_job: Callable[[int, int], Job],
     groups: int,
     timeout: float | None,
     max_restarts: int = 0,
     restart_delay: float = 0.0,
-    counted_out: Callable[[], list[int]] | None = None,
+    hung: Callable[[], list[int]] | None = None,
+    cannot_go_on: Callable[[], str | None] | None = None,
 ) -> int:
     """Runs ``groups`` groups, ``new_job(group, attempt)`` each, restarting a failed one alone.
 
-    ``counted_out()``, polled, names groups to stop and restart although no rank
-    failed (the lighthouse's: hung, they missed their heartbeats).
+    ``hung()``, polled, names groups to stop and restart although no rank failed
+    (the lighthouse's: silent for its hang timeout). ``cannot_go_on()``, asked
+    before a restart, says why no group can train on (then none is restarted).
 
     Returns 0 if every group ended well, else the first failing group's exit
     code; SIGTERM, SIGHUP and Ctrl-C stop every group and return 128 + the signal.
@@ -78,7 +92,7 @@ def run_groups(
     stopping = threading.Event()
     running: dict[int, Job] = {}
     codes: dict[int, int] = {}
-    hung: set[int] = set()
+    stopped: set[int] = set()
     lock = threading.Lock()
 
     def supervise(group: int) -> None:
@@ -92,17 +106,27 @@ def run_groups(
             code = run_and_clean(job, timeout)
             failure = failure_of(job, code, timeout)
             with lock:
-                if group in hung:
-                    hung.discard(group)
-                    failure = "it missed its heartbeats (hung?) and was stopped"
+                was_hung = group in stopped
+                stopped.discard(group)
+            if was_hung:
+                failure = "silent past its hang timeout (MPX_FT_HANG_TIMEOUT): stopped"
             if failure is not None and 0 in codes.values():
-                # Another group finished training: there is no live state to rejoin.
+                # Another group finished training: the job's training is done and
+                # there is no live state to rejoin.
+                finished = min(g for g, c in codes.items() if c == 0)
+                died = _died(job, was_hung)
                 _say(
-                    f"replica group {group}: {failure}; not restarted: "
-                    f"group {min(g for g, c in codes.items() if c == 0)} has finished training"
+                    f"replica group {group}: {failure}; not restarted: group {finished} has "
+                    "finished training" + (" (the job's training is complete)" if died else "")
                 )
                 with lock:
-                    codes[group] = report(job, code, timeout)
+                    codes[group] = 0 if died else report(job, code, timeout)
+                return
+            why_not = cannot_go_on() if failure is not None and cannot_go_on else None
+            if why_not is not None:
+                _say(f"replica group {group}: {failure}; not restarted: {why_not}")
+                with lock:
+                    codes[group] = report(job, code, timeout) or 1
                 return
             if failure is None or attempt >= max_restarts or stopping.is_set():
                 if failure is not None:
@@ -126,10 +150,10 @@ def run_groups(
             thread.start()
         while any(t.is_alive() for t in threads):
             time.sleep(0.05)
-            for group in counted_out() if counted_out is not None else []:
+            for group in hung() if hung is not None else []:
                 with lock:
                     if group in running and group not in codes:
-                        hung.add(group)
+                        stopped.add(group)
                         running[group].cancel.set()
     except KeyboardInterrupt:
         stopping.set()
@@ -144,27 +168,36 @@ def run_groups(
     return failed[0] if failed else 0
 
 
-def check_usage(local: bool) -> None:
-    """Raises :class:`UsageError` where ``--replica-groups`` cannot run yet: off this host
-    (``--hostfile``, ``--virtual-nodes``, Slurm), where its TCP links are untested."""
-    if not local:
+def check_usage(forker: bool, local: bool) -> None:
+    """Raises :class:`UsageError` where ``--replica-groups`` cannot run: a launcher that
+    starts ranks on this host only (MPICH's gforker) asked for other hosts."""
+    if forker and not local:
         raise UsageError(
-            "--replica-groups runs every group on this host in this version: drop --hostfile "
-            "and --virtual-nodes, and run outside Slurm's launcher (--launcher mpich)"
+            "--replica-groups on several nodes needs a launcher that reaches them (Hydra's "
+            "mpiexec, Open MPI's mpirun or srun): pass --launcher mpich"
         )
 
 
 def group_environment(
-    env: dict[str, str], group: int, groups: int, lighthouse: str, secret: str
+    env: dict[str, str],
+    group: int,
+    groups: int,
+    lighthouse: str,
+    secret: str,
+    master: str = "127.0.0.1",
 ) -> dict[str, str]:
     """The job environment ``env`` made group ``group``'s: its own job id, status key and
-    rendezvous port (each group is an MPI world of its own), where the lighthouse is, and
-    the job's secret its connections prove (:mod:`mpx.launch.handshake`)."""
+    rendezvous point on ``master`` (its first node: each group is an MPI world of its
+    own), where the lighthouse is, and the job's secret its connections prove
+    (:mod:`mpx.launch.handshake`)."""
+    here = master == "127.0.0.1"
     return dict(
         env,
         MPX_JOB_ID=uuid.uuid4().hex[:12],
         MPX_STATUS_KEY=new_key(),
-        MPX_MASTER_PORT=str(free_port("127.0.0.1")),
+        MPX_MASTER_ADDR=master,
+        # Free here; on another node likely free too (as mpxrun's own rendezvous port).
+        MPX_MASTER_PORT=str(free_port("127.0.0.1" if here else "")),
         MPX_REPLICA_GROUP=str(group),
         MPX_REPLICA_GROUPS=str(groups),
         MPX_LIGHTHOUSE=lighthouse,
@@ -175,23 +208,34 @@ def group_environment(
 def run_replica_groups(
     env: dict[str, str],
     groups: int,
-    new_job: Callable[[int, dict[str, str]], Job],
+    new_job: Callable[[int, dict[str, str], list[str]], Job],
     args: argparse.Namespace,
+    commands: list[list[str]],
+    masters: list[str],
+    listen: str = "127.0.0.1",
+    advertise: str | None = None,
 ) -> int:
-    """``mpxrun --replica-groups``: the lighthouse, then :func:`run_groups` over
-    ``new_job(attempt, group's environment)``."""
+    """``mpxrun --replica-groups``: the lighthouse (listening on ``listen``, reached at
+    ``advertise``), then :func:`run_groups` over ``new_job(attempt, group's environment,
+    group's launcher command)``; ``masters``: each group's first node."""
     with Lighthouse(
-        expected=groups, heartbeat_timeout=HEARTBEAT_TIMEOUT.get(), log=print_event
+        expected=groups,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT.get(),
+        hang_timeout=HANG_TIMEOUT.get(),
+        host=listen,
+        advertise=advertise,
+        log=print_event,
     ) as lighthouse:
         envs = [
-            group_environment(env, g, groups, lighthouse.address, lighthouse.key.hex)
+            group_environment(env, g, groups, lighthouse.address, lighthouse.key.hex, masters[g])
             for g in range(groups)
         ]
         return run_groups(
-            lambda group, attempt: new_job(attempt, envs[group]),
+            lambda group, attempt: new_job(attempt, envs[group], commands[group]),
             groups,
             args.timeout,
             args.max_restarts,
             args.restart_delay,
-            lighthouse.counted_out,
+            lighthouse.hung,
+            lighthouse.cannot_go_on,
         )
