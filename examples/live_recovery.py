@@ -16,9 +16,14 @@ group takes it from a peer with the weights and resumes where the others are.
 ``--fail-at STEP:GROUP`` SIGKILLs rank 0 of GROUP in step STEP, in its first
 start only (``MPX_RESTART_COUNT`` 0): the survivors discard that step and redo
 it without the dead group, mpxrun restarts the group (``--max-restarts``), and
-it rejoins with the live state. With ``-n 2`` or more a group is data parallel
-inside too (:class:`mpx.dataparallel.DistributedOptimizer`); a rank's death then
-restarts its whole group. See docs/live-recovery.md.
+it rejoins with the live state. Given for every group (``--fail-at 30:0
+--fail-at 30:1``) no live state is left: with ``--checkpoint-dir DIR`` (each
+rank saves after every committed step, and resumes from its newest at every
+start) the groups go on from their checkpoints; without, the job stops,
+saying why, rather than train again from fresh weights. With ``-n 2`` or more
+a group is data parallel inside too
+(:class:`mpx.dataparallel.DistributedOptimizer`); a rank's death then restarts
+its whole group. See docs/live-recovery.md.
 
 Rank 0 of group 0 prints a line per epoch; rank 0 of every group prints its
 last line, with a checksum of its weights: the groups' checksums are equal.
@@ -76,13 +81,22 @@ def main() -> None:
     parser.add_argument(
         "--fail-at",
         type=parse_fail_at,
+        action="append",
+        default=[],
         metavar="STEP:GROUP",
-        help="rank 0 of GROUP kills itself (SIGKILL) in step STEP of its first start",
+        help="rank 0 of GROUP kills itself (SIGKILL) in step STEP of its first start "
+        "(repeat it for several groups)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="save a checkpoint after every committed step there, and resume from this "
+        "rank's at every start (a live peer's newer state then replaces it)",
     )
     args = parser.parse_args()
     groups = REPLICA_GROUPS.read()
-    if args.fail_at is not None and not 0 <= args.fail_at[1] < groups:
-        parser.error(f"--fail-at {args.fail_at[0]}:{args.fail_at[1]}: groups are 0..{groups - 1}")
+    for step, group in args.fail_at:
+        if not 0 <= group < groups:
+            parser.error(f"--fail-at {step}:{group}: groups are 0..{groups - 1}")
 
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
@@ -129,7 +143,19 @@ def main() -> None:
     position = {"epoch": 0, "index": 0}  # where the loop is in its data
     ft = dp.FaultTolerantOptimizer(opt, model, state=position)
     first_start = RESTART_COUNT.read() == 0
-    dies_at = args.fail_at[0] if args.fail_at and args.fail_at[1] == ft.group else -1
+    dies_at = next((step for step, group in args.fail_at if group == ft.group), -1)
+    ckpt = None
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        ckpt = os.path.join(args.checkpoint_dir, f"ckpt_group{ft.group}_rank{rank}.pt")
+    if ckpt and os.path.exists(ckpt):  # restarted: resume from it
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        position.update(saved["position"])
+        ft.step_count = saved["step"]  # before the first zero_grad()
+        if rank == 0:
+            print(f"group {ft.group}: resumed from {ckpt} at step {ft.step_count}", flush=True)
     talks = rank == 0  # every group's rank 0 reports its own events
     losses: list[float] = []
 
@@ -152,6 +178,11 @@ def main() -> None:
         if ft.step():
             losses.append(loss.item())
             advance(position)
+            if ckpt:
+                saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+                saved |= {"position": dict(position), "step": ft.step_count}
+                torch.save(saved, ckpt + ".tmp")
+                os.replace(ckpt + ".tmp", ckpt)  # a kill mid-save leaves the last one whole
             if position["index"] == 0 and ft.group == 0 and talks:
                 print(
                     f"epoch {position['epoch']}: loss {np.mean(losses):.3f}, test accuracy "

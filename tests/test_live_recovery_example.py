@@ -66,3 +66,28 @@ def test_a_malformed_fail_at_is_a_usage_error(
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--fail-at '30': expected STEP:GROUP" in proc.stderr, proc.stderr
+
+
+def test_both_groups_killed_resume_from_their_checkpoints(
+    tmp_path: Path, fresh_job_environment: Callable[..., dict[str, str]]
+) -> None:
+    """Both groups die in step 30: no live state is left, and each resumes from its own
+    checkpoint of step 30 (docs/live-recovery.md, 'Checkpoints'); both finish equal."""
+    env = fresh_job_environment(MPX_FT_HEARTBEAT_TIMEOUT="20")
+    command = [MPXRUN, "--replica-groups", "2", "-n", "1", "--max-restarts", "1"]
+    command += ["--timeout", "240", "--", sys.executable, str(EXAMPLE)]
+    command += ["--epochs", str(EPOCHS), "--fail-at", "30:0", "--fail-at", "30:1"]
+    command += ["--checkpoint-dir", "ckpt"]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=env
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for group in (0, 1):
+        assert f"group {group}: --fail-at: SIGKILL in step 30" in out, out[-4000:]
+        assert f"group {group}: resumed from ckpt/ckpt_group{group}_rank0.pt at step 30" in out
+    done = {int(m[1]): m for m in DONE.finditer(out)}
+    assert sorted(done) == [0, 1], out[-4000:]
+    assert [int(done[g][2]) for g in (0, 1)] == [STEPS, STEPS], out[-4000:]
+    assert done[0][4] == done[1][4], out[-4000:]
+    assert float(done[0][3]) >= 90.0, out[-4000:]
