@@ -20,8 +20,14 @@ process. Three runs:
   step's time (zero_grad to step's return), less the median of those.
 
 Prints a markdown table; ``--curve`` (the demo) also prints the kill run's loss
-per step and group. Usage:
-``python bench_live_recovery.py [--steps N] [--rounds R] [--curve]``.
+per step and group. ``--load N`` runs N CPU-bound processes beside the jobs for
+the whole bench (a loaded machine: does it count a live group out?);
+``--kill-only`` runs the kill job alone (its survivor's own failure-free steps
+give the step time); ``--placement "--virtual-nodes 2"`` passes mpxrun flags that
+put each group on a host of its own. The heartbeat timeout is mpxrun's default
+unless ``--heartbeat-timeout`` gives one. Usage:
+``python bench_live_recovery.py [--steps N] [--rounds R] [--curve] [--load N]
+[--kill-only] [--placement FLAGS] [--heartbeat-timeout S]``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -100,6 +107,11 @@ PROGRAM = textwrap.dedent(
 )
 
 
+# Set by main from the command line: mpxrun flags placing the groups, the environment.
+PLACEMENT: list[str] = []
+ENV: dict[str, str] = {}
+
+
 def _job(out: Path, mode: str, steps: int, kill_at: int, shm: str = "1") -> None:
     script = out / "job.py"
     script.write_text(PROGRAM)
@@ -108,12 +120,9 @@ def _job(out: Path, mode: str, steps: int, kill_at: int, shm: str = "1") -> None
         command = [mpxrun, "-n", "2", "--timeout", "600"]
     else:
         command = [mpxrun, "--replica-groups", "2", "--max-restarts", "1", "--timeout", "600"]
+        command += PLACEMENT
     command += ["--", sys.executable, str(script), mode, str(steps), str(kill_at), str(out)]
-    env = dict(
-        os.environ,
-        MPX_FT_HEARTBEAT_TIMEOUT=os.environ.get("MPX_FT_HEARTBEAT_TIMEOUT", "2"),
-        MPX_FT_SHM=shm,
-    )
+    env = dict(os.environ, **ENV, MPX_FT_SHM=shm)
     subprocess.run(command, check=True, timeout=900, env=env)
 
 
@@ -189,8 +198,39 @@ def main() -> None:
         action="store_true",
         help="demo: also print the kill run's loss per step and group, with the membership",
     )
+    parser.add_argument("--load", type=int, default=0, help="CPU-bound processes beside")
+    parser.add_argument("--kill-only", action="store_true", help="the kill job alone")
+    parser.add_argument("--placement", default="", help='mpxrun flags, e.g. "--virtual-nodes 2"')
+    parser.add_argument("--heartbeat-timeout", help="MPX_FT_HEARTBEAT_TIMEOUT (default mpxrun's)")
     args = parser.parse_args()
+    PLACEMENT[:] = shlex.split(args.placement)
+    if args.heartbeat_timeout:
+        ENV["MPX_FT_HEARTBEAT_TIMEOUT"] = args.heartbeat_timeout
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        _bench(args)
+    finally:
+        for hog in hogs:
+            hog.kill()
+
+
+def _bench(args: argparse.Namespace) -> None:
     rows: list[tuple[str, str]] = []
+    where = f", placement {args.placement!r}" * bool(args.placement)
+    title = f"2 replica groups of 1 process, {args.load} CPU-bound processes beside{where}"
+    if args.kill_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "kill").mkdir()
+            _job(Path(tmp) / "kill", "ft", args.steps, KILL_AT)
+            _, survivor = _read(Path(tmp) / "kill" / "ft_0_0.jsonl")
+            step = statistics.median(float(e["t"]) - float(e["t0"]) for e in survivor if e["ok"])
+            rows.append(("survivor's median step (zero_grad to step)", f"{step * 1e3:.1f} ms"))
+            rows += recovery_rows(Path(tmp) / "kill", "ft", step)
+        print(f"| MLP 1.3 M parameters, {title}, kill run | |")
+        print("|---|---|")
+        for name, value in rows:
+            print(f"| {name} | {value} |")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         pairs: list[tuple[float, float]] = []
@@ -228,7 +268,7 @@ def main() -> None:
         rows += recovery_rows(base / "kill", "ft", ft)
         if args.curve:
             _curve(base / "kill")
-    print(f"| MLP 1.3 M parameters, 2 replica groups of 1 process, {args.rounds} rounds | |")
+    print(f"| MLP 1.3 M parameters, {title}, {args.rounds} rounds | |")
     print("|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
