@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -294,6 +295,27 @@ def test_a_link_that_does_not_prove_the_job_is_refused_and_the_next_one_works(
         b.close()
     assert len(events) == 1, events
     assert "refused a link" in events[0], events
+
+
+def test_silent_strangers_do_not_delay_a_link() -> None:
+    """Three connections that never say hello (each held up to the 5 s handshake timeout)
+    made before a real link: the handshakes run side by side, so the link is made at
+    once instead of after the strangers' 15 s in turn."""
+    key = JobKey.new()
+    a, b = PeerLinks(0, key, 2, log=lambda _: None), PeerLinks(1, key, 2)
+    strangers = [socket.create_connection(a.address, timeout=10) for _ in range(3)]
+    try:
+        began = time.monotonic()
+        sa, sb = _linked(a, b)
+        took = time.monotonic() - began
+        assert sa.fileno() >= 0
+        assert sb.fileno() >= 0
+        assert took < 10.0, f"the link waited {took:.1f} s behind the silent connections"
+    finally:
+        for conn in strangers:
+            conn.close()
+        a.close()
+        b.close()
 
 
 def _closed_unanswered(conn: socket.socket) -> bool:

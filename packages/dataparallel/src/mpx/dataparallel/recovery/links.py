@@ -60,7 +60,10 @@ _MAGIC = b"MPXF"
 HELLO, GRAD, STATE, SHM = 1, 2, 3, 4  # SHM: a same-host handshake (shm.negotiate)
 CHALLENGE, WELCOME = 5, 6  # the link's challenge-response (see the module docstring)
 MAX_HELLO = 1024  # bytes: a hello's longest payload (~200 are used)
-_ACCEPT_TIMEOUT_S = 5.0  # for a connection's handshake, in the accepting thread
+_ACCEPT_TIMEOUT_S = 5.0  # for a connection's handshake, in a thread of its own
+# Handshakes under way at once: a connection beyond them is closed at once (a flood of
+# silent strangers costs threads, not the links of the job's own groups).
+_MAX_HANDSHAKES = 16
 _SLICE_S = 0.05
 _SMALL = 4096  # bytes: a frame's payload up to this goes in one send with its header
 
@@ -291,30 +294,52 @@ class PeerLinks:
         self._arrived = threading.Condition()
         self._closed = False
         self._epoch = 0
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept, daemon=True, name="mpx-ft-accept")
         self._thread.start()
 
     def _accept(self) -> None:
+        """Accepts connections; each one's handshake runs in a thread of its own, so a
+        stranger that stays silent (up to its timeout) delays no other link."""
         while not self._closed:
             try:
                 sock, peer = self._server.accept()
             except OSError:
                 return
+            if not self._handshakes.acquire(blocking=False):
+                sock.close()
+                self._log(
+                    f"group {self.group} refused a link from {peer[0]}:{peer[1]}: "
+                    f"{_MAX_HANDSHAKES} handshakes under way already"
+                )
+                continue
+            threading.Thread(
+                target=self._admit, args=(sock, peer), daemon=True, name="mpx-ft-handshake"
+            ).start()
+
+    def _admit(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        """One accepted connection: linked if its handshake proves the job, else closed."""
+        try:
             try:
                 tag, key = self._greet(sock)
             except Exception as exc:  # whatever a stranger sends ends only its connection
                 sock.close()
                 if not self._closed:
                     self._log(f"group {self.group} refused a link from {peer[0]}:{peer[1]}: {exc}")
-                continue
+                return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._arrived:
+                if self._closed:
+                    sock.close()
+                    return
                 old = self._incoming.pop(key, None)
                 if old is not None:
                     old[1].close()
                 self._incoming[key] = (tag, sock)
                 self._arrived.notify_all()
+        finally:
+            self._handshakes.release()
 
     def _greet(self, sock: socket.socket) -> tuple[int, tuple[int, str]]:
         """The acceptor's side of the handshake: (the hello's quorum tag, (group,
