@@ -31,6 +31,7 @@ PROGRAM = textwrap.dedent(
     import torch
     from torch import nn
     import mpx.dataparallel as dp
+    from mpx.dataparallel.recovery import gradients as ft_gradients, links as ft_links
     from mpx.dataparallel.recovery import optimizer as ft_optimizer
     from mpi4py import MPI
 
@@ -87,7 +88,15 @@ PROGRAM = textwrap.dedent(
         init_torch_env()
         dist.init_process_group("mpx")  # the group's own world: each group is one
         net = nn.parallel.DistributedDataParallel(model)  # the group's mean in backward
-    ft = dp.FaultTolerantOptimizer(opt, model, state={"seen": 0})
+    # FT_COMPRESS=BITS: the gradients between groups that do not share memory quantized.
+    compress = os.environ.get("FT_COMPRESS")
+    if compress:
+        from mpx.quantize import CompressionConfig
+
+        compression = CompressionConfig(bits=int(compress), bucket_size=64)
+        ft = dp.FaultTolerantOptimizer(opt, model, state={"seen": 0}, compression=compression)
+    else:
+        ft = dp.FaultTolerantOptimizer(opt, model, state={"seen": 0})
     log = open(f"{out}/log_g{group}_r{rank}_a{attempt}.jsonl", "w")
     # FT_CKPT: each group checkpoints after every commit and, restarted, resumes from
     # its newest checkpoint (the live state, if a peer has it, then replaces it).
@@ -102,7 +111,7 @@ PROGRAM = textwrap.dedent(
               flush=True)
 
     if victim and point == "reduce":
-        exchange = ft_optimizer.exchange
+        exchange = ft_gradients.exchange
         def partial(links, quorum, kind, payload, check, *into):
             if ft.step_count == int(ks):
                 # Only the lowest peer gets this rank's gradients: it can
@@ -110,18 +119,18 @@ PROGRAM = textwrap.dedent(
                 # (On one host the frame only names the shared buffer holding them.)
                 first = min(links)
                 part = payload[first] if isinstance(payload, dict) else payload
-                ft_optimizer.send_frame(links[first], quorum, kind, part, check)
+                ft_links.send_frame(links[first], quorum, kind, part, check)
                 die(point)
             return exchange(links, quorum, kind, payload, check, *into)
-        ft_optimizer.exchange = partial
-        stamp = ft._segment.stamp
+        ft_gradients.exchange = partial
+        stamp = ft._grads.segment.stamp
         def stamped(index, quorum):
             stamp(index, quorum)
             if ft.step_count == int(ks):
                 # On one host no frame carries them: it dies after publishing its
                 # gradients in shared memory, before its vote.
                 die(point)
-        ft._segment.stamp = stamped
+        ft._grads.segment.stamp = stamped
     if victim and point == "rejoin":
         send = ft_optimizer.send_frame
         def patched(sock, quorum, kind, payload, check):
@@ -175,7 +184,7 @@ PROGRAM = textwrap.dedent(
             time.sleep(0.2)
     torch.save(model.state_dict(), f"{out}/final_g{group}_r{rank}.pt")
     # Whether the gradients went through shared memory (recovery.shm), as they do on one host.
-    shared = any(reader is not None for _, reader in ft._shared.values())
+    shared = any(reader is not None for _, reader in ft._grads.shared.values())
     print(f"group {group} rank {rank} shared memory: {shared}", flush=True)
     print(f"group {group} rank {rank} listens on {ft._links.address[0]}", flush=True)
     assert ft.state["seen"] == steps, ft.state  # the data position came with the state
@@ -591,3 +600,22 @@ def test_two_groups_on_two_virtual_hosts_survive_a_kill(tmp_path: Path, nprocs: 
         assert address.endswith(f".{g + 1}"), out  # node g
     assert "shared memory: True" not in out, out
     _check(tmp_path, 2, nprocs, 12, True)
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_compressed_gradients_between_groups_give_every_group_the_same_bytes(
+    tmp_path: Path, shm: str
+) -> None:
+    """compression=CompressionConfig(bits=4): over TCP (MPX_FT_SHM=0: as between hosts) each
+    group's gradients travel quantized; through shared memory each publishes its
+    dequantized self. Either way every group sums the same values: the final weights are
+    the same bytes in every group, off the uncompressed replay by the quantizer's error
+    (bounded as in test_two_groups_compressed_data_parallel_inside_each_group: 0.25),
+    and not equal to it (the gradients were quantized). Group 1 is killed and rejoins."""
+    pytest.importorskip("mpx.quantize")
+    out = _run(
+        tmp_path, 2, 1, "1:0:3:backward:0", 10, 5, extra={"FT_COMPRESS": "4", "MPX_FT_SHM": shm}
+    )
+    assert "killed backward" in out
+    assert (f"group 0 rank 0 shared memory: {shm == '1'}") in out, out
+    _check(tmp_path, 2, 1, 10, True, atol=0.25)

@@ -148,7 +148,7 @@ PROGRAM = textwrap.dedent(
         x = torch.randn(8, 30, generator=gen) * 10 ** group  # sums that round
         model(x).pow(2).mean().backward()
         assert ft.step(), "no group dies here"
-    shared = any(reader is not None for _, reader in ft._shared.values())
+    shared = any(reader is not None for _, reader in ft._grads.shared.values())
     print(f"group {group} shared memory: {shared}", flush=True)
     torch.save(model.state_dict(), f"{sys.argv[1]}/g{group}.pt")
     """

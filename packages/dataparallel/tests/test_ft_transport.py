@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mpx.dataparallel import DataParallelTypeError, DataParallelValueError, FaultTolerantOptimizer
+from mpx.dataparallel.recovery.gradients import _sum_into
 from mpx.dataparallel.recovery.links import (
     CHALLENGE,
     FRAME,
@@ -24,7 +25,6 @@ from mpx.dataparallel.recovery.links import (
     recv_frame,
     send_frame,
 )
-from mpx.dataparallel.recovery.optimizer import _sum_into
 from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
 from mpx.launch import NONCE_BYTES, JobKey, new_nonce
 

@@ -2,8 +2,9 @@
 
 What lives here: :class:`FaultTolerantOptimizer` (``optimizer``: averages the
 gradients over the live groups and steps when the lighthouse commits the step;
-hands a returning group the live state) and what it talks over, none of it
-MPI (MPI cannot outlive a peer's death): ``links`` (TCP links between the
+hands a returning group the live state), ``gradients`` (the step's gradients:
+their buffers, their exchange, their sum in the members' order) and what they
+talk over, none of it MPI (MPI cannot outlive a peer's death): ``links`` (TCP links between the
 groups and their frames), ``shm`` (the same-host path: gradients in a shared
 memory segment), ``lighthouse_client`` (membership and heartbeats) and
 ``state_payload`` (the live state as a frame's payload). See
@@ -13,7 +14,9 @@ What it may import: ``mpx.dataparallel.errors`` and
 ``mpx.dataparallel.synchronous`` (a ``DistributedOptimizer`` inside each
 group), mpi4py (within a group), and mpx-launch's public API (the job's key
 and its challenge-response, ``mpx.launch.JobKey``); the lighthouse only
-through the wire. Not ``asynchronous`` or ``checkpoints``: the roles beside it.
+through the wire; mpx.quantize's public API, imported only when ``compression=``
+asks for it (an optional dependency). Not ``asynchronous`` or ``checkpoints``: the
+roles beside it.
 """
 
 from mpx.dataparallel.recovery.optimizer import FaultTolerantOptimizer, TrainingFinished

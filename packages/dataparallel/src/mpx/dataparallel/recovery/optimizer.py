@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import os
 import socket
 import sys
 import uuid
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -36,17 +35,15 @@ from mpx.dataparallel.errors import (
     DataParallelTypeError,
     DataParallelValueError,
 )
+from mpx.dataparallel.recovery.gradients import GradientExchange
 from mpx.dataparallel.recovery.lighthouse_client import LighthouseClient
 from mpx.dataparallel.recovery.links import (
-    GRAD,
     STATE,
     PeerLinks,
     PeerLost,
-    exchange,
     recv_frame,
     send_frame,
 )
-from mpx.dataparallel.recovery.shm import PeerSegment, Segment, negotiate, shm_wanted
 from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
 from mpx.dataparallel.synchronous import DistributedOptimizer
 from mpx.launch import JobKey
@@ -110,6 +107,10 @@ class FaultTolerantOptimizer:
     first, then each rank over its column, and steps the optimizer it wraps.
         host: the address this rank's peers reach it at; default the address this
             host reaches the lighthouse from (127.0.0.1 for a local job).
+        compression: None, or an ``mpx.quantize.CompressionConfig``: the gradients
+            between groups that cannot share memory (other hosts) travel quantized to
+            its ``bits`` in buckets of ``bucket_size``, and every member sums the same
+            values (:mod:`~mpx.dataparallel.recovery.gradients`; needs mpx-quantize).
 
     Raises:
         DataParallelTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``,
@@ -137,6 +138,7 @@ class FaultTolerantOptimizer:
         group: int | None = None,
         comm: Any = None,
         host: str | None = None,
+        compression: Any = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise DataParallelTypeError(
@@ -172,7 +174,7 @@ class FaultTolerantOptimizer:
                 f"{sorted(map(str, dtypes))}; this first version averages one dtype: cast "
                 "the model to one"
             )
-        self._dtype = dtypes.pop() if dtypes else torch.float32
+        dtype = dtypes.pop() if dtypes else torch.float32
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -201,29 +203,8 @@ class FaultTolerantOptimizer:
         self._quorum: dict[str, Any] | None = None
         # The next step's quorum, when the lighthouse sent it with the last vote's outcome.
         self._ahead: dict[str, Any] | None = None
-        # The reduction's buffers, kept from step to step (see _reduce): after the
-        # first step a step allocates nothing (no zero-fill, no page faults). Two
-        # gradient buffers, in a segment the peers on this host map (see shm), used
-        # in turn: a step's gradients are published in one, its average written
-        # into the other (a peer may still be reading the first).
-        self._segment = Segment(
-            sum(p.numel() for p in self._params), self._dtype, shared=shm_wanted()
-        )
-        self._cur = 0
-        self._views = [self._split(buffer) for buffer in self._segment.buffers]
-        self._inbox: dict[int, torch.Tensor] = {}
-        # Each peer's segment, mapped, and the link it was agreed on (None: TCP).
-        self._shared: dict[int, tuple[socket.socket, PeerSegment | None]] = {}
-        # What _average sums once the step commits: members, quorum, readers, TCP payloads.
-        self._pending: (
-            tuple[list[int], int, dict[int, PeerSegment | None], dict[int, Any]] | None
-        ) = None
-        # Made (and their pages touched) now rather than in the first step: a
-        # restarted group's first step is its rejoin's, and counts.
-        flat = self._segment.buffers[0]
-        for g in range(int(_setting("MPX_REPLICA_GROUPS") or 0)):
-            if g != self.group:
-                self._inbox[g] = torch.zeros_like(flat)
+        # The gradients' buffers, their exchange and their sum (see gradients).
+        self._grads = GradientExchange(self._params, dtype, self.group, groups, compression)
         self._closed = False
         atexit.register(self.close)
 
@@ -337,6 +318,7 @@ class FaultTolerantOptimizer:
             self._reduce(quorum)
         except PeerLost:
             ok = False
+            self._grads.discard()
             # Closed now, not after the vote: peers still waiting for this rank's
             # gradients see the end of the step at once.
             self._links.drop(int(quorum["quorum"]))
@@ -345,8 +327,8 @@ class FaultTolerantOptimizer:
     def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
         committed = self._vote(quorum, ok)
         if committed:
-            self._average()
-        self._pending = None
+            self._grads.average()
+        self._grads.discard()
         inner = self._group_dp
         if inner is None:
             if committed:
@@ -415,129 +397,11 @@ class FaultTolerantOptimizer:
             lambda: self._check(quorum),
         )
 
-    def _gather(self, members: int) -> torch.Tensor:
-        """This rank's gradients divided by ``members``, in one flat CPU buffer (the
-        current of the two).
-
-        Divided here, in the copy it needs anyway, rather than after the sum: one
-        pass over the gradients less a step (the sum of the members' quotients,
-        added in the same order on every member, is the average). A CPU
-        parameter's gradient is left a view of its slot by the last step (see
-        _reduce): with ``zero_grad(set_to_none=False)`` backward accumulates in
-        place there and is divided in place; a fresh gradient is copied in once.
-        """
-        with torch.no_grad():
-            for p, view in zip(self._params, self._views[self._cur], strict=True):
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad is view:
-                    if members > 1:
-                        view.div_(members)
-                elif members > 1:
-                    torch.div(p.grad, members, out=view)
-                else:
-                    view.copy_(p.grad)
-        return self._segment.buffers[self._cur]
-
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat``'s per-parameter views."""
-        offsets = itertools.accumulate((p.numel() for p in self._params), initial=0)
-        return [
-            flat[o : o + p.numel()].view(p.shape)
-            for o, p in zip(offsets, self._params, strict=False)
-        ]
-
-    def _shared_with(
-        self, links: dict[int, socket.socket], qid: int, check: Callable[[], None]
-    ) -> dict[int, PeerSegment | None]:
-        """Each peer's mapped segment (None: its gradients come over TCP), agreed once a link."""
-        for g in [g for g, (sock, _) in self._shared.items() if links.get(g) is not sock]:
-            old = self._shared.pop(g)[1]
-            if old is not None:
-                old.close()
-        new = {g: sock for g, sock in links.items() if g not in self._shared}
-        for g, reader in negotiate(new, self.group, qid, self._segment, check).items():
-            self._shared[g] = (new[g], reader)
-        return {g: self._shared[g][1] for g in links}
-
     def _reduce(self, quorum: dict[str, Any]) -> None:
-        """Publishes this rank's gradients (and receives its TCP peers'); the sum waits
-        for the commit (see _average)."""
+        """Publishes this rank's gradients to the step's other members (see gradients)."""
         members = [int(g) for g in quorum["members"]]
-        qid = int(quorum["quorum"])
-        flat = self._gather(len(members))
-        self._pending = None
-        if len(members) > 1:
-            check = lambda: self._check(quorum)  # noqa: E731
-            links = {g: self._link(quorum, g) for g in members if g != self.group}
-            shared = self._shared_with(links, qid, check)
-            # A peer on this host reads the gradients in place, after the commit:
-            # this rank votes only once they are written, so a commit says every
-            # member's are complete (see shm). No frame, no wait here.
-            self._segment.stamp(self._cur, qid)
-            tcp = {g: sock for g, sock in links.items() if shared[g] is None}
-            got = (
-                exchange(
-                    tcp,
-                    qid,
-                    GRAD,
-                    _bytes(flat),
-                    check,
-                    {g: _bytes(self._inbox_for(g)) for g in tcp},
-                )
-                if tcp
-                else {}
-            )
-            for g, payload in got.items():
-                if len(payload) != flat.nbytes:
-                    raise PeerLost(
-                        f"group {g} sent {len(payload)} bytes of gradients, not {flat.nbytes}"
-                    )
-            self._pending = (members, qid, shared, got)
-            return
-        self._use(self._cur)
-
-    def _average(self) -> None:
-        """After a commit: the members' gradients (divided by their number already, see
-        _gather) summed in their order into the other buffer, which becomes the gradients."""
-        if self._pending is None:
-            return
-        members, qid, shared, got = self._pending
-        self._pending = None
-        flat = self._segment.buffers[self._cur]
-        parts = []
-        for g in members:
-            reader = shared.get(g)
-            if g == self.group:
-                parts.append(flat)
-            elif reader is not None:
-                parts.append(reader.holding(qid))
-            else:
-                parts.append(torch.frombuffer(got[g], dtype=flat.dtype))
-        self._cur = 1 - self._cur
-        with torch.no_grad():
-            _sum_into(parts, self._segment.buffers[self._cur])
-        self._use(self._cur)
-
-    def _use(self, index: int) -> None:
-        """Buffer ``index`` becomes the gradients."""
-        with torch.no_grad():
-            for p, view in zip(self._params, self._views[index], strict=True):
-                if p.device.type == "cpu":
-                    # The average's slot becomes the gradient: nothing copied back.
-                    p.grad = view
-                elif p.grad is None:
-                    p.grad = view.to(p.device)
-                else:
-                    p.grad.copy_(view)
-
-    def _inbox_for(self, group: int) -> torch.Tensor:
-        """Where ``group``'s gradients are received, kept from step to step."""
-        flat = self._segment.buffers[0]
-        found = self._inbox.get(group)
-        if found is None or found.numel() != flat.numel():
-            found = self._inbox[group] = torch.empty_like(flat)
-        return found
+        links = {g: self._link(quorum, g) for g in members if g != self.group}
+        self._grads.reduce(members, int(quorum["quorum"]), links, lambda: self._check(quorum))
 
     def _send_state(self, quorum: dict[str, Any], recipient: int) -> None:
         parts = pack_state(
@@ -559,7 +423,7 @@ class FaultTolerantOptimizer:
     def _receive_state(self, quorum: dict[str, Any], donor: int) -> dict[str, Any]:
         # A state is the model, the optimizer's state (a few copies of the model at
         # most) and the loop's dict: a frame far beyond that is no state.
-        limit = 16 * self._segment.buffers[0].nbytes + (64 << 20)
+        limit = 16 * self._grads.nbytes + (64 << 20)
         kind, payload = recv_frame(
             self._link(quorum, donor), int(quorum["quorum"]), lambda: self._check(quorum),
             limit=limit,
@@ -587,11 +451,7 @@ class FaultTolerantOptimizer:
             self._client.request({"op": "leave", "step": self.step_count})
         self._client.close()
         self._links.close()
-        for _, reader in self._shared.values():
-            if reader is not None:
-                reader.close()
-        self._shared.clear()
-        self._segment.close()
+        self._grads.close()
 
 
 def _address_towards(lighthouse: str) -> str:
@@ -600,20 +460,3 @@ def _address_towards(lighthouse: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((where, int(port)))
         return str(probe.getsockname()[0])
-
-
-def _sum_into(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``out = (parts[0] + parts[1]) + ...``, added in that order, ``parts`` untouched.
-
-    Every member adds the same operands in the same order, so every replica
-    gets the same bytes (NaN included); ``out`` is none of the parts: a peer
-    may still be reading this rank's (see shm).
-    """
-    torch.add(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        torch.add(out, part, out=out)
-    return out
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return tensor.numpy().data.cast("B")
