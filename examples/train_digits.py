@@ -8,7 +8,9 @@ parallel with 4-bit compressed gradients. Flags switch the parallelism::
     --mode ddp       torch DistributedDataParallel on mpx's "mpx" backend
     --mode pipeline  mpx.pipeline: one stage per rank, --schedule any of
                      mpx.pipeline.SCHEDULES (default 1f1b; the interleaved and
-                     V-shaped ones put 2 virtual stages on each rank)
+                     V-shaped ones put 2 virtual stages on each rank; async
+                     steps once per batch, with weight prediction and
+                     gap-aware damping: digits_modes_pipeline.async_options)
     --mode mgrit     mpx.mgrit.LayerParallel: residual layers split across ranks,
                      forward and backward solved with MGRIT
     --mode 2d        pipeline x data parallel: --stages stages, the rest replicas
