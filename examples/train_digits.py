@@ -142,7 +142,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bits", type=int, default=4, help="dp: gradient bits (0: fp32)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                         help="pipeline/2d/gpt: the pipeline's schedule (default 1f1b)")  # fmt: skip
-    parser.add_argument("--chunks", type=int, default=4, help="pipeline/2d: micro-batches")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        help="pipeline/2d/gpt: micro-batches (default 4, or 2 per stage beyond 2 stages: the "
+        "interleaved schedules run micro-batches in rounds of one per stage, DualPipeV needs 2 "
+        "per stage)",
+    )
     parser.add_argument("--stages", type=int, default=0, help="2d: stages (default: 2 if even)")
     parser.add_argument("--steps", type=int, default=8, help="mgrit: residual layers")
     parser.add_argument("--seed", type=int, default=0)
@@ -159,6 +165,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     comm = world()
+    if args.chunks is None:
+        stages = comm.size if args.mode == "pipeline" else digits_layout.pipeline_stages(args, comm)
+        args.chunks = max(4, 2 * stages)
     if args.batch_size is None:
         args.batch_size = digits_layout.default_batch_size(args, comm)
     if args.batch_size % comm.size:

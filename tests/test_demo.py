@@ -139,9 +139,28 @@ def test_async_pipeline_trains_to_95_percent(
     accuracy, spread, out = _run(
         tmp_path, user_environment, "--mode", "pipeline", "--schedule", "async", ranks=ranks
     )
-    assert f"pipeline, {ranks} stage(s), async, 4 micro-batches; {ranks} rank(s); 20 epochs" in out
+    chunks = max(4, 2 * ranks)  # the demo's default: 2 micro-batches a stage beyond 2 stages
+    want = f"pipeline, {ranks} stage(s), async, {chunks} micro-batches; {ranks} rank(s); 20 epochs"
+    assert want in out
     assert accuracy >= 0.95
     assert spread == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev"])
+def test_the_schedules_that_need_more_micro_batches_run_on_3_ranks(
+    tmp_path: Path, user_environment: dict[str, str], schedule: str
+) -> None:
+    """On 3 stages the demo's old default of 4 micro-batches stopped interleaved_1f1b (rounds
+    of one a stage: a multiple of 3) and dualpipev (2 a stage): the default is now 6."""
+    accuracy, spread, out = _run(
+        tmp_path,
+        user_environment,
+        *("--mode", "pipeline", "--schedule", schedule, "--epochs", "2"),
+        ranks=3,
+    )
+    assert f"mpx demo: pipeline, 3 stage(s), {schedule}, 6 micro-batches; 3 rank(s)" in out
+    assert spread == 0.0
+    assert accuracy > 0.2
 
 
 def test_schedule_help_lists_every_schedule(user_environment: dict[str, str]) -> None:
