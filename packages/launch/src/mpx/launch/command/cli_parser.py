@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         help="start R replica groups of -n ranks each, each its own MPI world that fails and "
         "restarts alone (--max-restarts per group), and a lighthouse that keeps their "
-        "membership (mpx.dataparallel.FaultTolerantOptimizer; see docs/live-recovery.md)",
+        "membership (mpx.dataparallel.FaultTolerantOptimizer; see docs/live-recovery.md); "
+        "with --hostfile, --virtual-nodes or in a Slurm allocation each group gets nodes of "
+        "its own",
     )
     parser.add_argument(
         "--tag-output", action="store_true", help="prefix output lines with the rank"
