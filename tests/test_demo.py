@@ -146,7 +146,9 @@ def test_async_pipeline_trains_to_95_percent(
     assert spread == 0.0
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev"])
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("interleaved_1f1b", marks=pytest.mark.extended), "dualpipev"]
+)
 def test_the_schedules_that_need_more_micro_batches_run_on_3_ranks(
     tmp_path: Path, user_environment: dict[str, str], schedule: str
 ) -> None:

@@ -573,7 +573,7 @@ needs_netns = pytest.mark.skipif(
 
 
 @needs_netns
-@pytest.mark.parametrize("nprocs", [1, 2])
+@pytest.mark.parametrize("nprocs", [1, pytest.param(2, marks=pytest.mark.extended)])
 def test_two_groups_on_two_virtual_hosts_survive_a_kill(tmp_path: Path, nprocs: int) -> None:
     """``mpxrun --replica-groups 2 -n N --virtual-nodes 2``: each group on a host of its
     own (a network namespace), the lighthouse reached over the bridge, the gradients
@@ -602,7 +602,8 @@ def test_two_groups_on_two_virtual_hosts_survive_a_kill(tmp_path: Path, nprocs: 
     _check(tmp_path, 2, nprocs, 12, True)
 
 
-@pytest.mark.parametrize("shm", ["0", "1"])
+# Over TCP in every run; through shared memory (the same code, published dequantized) extended.
+@pytest.mark.parametrize("shm", ["0", pytest.param("1", marks=pytest.mark.extended)])
 def test_compressed_gradients_between_groups_give_every_group_the_same_bytes(
     tmp_path: Path, shm: str
 ) -> None:
