@@ -73,9 +73,12 @@ def test_cgx_scripts_find_their_rank_under_plain_mpiexec() -> None:
     them): ``import torch_cgx`` sets them from MPICH's variables (issue 59)."""
     assert MPIEXEC is not None
     script = (
-        "import os, torch_cgx\n"
+        "import os, sys, torch_cgx\n"
         "names = ('RANK', 'SIZE', 'LOCAL_RANK', 'LOCAL_SIZE')\n"
-        "print(*(os.environ['OMPI_COMM_WORLD_' + n] for n in names), flush=True)\n"
+        # One write() for the line: under PYTHONUNBUFFERED print() writes each part apart,
+        # and the two ranks' parts may interleave in mpiexec's output.
+        "line = ' '.join(os.environ['OMPI_COMM_WORLD_' + n] for n in names)\n"
+        "sys.stdout.write(line + '\\n'); sys.stdout.flush()\n"
     )
     proc = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, "-c", script],
