@@ -75,8 +75,11 @@ PROGRAM = textwrap.dedent(
     while s < steps:
         if mode == "ft" and kill_at >= 0 and s >= kill_at + 10 and who == 0:
             # The survivor waits for the restarted group (Python and torch start:
-            # seconds) so that it rejoins before the end; not counted anywhere.
-            while len(opt.live_groups()) < 2:
+            # seconds) so that it rejoins before the end; not counted anywhere. It
+            # watches for its log, as bench_torchft's survivor does: the heartbeats'
+            # list of live groups (live_groups) comes up to an interval late, which
+            # the rejoin would count.
+            while not os.path.exists(f"{out}/ft_1_1.jsonl"):
                 time.sleep(0.01)
             if len(opt.members) < 2:
                 # then steps slowly until it is a member: its hello comes before
