@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 
 import pytest
 
-from mpx.launch import Environment, LaunchEnvironmentError, environment, init_torch_env
+from mpx.launch import (
+    Environment,
+    LaunchEnvironmentError,
+    address_towards,
+    environment,
+    init_torch_env,
+)
 
 
 def test_single_process_is_rank_0_of_1() -> None:
@@ -197,3 +205,36 @@ def test_init_torch_env_lets_gloo_rendezvous(monkeypatch: pytest.MonkeyPatch) ->
         assert t.item() == env.world_size * (env.world_size + 1) / 2
     finally:
         dist.destroy_process_group()
+
+
+def test_address_towards_names_the_interface_on_the_route() -> None:
+    # Loopback is reached from loopback; a documentation-only address (TEST-NET-1)
+    # from one of this host's own addresses, whatever its interfaces are.
+    assert address_towards("127.0.0.1") == "127.0.0.1"
+    outward = address_towards("192.0.2.1") if _has_default_route() else "127.0.0.1"
+    assert outward in _own_addresses()
+
+
+def test_address_towards_an_address_it_cannot_route_to_raises() -> None:
+    # An IPv6 address on the IPv4 probe: refused at once, with no name lookup.
+    with pytest.raises(socket.gaierror, match="not supported"):
+        address_towards("::1")
+
+
+def _has_default_route() -> bool:
+    try:
+        address_towards("192.0.2.1")
+    except OSError:
+        return False
+    return True
+
+
+def _own_addresses() -> set[str]:
+    """This host's IPv4 addresses, as the kernel lists its routes' sources."""
+    found = {"127.0.0.1"}
+    with open("/proc/net/fib_trie") as trie:
+        lines = trie.read().splitlines()
+    for before, line in itertools.pairwise(lines):
+        if "/32 host LOCAL" in line:
+            found.add(before.split()[-1])
+    return found

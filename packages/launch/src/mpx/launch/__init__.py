@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from mpx.launch.environment import (
     Environment,
+    address_towards,
     environment,
     free_port,
     init_torch_env,
@@ -41,6 +42,7 @@ __all__ = [
     "SettingError",
     "UsageError",
     "__version__",
+    "address_towards",
     "environment",
     "find_launcher",
     "free_port",

@@ -79,7 +79,7 @@ from mpx.launch.command import (
     resolve_program,
     run_check,
 )
-from mpx.launch.environment import free_port
+from mpx.launch.environment import address_towards, free_port
 from mpx.launch.errors import LaunchError, UsageError
 from mpx.launch.launchers import Launcher, find_launcher
 from mpx.launch.rank import new_key, usable_cores
@@ -332,11 +332,9 @@ def _slurm_hosts() -> list[str]:
 
 
 def _address_towards(host: str) -> str:
-    """This host's address on the route to ``host`` (no packet is sent)."""
+    """:func:`address_towards`, a missing route said as a usage error."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return str(probe.getsockname()[0])
+        return address_towards(host)
     except OSError as exc:
         raise UsageError(f"no route to {host!r}, a node of the job: {exc}") from None
 

@@ -34,6 +34,7 @@ __all__ = [
     "MPI_LAUNCHERS",
     "TORCH_VARIABLES",
     "Environment",
+    "address_towards",
     "environment",
     "free_port",
     "init_torch_env",
@@ -205,6 +206,18 @@ def open_mpi_variables(env: Environment, base: Mapping[str, str]) -> dict[str, s
         return {}
     values = (env.rank, env.world_size, env.local_rank, env.local_world_size)
     return {name: str(v) for name, v in zip((*_OPEN_MPI, *_OPEN_MPI_LOCAL), values, strict=True)}
+
+
+def address_towards(host: str) -> str:
+    """This host's address on the route to ``host``, a name or an address (a UDP
+    socket's connect picks the route; no packet is sent).
+
+    Raises:
+        OSError: no route to ``host`` (or it has no address).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
 
 
 def free_port(host: str = "") -> int:

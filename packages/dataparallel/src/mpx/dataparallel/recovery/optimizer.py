@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import sys
 import threading
 import uuid
@@ -47,7 +46,7 @@ from mpx.dataparallel.recovery.links import (
 )
 from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
 from mpx.dataparallel.synchronous import DistributedOptimizer
-from mpx.launch import JobKey
+from mpx.launch import JobKey, address_towards
 
 __all__ = ["FaultTolerantOptimizer", "TrainingFinished"]
 
@@ -191,7 +190,8 @@ class FaultTolerantOptimizer:
             )
         # Every connection proves the job's secret (mpx.launch.handshake), both ways.
         key = JobKey.from_environment()
-        self._links = PeerLinks(self.group, key, groups, host or _address_towards(address))
+        here = host or address_towards(address.rpartition(":")[0])  # where peers reach it
+        self._links = PeerLinks(self.group, key, groups, here)
         self._client = LighthouseClient(
             address, self.group, self.rank, self.size, self.incarnation, self._links.address, key
         )
@@ -503,11 +503,3 @@ class FaultTolerantOptimizer:
         self._client.close()
         self._links.close()
         self._grads.close()
-
-
-def _address_towards(lighthouse: str) -> str:
-    """This host's address on the route to the lighthouse (no packet is sent)."""
-    where, _, port = lighthouse.rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((where, int(port)))
-        return str(probe.getsockname()[0])
