@@ -282,6 +282,7 @@ def _hello(file: Any, challenge: bytes, key: JobKey, group: int, **fields: Any) 
     """A hello proven with ``key``; the lighthouse's reply."""
     mine = new_nonce()
     hello = {"op": "hello", "group": group, "rank": 0, "size": 1, "incarnation": str(group)}
+    hello["gradients"] = {"numel": 4, "dtype": "torch.float32", "compression": None}
     hello |= {"address": ["h", group + 1], "nonce": mine.hex()}
     hello |= {"proof": key.prove("client", challenge, mine).hex(), **fields}
     reply = _ask(file, hello)

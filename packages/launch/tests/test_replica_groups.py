@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,26 @@ def test_no_group_is_restarted_once_the_state_is_lost() -> None:
     code = run_groups(job, 1, 60.0, max_restarts=3, cannot_go_on=lambda: "the state is lost")
     assert code == 1
     assert attempts == [0]
+
+
+def test_groups_that_cannot_average_together_stop_the_job_without_restarts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Group 1 fails once the lighthouse refused its gradients: it is not restarted, and
+    group 0 (which would wait for it, then train alone) is stopped: the job fails now."""
+    attempts: list[tuple[int, int]] = []
+
+    def job(group: int, attempt: int) -> Job:
+        attempts.append((group, attempt))
+        return _one_rank(
+            "import time; time.sleep(120)" if group == 0 else "import sys; sys.exit(4)"
+        )
+
+    wrong = "group 1 rank 0 averages 12 elements, but group 0 rank 0 averages 10"
+    start = time.monotonic()
+    code = run_groups(job, 2, 200.0, max_restarts=3, misconfigured=lambda: wrong)
+    assert time.monotonic() - start < 60  # group 0 was stopped, not waited for
+    assert code != 0
+    assert sorted(attempts) == [(0, 0), (1, 0)]  # no restart
+    err = capsys.readouterr().err
+    assert f"no group is restarted and the others are stopped: {wrong}" in err, err

@@ -54,7 +54,9 @@ class DataParallelTypeError(DataParallelError, TypeError):
 
 
 class DataParallelMismatchError(DataParallelError, MismatchError):
-    """Ranks hold different models: parameter values differ at the first step.
+    """Ranks hold different models: parameter values differ at the first step (or, under
+    live recovery, a replica group's gradients differ in size, dtype or compression from
+    another group's: the lighthouse refused it).
 
     Example::
 

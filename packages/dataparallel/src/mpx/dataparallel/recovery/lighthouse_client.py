@@ -8,7 +8,10 @@ which quorum was aborted last (what :class:`~mpx.dataparallel.recovery.links.Pee
 the requests that wait (quorum, vote, leave). Messages are JSON lines; each
 connection starts with the job's challenge-response (:mod:`mpx.launch.handshake`):
 the lighthouse's challenge, this rank's proof in its hello, the lighthouse's proof
-in the reply, checked before anything the lighthouse says is believed.
+in the reply, checked before anything the lighthouse says is believed. The hello
+also describes what this rank averages (:func:`describe_gradients`): the lighthouse
+refuses a rank whose description differs from the same rank's in another group
+(they could never average together), and this rank then raises, saying why.
 """
 
 from __future__ import annotations
@@ -22,16 +25,30 @@ import threading
 import time
 from typing import Any
 
-from mpx.dataparallel.errors import DataParallelError
+from mpx.dataparallel.errors import DataParallelError, DataParallelMismatchError
 from mpx.dataparallel.recovery.links import PeerLost
 from mpx.launch import NONCE_BYTES, PROOF_BYTES, JobKey, from_hex, new_nonce
 
-__all__ = ["LighthouseClient"]
+__all__ = ["LighthouseClient", "describe_gradients"]
 
 # How long rank 0 polls for the lighthouse's answer to a vote or quorum request before
 # it sleeps in recv (see _spin_until_readable): longer than the wait for a group a
 # step behind on the benchmark's model (~3 ms), short enough not to hold a core long.
 _REQUEST_SPIN_S = 0.005
+
+
+def describe_gradients(numel: int, dtype: object, compression: Any) -> dict[str, Any]:
+    """What a rank averages across the groups, as its hello tells the lighthouse: its
+    trainable elements' number, their dtype, and the compression between groups (None,
+    or an ``mpx.quantize.CompressionConfig``'s fields that change the bytes sent)."""
+    described: dict[str, Any] | None = None
+    if compression is not None:
+        described = {
+            "bits": int(compression.bits),
+            "bucket_size": int(compression.bucket_size),
+            "stochastic": bool(compression.stochastic),
+        }
+    return {"numel": int(numel), "dtype": str(dtype), "compression": described}
 
 
 class LighthouseClient:
@@ -43,11 +60,14 @@ class LighthouseClient:
         incarnation: unique to this process's start.
         peer_address: where this rank's :class:`PeerLinks` listens.
         key: the job's key (``MPX_JOB_SECRET``), proven on every connection.
+        gradients: what this rank averages (:func:`describe_gradients`).
         timeout: seconds to wait for the lighthouse to answer a hello.
 
     Raises:
         DataParallelError: the lighthouse did not prove the job's secret (not this
             job's ``mpxrun``).
+        DataParallelMismatchError: it refused this rank: its gradients differ from
+            the same rank's in another group (the message names both).
         PeerLost: it closed the connection (gone, or it refused this rank's proof).
     """
 
@@ -60,6 +80,7 @@ class LighthouseClient:
         incarnation: str,
         peer_address: tuple[str, int],
         key: JobKey,
+        gradients: dict[str, Any],
         timeout: float = 30.0,
     ) -> None:
         host, _, port = address.rpartition(":")
@@ -71,6 +92,7 @@ class LighthouseClient:
             "size": size,
             "incarnation": incarnation,
             "address": list(peer_address),
+            "gradients": gradients,
         }
         self._timeout = timeout
         self._key = key
@@ -115,6 +137,12 @@ class LighthouseClient:
             raise DataParallelError(
                 f"the lighthouse at {host}:{port} did not prove the job's secret: it is not "
                 "this job's mpxrun (MPX_LIGHTHOUSE, MPX_JOB_SECRET)"
+            )
+        if "error" in reply:  # refused (proven: the lighthouse's own words)
+            sock.close()
+            raise DataParallelMismatchError(
+                f"FaultTolerantOptimizer: the lighthouse refused group {self._hello['group']} "
+                f"rank {self._hello['rank']}: {reply['error']}"
             )
         sock.settimeout(None)
         return sock, file, reply

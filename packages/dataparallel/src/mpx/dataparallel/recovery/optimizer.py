@@ -32,11 +32,12 @@ from torch import nn
 
 from mpx.dataparallel.errors import (
     DataParallelError,
+    DataParallelMismatchError,
     DataParallelTypeError,
     DataParallelValueError,
 )
 from mpx.dataparallel.recovery.gradients import GradientExchange
-from mpx.dataparallel.recovery.lighthouse_client import LighthouseClient
+from mpx.dataparallel.recovery.lighthouse_client import LighthouseClient, describe_gradients
 from mpx.dataparallel.recovery.links import (
     STATE,
     PeerLinks,
@@ -117,6 +118,9 @@ class FaultTolerantOptimizer:
             ``model`` not an ``nn.Module``, or ``state`` not a dict.
         DataParallelValueError: no lighthouse (not under ``mpxrun --replica-groups``),
             or parameters of more than one dtype.
+        DataParallelMismatchError: on every rank of a group whose gradients (their
+            number of elements, dtype, or ``compression``) differ from another group's
+            at the same rank: they could never be averaged together.
 
     Example::
 
@@ -192,11 +196,31 @@ class FaultTolerantOptimizer:
         key = JobKey.from_environment()
         here = host or address_towards(address.rpartition(":")[0])  # where peers reach it
         self._links = PeerLinks(self.group, key, groups, here)
-        self._client = LighthouseClient(
-            address, self.group, self.rank, self.size, self.incarnation, self._links.address, key
-        )
-        if self.size > 1:
-            self.comm.Barrier()  # every rank said hello before rank 0 asks for a quorum
+        gradients = describe_gradients(sum(p.numel() for p in self._params), dtype, compression)
+        refused: str | None = None
+        try:
+            self._client = LighthouseClient(
+                address,
+                self.group,
+                self.rank,
+                self.size,
+                self.incarnation,
+                self._links.address,
+                key,
+                gradients,
+            )
+        except DataParallelMismatchError as error:
+            refused = str(error)
+        # Also waits until every rank said hello, before rank 0 asks for a quorum.
+        refusals = self.comm.allgather(refused) if self.size > 1 else [refused]
+        if any(r is not None for r in refusals):
+            # Every rank of the group raises, not only those the lighthouse refused
+            # (the others would wait for them, the group half a member).
+            if refused is None:
+                self._client.close()
+            self._links.close()
+            first = next(r for r in refusals if r is not None)
+            raise DataParallelMismatchError(refused if refused is not None else first)
         self.step_count = 0
         self.members: list[int] = []
         self.quorum_id = 0

@@ -21,12 +21,26 @@ connection that cannot prove the job's secret, sends a line of more than
 ``0..R-1``, is closed and logged (``mpxrun: lighthouse: refused ...``); nothing it
 said is acted on, and every other connection goes on.
 
+Each hello also says what that rank averages across the groups (``gradients``: its
+trainable elements' number, their dtype, the compression between groups): rank
+``r`` of every group must agree with rank ``r`` of the others, or their exchange
+could never succeed (frames of another length are refused as a lost peer: every
+step discarded, for ever). The first description of rank ``r`` is kept; a hello
+that differs is answered ``{"error": ...}`` naming both and the fix, logged, and
+closed; :meth:`Lighthouse.misconfigured` then tells ``mpxrun`` to restart no group
+(:mod:`~mpx.launch.recovery.gradients_description`).
+
 Requests and replies::
 
     {"op": "hello", "group": g, "rank": r, "size": n, "incarnation": id,
-     "address": [host, port], "nonce": hex, "proof": hex}
+     "address": [host, port], "gradients": {"numel": n, "dtype": "torch.float32",
+     "compression": null or {"bits": b, "bucket_size": k, "stochastic": bool}},
+     "nonce": hex, "proof": hex}
                                               -> {"ok": true, "heartbeat_interval": s,
                                                   "proof": hex}
+                                                 or {"error": why, "proof": hex} (its
+                                                 gradients differ from another group's
+                                                 same rank: not a member; closed)
     {"op": "beat"}                            -> {"member": bool, "alive": {g: id},
                                                   "last_aborted": quorum}
     {"op": "quorum", "step": s}               -> {"quorum": {...Quorum.view...}}
@@ -62,6 +76,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpx.launch.handshake import NONCE_BYTES, PROOF_BYTES, JobKey, from_hex, new_nonce
+from mpx.launch.recovery.gradients_description import checked_gradients, described
 from mpx.launch.recovery.membership import Membership
 
 __all__ = ["MAX_LINE", "Lighthouse", "Refused", "print_event"]
@@ -131,9 +146,12 @@ class _Handler(socketserver.StreamRequestHandler):
             raise Refused("a line that is not a JSON object")
         return message
 
-    def _greet(self) -> tuple[tuple[int, int, str], int, list[Any], dict[str, Any]]:
+    def _greet(
+        self,
+    ) -> tuple[tuple[int, int, str], int, list[Any], dict[str, Any], dict[str, Any]]:
         """The challenge-response and the hello: the member's identity, group size,
-        address and the reply's proof; :class:`Refused` unless the proof holds."""
+        address, gradients' description and the reply's proof; :class:`Refused` unless
+        the proof holds and the hello is well formed."""
         key = self.server.lighthouse.key
         challenge = new_nonce()
         self.request.settimeout(_HELLO_TIMEOUT_S)  # a silent stranger holds no thread long
@@ -152,7 +170,12 @@ class _Handler(socketserver.StreamRequestHandler):
         if theirs is None or proof is None or not key.verify("client", challenge, theirs, proof):
             raise Refused("no proof of the job's secret (MPX_JOB_SECRET)")
         identity, size, address = _identity(hello, self.server.lighthouse.expected)
-        return identity, size, address, {"proof": key.prove("server", challenge, theirs).hex()}
+        try:
+            gradients = checked_gradients(hello.get("gradients"))
+        except ValueError as exc:
+            raise Refused(f"hello with {exc}") from exc
+        answer = {"proof": key.prove("server", challenge, theirs).hex()}
+        return identity, size, address, gradients, answer
 
     def handle(self) -> None:
         lighthouse = self.server.lighthouse
@@ -160,7 +183,13 @@ class _Handler(socketserver.StreamRequestHandler):
         identity: tuple[int, int, str] | None = None
         left = False
         try:
-            proven, size, address, proof = self._greet()
+            proven, size, address, gradients, proof = self._greet()
+            differs = lighthouse.compare(proven, gradients)
+            if differs is not None:
+                # Answered (proven, so the rank believes it) rather than closed: the
+                # rank raises with the reason. Never a member: logged as refused.
+                self._send({"error": differs, **proof})
+                raise Refused(differs)
             identity = proven
             self._send({**lighthouse.hello(identity, size, address), **proof})
             while (message := self._read()) is not None:
@@ -250,6 +279,14 @@ class Lighthouse:
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._hung: list[int] = []
+        # Rank index -> (group, description) of the first hello of that rank: each
+        # rank's gradients are averaged with the same rank of the other groups only
+        # (a group's ranks may hold different parts of the model: pipeline stages,
+        # shards), so rank r of every group is compared with rank r, not with rank 0.
+        # Of two groups that differ, the one refused is the later to say hello at that
+        # rank: neither is known to be the right one, and the refusal names both.
+        self._gradients: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._misconfigured: str | None = None
         # Quorum id -> the voters waiting for its outcome: group -> (incarnation, the step
         # their vote asked the next quorum at), until the outcome asks for them (see vote).
         self._then: dict[int, dict[int, tuple[str, int]]] = {}
@@ -298,6 +335,35 @@ class Lighthouse:
             "none resumed from a checkpoint: training again from fresh weights would lose "
             f"{lost} steps (docs/live-recovery.md: checkpoints)"
         )
+
+    def misconfigured(self) -> str | None:
+        """Why the groups cannot average together, if a hello was refused for gradients
+        that differ from another group's (:meth:`compare`): ``mpxrun`` then restarts no
+        group (a restart builds the same model) and stops the others."""
+        with self._changed:
+            return self._misconfigured
+
+    def compare(self, identity: tuple[int, int, str], gradients: dict[str, Any]) -> str | None:
+        """Why rank ``identity``'s ``gradients`` cannot be averaged with the same rank of
+        the groups that said hello before it (None: they can; the first is kept)."""
+        group, rank, _ = identity
+        with self._changed:
+            first, theirs = self._gradients.setdefault(rank, (group, gradients))
+            if theirs == gradients:
+                return None
+            why = (
+                f"group {group} rank {rank} averages {described(gradients)}, but group "
+                f"{first} rank {rank} averages {described(theirs)}: their gradients cannot be "
+                "averaged together. Every group must build the same model and pass the same "
+                "compression= to FaultTolerantOptimizer"
+            )
+            if self._misconfigured is None:
+                self._misconfigured = (
+                    f"group {group}'s gradients differ from group {first}'s at rank {rank} (the "
+                    "lighthouse's refusal above says how): every group must build the same "
+                    "model and pass the same compression= to FaultTolerantOptimizer"
+                )
+            return why
 
     def refused(self, peer: Any, why: str) -> None:
         """A connection that never became a member was closed (see :class:`Refused`)."""

@@ -16,7 +16,11 @@ reported in one line without failing the job (a restarted group that comes
 back after the others finished is told so by the lighthouse and exits 0); a
 group whose program exits with an error still fails it. When no group can
 train on (the lighthouse found the state lost: :meth:`Lighthouse.cannot_go_on`),
-no group is restarted and the job fails, saying why.
+no group is restarted and the job fails, saying why. When the groups cannot
+average together (the lighthouse refused a group whose gradients differ from
+another's: :meth:`Lighthouse.misconfigured`), the failed group is not restarted (it
+would build the same model again) and the other groups are stopped: the job fails
+at once, saying why, rather than training on without it.
 """
 
 from __future__ import annotations
@@ -78,12 +82,15 @@ def run_groups(
     restart_delay: float = 0.0,
     hung: Callable[[], list[int]] | None = None,
     cannot_go_on: Callable[[], str | None] | None = None,
+    misconfigured: Callable[[], str | None] | None = None,
 ) -> int:
     """Runs ``groups`` groups, ``new_job(group, attempt)`` each, restarting a failed one alone.
 
     ``hung()``, polled, names groups to stop and restart although no rank failed
     (the lighthouse's: silent for its hang timeout). ``cannot_go_on()``, asked
     before a restart, says why no group can train on (then none is restarted).
+    ``misconfigured()``, asked when a group fails, says why the groups cannot train
+    together at all: then none is restarted and the others are stopped.
 
     Returns 0 if every group ended well, else the first failing group's exit
     code; SIGTERM, SIGHUP and Ctrl-C stop every group and return 128 + the signal.
@@ -121,6 +128,23 @@ def run_groups(
                 )
                 with lock:
                     codes[group] = 0 if died else report(job, code, timeout)
+                return
+            wrong = misconfigured() if failure is not None and misconfigured else None
+            if wrong is not None:
+                with lock:
+                    first = not stopping.is_set()
+                    stopping.set()
+                    others = [job for g, job in running.items() if g != group]
+                if first:
+                    # Stopped, not left to train alone: the job has failed already.
+                    _say(
+                        f"replica group {group}: {failure}; no group is restarted and the "
+                        f"others are stopped: {wrong}"
+                    )
+                    for other in others:
+                        other.cancel.set()
+                with lock:
+                    codes[group] = (report(job, code, timeout) or 1) if first else 1
                 return
             why_not = cannot_go_on() if failure is not None and cannot_go_on else None
             if why_not is not None:
@@ -238,4 +262,5 @@ def run_replica_groups(
             args.restart_delay,
             lighthouse.hung,
             lighthouse.cannot_go_on,
+            lighthouse.misconfigured,
         )
