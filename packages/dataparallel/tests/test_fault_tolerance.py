@@ -32,7 +32,7 @@ PROGRAM = textwrap.dedent(
     from torch import nn
     import mpx.dataparallel as dp
     from mpx.dataparallel.recovery import gradients as ft_gradients, links as ft_links
-    from mpx.dataparallel.recovery import optimizer as ft_optimizer
+    from mpx.dataparallel.recovery import catching_up as ft_catching_up
     from mpi4py import MPI
 
     group = int(os.environ["MPX_REPLICA_GROUP"])
@@ -132,12 +132,12 @@ PROGRAM = textwrap.dedent(
                 die(point)
         ft._grads.segment.stamp = stamped
     if victim and point == "rejoin":
-        send = ft_optimizer.send_frame
+        send = ft_catching_up.send_frame
         def patched(sock, quorum, kind, payload, check):
-            if kind == ft_optimizer.STATE and ft.step_count >= int(ks):
+            if kind == ft_catching_up.STATE and ft.step_count >= int(ks):
                 die(point)
             send(sock, quorum, kind, payload, check)
-        ft_optimizer.send_frame = patched
+        ft_catching_up.send_frame = patched
     if victim and point == "optimizer":
         inner = opt.step
         def stepping(*args, **kwargs):
@@ -410,6 +410,14 @@ def test_two_groups_of_two_ranks(tmp_path: Path) -> None:
     """Rank 1 of group 0 dies: mpxrun stops and restarts group 0 as a whole."""
     _survives(
         tmp_path, "0:1:3:backward:0", ("killed backward",), groups=2, nprocs=2, steps=12, hold=5
+    )
+
+
+def test_two_groups_of_three_ranks(tmp_path: Path) -> None:
+    """Rank 2 of group 1 dies: group 1 restarts as a whole and each of its three ranks
+    joins a step with its column's state and gradients from group 0's same rank."""
+    _survives(
+        tmp_path, "1:2:3:backward:0", ("killed backward",), groups=2, nprocs=3, steps=10, hold=5
     )
 
 

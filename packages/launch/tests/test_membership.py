@@ -40,7 +40,8 @@ def test_first_quorum_waits_for_every_group_and_syncs_from_the_lowest() -> None:
     m.request(0, "a", 0)
     q = m.form(now=1.0)
     assert q is not None
-    assert (q.id, q.step, q.members, q.donors) == (1, 0, [0, 1], {1: 0})
+    # At the first quorum every group is a member: the one behind loads, then trains.
+    assert (q.id, q.step, q.members, q.joining, q.donors) == (1, 0, [0, 1], [], {1: 0})
 
 
 def test_first_quorum_forms_without_a_missing_group_after_join_timeout() -> None:
@@ -108,7 +109,7 @@ def test_silent_group_is_counted_out_and_comes_back_when_it_beats_again() -> Non
     m.request(0, "a", 1)
     q3 = m.form(now=0.8)
     assert q3 is not None
-    assert (q3.step, q3.members, q3.donors) == (1, [0, 1], {1: 0})
+    assert (q3.step, q3.members, q3.joining, q3.donors) == (1, [0], [1], {1: 0})
 
 
 def test_the_deadline_stretches_with_the_groups_own_beats_and_steps() -> None:
@@ -198,7 +199,7 @@ def test_a_group_resumed_from_a_checkpoint_leads_when_no_one_holds_the_state() -
     m.request(1, "b2", 3)
     q = m.form(now=1.0)
     assert q is not None
-    assert (q.step, q.members, q.donors) == (3, [0, 1], {0: 1})
+    assert (q.step, q.members, q.joining, q.donors) == (3, [1], [0], {0: 1})
     assert m.went_back == (3, 5)
     assert m.state_lost is None
     m.vote(0, "a2", q.id, True)
@@ -219,7 +220,7 @@ def test_no_state_is_lost_while_a_counted_out_group_may_come_back_with_it() -> N
     m.request(1, "b", 5)
     q2 = m.form(now=0.8)
     assert q2 is not None
-    assert (q2.step, q2.donors) == (5, {0: 1})
+    assert (q2.step, q2.members, q2.joining, q2.donors) == (5, [1], [0], {0: 1})
 
 
 def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:
@@ -235,9 +236,51 @@ def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:
     m.request(0, "a", 1)
     q3 = m.form(now=1.0)
     assert q3 is not None
-    assert (q3.step, q3.members, q3.donors) == (1, [0, 1], {1: 0})
+    # It joins the step: group 0 trains it, group 1 receives it (see the module's rules).
+    assert (q3.step, q3.members, q3.joining, q3.donors) == (1, [0], [1], {1: 0})
     assert q3.view(0)["recipients"] == [1]
+    assert q3.view(1)["joining"] == [1]
     assert q3.addresses[1] == [["h", 3]]
+    assert q3.incarnations[1] == "b2"
+
+
+def test_a_joining_groups_vote_and_death_decide_nothing_for_the_members() -> None:
+    """A group that joins a step is not waited for, its not-ok vote aborts nothing, its
+    death aborts nothing; the next quorum waits for it to ask, and takes it in as a
+    member if it asks at the next step (it had its part of the step)."""
+    m, _ = _first_quorum()
+    m.lost(1, "b")
+    m.request(0, "a", 0)
+    q2 = m.form(now=0.0)
+    assert q2 is not None
+    m.vote(0, "a", q2.id, True)
+    m.hello(1, 0, 1, "b2", ["h", 3], now=1.0)
+    m.request(1, "b2", 0)
+    m.request(0, "a", 1)
+    q3 = m.form(now=1.0)
+    assert q3 is not None
+    assert q3.joining == [1]
+    assert m.vote(1, "b2", q3.id, False) is None  # its own miss: undecided still
+    assert m.vote(0, "a", q3.id, True) is True  # the members alone decide
+    m.request(0, "a", 2)
+    assert m.form(now=1.1) is None  # the joining group has not asked yet
+    m.request(1, "b2", 2)
+    q4 = m.form(now=1.1)
+    assert q4 is not None
+    assert (q4.step, q4.members, q4.joining) == (2, [0, 1], [])
+    # A joining group's death does not abort the step it joins.
+    m.vote(0, "a", q4.id, True)
+    m.vote(1, "b2", q4.id, True)
+    m.lost(1, "b2")
+    m.hello(1, 0, 1, "b3", ["h", 5], now=1.3)
+    m.request(1, "b3", 0)
+    m.request(0, "a", 3)
+    q5 = m.form(now=1.3)
+    assert q5 is not None
+    assert (q5.members, q5.joining) == ([0], [1])
+    m.lost(1, "b3")
+    assert q5.outcome is None
+    assert m.vote(0, "a", q5.id, True) is True
 
 
 def test_old_incarnation_cannot_vote_or_ask() -> None:

@@ -2,8 +2,10 @@
 
 What lives here: :class:`FaultTolerantOptimizer` (``optimizer``: averages the
 gradients over the live groups and steps when the lighthouse commits the step;
-hands a returning group the live state), ``gradients`` (the step's gradients:
-their buffers, their exchange, their sum in the members' order) and what they
+decides who hands a returning group the live state), ``catching_up`` (that
+state sent and loaded: the donor's, and the loop's after the step the group
+joined), ``gradients`` (the step's gradients: their buffers, their exchange,
+their sum in the members' order, and a joining group's receipt) and what they
 talk over, none of it MPI (MPI cannot outlive a peer's death): ``links`` (TCP links between the
 groups and their frames), ``shm`` (the same-host path: gradients in a shared
 memory segment), ``lighthouse_client`` (membership and heartbeats) and

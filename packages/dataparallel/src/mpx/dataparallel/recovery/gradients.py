@@ -21,6 +21,7 @@ bytes. Stochastic rounding is seeded by the quorum and the group.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import socket
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mpx.dataparallel.recovery.links import GRAD, exchange
+from mpx.dataparallel.recovery.links import GRAD, PeerLost, exchange, recv_frame, send_frame
 from mpx.dataparallel.recovery.shm import PeerSegment, Segment, negotiate, shm_wanted
 
 __all__ = ["GradientExchange"]
@@ -68,9 +69,10 @@ class GradientExchange:
         self._views = [self._split(buffer) for buffer in self.segment.buffers]
         # Each peer's segment, mapped, and the link it was agreed on (None: TCP).
         self.shared: dict[int, tuple[socket.socket, PeerSegment | None]] = {}
-        # What average() sums once the step commits: members, quorum, readers, TCP payloads.
+        # What average() sums once the step commits: members, quorum, readers, TCP payloads,
+        # whether those are quantized.
         self._pending: (
-            tuple[list[int], int, dict[int, PeerSegment | None], dict[int, Any]] | None
+            tuple[list[int], int, dict[int, PeerSegment | None], dict[int, Any], bool] | None
         ) = None
         self._compression = compression
         self._quantize = _quantize_module() if compression is not None else None
@@ -133,17 +135,32 @@ class GradientExchange:
         return self.segment.buffers[self.cur]
 
     def _shared_with(
-        self, links: dict[int, socket.socket], qid: int, check: Callable[[], None]
+        self,
+        links: dict[int, socket.socket],
+        qid: int,
+        check: Callable[[], None],
+        joining: dict[int, socket.socket] | None = None,
+        check_joining: Callable[[], None] | None = None,
     ) -> dict[int, PeerSegment | None]:
-        """Each peer's mapped segment (None: its gradients come over TCP), agreed once a link."""
-        for g in [g for g, (sock, _) in self.shared.items() if links.get(g) is not sock]:
+        """Each peer's mapped segment (None: its gradients go over TCP), agreed once a link;
+        a joining group's link whose agreement fails (it is gone) is left out, not the step."""
+        joining = joining or {}
+        every = {**links, **joining}
+        for g in [g for g, (sock, _) in self.shared.items() if every.get(g) is not sock]:
             old = self.shared.pop(g)[1]
             if old is not None:
                 old.close()
-        new = {g: sock for g, sock in links.items() if g not in self.shared}
-        for g, reader in negotiate(new, self.group, qid, self.segment, check).items():
-            self.shared[g] = (new[g], reader)
-        return {g: self.shared[g][1] for g in links}
+        for part, part_check in ((links, check), (joining, check_joining or check)):
+            new = {g: sock for g, sock in part.items() if g not in self.shared}
+            try:
+                agreed = negotiate(new, self.group, qid, self.segment, part_check)
+            except PeerLost:
+                if part is links:
+                    raise
+                continue  # a joining group gone: it misses this step, the members do not
+            for g, reader in agreed.items():
+                self.shared[g] = (new[g], reader)
+        return {g: self.shared[g][1] for g in every if g in self.shared}
 
     def reduce(
         self,
@@ -151,32 +168,42 @@ class GradientExchange:
         qid: int,
         links: dict[int, socket.socket],
         check: Callable[[], None],
+        joining: dict[int, socket.socket] | None = None,
+        check_joining: Callable[[], None] | None = None,
     ) -> None:
         """Publishes this rank's gradients (and receives its TCP peers'); the sum waits
-        for the commit (:meth:`average`). ``links``: one per other member.
+        for the commit (:meth:`average`). ``links``: one per other member; ``joining``:
+        one per joining group (see :meth:`receive`), which gets them too, and whose
+        loss (``check_joining`` raises, or its link breaks) costs it the step, not the
+        members.
 
         Raises:
-            PeerLost: a peer is gone, or sent gradients of the wrong size.
+            PeerLost: a member is gone, or sent gradients of the wrong size.
         """
+        joining = joining or {}
         flat = self._gather(len(members))
         self._pending = None
-        if len(members) == 1:
+        if len(members) == 1 and not joining:
             self.use(self.cur)
             return
+        # A member alone sends its gradients as they are: its step is what it would be
+        # without the joining group.
+        quantized = self._quantize is not None and len(members) > 1
         payload = _bytes(flat)
-        if self._quantize is not None:
+        if quantized:
+            assert self._quantize is not None
             # Every member sums the values the others decode from its bytes.
             seed = (qid << 16) + self.group
             self._mine = self._encode(flat, seed, self._mine)
             self._quantize.dequantize(self._mine, out=flat)
             payload = _bytes(self._mine.buffer)
-        shared = self._shared_with(links, qid, check)
+        shared = self._shared_with(links, qid, check, joining, check_joining)
         # A peer on this host reads the gradients in place, after the commit:
         # this rank votes only once they are written, so a commit says every
         # member's are complete (see shm). No frame, no wait here.
         self.segment.stamp(self.cur, qid)
         tcp = {g: sock for g, sock in links.items() if shared[g] is None}
-        inbox = self._packed if self._quantize is not None else self._inbox
+        inbox = self._packed if quantized else self._inbox
         # Every TCP peer is received into its kept buffer, of this rank's payload's size:
         # exchange refuses a frame of any other length (PeerLost) before reading it.
         got = (
@@ -184,14 +211,48 @@ class GradientExchange:
             if tcp
             else {}
         )
-        self._pending = (members, qid, shared, got)
+        for g, sock in joining.items():
+            if g in shared and shared[g] is None:  # over TCP: it reads them before its vote
+                # Gone: it misses this step, the members do not.
+                with contextlib.suppress(PeerLost):
+                    send_frame(sock, qid, GRAD, payload, check_joining or check)
+        self._pending = (members, qid, shared, got, quantized)
+
+    def receive(
+        self,
+        members: list[int],
+        qid: int,
+        links: dict[int, socket.socket],
+        check: Callable[[], None],
+    ) -> None:
+        """A joining group's side of :meth:`reduce`: the members' gradients, none of its
+        own; summed after the commit (:meth:`average`) as every member sums them.
+        ``links``: one per member.
+
+        Raises:
+            PeerLost: a member is gone, or sent gradients of the wrong size.
+        """
+        self._pending = None
+        quantized = self._quantize is not None and len(members) > 1
+        shared = self._shared_with(links, qid, check)
+        inbox = self._packed if quantized else self._inbox
+        got: dict[int, Any] = {}
+        for g, sock in links.items():
+            if shared[g] is not None:
+                continue  # read in place after the commit
+            expected = _bytes(inbox[g])
+            kind, payload = recv_frame(sock, qid, check, into=expected, limit=len(expected))
+            if kind != GRAD or len(payload) != len(expected):
+                raise PeerLost(f"group {g} sent no gradients of {len(expected)} bytes")
+            got[g] = payload
+        self._pending = (members, qid, shared, got, quantized)
 
     def average(self) -> None:
         """After a commit: the members' gradients (divided by their number already, see
         _gather) summed in their order into the other buffer, which becomes the gradients."""
         if self._pending is None:
             return
-        members, qid, shared, got = self._pending
+        members, qid, shared, got, quantized = self._pending
         self._pending = None
         flat = self.segment.buffers[self.cur]
         parts = []
@@ -201,7 +262,8 @@ class GradientExchange:
                 parts.append(flat)
             elif reader is not None:
                 parts.append(reader.holding(qid))
-            elif self._quantize is not None:
+            elif quantized:
+                assert self._quantize is not None
                 packed = self._quantize.QuantizedTensor(
                     self._packed[g],
                     flat.shape,
@@ -246,8 +308,11 @@ def _sum_into(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
     Every member adds the same operands in the same order, so every replica
     gets the same bytes (NaN included); ``out`` is none of the parts: a peer
-    may still be reading this rank's (see shm).
+    may still be reading this rank's (see shm). One part (a member alone, with
+    a joining group) is copied.
     """
+    if len(parts) == 1:
+        return out.copy_(parts[0])
     torch.add(parts[0], parts[1], out=out)
     for part in parts[2:]:
         torch.add(out, part, out=out)

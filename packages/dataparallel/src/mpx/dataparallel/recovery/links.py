@@ -44,6 +44,7 @@ __all__ = [
     "FRAME",
     "GRAD",
     "HELLO",
+    "LOOP",
     "MAX_HELLO",
     "SHM",
     "STATE",
@@ -58,6 +59,8 @@ __all__ = [
 FRAME = struct.Struct("!4sqiQ")
 _MAGIC = b"MPXF"
 HELLO, GRAD, STATE, SHM = 1, 2, 3, 4  # SHM: a same-host handshake (shm.negotiate)
+# The loop's state and the optimizer's settings after a step a group joined (see optimizer).
+LOOP = 5
 CHALLENGE, WELCOME = 5, 6  # the link's challenge-response (see the module docstring)
 MAX_HELLO = 1024  # bytes: a hello's longest payload (~200 are used)
 _ACCEPT_TIMEOUT_S = 5.0  # for a connection's handshake, in a thread of its own
@@ -126,9 +129,9 @@ def recv_frame(
     sock: socket.socket,
     quorum: int,
     check: Callable[[], None],
-    into: bytearray | None = None,
+    into: bytearray | memoryview | None = None,
     limit: int = 1 << 40,
-) -> tuple[int, bytearray]:
+) -> tuple[int, bytearray | memoryview]:
     """Receives the next frame of quorum ``quorum`` (older ones are skipped): (kind, payload).
 
     A frame announcing more than ``limit`` bytes raises :class:`PeerLost` before

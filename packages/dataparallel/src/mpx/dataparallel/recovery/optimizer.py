@@ -10,9 +10,10 @@ lighthouse (:mod:`mpx.launch.recovery.lighthouse`) commits the step, that is whe
 group of the step's membership has its gradients published (or, over TCP,
 exchanged); the sum follows the commit. A step during which a
 group dies is discarded by every survivor (no partial update) and done again
-by the survivors alone; a restarted group loads the live weights, optimizer
-state, step count and the loop's data position from a peer and joins at the
-next step. See docs/live-recovery.md.
+by the survivors alone; a restarted group joins the next step: it receives a
+peer's live weights, optimizer state, step count and the loop's data position
+while the survivors train that step, then the step's averaged gradients, and
+applies it with them (see begin_step). See docs/live-recovery.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import atexit
 import contextlib
 import os
 import sys
-import threading
 import uuid
 from collections.abc import MutableMapping
 from typing import Any
@@ -36,16 +36,13 @@ from mpx.dataparallel.errors import (
     DataParallelTypeError,
     DataParallelValueError,
 )
+from mpx.dataparallel.recovery.catching_up import StateTransfer
 from mpx.dataparallel.recovery.gradients import GradientExchange
 from mpx.dataparallel.recovery.lighthouse_client import LighthouseClient, describe_gradients
 from mpx.dataparallel.recovery.links import (
-    STATE,
     PeerLinks,
     PeerLost,
-    recv_frame,
-    send_frame,
 )
-from mpx.dataparallel.recovery.state_payload import pack_state, unpack_state
 from mpx.dataparallel.synchronous import DistributedOptimizer
 from mpx.launch import JobKey, address_towards
 
@@ -230,10 +227,12 @@ class FaultTolerantOptimizer:
         self._ahead: dict[str, Any] | None = None
         # The gradients' buffers, their exchange and their sum (see gradients).
         self._grads = GradientExchange(self._params, dtype, self.group, groups, compression)
-        # The state this rank sends to the step's newcomers, in a thread while the step's
-        # forward and backward run (see _start_sending), and how that went.
-        self._sending: threading.Thread | None = None
-        self._send_failed: PeerLost | None = None
+        # The state sent to a group behind the step, or received from its donor.
+        self._transfer = StateTransfer(model, self.optimizer, self.state, self._grads.nbytes)
+        # A step joined (see _join): the groups this rank gave their state to, which
+        # get the loop's state after it; the donor this group got it from.
+        self._gave: dict[int, str] = {}
+        self._joined_from: tuple[int, str] | None = None
         self._closed = False
         atexit.register(self.close)
 
@@ -250,10 +249,14 @@ class FaultTolerantOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def begin_step(self) -> None:
-        """Joins the next step's membership; a group behind it first loads a peer's state.
+        """Joins the next step's membership; a group behind it first catches up.
 
-        Called by :meth:`zero_grad`; call it yourself before the forward if you
-        clear gradients another way. Does nothing if the step has begun.
+        A group behind the members' step (a restart) receives a member's state and
+        that step's averaged gradients while the members train it, applies the step
+        with them, then gets the loop's state after it (:meth:`_join`): it returns
+        one step later than the donor's state, a member of the next step, with
+        ``recovered`` True. Called by :meth:`zero_grad`; call it yourself before the
+        forward if you clear gradients another way. Does nothing if the step has begun.
         """
         self.recovered = False
         while self._quorum is None:
@@ -299,11 +302,18 @@ class FaultTolerantOptimizer:
             )
             ok = True
             loaded: dict[str, Any] | None = None
+            self._send_loop(quorum)
+            joined = self._joined_from is not None
+            try:
+                if joined:
+                    self._receive_loop(quorum)
+            except PeerLost:
+                ok = False
             if quorum["recipients"]:
-                self._start_sending(quorum, [int(g) for g in quorum["recipients"]])
+                self._send_state(quorum)
             try:
                 if quorum["donor"] is not None:
-                    loaded = self._receive_state(quorum, int(quorum["donor"]))
+                    loaded = self._receive_state(quorum)
             except PeerLost:
                 ok = False
             if self.size > 1:
@@ -311,13 +321,20 @@ class FaultTolerantOptimizer:
                 # every rank got its part (a half-loaded group would ask with one rank's step).
                 ok = bool(self.comm.allreduce(ok, op=MPI.LAND))
             if ok and loaded is not None:
-                self._load_state(loaded)
+                self.step_count = self._transfer.load(loaded)
                 self.recovered = True
-            if ok:
+            if not ok:
+                if joined:
+                    # The step it joined is applied, the loop's state after it is not
+                    # here: behind again, to load a whole state (step 0 says "nothing":
+                    # were every member gone, this group holds no step's state).
+                    self.step_count = 0
+                self._vote(quorum, False)  # the step cannot go on: redo the membership
+            elif self.group in quorum.get("joining", ()):
+                self._join(quorum)  # then the next quorum, from its vote's reply
+            else:
                 self._quorum = quorum
                 self.members = [int(g) for g in quorum["members"]]
-            else:
-                self._vote(quorum, False)  # the step cannot go on: redo the membership
 
     def step(self) -> bool:
         """Averages the gradients over the live groups; steps if the step commits.
@@ -344,7 +361,7 @@ class FaultTolerantOptimizer:
             # kills the whole group), so the columns exchange group means.
             self._group_dp._finish()
         try:
-            self._await_sending()
+            self._transfer.await_sending()
             self._reduce(quorum)
         except PeerLost:
             ok = False
@@ -354,17 +371,50 @@ class FaultTolerantOptimizer:
             self._links.drop(int(quorum["quorum"]))
         return self._finish(quorum, ok)
 
+    def _join(self, quorum: dict[str, Any]) -> None:
+        """A joining group's step, its donor's state loaded: the members' gradients, none
+        of its own, applied if the step commits; the loop's state follows (_receive_loop)."""
+        members = [int(g) for g in quorum["members"]]
+        ok = True
+        try:
+            links = {g: self._link(quorum, g) for g in members}
+            check = lambda: self._check(quorum)  # noqa: E731
+            self._grads.receive(members, int(quorum["quorum"]), links, check)
+        except PeerLost:
+            ok = False
+        if self.size > 1:
+            ok = bool(self.comm.allreduce(ok, op=MPI.LAND))
+        committed = self._vote(quorum, ok) and ok
+        if committed:
+            self._grads.average()
+            donor = str(quorum["donor"])
+            self._joined_from = (int(donor), str(quorum["incarnations"][donor]))
+        self._grads.discard()
+        self._apply(committed)
+
     def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
-        if self._sending is not None:
+        if self._transfer.sending:
             # Sent before the optimizer steps: the state on the wire is this step's.
             try:
-                self._await_sending()
+                self._transfer.await_sending()
             except PeerLost:
                 ok = False
         committed = self._vote(quorum, ok)
         if committed:
             self._grads.average()
         self._grads.discard()
+        joining = {str(g) for g in quorum.get("joining", ())}
+        self._gave = {
+            int(g): str(quorum["incarnations"][str(g)])
+            for g in quorum["recipients"]
+            if committed and str(g) in joining
+        }
+        self._apply(committed)
+        self._quorum = None
+        return committed
+
+    def _apply(self, committed: bool) -> None:
+        """Steps the optimizer if ``committed`` (the averaged gradients are in place)."""
         inner = self._group_dp
         if inner is None:
             if committed:
@@ -380,8 +430,6 @@ class FaultTolerantOptimizer:
             inner.zero_grad()  # completes a reduction in flight (collective), starts over
         if committed:
             self.step_count += 1
-        self._quorum = None
-        return committed
 
     def _vote(self, quorum: dict[str, Any], ok: bool) -> bool:
         if self.size > 1:
@@ -414,105 +462,90 @@ class FaultTolerantOptimizer:
             raise PeerLost("the lighthouse stopped answering")
         if client.last_aborted >= int(quorum["quorum"]):
             raise PeerLost(f"quorum {quorum['quorum']} was aborted")
-        for g, incarnation in quorum["incarnations"].items():
+        self._check_alive(quorum, quorum["members"])
+
+    def _check_alive(self, quorum: dict[str, Any], groups: Any) -> None:
+        for g in groups:
             # Another incarnation: it restarted. Absent: either the last heartbeat's
             # reply predates its hello (a discarded first step on a loaded machine,
             # session 17), or it died, and then the lighthouse aborted this quorum
-            # in the same breath (last_aborted, above) unless it had voted already.
-            seen = client.alive.get(int(g), incarnation)
+            # in the same breath (last_aborted, above) unless it had voted already
+            # (a joining group's death aborts nothing: its own check says it).
+            incarnation = quorum["incarnations"][str(g)]
+            seen = self._client.alive.get(int(g), incarnation)
             if int(g) != self.group and seen != incarnation:
                 raise PeerLost(f"group {g} is no longer a member")
 
+    def _check_joining(self, quorum: dict[str, Any]) -> None:
+        """:meth:`_check`, and the step's joining groups are alive."""
+        self._check(quorum)
+        self._check_alive(quorum, quorum.get("joining", ()))
+
     def _link(self, quorum: dict[str, Any], peer: int) -> Any:
+        joining = peer in quorum.get("joining", ())
         return self._links.link(
             peer,
             quorum["incarnations"][str(peer)],
             quorum["addresses"][str(peer)][self.rank],
             self.incarnation,
             int(quorum["quorum"]),
-            lambda: self._check(quorum),
+            (lambda: self._check_joining(quorum)) if joining else (lambda: self._check(quorum)),
         )
 
     def _reduce(self, quorum: dict[str, Any]) -> None:
-        """Publishes this rank's gradients to the step's other members (see gradients)."""
+        """Publishes this rank's gradients to the step's other members, and to its joining
+        groups (see gradients)."""
         members = [int(g) for g in quorum["members"]]
         links = {g: self._link(quorum, g) for g in members if g != self.group}
-        self._grads.reduce(members, int(quorum["quorum"]), links, lambda: self._check(quorum))
-
-    def _start_sending(self, quorum: dict[str, Any], recipients: list[int]) -> None:
-        """Sends this step's state to ``recipients`` in a thread, beside the step's
-        forward and backward (awaited by :meth:`_await_sending` before the step's
-        gradients travel and before the optimizer steps).
-
-        Before the thread, the donor's 10 MB send held its step ~10 ms (the bench's
-        model, session 25's profile); the recipient waits for the bytes either way.
-        The parameters and the optimizer's state stay as they are until step():
-        they go out as views. The model's buffers (a batch norm's running
-        statistics) change in the forward: they go out as copies taken now.
-        """
-        with contextlib.suppress(PeerLost):
-            self._await_sending()  # a last quorum's, if it failed in begin_step
-        parameters = {p.data_ptr() for p in self.model.parameters()}
-        model = {
-            name: value if value.data_ptr() in parameters else value.clone()
-            for name, value in self.model.state_dict().items()
-        }
-        parts = pack_state(
-            {
-                "model": model,
-                "optimizer": self.optimizer.state_dict(),
-                "step": self.step_count,
-                "state": dict(self.state),
-            }
+        joining: dict[int, Any] = {}
+        for g in quorum.get("joining", ()):
+            with contextlib.suppress(PeerLost):  # gone: it misses the step, not the members
+                joining[int(g)] = self._link(quorum, int(g))
+        self._grads.reduce(
+            members,
+            int(quorum["quorum"]),
+            links,
+            lambda: self._check(quorum),
+            joining,
+            lambda: self._check_joining(quorum),
         )
-        self._send_failed = None
 
-        def send() -> None:
-            try:
-                for recipient in recipients:
-                    send_frame(
-                        self._link(quorum, recipient),
-                        int(quorum["quorum"]),
-                        STATE,
-                        parts,
-                        lambda: self._check(quorum),
-                    )
-            except PeerLost as lost:
-                self._send_failed = lost
+    def _send_state(self, quorum: dict[str, Any]) -> None:
+        """This step's state to its recipients, in a thread (see catching_up)."""
+        self._transfer.start_sending(
+            self.step_count,
+            [int(g) for g in quorum["recipients"]],
+            {int(g) for g in quorum.get("joining", ())},
+            int(quorum["quorum"]),
+            lambda g: self._link(quorum, g),
+            lambda: self._check_joining(quorum),
+        )
 
-        self._sending = threading.Thread(target=send, name="mpx-ft-state", daemon=True)
-        self._sending.start()
+    def _receive_state(self, quorum: dict[str, Any]) -> dict[str, Any]:
+        donor = self._link(quorum, int(quorum["donor"]))
+        return self._transfer.receive(donor, int(quorum["quorum"]), lambda: self._check(quorum))
 
-    def _await_sending(self) -> None:
-        """Waits for :meth:`_start_sending`'s thread; raises its PeerLost, if any."""
-        if self._sending is None:
-            return
-        self._sending.join()
-        self._sending = None
-        failed, self._send_failed = self._send_failed, None
-        if failed is not None:
-            raise failed
+    def _send_loop(self, quorum: dict[str, Any]) -> None:
+        """To each group that joined the last step with this rank's state and is a member
+        now: the loop's state after that step (see catching_up)."""
+        gave, self._gave = self._gave, {}
+        to = [g for g, i in gave.items() if g in quorum["members"] and
+              quorum["incarnations"].get(str(g)) == i]  # fmt: skip
+        socks = []
+        for g in to:
+            with contextlib.suppress(PeerLost):  # gone: it loads a whole state later
+                socks.append(self._link(quorum, g))
+        if socks:
+            self._transfer.send_loop(socks, int(quorum["quorum"]), lambda: self._check(quorum))
 
-    def _receive_state(self, quorum: dict[str, Any], donor: int) -> dict[str, Any]:
-        # A state is the model, the optimizer's state (a few copies of the model at
-        # most) and the loop's dict: a frame far beyond that is no state.
-        limit = 16 * self._grads.nbytes + (64 << 20)
-        kind, payload = recv_frame(
-            self._link(quorum, donor), int(quorum["quorum"]), lambda: self._check(quorum),
-            limit=limit,
-        )  # fmt: skip
-        if kind != STATE:
-            raise PeerLost(f"group {donor} sent no state")
-        device = self._params[0].device if self._params else torch.device("cpu")
-        loaded: dict[str, Any] = unpack_state(payload, device)
-        return loaded
-
-    def _load_state(self, loaded: dict[str, Any]) -> None:
-        self.model.load_state_dict(loaded["model"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
-        self.step_count = int(loaded["step"])
-        self.state.clear()
-        self.state.update(loaded["state"])
+    def _receive_loop(self, quorum: dict[str, Any]) -> None:
+        """The joining group's side of :meth:`_send_loop`, from the donor of the step it joined."""
+        assert self._joined_from is not None
+        (donor, incarnation), self._joined_from = self._joined_from, None
+        if donor not in quorum["members"] or quorum["incarnations"][str(donor)] != incarnation:
+            raise PeerLost(f"group {donor}, which gave this group its state, is gone")
+        sock = self._link(quorum, donor)
+        self._transfer.receive_loop(sock, int(quorum["quorum"]), lambda: self._check(quorum))
 
     def close(self) -> None:
         """Leaves the membership (at the end of training; also run at exit)."""
@@ -520,7 +553,7 @@ class FaultTolerantOptimizer:
             return
         self._closed = True
         with contextlib.suppress(PeerLost):
-            self._await_sending()
+            self._transfer.await_sending()
         # Every rank says so: one that closed its connection unannounced would count as lost.
         with contextlib.suppress(OSError, PeerLost, ValueError):
             self._client.request({"op": "leave", "step": self.step_count})

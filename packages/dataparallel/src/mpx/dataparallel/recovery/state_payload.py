@@ -88,7 +88,7 @@ def pack_state(tree: Any) -> list[memoryview]:
     return parts
 
 
-def unpack_state(payload: bytearray, device: Any) -> Any:
+def unpack_state(payload: bytearray | memoryview, device: Any) -> Any:
     """:func:`pack_state`'s tree back; its CPU tensors are views of ``payload``."""
     import io
 

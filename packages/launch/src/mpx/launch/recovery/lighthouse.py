@@ -289,7 +289,7 @@ class Lighthouse:
         self._misconfigured: str | None = None
         # Quorum id -> the voters waiting for its outcome: group -> (incarnation, the step
         # their vote asked the next quorum at), until the outcome asks for them (see vote).
-        self._then: dict[int, dict[int, tuple[str, int]]] = {}
+        self._then: dict[int, dict[int, tuple[str, int, bool]]] = {}
 
     @property
     def address(self) -> str:
@@ -406,11 +406,17 @@ class Lighthouse:
                 f"no group holds the state of step {newest}: going on from step {step}, the "
                 f"newest any group has (a checkpoint); steps {step}..{newest - 1} are done again"
             )
-        if quorum is not None and (before is None or before.members != quorum.members):
+        if quorum is not None and (
+            before is None or before.members != quorum.members or quorum.joining
+        ):
             loads = "; ".join(
                 f"group {g} loads group {d}'s state" for g, d in quorum.donors.items()
             )
-            self._say(f"step {quorum.step}: members {quorum.members}" + f" ({loads})" * bool(loads))
+            joining = f", joining {quorum.joining}" * bool(quorum.joining)
+            self._say(
+                f"step {quorum.step}: members {quorum.members}{joining}"
+                + f" ({loads})" * bool(loads)
+            )
 
     # -- requests (each from its connection's thread) --
 
@@ -502,7 +508,7 @@ class Lighthouse:
         with self._changed:
             outcome = self.membership.vote(group, incarnation, quorum_id, ok)
             if outcome is None and then is not None:
-                self._then.setdefault(quorum_id, {})[group] = (incarnation, then)
+                self._then.setdefault(quorum_id, {})[group] = (incarnation, then, ok)
             elif outcome is not None:
                 # The deciding vote asks for every member that waits on its own vote
                 # too, so the next quorum forms in this thread: each waiting thread
@@ -524,7 +530,10 @@ class Lighthouse:
             )
             reply: dict[str, Any] = {"outcome": bool(outcome)}
             if then is not None and not self._closed.is_set():
-                reply.update(self._quorum(group, incarnation, then + bool(outcome), asked))
+                # A step is this group's if it committed and the group had its part
+                # (a joining group that missed the state or the gradients has not).
+                step = then + bool(outcome and ok)
+                reply.update(self._quorum(group, incarnation, step, asked))
             return reply
 
     def _ask_for_waiting(self, quorum_id: int, outcome: bool | None) -> None:
@@ -533,8 +542,8 @@ class Lighthouse:
         if outcome is None or waiting is None:
             return
         now = time.monotonic()
-        for g, (incarnation, then) in waiting.items():
-            self.membership.request(g, incarnation, then + bool(outcome), now)
+        for g, (incarnation, then, ok) in waiting.items():
+            self.membership.request(g, incarnation, then + bool(outcome and ok), now)
         for old in [q for q in self._then if q < quorum_id - 8]:
             del self._then[old]
 

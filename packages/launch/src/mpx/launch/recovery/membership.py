@@ -25,14 +25,21 @@ The rules, so that no step is ever applied by some replicas and not others:
   later one forms once every live member of the previous quorum has asked,
   and takes in every group that has asked by then (a newcomer is admitted at
   a step boundary, never in the middle of a step).
-- The quorum's step is its members' largest; a member behind it (a newcomer)
-  is told a *donor*, a member at that step, whose state it loads first. At
-  the first quorum every member but the lowest loads the lowest's state.
+- The quorum's step is the largest any group asked with. The groups at that
+  step are its *members*: they train it. A group behind it (a restart, a
+  group counted out and back) *joins*: it is told a *donor*, a member, whose
+  state of the step's start it receives while the members compute, then
+  the step's averaged gradients; it takes no part in them, and applies the
+  step with the members if it commits (one survivor step to rejoin, not a
+  joint step of its own after the state). At the first quorum every group is
+  a member, and every one but the lowest loads the lowest's state first.
 - After its step's reduction each member votes ok or not. The step commits iff
   every member votes ok; it aborts as soon as one votes not ok or dies before
   voting. Every member gets the same outcome, so a step is applied by all
   the quorum's members or by none (a member dead after voting ok does not
-  undo a commit: its replacement recovers from a peer).
+  undo a commit: its replacement recovers from a peer). A joining group's
+  vote (did it get the state and the gradients) decides only whether it
+  applies the step too, and its death aborts nothing.
 - Never back to fresh weights: when every group that held the newest
   committed state is gone, the next quorum waits for every group to ask (or
   ``join_timeout``; not while a counted-out group may come back with it).
@@ -65,11 +72,13 @@ class Quorum:
     Attributes:
         id: increasing from 1.
         step: the step every member takes (the largest any member asked with).
-        members: the groups, sorted.
-        incarnations: each member's incarnation.
-        addresses: each member's ranks' peer addresses (``[host, port]`` per rank).
-        donors: member behind ``step`` -> the member it loads its state from.
-        votes: the members that voted, and how.
+        members: the groups that train the step, sorted.
+        incarnations: each member's and joining group's incarnation.
+        addresses: their ranks' peer addresses (``[host, port]`` per rank).
+        donors: group behind ``step`` -> the member it loads its state from.
+        joining: the groups that receive the step rather than train it (see the
+            module's rules), sorted.
+        votes: the members and joining groups that voted, and how.
         outcome: None while undecided, True committed, False aborted.
     """
 
@@ -79,6 +88,7 @@ class Quorum:
     incarnations: dict[int, str]
     addresses: dict[int, list[list[object]]]
     donors: dict[int, int]
+    joining: list[int] = field(default_factory=list)
     votes: dict[int, bool] = field(default_factory=dict)
     outcome: bool | None = None
 
@@ -88,6 +98,7 @@ class Quorum:
             "quorum": self.id,
             "step": self.step,
             "members": self.members,
+            "joining": self.joining,
             "incarnations": {str(g): i for g, i in self.incarnations.items()},
             "addresses": {str(g): a for g, a in self.addresses.items()},
             "donor": self.donors.get(group),
@@ -317,7 +328,8 @@ class Membership:
                 return None
         else:
             live = self.alive()
-            if any(g in live and g not in self.pending for g in self.last.members):
+            taking_part = [*self.last.members, *self.last.joining]
+            if any(g in live and g not in self.pending for g in taking_part):
                 return None
             if self.last.outcome is None:
                 return None  # a member asking again before the outcome: wait for it
@@ -339,25 +351,28 @@ class Membership:
             self.went_back = (step, self.committed)
             self.committed = step
         self._short_since = None
-        members = sorted(self.pending)
-        ahead = [g for g in members if self.pending[g] == step]
-        behind = [g for g in members if self.pending[g] < step]
+        asking = sorted(self.pending)
+        ahead = [g for g in asking if self.pending[g] == step]
+        behind = [g for g in asking if self.pending[g] < step]
+        members, joining = ahead, behind
         if self.last is None:
             # The first step starts every group from the lowest one's state
             # (weights, optimizer, data position): replicas that were seeded
             # differently still train one model.
-            ahead, behind = ahead[:1], [g for g in members if g != ahead[0]]
+            ahead, behind = ahead[:1], [g for g in asking if g != ahead[0]]
+            members, joining = asking, []
         donors = {g: ahead[i % len(ahead)] for i, g in enumerate(behind)}
         quorum = Quorum(
             id=(self.last.id + 1) if self.last else 1,
             step=step,
             members=members,
-            incarnations={g: self.groups[g].incarnation for g in members},
+            incarnations={g: self.groups[g].incarnation for g in asking},
             addresses={
                 g: [self.groups[g].addresses[r] for r in sorted(self.groups[g].addresses)]
-                for g in members
+                for g in asking
             },
             donors=donors,
+            joining=joining,
         )
         self.quorums[quorum.id] = quorum
         # Keep the recent ones only: a vote is for the quorum just formed.
@@ -365,7 +380,7 @@ class Membership:
             del self.quorums[old]
         self.last = quorum
         self.pending.clear()
-        for g in members:
+        for g in asking:
             self.assigned[g] = quorum.id
         self.history.append((quorum.id, step, members, None))
         return quorum
@@ -379,7 +394,9 @@ class Membership:
             return False  # not this incarnation's quorum: nothing it may commit
         if quorum.outcome is None:
             quorum.votes[group] = ok
-            if not ok:
+            if group in quorum.joining:
+                pass  # whether it applies the step: the members' votes decide the step
+            elif not ok:
                 self._decide(quorum, False)
             elif all(quorum.votes.get(g) for g in quorum.members):
                 self._decide(quorum, True)
