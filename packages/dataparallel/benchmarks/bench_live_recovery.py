@@ -89,6 +89,10 @@ PROGRAM = textwrap.dedent(
         opt.zero_grad()
         if mode == "ft":
             s = opt.step_count
+            if opt.recovered:
+                # Caught up: it applied the step it joined with the survivor (its first
+                # commit) and got the loop's state after it; now a member of step s.
+                log.write(json.dumps({"caught_up": time.monotonic(), "step": s}) + "\\n")
         gen = torch.Generator().manual_seed(s * 10 + who)
         x = torch.randn(64, 784, generator=gen)
         y = (x @ teacher).argmax(1)  # a task to learn: the loss curve goes down
@@ -150,22 +154,46 @@ def recovery_rows(run: Path, mode: str, step: float) -> list[tuple[str, str]]:
     after = min(float(e["t"]) for e in committed if int(e["step"]) >= KILL_AT)
     lost = sum(1 for e in survivor if not e["ok"])
     ready, back = _read(run / f"{mode}_1_1.jsonl")
-    joint = min(float(e["t"]) for e in back if e["ok"] and len(e["members"]) == 2)
+    joint = min(float(e["t"]) for e in back if "ok" in e and e["ok"] and len(e["members"]) == 2)
+    caught_up = [float(e["caught_up"]) for e in back if "caught_up" in e]
     first_joint = min(
         (e for e in committed if len(e["members"]) == 2 and int(e["step"]) > KILL_AT),
         key=lambda e: float(e["t"]),
     )
     usual = statistics.median(float(e["t"]) - float(e["t0"]) for e in committed)
-    pause = float(first_joint["t"]) - float(first_joint["t0"]) - usual
-    return [
+    # The survivor's steps the rejoin touched: the first joint one, and (mpx) the one
+    # the restarted group joined, just before (the state went out beside it).
+    touched = [first_joint]
+    if caught_up:
+        touched += [max((e for e in committed if float(e["t"]) < float(first_joint["t"])),
+                        key=lambda e: float(e["t"]))]  # fmt: skip
+    pause = sum(float(e["t"]) - float(e["t0"]) - usual for e in touched)
+    rows = [
         ("survivor stall after the SIGKILL", f"{(after - before - step) * 1e3:.0f} ms"),
         ("steps discarded", str(lost)),
+    ]
+    if caught_up:
+        # Its first commit is the step it joined: the survivor's commit of it (the
+        # restarted group applies it as the survivor does; one clock: one host).
+        joined = float(touched[1]["t"])
+        rows += [
+            (
+                "rejoin: restarted group ready -> its first commit (the step it joined)",
+                f"{(joined - ready) * 1e3:.0f} ms",
+            ),
+            (
+                "rejoin: restarted group ready -> caught up (zero_grad returns, a member)",
+                f"{(caught_up[0] - ready) * 1e3:.0f} ms",
+            ),
+        ]
+    rows += [
         (
-            "rejoin: restarted group ready -> its first joint step",
+            "rejoin: restarted group ready -> its first joint step (its own gradients)",
             f"{(joint - ready) * 1e3:.0f} ms",
         ),
-        ("survivor's pause at the rejoin", f"{pause * 1e3:.0f} ms"),
+        (f"survivor's pause at the rejoin ({len(touched)} step(s))", f"{pause * 1e3:.0f} ms"),
     ]
+    return rows
 
 
 def _curve(run: Path) -> None:
@@ -176,7 +204,7 @@ def _curve(run: Path) -> None:
     for path in sorted(run.glob("ft_*_*.jsonl")):
         group = int(path.stem.split("_")[1])
         for entry in _read(path)[1]:
-            if entry["ok"]:
+            if entry.get("ok"):
                 losses.setdefault(int(entry["step"]), {})[group] = float(entry["loss"])
                 members[int(entry["step"])] = entry["members"]
     print("| step | members | loss, group 0 | loss, group 1 |")
