@@ -223,7 +223,9 @@ def test_no_state_is_lost_while_a_counted_out_group_may_come_back_with_it() -> N
     assert (q2.step, q2.members, q2.joining, q2.donors) == (5, [1], [0], {0: 1})
 
 
-def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:
+def _group_1_restarted_and_asking() -> Membership:
+    """Group 1 died in the first step; group 0 committed step 0 alone; group 1's restart
+    (incarnation "b2") asks at step 0 while group 0 is in its step 1."""
     m, _ = _first_quorum()
     m.lost(1, "b")
     m.request(0, "a", 0)
@@ -232,6 +234,11 @@ def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:
     m.vote(0, "a", q2.id, True)
     m.hello(1, 0, 1, "b2", ["h", 3], now=1.0)  # the restart, a new incarnation
     m.request(1, "b2", 0)
+    return m
+
+
+def test_restarted_group_is_admitted_at_a_boundary_with_a_donor() -> None:
+    m = _group_1_restarted_and_asking()
     assert m.form(now=1.0) is None  # group 0 is mid-step: no admission before it asks
     m.request(0, "a", 1)
     q3 = m.form(now=1.0)
@@ -248,14 +255,7 @@ def test_a_joining_groups_vote_and_death_decide_nothing_for_the_members() -> Non
     """A group that joins a step is not waited for, its not-ok vote aborts nothing, its
     death aborts nothing; the next quorum waits for it to ask, and takes it in as a
     member if it asks at the next step (it had its part of the step)."""
-    m, _ = _first_quorum()
-    m.lost(1, "b")
-    m.request(0, "a", 0)
-    q2 = m.form(now=0.0)
-    assert q2 is not None
-    m.vote(0, "a", q2.id, True)
-    m.hello(1, 0, 1, "b2", ["h", 3], now=1.0)
-    m.request(1, "b2", 0)
+    m = _group_1_restarted_and_asking()
     m.request(0, "a", 1)
     q3 = m.form(now=1.0)
     assert q3 is not None
