@@ -22,7 +22,6 @@ bytes. Stochastic rounding is seeded by the quorum and the group.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import itertools
 import socket
 from collections.abc import Callable
@@ -32,19 +31,9 @@ import torch
 
 from mpx.dataparallel.recovery.links import GRAD, PeerLost, exchange, recv_frame, send_frame
 from mpx.dataparallel.recovery.shm import PeerSegment, Segment, negotiate, shm_wanted
+from mpx.dataparallel.synchronous import quantize_module
 
 __all__ = ["GradientExchange"]
-
-
-def _quantize_module() -> Any:
-    """``mpx.quantize``, or an ImportError that says what to install."""
-    try:
-        return importlib.import_module("mpx.quantize")
-    except ImportError as error:
-        raise ImportError(
-            "FaultTolerantOptimizer(compression=...) needs mpx-quantize: "
-            "pip install 'mpx-dataparallel[quantize]'"
-        ) from error
 
 
 class GradientExchange:
@@ -75,7 +64,8 @@ class GradientExchange:
             tuple[list[int], int, dict[int, PeerSegment | None], dict[int, Any], bool] | None
         ) = None
         self._compression = compression
-        self._quantize = _quantize_module() if compression is not None else None
+        needed_by = "FaultTolerantOptimizer(compression=...)"
+        self._quantize = quantize_module(needed_by) if compression is not None else None
         flat = self.segment.buffers[0]
         # Made (and their pages touched) now rather than in the first step: a
         # restarted group's first step is its rejoin's, and counts.

@@ -18,11 +18,13 @@ from mpx.dataparallel.synchronous.broadcast import broadcast_tensors, synchroniz
 from mpx.dataparallel.synchronous.data import DistributedDataContainer
 from mpx.dataparallel.synchronous.gradients import allreduce_gradients
 from mpx.dataparallel.synchronous.optimizer import DistributedOptimizer
+from mpx.dataparallel.synchronous.reduction import quantize_module
 
 __all__ = [
     "DistributedDataContainer",
     "DistributedOptimizer",
     "allreduce_gradients",
     "broadcast_tensors",
+    "quantize_module",
     "synchronize",
 ]

@@ -45,6 +45,7 @@ __all__ = [
     "check_buckets",
     "check_choice",
     "choose",
+    "quantize_module",
     "quantized_allreduce",
     "reduce_bucket",
     "shared_buckets",
@@ -88,14 +89,20 @@ class _Completed:
         return self.result
 
 
-def quantized_allreduce(name: str = "allreduce_tensors") -> Callable[..., Any]:
-    """``mpx.quantize.<name>``, or an ImportError that says what to install."""
+def quantize_module(needed_by: str = "compression=") -> Any:
+    """``mpx.quantize`` (an optional dependency), or an ImportError that says what
+    ``needed_by`` needs and what to install."""
     try:
-        module = importlib.import_module("mpx.quantize")
+        return importlib.import_module("mpx.quantize")
     except ImportError as error:
         raise ImportError(
-            "compression= needs mpx-quantize: pip install 'mpx-dataparallel[quantize]'"
+            f"{needed_by} needs mpx-quantize: pip install 'mpx-dataparallel[quantize]'"
         ) from error
+
+
+def quantized_allreduce(name: str = "allreduce_tensors") -> Callable[..., Any]:
+    """``mpx.quantize.<name>``, or an ImportError that says what to install."""
+    module = quantize_module()
     function = getattr(module, name, None)
     if function is None:
         raise ImportError(
