@@ -33,6 +33,7 @@ unless ``--heartbeat-timeout`` gives one. Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -114,12 +115,16 @@ PROGRAM = textwrap.dedent(
 )
 
 
-# Set by main from the command line: mpxrun flags placing the groups, the environment.
-PLACEMENT: list[str] = []
-ENV: dict[str, str] = {}
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the fault-tolerant jobs start (from the command line): mpxrun's flags placing
+    the groups, and more environment."""
+
+    placement: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
-def _job(out: Path, mode: str, steps: int, kill_at: int, shm: str = "1") -> None:
+def _job(launch: Launch, out: Path, mode: str, steps: int, kill_at: int, shm: str = "1") -> None:
     script = out / "job.py"
     script.write_text(PROGRAM)
     mpxrun = str(Path(sys.executable).parent / "mpxrun")
@@ -127,9 +132,9 @@ def _job(out: Path, mode: str, steps: int, kill_at: int, shm: str = "1") -> None
         command = [mpxrun, "-n", "2", "--timeout", "600"]
     else:
         command = [mpxrun, "--replica-groups", "2", "--max-restarts", "1", "--timeout", "600"]
-        command += PLACEMENT
+        command += launch.placement
     command += ["--", sys.executable, str(script), mode, str(steps), str(kill_at), str(out)]
-    env = dict(os.environ, **ENV, MPX_FT_SHM=shm)
+    env = dict(os.environ, **dict(launch.env), MPX_FT_SHM=shm)
     subprocess.run(command, check=True, timeout=900, env=env)
 
 
@@ -234,25 +239,24 @@ def main() -> None:
     parser.add_argument("--placement", default="", help='mpxrun flags, e.g. "--virtual-nodes 2"')
     parser.add_argument("--heartbeat-timeout", help="MPX_FT_HEARTBEAT_TIMEOUT (default mpxrun's)")
     args = parser.parse_args()
-    PLACEMENT[:] = shlex.split(args.placement)
-    if args.heartbeat_timeout:
-        ENV["MPX_FT_HEARTBEAT_TIMEOUT"] = args.heartbeat_timeout
+    beats = (("MPX_FT_HEARTBEAT_TIMEOUT", args.heartbeat_timeout),) * bool(args.heartbeat_timeout)
+    launch = Launch(tuple(shlex.split(args.placement)), beats)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
-        _bench(args)
+        _bench(args, launch)
     finally:
         for hog in hogs:
             hog.kill()
 
 
-def _bench(args: argparse.Namespace) -> None:
+def _bench(args: argparse.Namespace, launch: Launch) -> None:
     rows: list[tuple[str, str]] = []
     where = f", placement {args.placement!r}" * bool(args.placement)
     title = f"2 replica groups of 1 process, {args.load} CPU-bound processes beside{where}"
     if args.kill_only:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "kill").mkdir()
-            _job(Path(tmp) / "kill", "ft", args.steps, KILL_AT)
+            _job(launch, Path(tmp) / "kill", "ft", args.steps, KILL_AT)
             _, survivor = _read(Path(tmp) / "kill" / "ft_0_0.jsonl")
             step = statistics.median(float(e["t"]) - float(e["t0"]) for e in survivor if e["ok"])
             rows.append(("survivor's median step (zero_grad to step)", f"{step * 1e3:.1f} ms"))
@@ -268,8 +272,8 @@ def _bench(args: argparse.Namespace) -> None:
         for i in range(args.rounds):
             for name in (f"ddp{i}", f"ft{i}"):
                 (base / name).mkdir()
-            _job(base / f"ddp{i}", "ddp", args.steps, -1)
-            _job(base / f"ft{i}", "ft", args.steps, -1)
+            _job(launch, base / f"ddp{i}", "ddp", args.steps, -1)
+            _job(launch, base / f"ft{i}", "ft", args.steps, -1)
             pairs.append(
                 (
                     _median_step(_read(base / f"ddp{i}" / "ddp_0_0.jsonl")[1]),
@@ -279,8 +283,8 @@ def _bench(args: argparse.Namespace) -> None:
             print(f"round {i + 1} of {args.rounds}: {pairs[-1][1] / pairs[-1][0] - 1:+.0%}")
         for name in ("tcp", "kill"):
             (base / name).mkdir()
-        _job(base / "tcp", "ft", args.steps, -1, shm="0")
-        _job(base / "kill", "ft", args.steps, KILL_AT)
+        _job(launch, base / "tcp", "ft", args.steps, -1, shm="0")
+        _job(launch, base / "kill", "ft", args.steps, KILL_AT)
         ft = statistics.median(f for _, f in pairs)
         overheads = sorted(f / d - 1 for d, f in pairs)
         rows.append(("step, DistributedOptimizer (MPI, no fault tolerance)", _ms_range(pairs, 0)))
