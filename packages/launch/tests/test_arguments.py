@@ -146,6 +146,18 @@ def test_oversubscribe_lets_open_mpi_place_more_ranks_than_slots(
     assert over["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1"
 
 
+def test_under_srun_mpxrun_leaves_the_rendezvous_address_to_the_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """srun picks where rank 0 runs (mpxrun may be on a login node): no MPX_MASTER_ADDR
+    (see test_rank's srun case), a port still; other launchers name the address."""
+    monkeypatch.delenv("MPX_MASTER_ADDR", raising=False)
+    env = _job_environment(Launcher("slurm", "srun"), 2, None, "none")
+    assert "MPX_MASTER_ADDR" not in env
+    assert env["MPX_MASTER_PORT"].isdigit()
+    assert _job_environment(Launcher("mpich", "mpiexec"), 2, None, "none")["MPX_MASTER_ADDR"]
+
+
 @pytest.mark.parametrize("nodes", ["0", "-1", "201", "two"])
 def test_a_bad_virtual_node_count_names_virtual_nodes(tmp_path: Path, nodes: str) -> None:
     proc = _mpxrun(tmp_path, "--virtual-nodes", nodes, "-n", "2", "--timeout", "60")

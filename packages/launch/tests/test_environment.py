@@ -15,6 +15,7 @@ from mpx.launch import (
     environment,
     init_torch_env,
 )
+from mpx.launch.environment import slurm_first_node
 
 
 def test_single_process_is_rank_0_of_1() -> None:
@@ -238,3 +239,20 @@ def _own_addresses() -> set[str]:
         if "/32 host LOCAL" in line:
             found.add(before.split()[-1])
     return found
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("vm", "vm"),
+        ("node[01-04,07]", "node01"),
+        ("a1,b2", "a1"),
+        ("rack1-[3-5],x", "rack1-3"),
+        ("c[1-2]n[3,5]-ib", "c1n3-ib"),
+        ("x[2,4-6],y[1]", "x2"),
+        ("", ""),
+    ],
+)
+def test_slurm_first_node_reads_the_steps_hostlist(nodelist: str, first: str) -> None:
+    assert slurm_first_node({"SLURM_STEP_NODELIST": nodelist}) == first
+    assert slurm_first_node({}) == ""

@@ -138,3 +138,15 @@ def test_open_mpis_variables_are_not_exported_where_they_would_misplace_the_node
     out = rank_environment(Environment(2, 0, 4, 2, 1, "slurm"), {}, gpu_count=0)
     assert out["OMPI_COMM_WORLD_RANK"] == "2"
     assert environment(out).node_rank == 1
+
+
+def test_under_srun_a_torchrun_script_meets_at_the_steps_first_node() -> None:
+    """mpxrun under srun sets no rendezvous address (srun places the ranks; mpxrun may
+    run on a login node): each rank takes its step's first node, where rank 0 runs."""
+    env = Environment(1, 1, 4, 2, 0, "slurm")
+    base = {"MPX_MASTER_PORT": "29511", "SLURM_STEP_NODELIST": "gpu[07-08],cpu1"}
+    out = rank_environment(env, base, gpu_count=0)
+    assert (out["MASTER_ADDR"], out["MASTER_PORT"]) == ("gpu07", "29511")
+    # mpxrun's address, when it set one, wins over the step's list.
+    out = rank_environment(env, {**base, "MPX_MASTER_ADDR": "10.0.0.1"}, gpu_count=0)
+    assert out["MASTER_ADDR"] == "10.0.0.1"

@@ -206,3 +206,16 @@ def test_groups_that_cannot_average_together_stop_the_job_without_restarts(
     assert sorted(attempts) == [(0, 0), (1, 0)]  # no restart
     err = capsys.readouterr().err
     assert f"no group is restarted and the others are stopped: {wrong}" in err, err
+
+
+def test_a_group_srun_places_gets_no_rendezvous_address() -> None:
+    """Outside an allocation each group's srun picks its nodes: no MPX_MASTER_ADDR (an
+    enclosing job's is dropped), its ranks take their step's first node."""
+    from mpx.launch.recovery.replica_groups import group_environment
+
+    outer = {"MPX_MASTER_ADDR": "login1", "PATH": "/bin"}
+    env = group_environment(outer, 1, 2, "10.0.0.1:5000", "ab" * 32, master="")
+    assert "MPX_MASTER_ADDR" not in env
+    assert (env["MPX_REPLICA_GROUP"], env["PATH"]) == ("1", "/bin")
+    named = group_environment(outer, 1, 2, "10.0.0.1:5000", "ab" * 32, master="node3")
+    assert named["MPX_MASTER_ADDR"] == "node3"

@@ -137,7 +137,10 @@ def _job_environment(
         env.setdefault("FI_PROVIDER", "tcp")
     # A rendezvous point for torch.distributed's env:// (see init_torch_env).
     master = "127.0.0.1" if local else (hosts[0] if hosts else os.uname().nodename)
-    env.setdefault("MPX_MASTER_ADDR", master)
+    if launcher.kind != "slurm":
+        env.setdefault("MPX_MASTER_ADDR", master)
+    # else srun places the ranks (this host may be a login node, outside the
+    # allocation): each rank's supervisor takes the step's first node, rank 0's.
     env.setdefault("MPX_MASTER_PORT", str(free_port(master if local else "")))
     env["MPX_JOB_ID"] = uuid.uuid4().hex[:12]
     env["MPX_STATUS_KEY"] = new_key()
@@ -266,8 +269,9 @@ def _place_groups(
         # The nodes' network namespaces reach this one at the bridge's address only.
         return commands, masters, virtual.bridge_address, None
     if launcher.kind == "slurm" and not _allocated():
-        # Each group's srun makes an allocation of its own: Slurm picks the nodes.
-        return [command] * groups, [os.uname().nodename] * groups, "0.0.0.0", _address_out()
+        # Each group's srun makes an allocation of its own: Slurm picks the nodes, and
+        # each group's ranks take their step's first node as its rendezvous ("").
+        return [command] * groups, [""] * groups, "0.0.0.0", _address_out()
     if launcher.kind == "slurm":
         hosts = _slurm_hosts()
     else:

@@ -40,6 +40,7 @@ __all__ = [
     "init_torch_env",
     "init_torch_env_under_mpi",
     "open_mpi_variables",
+    "slurm_first_node",
 ]
 
 
@@ -218,6 +219,26 @@ def address_towards(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return str(probe.getsockname()[0])
+
+
+def slurm_first_node(env: Mapping[str, str]) -> str:
+    """The first node of the Slurm job step ``env`` describes (``SLURM_STEP_NODELIST``,
+    a hostlist such as ``node[01-04,07]``: ``node01``), where srun starts rank 0;
+    "" outside a step.
+
+    Why: mpxrun, started on a login node or outside an allocation, cannot know
+    where srun will put rank 0; each rank reads it here.
+    """
+    nodelist = env.get("SLURM_STEP_NODELIST", "")
+    # The first item of the list: up to the first comma outside brackets.
+    depth, end = 0, len(nodelist)
+    for i, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = i
+            break
+    # Each bracket's first name: "c[1-2]n[3,5]-ib" -> "c1n3-ib".
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], nodelist[:end])
 
 
 def free_port(host: str = "") -> int:

@@ -55,7 +55,12 @@ from types import FrameType
 from typing import IO
 
 from mpx.launch import hook
-from mpx.launch.environment import Environment, environment, open_mpi_variables
+from mpx.launch.environment import (
+    Environment,
+    environment,
+    open_mpi_variables,
+    slurm_first_node,
+)
 from mpx.launch.rank import binding
 from mpx.launch.rank.status import format_status
 from mpx.launch.settings import (
@@ -154,7 +159,8 @@ def torchrun_variables(env: Environment, base: Mapping[str, str]) -> dict[str, s
         "LOCAL_RANK": env.local_rank,
         "LOCAL_WORLD_SIZE": env.local_world_size,
         "GROUP_RANK": env.node_rank,
-        "MASTER_ADDR": base.get(MASTER_ADDR.name, ""),
+        # Under srun mpxrun leaves the address to the ranks: rank 0's node is the step's first.
+        "MASTER_ADDR": base.get(MASTER_ADDR.name, "") or slurm_first_node(base),
         "MASTER_PORT": base.get(MASTER_PORT.name, ""),
     }
     out = {name: str(value) for name, value in wanted.items() if name not in base and value != ""}

@@ -212,14 +212,17 @@ def group_environment(
 ) -> dict[str, str]:
     """The job environment ``env`` made group ``group``'s: its own job id, status key and
     rendezvous point on ``master`` (its first node: each group is an MPI world of its
-    own), where the lighthouse is, and the job's secret its connections prove
+    own; "": srun picks the nodes, and the ranks take their step's first), where the
+    lighthouse is, and the job's secret its connections prove
     (:mod:`mpx.launch.handshake`)."""
     here = master == "127.0.0.1"
+    if not master:
+        env = {k: v for k, v in env.items() if k != "MPX_MASTER_ADDR"}
     return dict(
         env,
         MPX_JOB_ID=uuid.uuid4().hex[:12],
         MPX_STATUS_KEY=new_key(),
-        MPX_MASTER_ADDR=master,
+        **({"MPX_MASTER_ADDR": master} if master else {}),
         # Free here; on another node likely free too (as mpxrun's own rendezvous port).
         MPX_MASTER_PORT=str(free_port("127.0.0.1" if here else "")),
         MPX_REPLICA_GROUP=str(group),
