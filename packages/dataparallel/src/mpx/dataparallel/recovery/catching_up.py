@@ -108,10 +108,6 @@ class StateTransfer:
         self._sending = threading.Thread(target=send, name="mpx-ft-state", daemon=True)
         self._sending.start()
 
-    @property
-    def sending(self) -> bool:
-        return self._sending is not None
-
     def await_sending(self) -> None:
         """Waits for :meth:`start_sending`'s thread; raises its PeerLost, if any."""
         if self._sending is None:

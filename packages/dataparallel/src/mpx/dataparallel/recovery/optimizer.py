@@ -393,21 +393,19 @@ class FaultTolerantOptimizer:
         self._apply(committed)
 
     def _finish(self, quorum: dict[str, Any], ok: bool) -> bool:
-        if self._transfer.sending:
+        try:
             # Sent before the optimizer steps: the state on the wire is this step's.
-            try:
-                self._transfer.await_sending()
-            except PeerLost:
-                ok = False
+            self._transfer.await_sending()
+        except PeerLost:
+            ok = False
         committed = self._vote(quorum, ok)
         if committed:
             self._grads.average()
         self._grads.discard()
-        joining = {str(g) for g in quorum.get("joining", ())}
+        # Those it gave a state to that joined a committed step get the loop's next.
+        joined = set(quorum.get("joining", ())) if committed else set()
         self._gave = {
-            int(g): str(quorum["incarnations"][str(g)])
-            for g in quorum["recipients"]
-            if committed and str(g) in joining
+            g: str(quorum["incarnations"][str(g)]) for g in quorum["recipients"] if g in joined
         }
         self._apply(committed)
         self._quorum = None

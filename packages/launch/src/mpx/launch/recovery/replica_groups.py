@@ -216,13 +216,11 @@ def group_environment(
     lighthouse is, and the job's secret its connections prove
     (:mod:`mpx.launch.handshake`)."""
     here = master == "127.0.0.1"
-    if not master:
-        env = {k: v for k, v in env.items() if k != "MPX_MASTER_ADDR"}
-    return dict(
+    out = dict(
         env,
         MPX_JOB_ID=uuid.uuid4().hex[:12],
         MPX_STATUS_KEY=new_key(),
-        **({"MPX_MASTER_ADDR": master} if master else {}),
+        MPX_MASTER_ADDR=master,
         # Free here; on another node likely free too (as mpxrun's own rendezvous port).
         MPX_MASTER_PORT=str(free_port("127.0.0.1" if here else "")),
         MPX_REPLICA_GROUP=str(group),
@@ -230,6 +228,9 @@ def group_environment(
         MPX_LIGHTHOUSE=lighthouse,
         MPX_JOB_SECRET=secret,
     )
+    if not master:  # none, not an enclosing job's: the ranks find their step's first node
+        del out["MPX_MASTER_ADDR"]
+    return out
 
 
 def run_replica_groups(
